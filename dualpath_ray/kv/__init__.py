@@ -1,0 +1,1 @@
+"""KV bytes: block layout, prefix index, block stores, host buffer pools."""

@@ -1,0 +1,125 @@
+"""Full Block and Layer Block layouts of KV bytes (paper: "Block layouts").
+
+A Full Block is a uint8 tensor [n_layer, block_size, bytes_per_token_per_layer]; a Layer Block
+is `full[l:l+1]`, a zero-copy dim-0 view, so n_layer Layer Blocks concatenated along dim 0 are the
+Full Block byte for byte. The model's KV of one layer is token-major, [T, 2, n_kv_head, head_dim]
+(K then V per token), so a contiguous KV tensor reinterprets as [T, bytes_per_token_per_layer]
+bytes without a copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a config dtype name."""
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; allowed: {', '.join(_DTYPES)}") from None
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Byte geometry of one model's KV blocks."""
+
+    n_layer: int
+    block_size: int
+    n_kv_head: int
+    head_dim: int
+    dtype: str = "float32"
+
+    @classmethod
+    def from_model(cls, model: object, block_size: int) -> KVLayout:
+        """Layout from a ModelConfig-like object (n_layer, n_kv_head, head_dim, dtype)."""
+        return cls(
+            n_layer=model.n_layer,  # type: ignore[attr-defined]
+            block_size=block_size,
+            n_kv_head=model.n_kv_head,  # type: ignore[attr-defined]
+            head_dim=model.head_dim,  # type: ignore[attr-defined]
+            dtype=model.dtype,  # type: ignore[attr-defined]
+        )
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return torch_dtype(self.dtype)
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty((), dtype=self.torch_dtype).element_size()
+
+    @property
+    def bytes_per_token_per_layer(self) -> int:
+        return 2 * self.n_kv_head * self.head_dim * self.itemsize
+
+    @property
+    def bytes_per_token(self) -> int:
+        """All layers of one token: the unit the read queue and SNIC accounting count in."""
+        return self.n_layer * self.bytes_per_token_per_layer
+
+    @property
+    def layer_block_bytes(self) -> int:
+        return self.block_size * self.bytes_per_token_per_layer
+
+    @property
+    def full_block_bytes(self) -> int:
+        return self.n_layer * self.layer_block_bytes
+
+    @property
+    def full_block_shape(self) -> tuple[int, int, int]:
+        return (self.n_layer, self.block_size, self.bytes_per_token_per_layer)
+
+    @property
+    def kv_token_shape(self) -> tuple[int, int, int]:
+        """Shape of one token's KV in one layer, in model elements."""
+        return (2, self.n_kv_head, self.head_dim)
+
+    def blocks_for(self, tokens: int) -> int:
+        """Blocks needed to hold `tokens` tokens (the last one may be partial)."""
+        return -(-tokens // self.block_size)
+
+    def full_blocks_in(self, tokens: int) -> int:
+        """Full blocks in a prefix of `tokens` tokens (a trailing partial block is not one)."""
+        return tokens // self.block_size
+
+    def empty_full_block(self) -> torch.Tensor:
+        return torch.empty(self.full_block_shape, dtype=torch.uint8)
+
+    def check_full_block(self, block: torch.Tensor) -> None:
+        """Raise ValueError unless `block` is a contiguous uint8 Full Block of this layout."""
+        if block.dtype != torch.uint8 or tuple(block.shape) != self.full_block_shape:
+            raise ValueError(
+                f"expected a uint8 Full Block of shape {self.full_block_shape}, "
+                f"got {block.dtype} {tuple(block.shape)}"
+            )
+        if not block.is_contiguous():
+            raise ValueError("a Full Block must be contiguous")
+
+    def layer_block(self, full: torch.Tensor, layer: int) -> torch.Tensor:
+        """Layer Block `layer` of a Full Block: a [1, block_size, bytes] view sharing its storage."""
+        if not 0 <= layer < self.n_layer:
+            raise IndexError(f"layer {layer} outside [0, {self.n_layer})")
+        return full[layer : layer + 1]
+
+    def layer_blocks(self, full: torch.Tensor) -> list[torch.Tensor]:
+        return [self.layer_block(full, layer) for layer in range(self.n_layer)]
+
+    def kv_as_bytes(self, kv: torch.Tensor) -> torch.Tensor:
+        """One layer's KV [T, 2, n_kv_head, head_dim] as [T, bytes_per_token_per_layer] uint8."""
+        if tuple(kv.shape[1:]) != self.kv_token_shape or kv.dtype != self.torch_dtype:
+            raise ValueError(
+                f"expected KV [T, {self.kv_token_shape}] {self.dtype}, got {tuple(kv.shape)} {kv.dtype}"
+            )
+        return kv.contiguous().view(torch.uint8).reshape(kv.shape[0], self.bytes_per_token_per_layer)
+
+    def bytes_as_kv(self, data: torch.Tensor) -> torch.Tensor:
+        """Inverse of kv_as_bytes: [T, bytes] uint8 -> [T, 2, n_kv_head, head_dim] view."""
+        if data.dtype != torch.uint8 or data.shape[-1] != self.bytes_per_token_per_layer:
+            raise ValueError(f"expected [T, {self.bytes_per_token_per_layer}] uint8, got {tuple(data.shape)}")
+        tokens = data.shape[0]
+        return data.contiguous().view(self.torch_dtype).reshape(tokens, *self.kv_token_shape)

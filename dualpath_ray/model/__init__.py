@@ -1,0 +1,1 @@
+"""The decoder model (layerwise) and its latency model."""

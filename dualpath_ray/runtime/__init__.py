@@ -1,0 +1,1 @@
+"""Ray actors, topology, transport and emulation: the thin shells around the policy."""

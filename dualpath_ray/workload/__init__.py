@@ -1,0 +1,1 @@
+"""Trajectory traces: schema, synthetic agentic traces, Mooncake import."""
