@@ -1,0 +1,43 @@
+"""The `dualpath` command: one subcommand per module in dualpath_ray.commands."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from dualpath_ray.config import ConfigError
+
+# Each module defines `register(subparsers)`, which adds its parser and sets `func(args) -> int`.
+COMMAND_MODULES = (
+    "dualpath_ray.commands.demo",
+    "dualpath_ray.commands.bounds",
+    "dualpath_ray.commands.profile",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dualpath", description=__doc__)
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    for name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name != name:
+                raise
+            continue
+        module.register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except ConfigError as exc:
+        print(f"dualpath: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

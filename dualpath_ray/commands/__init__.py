@@ -1,0 +1,1 @@
+"""Subcommands of the `dualpath` CLI, one module each."""
