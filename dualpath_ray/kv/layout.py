@@ -123,3 +123,30 @@ class KVLayout:
             raise ValueError(f"expected [T, {self.bytes_per_token_per_layer}] uint8, got {tuple(data.shape)}")
         tokens = data.shape[0]
         return data.contiguous().view(self.torch_dtype).reshape(tokens, *self.kv_token_shape)
+
+
+def block_segments(start: int, end: int, block_size: int) -> list[tuple[int, int, int]]:
+    """Split the token range [start, end) at block boundaries: (block index, lo, hi) per block
+    touched, with lo/hi offsets inside that block. Engines split their contiguous KV the same way
+    so both sides of a transfer hold tensors of equal shapes."""
+    if not 0 <= start <= end:
+        raise ValueError(f"bad token range [{start}, {end})")
+    segments = []
+    position = start
+    while position < end:
+        block = position // block_size
+        lo = position - block * block_size
+        hi = min(block_size, end - block * block_size)
+        segments.append((block, lo, hi))
+        position = block * block_size + hi
+    return segments
+
+
+def split_by_blocks(data: torch.Tensor, start: int, block_size: int) -> list[torch.Tensor]:
+    """Views of `data` (tokens [start, start + len) on dim 0) cut where block_segments cuts."""
+    pieces = []
+    offset = 0
+    for _, lo, hi in block_segments(start, start + data.shape[0], block_size):
+        pieces.append(data[offset : offset + hi - lo])
+        offset += hi - lo
+    return pieces

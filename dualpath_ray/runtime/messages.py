@@ -1,0 +1,126 @@
+"""Typed messages between the actors. Each carries the request id and the attempt number, so a
+retried request can never be confused with a stale message of an earlier attempt."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+
+from dualpath_ray.scheduling import EngineLoad
+
+ReadPath = Literal["pe", "de"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling; temperature 0 is greedy (the only mode engines implement today)."""
+
+    max_new_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    """One turn to serve: the whole prompt (cached + new tokens) and how to sample."""
+
+    request_id: str
+    attempt: int
+    prompt: np.ndarray
+    sampling: SamplingParams
+    namespace: str
+    submitted_at: float
+
+
+@dataclass(frozen=True)
+class PrefillTask:
+    """The scheduler's decision for one request, handed to the chosen prefill engine."""
+
+    request: RequestSpec
+    hit_keys: tuple[str, ...]
+    hit_tokens: int
+    path: ReadPath
+    oracle: bool
+    prefill_engine: str
+    prefill_node: str
+    decode_engine: str
+    decode_node: str
+
+
+@dataclass(frozen=True)
+class DecodeReservation:
+    """A decode engine's HBM reservation for a request, made when the scheduler assigns it."""
+
+    request_id: str
+    attempt: int
+    tokens: int
+
+
+@dataclass(frozen=True)
+class DecodeHandoff:
+    """Prefill is done: the prompt's KV is in the decode node's buffer extent (or, in oracle
+    mode, to be materialised in place) and the first token is sampled."""
+
+    task: PrefillTask
+    extent_id: int | None
+    first_token: int
+    first_log_prob: float
+    first_token_at: float
+
+
+@dataclass(frozen=True)
+class PersistedBlock:
+    key: str
+    parent: str | None
+
+
+@dataclass(frozen=True)
+class TurnResult:
+    """What one served turn produced, with where and how it was served."""
+
+    request_id: str
+    attempt: int
+    output_tokens: tuple[int, ...]
+    log_probs: tuple[float, ...]
+    stop_reason: str
+    prompt_tokens: int
+    hit_tokens: int
+    path: ReadPath
+    prefill_engine: str
+    decode_engine: str
+    ttft_s: float
+    tpot_s: float
+    kv_bytes_verified: int = 0
+    kv_mismatches: int = 0
+    persisted: tuple[PersistedBlock, ...] = ()
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class GroupReport:
+    """A group leader's load report: its engines and its node's storage read queue (tokens)."""
+
+    group_id: str
+    node_id: str
+    engines: tuple[EngineLoad, ...]
+    read_q_tokens: int
+
+
+@dataclass
+class NodeCounters:
+    """Exact bytes through one node's NICs, split by read path where a path applies."""
+
+    snic_read: dict[str, int] = field(default_factory=lambda: {"pe": 0, "de": 0})
+    snic_write: int = 0
+    cnic_in: dict[str, int] = field(default_factory=lambda: {"pe": 0, "de": 0})
+    cnic_out: dict[str, int] = field(default_factory=lambda: {"pe": 0, "de": 0})
+
+    def merge(self, other: NodeCounters) -> None:
+        for path in ("pe", "de"):
+            self.snic_read[path] += other.snic_read[path]
+            self.cnic_in[path] += other.cnic_in[path]
+            self.cnic_out[path] += other.cnic_out[path]
+        self.snic_write += other.snic_write
