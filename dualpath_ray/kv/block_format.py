@@ -1,0 +1,131 @@
+"""The bytes of one stored Full Block: a fixed 128-byte header, then the payload.
+
+Header (little-endian): magic, format version, flags, n_layer, block_size,
+bytes_per_token_per_layer, dtype, the block's own key, its parent key, payload length, xxh3_64
+of the payload, reserved zeros, and xxh3_64 of everything before it. The header names the block
+it belongs to, so a file copied or renamed to another key's path is caught as corrupted, and it
+names the layout, so a store never hands a block of one model to another.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import xxhash
+
+from dualpath_ray.kv.block_store import BlockCorruptedError, IncompatibleBlockError
+from dualpath_ray.kv.layout import KVLayout
+
+MAGIC = b"DPKVBLK\x00"
+FORMAT_VERSION = 1
+HEADER_SIZE = 128
+_HAS_PARENT = 1
+_FIELDS = struct.Struct("<8sHHIII16s16s16sQQ")
+_CHECKSUM = struct.Struct("<Q")
+_RESERVED = HEADER_SIZE - _FIELDS.size - _CHECKSUM.size
+_LAYOUT_FIELDS = ("n_layer", "block_size", "bytes_per_token_per_layer", "dtype", "payload_length")
+
+
+def checksum(data: memoryview | bytes | bytearray) -> int:
+    return xxhash.xxh3_64_intdigest(data)
+
+
+@dataclass(frozen=True)
+class BlockHeader:
+    """What the header of a stored block says about it."""
+
+    key: str
+    parent: str | None
+    n_layer: int
+    block_size: int
+    bytes_per_token_per_layer: int
+    dtype: str
+    payload_length: int
+    payload_checksum: int
+
+    @classmethod
+    def for_block(cls, layout: KVLayout, key: str, parent: str | None, payload_checksum: int) -> BlockHeader:
+        return cls(
+            key=key,
+            parent=parent,
+            n_layer=layout.n_layer,
+            block_size=layout.block_size,
+            bytes_per_token_per_layer=layout.bytes_per_token_per_layer,
+            dtype=layout.dtype,
+            payload_length=layout.full_block_bytes,
+            payload_checksum=payload_checksum,
+        )
+
+
+def encode_header(header: BlockHeader) -> bytes:
+    parent = bytes.fromhex(header.parent) if header.parent is not None else bytes(16)
+    body = _FIELDS.pack(
+        MAGIC,
+        FORMAT_VERSION,
+        _HAS_PARENT if header.parent is not None else 0,
+        header.n_layer,
+        header.block_size,
+        header.bytes_per_token_per_layer,
+        header.dtype.encode("ascii").ljust(16, b"\x00"),
+        bytes.fromhex(header.key),
+        parent,
+        header.payload_length,
+        header.payload_checksum,
+    ) + bytes(_RESERVED)
+    return body + _CHECKSUM.pack(checksum(body))
+
+
+def decode_header(raw: bytes | bytearray | memoryview, where: str) -> BlockHeader:
+    """Parse and verify a header; BlockCorruptedError or IncompatibleBlockError if it is bad."""
+    if len(raw) < HEADER_SIZE:
+        raise BlockCorruptedError(f"{where}: truncated header ({len(raw)} of {HEADER_SIZE} bytes)")
+    body = memoryview(raw)[: HEADER_SIZE - _CHECKSUM.size]
+    (stored,) = _CHECKSUM.unpack_from(raw, HEADER_SIZE - _CHECKSUM.size)
+    if checksum(body) != stored:
+        raise BlockCorruptedError(f"{where}: header checksum mismatch")
+    magic, version, flags, n_layer, block_size, bpt, dtype, key, parent, length, payload_sum = (
+        _FIELDS.unpack_from(body)
+    )
+    if magic != MAGIC:
+        raise BlockCorruptedError(f"{where}: not a dualpath block (bad magic {magic!r})")
+    if version != FORMAT_VERSION:
+        raise IncompatibleBlockError(
+            f"{where}: block format version {version}, this code reads version {FORMAT_VERSION}"
+        )
+    return BlockHeader(
+        key=key.hex(),
+        parent=parent.hex() if flags & _HAS_PARENT else None,
+        n_layer=n_layer,
+        block_size=block_size,
+        bytes_per_token_per_layer=bpt,
+        dtype=dtype.rstrip(b"\x00").decode("ascii", errors="replace"),
+        payload_length=length,
+        payload_checksum=payload_sum,
+    )
+
+
+def check_header(header: BlockHeader, layout: KVLayout, key: str, where: str) -> None:
+    """Raise unless `header` describes block `key` stored in `layout`."""
+    expected = BlockHeader.for_block(layout, key, header.parent, header.payload_checksum)
+    mismatched = [
+        f"{name}={getattr(header, name)!r} (store: {getattr(expected, name)!r})"
+        for name in _LAYOUT_FIELDS
+        if getattr(header, name) != getattr(expected, name)
+    ]
+    if mismatched:
+        raise IncompatibleBlockError(
+            f"{where}: block written with another KV layout: {', '.join(mismatched)}; "
+            "open the store with the layout of the model that wrote it"
+        )
+    if header.key != key:
+        raise BlockCorruptedError(f"{where}: header names block {header.key}, not {key}")
+
+
+def verify_payload(payload: memoryview | bytes, header: BlockHeader, where: str) -> None:
+    if len(payload) != header.payload_length:
+        raise BlockCorruptedError(
+            f"{where}: payload is {len(payload)} bytes, header says {header.payload_length}"
+        )
+    if checksum(payload) != header.payload_checksum:
+        raise BlockCorruptedError(f"{where}: payload checksum mismatch")

@@ -1,0 +1,115 @@
+"""The block store contract: keys, errors, and the BlockStore interface every backend implements.
+
+A store maps a block key (32 lowercase hex chars, see kv/index.py) to one Full Block and the key
+of the block before it. Invariants every backend keeps:
+- a key that is not exactly 32 lowercase hex chars is rejected before it touches a path, so no
+  key can name anything outside the store;
+- a read either fills the caller's buffer with the exact bytes that were put, or raises
+  (BlockNotFoundError, BlockCorruptedError, IncompatibleBlockError); after a raise the buffer's
+  contents are unspecified and must not be used;
+- a put is all or nothing: a crash or error before publish leaves a miss, never a torn block.
+"""
+
+from __future__ import annotations
+
+import re
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import torch
+
+from dualpath_ray.kv.layout import KVLayout
+
+KEY_PATTERN = re.compile(r"[0-9a-f]{32}")
+
+
+class BlockNotFoundError(KeyError):
+    """No block is stored under this key (a miss)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else "block not found"
+
+
+class BlockCorruptedError(Exception):
+    """A stored block failed verification (header or payload checksum, length, key)."""
+
+
+class IncompatibleBlockError(ValueError):
+    """A block was written with another format version or KV layout than this store's."""
+
+
+def validate_key(key: object) -> str:
+    """Return `key` if it is exactly 32 lowercase hex chars; raise ValueError otherwise."""
+    if not isinstance(key, str) or KEY_PATTERN.fullmatch(key) is None:
+        raise ValueError(
+            f"invalid block key {key!r}: a key is exactly 32 lowercase hex chars "
+            "(use dualpath_ray.kv.index.block_keys)"
+        )
+    return key
+
+
+def check_host_block(layout: KVLayout, block: torch.Tensor, what: str) -> None:
+    """Raise ValueError unless `block` is a contiguous uint8 host Full Block of `layout`."""
+    layout.check_full_block(block)
+    if block.device.type != "cpu":
+        raise ValueError(f"{what} must be a host tensor, got device {block.device}")
+
+
+def byte_view(block: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous uint8 host tensor, sharing its memory."""
+    return memoryview(block.numpy()).cast("B")
+
+
+class BlockStore(ABC):
+    """Full Blocks of one KV layout, addressed by block key."""
+
+    layout: KVLayout
+
+    @property
+    def root(self) -> Path | None:
+        """The directory holding the blocks; None for a store without one."""
+        return None
+
+    @abstractmethod
+    def put(self, key: str, block: torch.Tensor, parent: str | None = None) -> bool:
+        """Store `block` under `key`, after block `parent`; False if `key` was already stored."""
+
+    @abstractmethod
+    def get_into(self, key: str, out: torch.Tensor) -> None:
+        """Fill `out` (a contiguous uint8 host Full Block, maybe a pool view) with block `key`."""
+
+    @abstractmethod
+    def contains(self, key: str) -> bool:
+        """Whether `key` is stored (without verifying it)."""
+
+    @abstractmethod
+    def delete(self, key: str) -> bool:
+        """Remove `key`; False if it was not stored."""
+
+    @abstractmethod
+    def keys(self) -> Iterator[str]:
+        """Every stored key, in no particular order."""
+
+    @abstractmethod
+    def parent_of(self, key: str) -> str | None:
+        """The key of the block before `key` (None for a first block)."""
+
+    def get_many_into(self, keys: Sequence[str], outs: Sequence[torch.Tensor]) -> None:
+        """Fill outs[i] with block keys[i]; raises like get_into for the first failing key."""
+        if len(keys) != len(outs):
+            raise ValueError(f"got {len(keys)} keys but {len(outs)} output blocks")
+        for key, out in zip(keys, outs):
+            self.get_into(key, out)
+
+    def get(self, key: str) -> torch.Tensor:
+        """A freshly allocated copy of block `key`."""
+        out = self.layout.empty_full_block()
+        self.get_into(key, out)
+        return out
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, str) and self.contains(key)
+
+    def close(self) -> None:
+        """Release background resources; the store stays usable."""

@@ -1,0 +1,262 @@
+"""Block keys and the prefix trie that finds the hit tokens of a prompt (paper: "Block layouts").
+
+A block key is a chained hash: key_i = xxh3_128(key_{i-1} || namespace || token ids of block i),
+with block 0 chained from a root derived from the namespace alone. A key therefore names the
+whole token prefix up to and including its block, under one model and weight version, so two
+prompts share a key exactly when they share that prefix. Only full blocks get keys: a trailing
+partial block is always a miss.
+
+The trie mirrors the store: one node per stored Full Block, linked to the block before it. A
+lookup walks the prompt's key chain from the root and stops at the first key it does not hold.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import numpy as np
+import xxhash
+
+from dualpath_ray.kv.store import (
+    BlockCorruptedError,
+    BlockNotFoundError,
+    BlockStore,
+    IncompatibleBlockError,
+)
+
+_LOG = logging.getLogger(__name__)
+
+KEY_HEX_CHARS = 32
+_ROOT_DOMAIN = b"dualpath-ray/block-chain-root/v1\x00"
+# Token ids are hashed as little-endian int64 whatever the caller's dtype, so a list, an int32
+# array and a torch tensor of the same ids give the same keys.
+_TOKEN_DTYPE = np.dtype("<i8")
+
+
+def namespace_for(model_id: str, weight_version: int) -> str:
+    """The namespace of every block key of one model at one weight version."""
+    if not isinstance(model_id, str) or not model_id:
+        raise ValueError(f"model_id must be a non-empty string, got {model_id!r}")
+    if isinstance(weight_version, bool) or not isinstance(weight_version, (int, np.integer)):
+        raise ValueError(f"weight_version must be an int, got {weight_version!r}")
+    if weight_version < 0:
+        raise ValueError(f"weight_version must be >= 0, got {weight_version}")
+    # The version is the last field and has no '@', so (model_id, version) -> namespace is 1:1.
+    return f"{model_id}@w{int(weight_version)}"
+
+
+def _token_array(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
+    array = np.asarray(token_ids)
+    if array.ndim != 1:
+        raise ValueError(f"token_ids must be one-dimensional, got shape {array.shape}")
+    if array.size and not np.issubdtype(array.dtype, np.integer):
+        raise ValueError(f"token_ids must be integers, got dtype {array.dtype}")
+    return np.ascontiguousarray(array, dtype=_TOKEN_DTYPE)
+
+
+def _check_block_size(block_size: int) -> None:
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
+
+
+def _namespace_field(namespace: str) -> bytes:
+    if not isinstance(namespace, str) or not namespace:
+        raise ValueError(f"namespace must be a non-empty string (see namespace_for), got {namespace!r}")
+    encoded = namespace.encode()
+    # Length-prefixed so that no (namespace, tokens) pair can alias another.
+    return len(encoded).to_bytes(4, "little") + encoded
+
+
+def _root_digest(namespace_bytes: bytes) -> bytes:
+    return xxhash.xxh3_128_digest(_ROOT_DOMAIN + namespace_bytes)
+
+
+def _chain(parent_digest: bytes, namespace_bytes: bytes, block_tokens: np.ndarray) -> bytes:
+    hasher = xxhash.xxh3_128(parent_digest)
+    hasher.update(namespace_bytes)
+    hasher.update(block_tokens.data)
+    return hasher.digest()
+
+
+def block_keys(token_ids: Sequence[int] | np.ndarray, block_size: int, namespace: str) -> list[str]:
+    """One key per full block of `token_ids`, in order; a trailing partial block gets none."""
+    _check_block_size(block_size)
+    tokens = _token_array(token_ids)
+    n_full = tokens.size // block_size
+    namespace_bytes = _namespace_field(namespace)
+    blocks = tokens[: n_full * block_size].reshape(n_full, block_size)
+    digest = _root_digest(namespace_bytes)
+    keys: list[str] = []
+    for row in blocks:
+        digest = _chain(digest, namespace_bytes, row)
+        keys.append(digest.hex())
+    return keys
+
+
+def next_block_key(parent: str | None, block_token_ids: Sequence[int], namespace: str) -> str:
+    """The key of one full block that follows `parent` (None: the first block of a prompt).
+
+    Decode persists blocks one at a time; this extends a known chain without rehashing it.
+    """
+    tokens = _token_array(block_token_ids)
+    if tokens.size == 0:
+        raise ValueError("a block needs at least one token id")
+    namespace_bytes = _namespace_field(namespace)
+    parent_digest = _root_digest(namespace_bytes) if parent is None else bytes.fromhex(parent)
+    if len(parent_digest) * 2 != KEY_HEX_CHARS:
+        raise ValueError(f"parent key must be {KEY_HEX_CHARS} hex chars, got {parent!r}")
+    return _chain(parent_digest, namespace_bytes, tokens).hex()
+
+
+class PrefixHit(NamedTuple):
+    """The longest stored prefix of a prompt: its blocks, its tokens and the blocks' keys."""
+
+    hit_blocks: int
+    hit_tokens: int
+    keys: list[str]
+
+
+@dataclass(eq=False)
+class _Node:
+    key: str
+    parent: _Node | None
+    children: dict[str, _Node] = field(default_factory=dict)
+
+
+class PrefixIndex:
+    """A prefix trie of stored Full Block keys: which prefix of a prompt is already stored."""
+
+    def __init__(self, block_size: int) -> None:
+        _check_block_size(block_size)
+        self.block_size = block_size
+        self._nodes: dict[str, _Node] = {}
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._nodes
+
+    def __len__(self) -> int:
+        return len(self._nodes)
+
+    def clear(self) -> None:
+        self._nodes.clear()
+
+    def parent_of(self, key: str) -> str | None:
+        """The key of the block before `key` (None for a first block); KeyError if absent."""
+        parent = self._nodes[key].parent
+        return None if parent is None else parent.key
+
+    def insert_block(self, key: str, parent: str | None) -> bool:
+        """Add one block under `parent` (None: a first block); False if it was already there."""
+        existing = self._nodes.get(key)
+        if existing is not None:
+            existing_parent = None if existing.parent is None else existing.parent.key
+            if existing_parent != parent:
+                raise ValueError(
+                    f"block {key} is indexed under parent {existing_parent}, not {parent}: "
+                    "a key names its whole prefix, so its parent can never change"
+                )
+            return False
+        parent_node = None
+        if parent is not None:
+            parent_node = self._nodes.get(parent)
+            if parent_node is None:
+                raise ValueError(
+                    f"cannot index block {key}: its parent {parent} is not indexed "
+                    "(insert a chain parent first)"
+                )
+        node = _Node(key, parent_node)
+        if parent_node is not None:
+            parent_node.children[key] = node
+        self._nodes[key] = node
+        return True
+
+    def insert(self, keys: Sequence[str]) -> int:
+        """Add a key chain (parent first, the first key a first block); returns how many were new."""
+        added = 0
+        parent: str | None = None
+        for key in keys:
+            added += self.insert_block(key, parent)
+            parent = key
+        return added
+
+    def match_keys(self, keys: Sequence[str]) -> int:
+        """Length of the longest prefix of the key chain `keys` held by the trie."""
+        if not keys:
+            return 0
+        node = self._nodes.get(keys[0])
+        if node is None:
+            return 0
+        matched = 1
+        for key in keys[1:]:
+            node = node.children.get(key)
+            if node is None:
+                break
+            matched += 1
+        return matched
+
+    def match(self, token_ids: Sequence[int] | np.ndarray, namespace: str) -> PrefixHit:
+        """The longest stored prefix of a prompt, in whole blocks."""
+        keys = block_keys(token_ids, self.block_size, namespace)
+        hit = self.match_keys(keys)
+        return PrefixHit(hit_blocks=hit, hit_tokens=hit * self.block_size, keys=keys[:hit])
+
+    def remove(self, key: str) -> int:
+        """Remove a block and every block after it (they can never be hit); returns the count."""
+        node = self._nodes.get(key)
+        if node is None:
+            return 0
+        if node.parent is not None:
+            del node.parent.children[key]
+        removed = 0
+        # Iterative on purpose: a long conversation is a chain thousands of blocks deep.
+        stack = [node]
+        while stack:
+            current = stack.pop()
+            del self._nodes[current.key]
+            removed += 1
+            stack.extend(current.children.values())
+        return removed
+
+    @classmethod
+    def rebuild(cls, store: BlockStore, block_size: int) -> PrefixIndex:
+        """An index of every hittable block in `store`: those whose whole parent chain is stored.
+
+        Blocks that cannot be read (corrupted, another layout, deleted while scanning) and
+        blocks whose parent chain is broken are left out, because no lookup could hit them.
+        """
+        if store.layout.block_size != block_size:
+            raise ValueError(
+                f"block_size {block_size} differs from the store's layout block_size "
+                f"{store.layout.block_size}"
+            )
+        parents = _scan_parents(store)
+        index = cls(block_size)
+        children: dict[str | None, list[str]] = {}
+        for key, parent in parents.items():
+            children.setdefault(parent, []).append(key)
+        frontier: list[str | None] = [None]
+        while frontier:
+            parent = frontier.pop()
+            for key in children.get(parent, ()):
+                index.insert_block(key, parent)
+                frontier.append(key)
+        orphans = len(parents) - len(index)
+        if orphans:
+            _LOG.info("index rebuild left out %d blocks whose parent chain is not stored", orphans)
+        return index
+
+
+def _scan_parents(store: BlockStore) -> dict[str, str | None]:
+    parents: dict[str, str | None] = {}
+    unreadable = 0
+    for key in store.keys():
+        try:
+            parents[key] = store.parent_of(key)
+        except (BlockNotFoundError, BlockCorruptedError, IncompatibleBlockError):
+            unreadable += 1
+    if unreadable:
+        _LOG.warning("index rebuild skipped %d unreadable blocks", unreadable)
+    return parents

@@ -1,0 +1,52 @@
+"""Block stores: where Full Blocks persist between turns (paper: "Persistence during decode").
+
+This module is the one import for store users: the contract (BlockStore, validate_key, the
+errors; kv/block_store.py), the backends (LocalDirStore, kv/local_store.py; MemoryStore,
+kv/memory_store.py) and `open_store`, which picks a backend from the config.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+from dualpath_ray.config import StoreConfig
+from dualpath_ray.kv.block_format import FORMAT_VERSION, HEADER_SIZE, BlockHeader
+from dualpath_ray.kv.block_store import (
+    BlockCorruptedError,
+    BlockNotFoundError,
+    BlockStore,
+    IncompatibleBlockError,
+    validate_key,
+)
+from dualpath_ray.kv.layout import KVLayout
+from dualpath_ray.kv.local_store import LocalDirStore
+from dualpath_ray.kv.memory_store import InjectedPutError, MemoryStore
+
+__all__ = [
+    "FORMAT_VERSION",
+    "HEADER_SIZE",
+    "BlockCorruptedError",
+    "BlockHeader",
+    "BlockNotFoundError",
+    "BlockStore",
+    "IncompatibleBlockError",
+    "InjectedPutError",
+    "LocalDirStore",
+    "MemoryStore",
+    "open_store",
+    "validate_key",
+]
+
+
+def open_store(cfg: StoreConfig, layout: KVLayout, fsync: bool = False) -> BlockStore:
+    """The store `cfg` names; local_dir with no root gets a fresh temporary directory (`.root`)."""
+    if cfg.block_size != layout.block_size:
+        raise ValueError(
+            f"store.block_size ({cfg.block_size}) differs from the KV layout's block_size "
+            f"({layout.block_size}); build the layout with KVLayout.from_model(model, store.block_size)"
+        )
+    if cfg.backend == "memory":
+        return MemoryStore(layout)
+    root = Path(cfg.root) if cfg.root is not None else Path(tempfile.mkdtemp(prefix="dualpath-store-"))
+    return LocalDirStore(root, layout, fsync=fsync)
