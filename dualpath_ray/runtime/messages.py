@@ -57,6 +57,7 @@ class DecodeReservation:
     request_id: str
     attempt: int
     tokens: int
+    decode_engine: str
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,255 @@
+"""DualPathCluster: the driver. Brings up (or connects to) Ray, deploys the actor graph on the
+P/D topology, runs multi-turn trajectories, and exposes byte counters and integrity checks.
+
+Turn k+1 of a trajectory is submitted only when turn k has finished (plus its tool latency);
+its prompt is turn k's prompt + turn k's output + the turn's appended tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+import ray
+
+from dualpath_ray.config import DualPathConfig
+from dualpath_ray.kv.index import namespace_for
+from dualpath_ray.runtime.decode import DecodeEngine
+from dualpath_ray.runtime.messages import NodeCounters, RequestSpec, SamplingParams, TurnResult
+from dualpath_ray.runtime.prefill import EngineIdentity, PrefillEngine
+from dualpath_ray.runtime.reader import StorageReader
+from dualpath_ray.runtime.scheduler import Scheduler
+from dualpath_ray.runtime.topology import (
+    HEAD_RESOURCE,
+    ROLE_LABEL,
+    NodeSpec,
+    create_role_groups,
+    engine_options,
+    plan_nodes,
+    reader_options,
+    slot_resource,
+    verify_placement,
+    warn_if_outside_bounds,
+)
+from dualpath_ray.runtime.transport import setup_transport_world
+
+
+@dataclass(frozen=True)
+class TurnInput:
+    """One turn of a trajectory: tokens appended to the conversation, and how much to generate."""
+
+    appended: tuple[int, ...]
+    max_new_tokens: int
+    tool_latency_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class TrajectoryInput:
+    trajectory_id: str
+    turns: tuple[TurnInput, ...]
+    arrival_s: float = 0.0
+
+
+@dataclass
+class Deployment:
+    """The actors of one mode's run, and where they are."""
+
+    mode: str
+    store_root: str
+    scheduler: Any
+    readers: dict[str, Any]
+    engines: dict[str, Any]
+    groups: dict[str, Any]
+    placement: dict[str, str]
+    warnings: list[str] = field(default_factory=list)
+
+
+def _embedded_env() -> None:
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault("RAY_rdt_fetch_fail_timeout_milliseconds", "30000")
+
+
+class DualPathCluster:
+    def __init__(self, cfg: DualPathConfig, local_cluster: Any | None) -> None:
+        self.cfg = cfg
+        self.local_cluster = local_cluster
+        self.nodes: list[NodeSpec] = plan_nodes(cfg)
+        self.deployment: Deployment | None = None
+        self._temp_roots: list[str] = []
+
+    # --- bring-up ----------------------------------------------------------------------
+
+    @classmethod
+    def start(cls, cfg: DualPathConfig) -> DualPathCluster:
+        """An embedded local cluster: one Ray node per configured node, plus a head."""
+        from ray.cluster_utils import Cluster
+
+        _embedded_env()
+        local = Cluster(
+            initialize_head=True,
+            head_node_args={"num_cpus": 1, "resources": {HEAD_RESOURCE: 1}, "include_dashboard": False,
+                            "object_store_memory": 80 << 20},
+        )
+        for spec in plan_nodes(cfg):
+            local.add_node(
+                num_cpus=cfg.cluster.cpus_per_node,
+                num_gpus=spec.gpus,
+                resources={slot_resource(spec.role): 1},
+                labels={ROLE_LABEL: spec.role},
+                object_store_memory=80 << 20,
+            )
+        local.wait_for_nodes()
+        ray.init(address=local.address, namespace=cfg.runtime.namespace, log_to_driver=True)
+        return cls(cfg, local)
+
+    @classmethod
+    def connect(cls, cfg: DualPathConfig, address: str = "auto") -> DualPathCluster:
+        """Use a running cluster whose nodes carry the role labels and slot resources."""
+        _embedded_env()
+        if not ray.is_initialized():
+            ray.init(address=address, namespace=cfg.runtime.namespace)
+        return cls(cfg, None)
+
+    def deploy(self, mode: str | None = None, store_root: str | None = None) -> Deployment:
+        """Start the scheduler, one reader per node and one engine per GPU; verify placement."""
+        if self.deployment is not None:
+            self.teardown()
+        cfg = self.cfg
+        mode = mode or cfg.runtime.mode
+        root = store_root or (str(cfg.store.root) if cfg.store.root else self._fresh_root())
+        ns = cfg.runtime.namespace
+        warnings = [w for w in [warn_if_outside_bounds(cfg)] if w]
+        groups = create_role_groups(cfg)
+        scheduler = Scheduler.options(
+            name="scheduler", namespace=ns, lifetime="detached", get_if_exists=True,
+            resources={HEAD_RESOURCE: 0.01} if self.local_cluster else None,
+        ).remote(cfg, root, mode)
+        ray.get(scheduler.ready.remote())
+        readers: dict[str, Any] = {}
+        engines: dict[str, Any] = {}
+        for spec in self.nodes:
+            group = groups[spec.role]
+            readers[spec.reader_name] = StorageReader.options(**reader_options(group, spec, ns)).remote(
+                cfg, spec.node_id, root, spec.reader_name
+            )
+            actor_cls = PrefillEngine if spec.role == "prefill" else DecodeEngine
+            members = spec.engine_names()
+            for gpu, name in enumerate(members):
+                identity = EngineIdentity(name, spec.node_id, gpu, members, spec.reader_name)
+                engines[name] = actor_cls.options(**engine_options(group, spec, name, ns)).remote(cfg, identity, root)
+        actors = {**readers, **engines}
+        where = dict(zip(actors, ray.get([a.node_labels.remote() for a in actors.values()])))
+        placement = verify_placement(groups, self.nodes, {n: labels["ray.io/node-id"] for n, labels in where.items()})
+        setup_transport_world(cfg.runtime.transport, list(actors.values()), list(actors))
+        ray.get([engine.start.remote() for engine in engines.values()])
+        self.deployment = Deployment(mode, root, scheduler, readers, engines, groups, placement, warnings)
+        return self.deployment
+
+    def _fresh_root(self) -> str:
+        root = tempfile.mkdtemp(prefix="dualpath-store-")
+        self._temp_roots.append(root)
+        return root
+
+    # --- running trajectories ----------------------------------------------------------
+
+    def run_trajectories(self, trajectories: Sequence[TrajectoryInput]) -> dict[str, list[TurnResult]]:
+        """Run every trajectory turn by turn; returns trajectory id -> results of its turns."""
+        if self.deployment is None:
+            self.deploy()
+        return asyncio.run(self._run_all(trajectories))
+
+    async def _run_all(self, trajectories: Sequence[TrajectoryInput]) -> dict[str, list[TurnResult]]:
+        started = time.monotonic()
+        runs = [self._run_one(t, started) for t in trajectories]
+        results = await asyncio.gather(*runs)
+        return {t.trajectory_id: r for t, r in zip(trajectories, results)}
+
+    async def _run_one(self, trajectory: TrajectoryInput, started: float) -> list[TurnResult]:
+        delay = trajectory.arrival_s - (time.monotonic() - started)
+        if delay > 0:
+            await asyncio.sleep(delay)
+        context: list[int] = []
+        results: list[TurnResult] = []
+        for index, turn in enumerate(trajectory.turns):
+            if turn.tool_latency_s > 0:
+                await asyncio.sleep(turn.tool_latency_s)
+            context = context + list(turn.appended)
+            result = await self.generate(f"{trajectory.trajectory_id}/t{index}", context, turn.max_new_tokens)
+            results.append(result)
+            context = context + list(result.output_tokens)
+        return results
+
+    async def generate(self, request_id: str, prompt: Sequence[int], max_new_tokens: int, attempt: int = 0) -> TurnResult:
+        assert self.deployment is not None
+        spec = RequestSpec(
+            request_id=request_id,
+            attempt=attempt,
+            prompt=np.asarray(prompt, dtype=np.int32),
+            sampling=SamplingParams(max_new_tokens=max_new_tokens),
+            namespace=namespace_for(self.cfg.model.model_id, self.cfg.model.weight_version),
+            submitted_at=time.time(),
+        )
+        return await self.deployment.scheduler.generate.remote(spec)
+
+    # --- observation -------------------------------------------------------------------
+
+    def counters(self) -> dict[str, NodeCounters]:
+        """Exact bytes per logical node: its reader's SNIC and buffer-side CNIC plus its engines."""
+        assert self.deployment is not None
+        totals: dict[str, NodeCounters] = {}
+        for spec in self.nodes:
+            node = NodeCounters()
+            node.merge(ray.get(self.deployment.readers[spec.reader_name].counters.remote()))
+            for name in spec.engine_names():
+                node.merge(ray.get(self.deployment.engines[name].stats.remote()))
+            totals[spec.node_id] = node
+        return totals
+
+    def pool_integrity(self) -> dict[str, tuple[int, int, int, int]]:
+        """node -> (free, leased, in_flight, capacity), each checked by the pool itself."""
+        assert self.deployment is not None
+        return {name: ray.get(r.pool_integrity.remote()) for name, r in self.deployment.readers.items()}
+
+    def health(self) -> dict[str, str]:
+        """Engines whose worker or leader thread failed, with the error."""
+        assert self.deployment is not None
+        reports = ray.get([e.health.remote() for e in self.deployment.engines.values()])
+        return {name: err for name, err in zip(self.deployment.engines, reports) if err}
+
+    # --- teardown ------------------------------------------------------------------------
+
+    def teardown(self) -> None:
+        """Stop and remove every actor and placement group of the current deployment."""
+        from ray.util.placement_group import remove_placement_group
+
+        d = self.deployment
+        if d is None:
+            return
+        ray.get([e.stop.remote() for e in d.engines.values()])
+        for actor in [*d.engines.values(), *d.readers.values(), d.scheduler]:
+            ray.kill(actor, no_restart=True)
+        for group in d.groups.values():
+            remove_placement_group(group)
+        self.deployment = None
+
+    def shutdown(self) -> None:
+        self.teardown()
+        ray.shutdown()
+        if self.local_cluster is not None:
+            self.local_cluster.shutdown()
+            self.local_cluster = None
+        for root in self._temp_roots:
+            shutil.rmtree(root, ignore_errors=True)
+        self._temp_roots.clear()
+
+    def __enter__(self) -> DualPathCluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

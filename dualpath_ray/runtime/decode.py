@@ -1,0 +1,278 @@
+"""DecodeEngine (`decode/<node>/<gpu>`): KV in "HBM", batched decode, persistence.
+
+A reservation (from the scheduler, via the group leader) holds HBM for the prompt and its
+output. At handoff the prompt's KV moves from the node's buffer extent into HBM (H2D) and the
+extent is freed; every full block of the prompt that is not yet stored, and every block that
+fills up while decoding, is persisted at once through the node's reader (D2H + SNIC write).
+The turn's result is reported only after its blocks are stored, so the next turn hits them.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import ray
+import torch
+
+from dualpath_ray.config import DualPathConfig
+from dualpath_ray.kv.index import block_keys
+from dualpath_ray.kv.layout import KVLayout, split_by_blocks
+from dualpath_ray.kv.store import open_store
+from dualpath_ray.runtime.emulation import make_compute, make_link
+from dualpath_ray.runtime.leader import ActorDirectory, GroupLeader, start_thread
+from dualpath_ray.runtime.messages import (
+    DecodeHandoff,
+    DecodeReservation,
+    NodeCounters,
+    PersistedBlock,
+    TurnResult,
+)
+from dualpath_ray.runtime.prefill import EngineIdentity
+from dualpath_ray.runtime.transport import TransportEndpoint, make_transport
+from dualpath_ray.scheduling import EngineLoad
+
+
+@dataclass
+class DecodeJob:
+    handoff: DecodeHandoff
+    tokens: list[int]
+    kv: torch.Tensor
+    kv_len: int
+    log_probs: list[float]
+    persists: list[Any] = field(default_factory=list)
+    persisted: list[PersistedBlock] = field(default_factory=list)
+    verified_bytes: int = 0
+    mismatches: int = 0
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.handoff.task.request.prompt)
+
+
+@ray.remote(enable_tensor_transport=True, concurrency_groups={"control": 4, "io": 4, "transport": 8})
+class DecodeEngine(TransportEndpoint):
+    def __init__(self, cfg: DualPathConfig, identity: EngineIdentity, store_root: str | None) -> None:
+        torch.set_num_threads(1)
+        self.cfg = cfg
+        self.id = identity
+        self.layout = KVLayout.from_model(cfg.model, cfg.store.block_size)
+        self.compute = make_compute(cfg, self.layout)
+        self.cnic_in = make_link(cfg, f"cnic-in/{identity.engine_id}", cfg.cluster.cnic_gbps)
+        self.cnic_out = make_link(cfg, f"cnic-out/{identity.engine_id}", cfg.cluster.cnic_gbps)
+        self.counters = NodeCounters()
+        self.transport = make_transport(cfg.runtime.transport, identity.engine_id, cfg.runtime.namespace)
+        self.directory = ActorDirectory(cfg.runtime.namespace)
+        store_cfg = cfg.store.model_copy(update={"root": store_root}) if store_root else cfg.store
+        self.store = open_store(store_cfg, self.layout)
+        self.capacity = cfg.cluster.hbm_tokens_per_engine
+        self.reserved: dict[str, int] = {}
+        self.running: dict[str, DecodeJob] = {}
+        self.lock = threading.Lock()
+        self.stopped = threading.Event()
+        self.error: BaseException | None = None
+        self.leader: GroupLeader | None = None
+        if identity.members and identity.members[0] == identity.engine_id:
+            self.leader = GroupLeader(
+                "decode", identity.node_id, identity.members, identity.reader, self.directory,
+                identity.engine_id, self._load, self._accept, cfg.scheduler.fetch_interval_ms / 1000.0,
+            )
+
+    def start(self) -> bool:
+        start_thread(self._decode_loop, f"decode-{self.id.engine_id}")
+        if self.leader is not None:
+            start_thread(self.leader.run, f"leader-{self.id.engine_id}")
+        return True
+
+    @ray.method(concurrency_group="control")
+    def stop(self) -> None:
+        self.stopped.set()
+        if self.leader is not None:
+            self.leader.stopped.set()
+
+    @ray.method(concurrency_group="control")
+    def load(self) -> EngineLoad:
+        return self._load()
+
+    @ray.method(concurrency_group="control")
+    def accept(self, reservations: list[DecodeReservation]) -> None:
+        self._accept(reservations)
+
+    @ray.method(concurrency_group="control")
+    def health(self) -> str | None:
+        errors = [e for e in (self.error, self.leader.error if self.leader else None) if e]
+        return repr(errors[0]) if errors else None
+
+    @ray.method(concurrency_group="control")
+    def stats(self) -> NodeCounters:
+        return self.counters
+
+    @ray.method(concurrency_group="control")
+    def hbm_in_use(self) -> int:
+        with self.lock:
+            return sum(self.reserved.values())
+
+    @ray.method(concurrency_group="control")
+    def node_labels(self) -> dict[str, str]:
+        return dict(ray.get_runtime_context().get_node_labels())
+
+    def _load(self) -> EngineLoad:
+        with self.lock:
+            used = sum(self.reserved.values())
+            return EngineLoad(self.id.engine_id, self.id.node_id, len(self.reserved), used, self.capacity - used)
+
+    def _accept(self, reservations: list[DecodeReservation]) -> None:
+        with self.lock:
+            for r in reservations:
+                if sum(self.reserved.values()) + r.tokens > self.capacity:
+                    raise RuntimeError(f"{self.id.engine_id}: reservation of {r.tokens} tokens exceeds free HBM")
+                self.reserved[r.request_id] = r.tokens
+
+    # --- handoff: buffer -> HBM ---------------------------------------------------------
+
+    @ray.method(concurrency_group="io")
+    def handoff(self, handoff: DecodeHandoff) -> None:
+        task = handoff.task
+        spec = task.request
+        prompt = [int(t) for t in spec.prompt]
+        kv = torch.empty(
+            (self.layout.n_layer, self.reserved[spec.request_id], self.layout.bytes_per_token_per_layer),
+            dtype=torch.uint8,
+        )
+        if task.oracle:
+            self._materialise(task, kv)
+        else:
+            self._pull_prompt_kv(handoff, kv)
+        job = DecodeJob(handoff, prompt + [handoff.first_token], kv, len(prompt), [handoff.first_log_prob])
+        if self.cfg.runtime.verify_kv:
+            self._verify(job)
+        hit_blocks = task.hit_tokens // self.layout.block_size
+        for block in range(hit_blocks, len(prompt) // self.layout.block_size):
+            self._persist(job, block)
+        with self.lock:
+            self.running[spec.request_id] = job
+
+    def _pull_prompt_kv(self, handoff: DecodeHandoff, kv: torch.Tensor) -> None:
+        task = handoff.task
+        reader = self.directory.get(self.id.reader)
+        n = len(task.request.prompt)
+        for layer in range(self.layout.n_layer):
+            ticket = ray.get(reader.offer.remote(handoff.extent_id, layer, 0, n, task.path))
+            self.cnic_in.take(ticket.nbytes)
+            self.counters.cnic_in[task.path] += self.transport.pull(
+                ticket, split_by_blocks(kv[layer, :n], 0, self.layout.block_size)
+            )
+            reader.release.remote(ticket)
+        reader.free.remote(handoff.extent_id)
+
+    def _materialise(self, task: Any, kv: torch.Tensor) -> None:
+        """Oracle mode: hit KV straight from the store, miss KV computed here; no I/O modelled."""
+        self._fill_from_store(task.hit_keys, kv)
+        prompt = np.asarray(task.request.prompt, dtype=np.int64)
+        hit, n = task.hit_tokens, len(prompt)
+        state = self.compute.begin_chunk(prompt, hit, n)
+        for layer in range(self.layout.n_layer):
+            kv[layer, hit:n] = self.compute.layer(state, layer, kv[layer, :hit])
+
+    def _fill_from_store(self, keys: tuple[str, ...], kv: torch.Tensor) -> None:
+        block = self.layout.empty_full_block()
+        size = self.layout.block_size
+        for i, key in enumerate(keys):
+            self.store.get_into(key, block)
+            kv[:, i * size : (i + 1) * size] = block
+
+    def _verify(self, job: DecodeJob) -> None:
+        """Check every assembled prompt KV byte against the store (hits) and a recompute (miss)."""
+        task = job.handoff.task
+        n, hit = job.prompt_len, task.hit_tokens
+        expected = torch.empty_like(job.kv[:, :n])
+        self._materialise(task, expected)
+        exact = torch.equal(job.kv[:, :hit], expected[:, :hit])
+        got = self.layout.bytes_as_kv(job.kv[:, hit:n].reshape(-1, self.layout.bytes_per_token_per_layer))
+        want = self.layout.bytes_as_kv(expected[:, hit:n].reshape(-1, self.layout.bytes_per_token_per_layer))
+        close = torch.allclose(got.float(), want.float(), rtol=1e-4, atol=1e-5)
+        job.verified_bytes = int(expected.numel())
+        job.mismatches = int(not exact) + int(not close)
+
+    # --- decode and persistence ---------------------------------------------------------
+
+    def _persist(self, job: DecodeJob, block: int) -> None:
+        size = self.layout.block_size
+        spec = job.handoff.task.request
+        keys = block_keys(job.tokens[: (block + 1) * size], size, spec.namespace)
+        persisted = PersistedBlock(keys[block], keys[block - 1] if block else None)
+        pieces = [job.kv[layer, block * size : (block + 1) * size] for layer in range(self.layout.n_layer)]
+        if job.handoff.task.oracle:
+            self.store.put(persisted.key, torch.stack(pieces), parent=persisted.parent)
+        else:
+            ticket = self.transport.offer(pieces)
+            self.cnic_out.take(ticket.nbytes)
+            self.counters.cnic_out[job.handoff.task.path] += ticket.nbytes
+            owner = f"{spec.request_id}#{spec.attempt}"
+            job.persists.append((ticket, self.directory.get(self.id.reader).persist.remote(owner, persisted, ticket)))
+        job.persisted.append(persisted)
+
+    def _decode_loop(self) -> None:
+        try:
+            while not self.stopped.is_set():
+                with self.lock:
+                    jobs = list(self.running.values())
+                if not jobs:
+                    self.stopped.wait(0.002)
+                    continue
+                self.compute.decode_pause(len(jobs), sum(job.kv_len for job in jobs))
+                for job in jobs:
+                    self._step(job)
+        except BaseException as exc:  # noqa: BLE001 - reported by health()
+            self.error = exc
+
+    def _done(self, job: DecodeJob) -> str | None:
+        sampling = job.handoff.task.request.sampling
+        generated = len(job.tokens) - job.prompt_len
+        if generated and job.tokens[-1] in sampling.stop_token_ids:
+            return "stop"
+        if generated >= sampling.max_new_tokens:
+            return "length"
+        if len(job.tokens) >= self.cfg.model.max_context:
+            return "context"
+        return None
+
+    def _step(self, job: DecodeJob) -> None:
+        reason = self._done(job)
+        if reason is not None:
+            self._finish(job, reason)
+            return
+        n = job.kv_len
+        sampled, new_kv = self.compute.decode(np.asarray(job.tokens), [job.kv[layer, :n] for layer in range(self.layout.n_layer)])
+        for layer, data in enumerate(new_kv):
+            job.kv[layer, n : n + 1] = data
+        job.kv_len = n + 1
+        job.tokens.append(sampled.token)
+        job.log_probs.append(sampled.log_prob)
+        if job.kv_len % self.layout.block_size == 0:
+            self._persist(job, job.kv_len // self.layout.block_size - 1)
+
+    def _finish(self, job: DecodeJob, reason: str) -> None:
+        for ticket, ref in job.persists:
+            ray.get(ref)
+            self.transport.release(ticket)
+        task = job.handoff.task
+        spec = task.request
+        finished = time.time()
+        output = tuple(job.tokens[job.prompt_len :])
+        tpot = (finished - job.handoff.first_token_at) / (len(output) - 1) if len(output) > 1 else 0.0
+        result = TurnResult(
+            request_id=spec.request_id, attempt=spec.attempt, output_tokens=output,
+            log_probs=tuple(job.log_probs), stop_reason=reason, prompt_tokens=job.prompt_len,
+            hit_tokens=task.hit_tokens, path=task.path, prefill_engine=task.prefill_engine,
+            decode_engine=self.id.engine_id, ttft_s=job.handoff.first_token_at - spec.submitted_at,
+            tpot_s=tpot, kv_bytes_verified=job.verified_bytes, kv_mismatches=job.mismatches,
+            persisted=tuple(job.persisted),
+        )
+        with self.lock:
+            del self.running[spec.request_id]
+            del self.reserved[spec.request_id]
+        self.directory.get("scheduler").complete.remote(result)

@@ -1,0 +1,247 @@
+"""PrefillEngine (`prefill/<node>/<gpu>`): compute-quota batching and layerwise prefill.
+
+Per layer of each request in a batch: bring in the layer's hit KV (PE path: from this node's
+buffer; DE path: pulled from the decode node's buffer), compute the chunk, and send the layer's
+KV to the decode node's buffer: everything not yet there (PE path: hit + new tokens; DE path:
+only the newly computed miss tokens, which the decode-side reader merges behind the hits).
+In oracle mode nothing is read or moved: the hit KV is materialised from the store directly.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import ray
+import torch
+
+from dualpath_ray.config import DualPathConfig
+from dualpath_ray.kv.layout import KVLayout, split_by_blocks
+from dualpath_ray.kv.store import open_store
+from dualpath_ray.model.cost import attention_predictor
+from dualpath_ray.runtime.emulation import PrefillState, make_compute, make_link
+from dualpath_ray.runtime.leader import ActorDirectory, GroupLeader, start_thread
+from dualpath_ray.runtime.messages import DecodeHandoff, NodeCounters, PrefillTask
+from dualpath_ray.runtime.transport import TransportEndpoint, make_transport
+from dualpath_ray.scheduling import EngineLoad, pack_prefill_batch
+
+
+@dataclass
+class PrefillJob:
+    """One request on this engine, from assignment to handoff."""
+
+    task: PrefillTask
+    prompt: np.ndarray
+    staging: list[Any]
+    computed: int = 0
+    pe_extent: int | None = None
+    de_extent: int | None = None
+    hbm: torch.Tensor | None = None
+    hits_loaded: bool = False
+
+    @property
+    def request_id(self) -> str:
+        return self.task.request.request_id
+
+
+@dataclass
+class EngineIdentity:
+    engine_id: str
+    node_id: str
+    gpu: int
+    members: list[str] = field(default_factory=list)
+    reader: str = ""
+
+
+@ray.remote(enable_tensor_transport=True, concurrency_groups={"control": 4, "transport": 8})
+class PrefillEngine(TransportEndpoint):
+    def __init__(self, cfg: DualPathConfig, identity: EngineIdentity, store_root: str | None) -> None:
+        torch.set_num_threads(1)
+        self.cfg = cfg
+        self.id = identity
+        self.layout = KVLayout.from_model(cfg.model, cfg.store.block_size)
+        self.compute = make_compute(cfg, layout=self.layout)
+        self.predict_ms = attention_predictor(cfg)
+        self.cnic_in = make_link(cfg, f"cnic-in/{identity.engine_id}", cfg.cluster.cnic_gbps)
+        self.cnic_out = make_link(cfg, f"cnic-out/{identity.engine_id}", cfg.cluster.cnic_gbps)
+        self.counters = NodeCounters()
+        self.transport = make_transport(cfg.runtime.transport, identity.engine_id, cfg.runtime.namespace)
+        self.directory = ActorDirectory(cfg.runtime.namespace)
+        store_cfg = cfg.store.model_copy(update={"root": store_root}) if store_root else cfg.store
+        self.store = open_store(store_cfg, self.layout)
+        self.jobs: list[PrefillJob] = []
+        self.lock = threading.Lock()
+        self.stopped = threading.Event()
+        self.error: BaseException | None = None
+        self.leader: GroupLeader | None = None
+        if identity.members and identity.members[0] == identity.engine_id:
+            self.leader = GroupLeader(
+                "prefill", identity.node_id, identity.members, identity.reader, self.directory,
+                identity.engine_id, self._load, self._accept, cfg.scheduler.fetch_interval_ms / 1000.0,
+            )
+
+    def start(self) -> bool:
+        """Start the worker (and, on g0, the group's pull loop) once every actor exists."""
+        start_thread(self._work_loop, f"prefill-{self.id.engine_id}")
+        if self.leader is not None:
+            start_thread(self.leader.run, f"leader-{self.id.engine_id}")
+        return True
+
+    @ray.method(concurrency_group="control")
+    def stop(self) -> None:
+        self.stopped.set()
+        if self.leader is not None:
+            self.leader.stopped.set()
+
+    @ray.method(concurrency_group="control")
+    def load(self) -> EngineLoad:
+        return self._load()
+
+    @ray.method(concurrency_group="control")
+    def accept(self, tasks: list[PrefillTask]) -> None:
+        self._accept(tasks)
+
+    @ray.method(concurrency_group="control")
+    def health(self) -> str | None:
+        errors = [e for e in (self.error, self.leader.error if self.leader else None) if e]
+        return repr(errors[0]) if errors else None
+
+    @ray.method(concurrency_group="control")
+    def stats(self) -> NodeCounters:
+        return self.counters
+
+    @ray.method(concurrency_group="control")
+    def node_labels(self) -> dict[str, str]:
+        return dict(ray.get_runtime_context().get_node_labels())
+
+    # --- work ---------------------------------------------------------------------------
+
+    def _load(self) -> EngineLoad:
+        with self.lock:
+            tokens = sum(len(job.prompt) for job in self.jobs)
+            return EngineLoad(self.id.engine_id, self.id.node_id, len(self.jobs), tokens)
+
+    def _accept(self, tasks: list[PrefillTask]) -> None:
+        jobs = [self._stage(task) for task in tasks]
+        with self.lock:
+            self.jobs.extend(jobs)
+
+    def _stage(self, task: PrefillTask) -> PrefillJob:
+        """Start the reads a request needs; it is ready to compute when they finish."""
+        prompt = np.asarray(task.request.prompt, dtype=np.int64)
+        owner = f"{task.request.request_id}#{task.request.attempt}"
+        blocks = self.layout.blocks_for(len(prompt))
+        keys = list(task.hit_keys)
+        staging: list[Any] = []
+        if not task.oracle:
+            de_reader = self.directory.get(f"reader/{task.decode_node}")
+            if task.path == "pe":
+                pe_reader = self.directory.get(self.id.reader)
+                staging = [pe_reader.read_blocks.remote(owner, keys, len(keys), "pe"), de_reader.lease.remote(owner, blocks)]
+            else:
+                staging = [de_reader.read_blocks.remote(owner, keys, blocks, "de")]
+        return PrefillJob(task=task, prompt=prompt, staging=staging)
+
+    def _ready_jobs(self) -> list[PrefillJob]:
+        with self.lock:
+            jobs = list(self.jobs)
+        ready = []
+        for job in jobs:
+            if job.staging:
+                done, _ = ray.wait(job.staging, num_returns=len(job.staging), timeout=0)
+                if len(done) < len(job.staging):
+                    continue
+                extents = ray.get(job.staging)
+                if job.task.path == "pe":
+                    job.pe_extent, job.de_extent = extents
+                else:
+                    job.de_extent = extents[0]
+                job.staging = []
+            if job.hbm is None:
+                job.hbm = torch.empty((self.layout.n_layer, len(job.prompt), self.layout.bytes_per_token_per_layer), dtype=torch.uint8)
+                job.computed = job.task.hit_tokens
+            ready.append(job)
+        return ready
+
+    def _work_loop(self) -> None:
+        try:
+            while not self.stopped.is_set():
+                ready = self._ready_jobs()
+                if not ready:
+                    self.stopped.wait(0.002)
+                    continue
+                queue = [(job.request_id, job.computed, len(job.prompt) - job.computed) for job in ready]
+                batch = pack_prefill_batch(queue, self.predict_ms, self.cfg.scheduler.compute_quota_ms)
+                by_id = {job.request_id: job for job in ready}
+                self._run_batch([(by_id[rid], cached, bsz) for rid, cached, bsz in batch])
+        except BaseException as exc:  # noqa: BLE001 - reported by health()
+            self.error = exc
+
+    def _run_batch(self, batch: list[tuple[PrefillJob, int, int]]) -> None:
+        states = [self.compute.begin_chunk(job.prompt, cached, cached + bsz) for job, cached, bsz in batch]
+        pairs = [(cached, bsz) for _, cached, bsz in batch]
+        for layer in range(self.layout.n_layer):
+            self.compute.batch_pause(pairs)
+            for (job, cached, bsz), state in zip(batch, states):
+                self._prefill_layer(job, state, layer, cached, bsz)
+        for (job, cached, bsz), state in zip(batch, states):
+            job.hits_loaded = True
+            job.computed = cached + bsz
+            if job.computed == len(job.prompt):
+                self._hand_off(job, state)
+
+    def _prefill_layer(self, job: PrefillJob, state: PrefillState, layer: int, cached: int, bsz: int) -> None:
+        hbm = job.hbm
+        assert hbm is not None
+        hit = job.task.hit_tokens
+        if not job.hits_loaded and hit:
+            self._load_hits(job, layer)
+        hbm[layer, cached : cached + bsz] = self.compute.layer(state, layer, hbm[layer, :cached])
+        if job.task.oracle:
+            return
+        first = 0 if (job.task.path == "pe" and not job.hits_loaded) else cached
+        self._send(job, layer, first, cached + bsz)
+
+    def _load_hits(self, job: PrefillJob, layer: int) -> None:
+        hit = job.task.hit_tokens
+        target = job.hbm[layer, :hit]  # type: ignore[index]
+        if job.task.oracle:
+            block = self.layout.empty_full_block()
+            for i, key in enumerate(job.task.hit_keys):
+                self.store.get_into(key, block)
+                target[i * self.layout.block_size : (i + 1) * self.layout.block_size] = block[layer]
+            return
+        path = job.task.path
+        if path == "pe":
+            reader, extent = self.directory.get(self.id.reader), job.pe_extent
+        else:
+            reader, extent = self.directory.get(f"reader/{job.task.decode_node}"), job.de_extent
+        ticket = ray.get(reader.offer.remote(extent, layer, 0, hit, path))
+        self.cnic_in.take(ticket.nbytes)
+        moved = self.transport.pull(ticket, split_by_blocks(target, 0, self.layout.block_size))
+        reader.release.remote(ticket)
+        self.counters.cnic_in[path] += moved
+
+    def _send(self, job: PrefillJob, layer: int, first: int, end: int) -> None:
+        """Send KV of tokens [first, end) of one layer into the decode node's buffer extent."""
+        pieces = split_by_blocks(job.hbm[layer, first:end], first, self.layout.block_size)  # type: ignore[index]
+        ticket = self.transport.offer(pieces)
+        self.cnic_out.take(ticket.nbytes)
+        reader = self.directory.get(f"reader/{job.task.decode_node}")
+        try:
+            ray.get(reader.receive.remote(job.de_extent, layer, first, ticket, job.task.path))
+        finally:
+            self.transport.release(ticket)
+        self.counters.cnic_out[job.task.path] += ticket.nbytes
+
+    def _hand_off(self, job: PrefillJob, state: PrefillState) -> None:
+        sampled = self.compute.first_token(state)
+        if job.pe_extent is not None:
+            self.directory.get(self.id.reader).free.remote(job.pe_extent)
+        handoff = DecodeHandoff(job.task, job.de_extent, sampled.token, sampled.log_prob, time.time())
+        self.directory.get(job.task.decode_engine).handoff.remote(handoff)
+        with self.lock:
+            self.jobs.remove(job)
