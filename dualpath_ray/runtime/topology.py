@@ -63,10 +63,13 @@ def warn_if_outside_bounds(cfg: DualPathConfig) -> str | None:
     verdict = classify_ratio(bounds, c.prefill_nodes, c.decode_nodes)
     if verdict.inside:
         return None
-    message = (
-        f"P/D = {c.prefill_nodes}/{c.decode_nodes} is outside the bottleneck-free range "
-        f"[{bounds.lower:.3g}, {bounds.upper:.3g}]: {verdict.saturates} saturates"
-    )
+    if bounds.is_empty:
+        message = f"no P/D ratio is bottleneck-free on this hardware: {bounds.empty_reason}"
+    else:
+        message = (
+            f"P/D = {c.prefill_nodes}/{c.decode_nodes} is outside the bottleneck-free range "
+            f"[{bounds.lower:.3g}, {bounds.upper:.3g}]: {', '.join(verdict.saturates)} saturates"
+        )
     LOG.warning(message)
     return message
 

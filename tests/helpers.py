@@ -1,0 +1,65 @@
+"""Shared factories for the tests: small configs, trajectories, and a reference recompute."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from dualpath_ray.config import DualPathConfig, parse_config
+from dualpath_ray.runtime.cluster import TrajectoryInput, TurnInput
+
+
+def ray_test_env() -> None:
+    """Token auth off and no usage stats: only inside tests (production keeps auth on)."""
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    os.environ.setdefault("RAY_rdt_fetch_fail_timeout_milliseconds", "20000")
+
+
+def runtime_config(transport: str = "gloo", mode: str = "dualpath", **runtime: object) -> DualPathConfig:
+    """1P1D, 2 GPUs per node, the tiny model, SNICs slow enough that read queues build up."""
+    return parse_config(
+        {
+            "model": {"n_layer": 2, "max_context": 2048},
+            "cluster": {
+                "prefill_nodes": 1, "decode_nodes": 1, "gpus_per_node": 2,
+                "snic_gbps": 0.064, "cnic_gbps": 8.0, "hbm_tokens_per_engine": 4096,
+                "buffer_blocks_per_node": 128, "cpus_per_node": 1,
+            },
+            "store": {"block_size": 64},
+            "emulation": {"enabled": True, "compute": "model"},
+            "runtime": {"mode": mode, "transport": transport, "verify_kv": True, **runtime},
+        },
+        source="<tests>",
+    )
+
+
+def trajectories(count: int = 8, turns: int = 4, first: int = 150, appended: int = 40,
+                 gen: int = 6, vocab: int = 512, seed: int = 7) -> list[TrajectoryInput]:
+    rng = np.random.default_rng(seed)
+    result = []
+    for t in range(count):
+        steps = tuple(
+            TurnInput(tuple(int(x) for x in rng.integers(0, vocab, first if k == 0 else appended)), gen)
+            for k in range(turns)
+        )
+        result.append(TrajectoryInput(f"traj{t}", steps))
+    return result
+
+
+def recompute_outputs(cfg: DualPathConfig, trajs: list[TrajectoryInput]) -> dict[str, list[tuple[int, ...]]]:
+    """Single-process greedy recompute of every turn from scratch: the reference outputs."""
+    from dualpath_ray.model.llama import DecoderModel
+
+    model = DecoderModel(cfg.model)
+    outputs: dict[str, list[tuple[int, ...]]] = {}
+    for traj in trajs:
+        context: list[int] = []
+        outputs[traj.trajectory_id] = []
+        for turn in traj.turns:
+            context = context + list(turn.appended)
+            generated = tuple(model.greedy_generate(context, turn.max_new_tokens).token_ids)
+            outputs[traj.trajectory_id].append(generated)
+            context = context + list(generated)
+    return outputs
