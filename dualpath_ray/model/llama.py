@@ -125,10 +125,10 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def _causal_mask(new_tokens: int, past_tokens: int) -> torch.Tensor:
+def _causal_mask(new_tokens: int, past_tokens: int, device: torch.device) -> torch.Tensor:
     """[T, P+T] bool, True = may attend: every cached token, and new tokens up to itself."""
-    past = torch.ones(new_tokens, past_tokens, dtype=torch.bool)
-    own = torch.ones(new_tokens, new_tokens, dtype=torch.bool).tril()
+    past = torch.ones(new_tokens, past_tokens, dtype=torch.bool, device=device)
+    own = torch.ones(new_tokens, new_tokens, dtype=torch.bool, device=device).tril()
     return torch.cat((past, own), dim=1)
 
 
@@ -196,6 +196,11 @@ class DecoderModel(nn.Module):
         return {name: param.detach() for name, param in self.named_parameters()}
 
     @property
+    def device(self) -> torch.device:
+        """Where the weights are; `.to(device)` moves them, and every tensor made here follows."""
+        return self.inv_freq.device
+
+    @property
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
@@ -204,7 +209,7 @@ class DecoderModel(nn.Module):
     @torch.inference_mode()
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """[T] token ids -> [T, hidden] in the model dtype."""
-        token_ids = torch.as_tensor(token_ids, dtype=torch.long)
+        token_ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.device)
         if token_ids.dim() != 1:
             raise ValueError(f"token_ids must be 1-D [T], got shape {tuple(token_ids.shape)}")
         if token_ids.numel() and not (0 <= int(token_ids.min()) and int(token_ids.max()) < self.cfg.vocab_size):
@@ -242,7 +247,7 @@ class DecoderModel(nn.Module):
         new_kv = torch.stack((k, v), dim=1).contiguous()
         all_kv = new_kv if past_kv is None else torch.cat((past_kv, new_kv), dim=0)
         past_tokens = all_kv.shape[0] - tokens
-        out = self._attention(q, all_kv[:, 0], all_kv[:, 1], _causal_mask(tokens, past_tokens))
+        out = self._attention(q, all_kv[:, 0], all_kv[:, 1], _causal_mask(tokens, past_tokens, hidden.device))
         hidden = hidden + attn.o_proj(out)
         hidden = hidden + block.mlp(block.post_attention_layernorm(hidden))
         return hidden, new_kv
@@ -307,7 +312,7 @@ class DecoderModel(nn.Module):
         """Layer by layer over new tokens after the cached `past_kv` (one tensor per layer)."""
         token_ids = torch.as_tensor(token_ids, dtype=torch.long)
         past_tokens = self._past_tokens(past_kv)
-        positions = torch.arange(past_tokens, past_tokens + token_ids.shape[0])
+        positions = torch.arange(past_tokens, past_tokens + token_ids.shape[0], device=self.device)
         hidden = self.embed(token_ids)
         kv = []
         for layer in range(self.n_layer):
@@ -325,7 +330,7 @@ class DecoderModel(nn.Module):
         if position < 0:
             raise ValueError(f"position must be >= 0, got {position}")
         hidden = self.embed(torch.tensor([token_id]))
-        positions = torch.tensor([position])
+        positions = torch.tensor([position], device=self.device)
         kv = []
         for layer in range(self.n_layer):
             hidden, layer_kv = self.forward_layer(layer, hidden, positions, past_kv[layer])
@@ -388,7 +393,8 @@ class DecoderModel(nn.Module):
         return self.generate(prompt_ids, max_new_tokens, past_kv)
 
     def _empty_kv(self, tokens: int) -> torch.Tensor:
-        return torch.empty(tokens, 2, self.cfg.n_kv_head, self.cfg.head_dim, dtype=self.dtype)
+        shape = (tokens, 2, self.cfg.n_kv_head, self.cfg.head_dim)
+        return torch.empty(shape, dtype=self.dtype, device=self.device)
 
     def _past_tokens(self, past_kv: Sequence[torch.Tensor] | None) -> int:
         if past_kv is None:
