@@ -1,0 +1,232 @@
+"""The host staging buffer of one node (paper: PE buffer / DE buffer), in Full Block slots.
+
+One uint8 tensor [capacity, n_layer, block_size, bytes_per_token_per_layer] (pinned where an
+accelerator exists, so H2D/D2H and RDMA can use it directly). A request leases an extent: a set
+of slots, not necessarily contiguous, one per Full Block it needs. Storage reads fill whole
+slots; layer-by-layer movement uses Layer Block views of them. Nothing is copied to convert.
+
+An extent's lifecycle is FREE -> LEASED -> (IN_FLIGHT -> LEASED)* -> FREE, and every move goes
+through `transition`, so an extent cannot be released while a transfer still writes into it,
+nor a transfer begun on slots that were handed back.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import threading
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from dualpath_ray.kv.layout import KVLayout
+
+
+class ExtentState(enum.Enum):
+    FREE = "free"
+    LEASED = "leased"
+    IN_FLIGHT = "in_flight"
+
+
+class ExtentEvent(enum.Enum):
+    LEASE = "lease"
+    BEGIN_TRANSFER = "begin_transfer"
+    END_TRANSFER = "end_transfer"
+    RELEASE = "release"
+
+
+_MOVES = {
+    (ExtentState.FREE, ExtentEvent.LEASE): ExtentState.LEASED,
+    (ExtentState.LEASED, ExtentEvent.BEGIN_TRANSFER): ExtentState.IN_FLIGHT,
+    (ExtentState.IN_FLIGHT, ExtentEvent.END_TRANSFER): ExtentState.LEASED,
+    (ExtentState.LEASED, ExtentEvent.RELEASE): ExtentState.FREE,
+}
+_HINTS = {
+    ExtentState.FREE: "the extent is not leased (never leased, or already released)",
+    ExtentState.LEASED: "the extent is leased with no transfer in flight",
+    ExtentState.IN_FLIGHT: "a transfer is in flight: end_transfer first (one transfer at a time)",
+}
+
+
+class ExtentTransitionError(RuntimeError):
+    """An extent was asked to make a move its lifecycle forbids."""
+
+
+class PoolIntegrityError(RuntimeError):
+    """The pool's slot accounting is inconsistent (a bug, never a user error)."""
+
+
+def transition(extent_id: int, current: ExtentState, event: ExtentEvent) -> ExtentState:
+    """The one place extent moves are decided: the next state, or ExtentTransitionError."""
+    target = _MOVES.get((current, event))
+    if target is None:
+        raise ExtentTransitionError(
+            f"extent {extent_id}: {event.value} is illegal in state {current.name} ({_HINTS[current]})"
+        )
+    return target
+
+
+@dataclass(frozen=True)
+class Extent:
+    """Slots of the pool leased to one owner, in block order."""
+
+    extent_id: int
+    owner: str
+    slots: tuple[int, ...]
+
+    @property
+    def n_blocks(self) -> int:
+        return len(self.slots)
+
+
+class PoolCounts(NamedTuple):
+    """Slots by state; free + leased + in_flight == capacity always."""
+
+    free: int
+    leased: int
+    in_flight: int
+    capacity: int
+
+
+@dataclass
+class _Lease:
+    extent: Extent
+    state: ExtentState
+
+
+class BufferPool:
+    """Full Block slots of one node's staging buffer, leased out as extents."""
+
+    def __init__(self, capacity_blocks: int, layout: KVLayout, pin: bool | None = None) -> None:
+        if isinstance(capacity_blocks, bool) or not isinstance(capacity_blocks, int) or capacity_blocks < 1:
+            raise ValueError(f"capacity_blocks must be an int >= 1, got {capacity_blocks!r}")
+        self.layout = layout
+        self.capacity = capacity_blocks
+        self.pinned = pin is not False and torch.cuda.is_available()
+        self.buffer = torch.empty(
+            (capacity_blocks, *layout.full_block_shape), dtype=torch.uint8, pin_memory=self.pinned
+        )
+        self._lock = threading.Lock()
+        self._free: list[int] = list(reversed(range(capacity_blocks)))
+        self._leases: dict[int, _Lease] = {}
+        self._ids = itertools.count()
+
+    @property
+    def free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def nbytes(self) -> int:
+        return self.capacity * self.layout.full_block_bytes
+
+    def lease(self, owner: str, n_blocks: int) -> Extent | None:
+        """Lease `n_blocks` slots to `owner`; None while fewer slots are free."""
+        if not isinstance(owner, str) or not owner:
+            raise ValueError(f"owner must be a non-empty string, got {owner!r}")
+        if isinstance(n_blocks, bool) or not isinstance(n_blocks, int) or n_blocks < 1:
+            raise ValueError(f"n_blocks must be an int >= 1, got {n_blocks!r}")
+        if n_blocks > self.capacity:
+            raise ValueError(
+                f"n_blocks {n_blocks} exceeds the pool capacity {self.capacity}: it could never "
+                "be leased; raise cluster.buffer_blocks_per_node or split the request"
+            )
+        with self._lock:
+            if n_blocks > len(self._free):
+                return None
+            slots = tuple(self._free.pop() for _ in range(n_blocks))
+            extent = Extent(next(self._ids), owner, slots)
+            state = transition(extent.extent_id, ExtentState.FREE, ExtentEvent.LEASE)
+            self._leases[extent.extent_id] = _Lease(extent, state)
+            return extent
+
+    def begin_transfer(self, extent_id: int) -> None:
+        """Mark the extent as the target or source of a transfer in progress."""
+        self._move(extent_id, ExtentEvent.BEGIN_TRANSFER)
+
+    def end_transfer(self, extent_id: int) -> None:
+        self._move(extent_id, ExtentEvent.END_TRANSFER)
+
+    def release(self, extent_id: int) -> None:
+        """Give the extent's slots back; illegal while a transfer is in flight."""
+        self._move(extent_id, ExtentEvent.RELEASE)
+
+    def state_of(self, extent_id: int) -> ExtentState:
+        with self._lock:
+            lease = self._leases.get(extent_id)
+            return ExtentState.FREE if lease is None else lease.state
+
+    def extent(self, extent_id: int) -> Extent:
+        """The live extent with this id; KeyError if it is not leased."""
+        with self._lock:
+            lease = self._leases.get(extent_id)
+        if lease is None:
+            raise KeyError(f"extent {extent_id} is not leased (never leased or already released)")
+        return lease.extent
+
+    def extents_of(self, owner: str) -> list[Extent]:
+        with self._lock:
+            return [lease.extent for lease in self._leases.values() if lease.extent.owner == owner]
+
+    def full_block(self, slot: int) -> torch.Tensor:
+        """Slot `slot` as a Full Block [n_layer, block_size, bytes] view of the buffer."""
+        if not 0 <= slot < self.capacity:
+            raise IndexError(f"slot {slot} outside [0, {self.capacity})")
+        return self.buffer[slot]
+
+    def full_blocks(self, extent: Extent | int) -> list[torch.Tensor]:
+        """The extent's Full Block views, in block order."""
+        return [self.buffer[slot] for slot in self._live(extent).slots]
+
+    def layer_views(self, extent: Extent | int, layer: int, first_block: int = 0) -> list[torch.Tensor]:
+        """Layer Block `layer` of the extent's blocks from `first_block` on: [1, block_size, bytes] views."""
+        live = self._live(extent)
+        if not 0 <= first_block <= live.n_blocks:
+            raise IndexError(f"first_block {first_block} outside [0, {live.n_blocks}]")
+        return [self.layout.layer_block(self.buffer[slot], layer) for slot in live.slots[first_block:]]
+
+    def check_integrity(self) -> PoolCounts:
+        """Count every slot's state; raise PoolIntegrityError if any slot is lost or shared."""
+        with self._lock:
+            holder: list[str | None] = [None] * self.capacity
+            for slot in self._free:
+                self._claim(holder, slot, "the free list")
+            counts = {ExtentState.LEASED: 0, ExtentState.IN_FLIGHT: 0}
+            for extent_id, lease in self._leases.items():
+                for slot in lease.extent.slots:
+                    self._claim(holder, slot, f"extent {extent_id}")
+                counts[lease.state] += lease.extent.n_blocks
+            result = PoolCounts(
+                len(self._free), counts[ExtentState.LEASED], counts[ExtentState.IN_FLIGHT], self.capacity
+            )
+        if result.free + result.leased + result.in_flight != self.capacity:
+            lost = [slot for slot, who in enumerate(holder) if who is None]
+            raise PoolIntegrityError(f"slots {lost[:10]} are neither free nor leased ({result})")
+        return result
+
+    def _claim(self, holder: list[str | None], slot: int, who: str) -> None:
+        if not 0 <= slot < self.capacity:
+            raise PoolIntegrityError(f"{who} holds slot {slot} outside [0, {self.capacity})")
+        if holder[slot] is not None:
+            raise PoolIntegrityError(f"slot {slot} is held by both {holder[slot]} and {who}")
+        holder[slot] = who
+
+    def _live(self, extent: Extent | int) -> Extent:
+        extent_id = extent if isinstance(extent, int) else extent.extent_id
+        live = self.extent(extent_id)
+        if isinstance(extent, Extent) and extent != live:
+            raise ValueError(f"extent {extent} does not match the pool's extent {live}")
+        return live
+
+    def _move(self, extent_id: int, event: ExtentEvent) -> None:
+        with self._lock:
+            lease = self._leases.get(extent_id)
+            current = ExtentState.FREE if lease is None else lease.state
+            target = transition(extent_id, current, event)
+            # Only LEASE leaves FREE, and lease() applies it, so here `lease` is never None.
+            assert lease is not None
+            if target is ExtentState.FREE:
+                del self._leases[extent_id]
+                self._free.extend(reversed(lease.extent.slots))
+            else:
+                lease.state = target
