@@ -13,6 +13,7 @@ COMMAND_MODULES = (
     "dualpath_ray.commands.demo",
     "dualpath_ray.commands.bounds",
     "dualpath_ray.commands.profile",
+    "dualpath_ray.commands.trace",
 )
 
 
