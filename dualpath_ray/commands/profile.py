@@ -39,6 +39,10 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per sample (median)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed runs before each sample")
     parser.add_argument("--max-bsz", type=int, default=max(BATCH_SIZES), help="largest bsz sampled")
+    parser.add_argument(
+        "--device", choices=("auto", "cpu", "cuda"), default="auto",
+        help="where the model runs (auto: cuda when available, else cpu)",
+    )
     parser.set_defaults(func=run)
 
 
@@ -51,22 +55,41 @@ def sample_grid(max_context: int, max_bsz: int) -> list[tuple[int, int]]:
     ]
 
 
-def layer_runner(model_cfg: ModelConfig) -> Callable[[int, int], object]:
-    """run_layer(cached, bsz) on layer 0 of the real model, inputs made once up front."""
+def resolve_device(choice: str) -> torch.device:
+    if choice == "auto":
+        choice = "cuda" if torch.cuda.is_available() else "cpu"
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is available here; use --device cpu")
+    return torch.device(choice)
+
+
+def describe_device(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)} (cuda)"
+    return f"{platform.machine() or 'unknown'} cpu, {torch.get_num_threads()} torch threads"
+
+
+def layer_runner(model_cfg: ModelConfig, device: torch.device) -> Callable[[int, int], object]:
+    """run_layer(cached, bsz) on layer 0 of the real model, inputs made once up front; it waits
+    for the device, so a timer around it measures the layer's work."""
     from dualpath_ray.model.llama import DecoderModel
 
-    model = DecoderModel(model_cfg)
+    model = DecoderModel(model_cfg).to(device)
     dtype = torch_dtype(model_cfg.dtype)
     generator = torch.Generator().manual_seed(model_cfg.seed)
     width = model_cfg.max_context
-    hidden = torch.randn(width, model_cfg.hidden_size, generator=generator).to(dtype)
-    past = torch.randn(width, 2, model_cfg.n_kv_head, model_cfg.head_dim, generator=generator).to(dtype)
-    positions = torch.arange(width, dtype=torch.long)
+    hidden = torch.randn(width, model_cfg.hidden_size, generator=generator).to(device, dtype)
+    past = torch.randn(width, 2, model_cfg.n_kv_head, model_cfg.head_dim, generator=generator).to(device, dtype)
+    positions = torch.arange(width, dtype=torch.long, device=device)
+    synchronize = torch.cuda.synchronize if device.type == "cuda" else None
 
     def run_layer(cached: int, bsz: int) -> object:
-        return model.forward_layer(
+        out = model.forward_layer(
             0, hidden[:bsz], positions[cached : cached + bsz], past[:cached] if cached else None
         )
+        if synchronize is not None:
+            synchronize(device)
+        return out
 
     return run_layer
 
@@ -110,9 +133,13 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    device = f"{platform.machine() or 'cpu'} cpu, {torch.get_num_threads()} torch threads"
+    try:
+        device = resolve_device(args.device)
+    except ValueError as exc:
+        print(f"dualpath profile: {exc}", file=sys.stderr)
+        return 2
     profile = profile_attention(
-        layer_runner(cfg.model), samples, model=cfg.model, device=device,
+        layer_runner(cfg.model, device), samples, model=cfg.model, device=describe_device(device),
         repeats=args.repeats, warmup=args.warmup,
     )
     try:

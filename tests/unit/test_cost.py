@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from dualpath_ray.cli import main
 from dualpath_ray.config import ConfigError, DualPathConfig, ModelConfig
@@ -179,3 +180,7 @@ def test_profile_command_measures_the_real_model(tmp_path: Path, capsys: pytest.
 
 def test_profile_command_rejects_bad_arguments(tmp_path: Path) -> None:
     assert main(["profile", "--out", str(tmp_path / "p.json"), "--repeats", "0"]) == 2, "usage error"
+    if not torch.cuda.is_available():
+        assert main(["profile", "--out", str(tmp_path / "p.json"), "--device", "cuda"]) == 2, (
+            "asking for CUDA without a CUDA device is a usage error"
+        )
