@@ -24,6 +24,13 @@ _HAS_PARENT = 1
 _FIELDS = struct.Struct("<8sHHIII16s16s16sQQ")
 _CHECKSUM = struct.Struct("<Q")
 _RESERVED = HEADER_SIZE - _FIELDS.size - _CHECKSUM.size
+# Byte ranges of _FIELDS that the read hot path compares without unpacking.
+_VERSION_END = struct.calcsize("<8sH")
+_GEOMETRY = slice(struct.calcsize("<8sHH"), struct.calcsize("<8sHHIII16s"))
+_KEY = slice(_GEOMETRY.stop, _GEOMETRY.stop + 16)
+_LENGTH = slice(struct.calcsize("<8sHHIII16s16s16s"), struct.calcsize("<8sHHIII16s16s16sQ"))
+_PAYLOAD_SUM = slice(_LENGTH.stop, _FIELDS.size)
+_BODY_END = HEADER_SIZE - _CHECKSUM.size
 _LAYOUT_FIELDS = ("n_layer", "block_size", "bytes_per_token_per_layer", "dtype", "payload_length")
 
 
@@ -80,8 +87,8 @@ def decode_header(raw: bytes | bytearray | memoryview, where: str) -> BlockHeade
     """Parse and verify a header; BlockCorruptedError or IncompatibleBlockError if it is bad."""
     if len(raw) < HEADER_SIZE:
         raise BlockCorruptedError(f"{where}: truncated header ({len(raw)} of {HEADER_SIZE} bytes)")
-    body = memoryview(raw)[: HEADER_SIZE - _CHECKSUM.size]
-    (stored,) = _CHECKSUM.unpack_from(raw, HEADER_SIZE - _CHECKSUM.size)
+    body = memoryview(raw)[:_BODY_END]
+    (stored,) = _CHECKSUM.unpack_from(raw, _BODY_END)
     if checksum(body) != stored:
         raise BlockCorruptedError(f"{where}: header checksum mismatch")
     magic, version, flags, n_layer, block_size, bpt, dtype, key, parent, length, payload_sum = (
@@ -122,10 +129,41 @@ def check_header(header: BlockHeader, layout: KVLayout, key: str, where: str) ->
         raise BlockCorruptedError(f"{where}: header names block {header.key}, not {key}")
 
 
-def verify_payload(payload: memoryview | bytes, header: BlockHeader, where: str) -> None:
-    if len(payload) != header.payload_length:
-        raise BlockCorruptedError(
-            f"{where}: payload is {len(payload)} bytes, header says {header.payload_length}"
-        )
-    if checksum(payload) != header.payload_checksum:
+def verify_payload(payload: memoryview | bytes, expected_checksum: int, where: str) -> None:
+    if checksum(payload) != expected_checksum:
         raise BlockCorruptedError(f"{where}: payload checksum mismatch")
+
+
+class HeaderVerifier:
+    """The read hot path: checks a raw header against one layout with byte comparisons.
+
+    Equivalent to decode_header + check_header (which it defers to, to name the fault, whenever
+    a comparison fails), without building objects on every read.
+    """
+
+    def __init__(self, layout: KVLayout) -> None:
+        self.layout = layout
+        self._fixed = MAGIC + FORMAT_VERSION.to_bytes(2, "little")
+        self._geometry = struct.pack(
+            "<III16s",
+            layout.n_layer,
+            layout.block_size,
+            layout.bytes_per_token_per_layer,
+            layout.dtype.encode("ascii"),
+        )
+        self._length = layout.full_block_bytes.to_bytes(8, "little")
+
+    def payload_checksum(self, raw: bytearray | bytes, key: str, where: str) -> int:
+        """The payload checksum a valid header of block `key` carries; raises if it is not valid."""
+        if (
+            len(raw) == HEADER_SIZE
+            and checksum(memoryview(raw)[:_BODY_END]) == int.from_bytes(raw[_BODY_END:], "little")
+            and raw[:_VERSION_END] == self._fixed
+            and raw[_GEOMETRY] == self._geometry
+            and raw[_KEY] == bytes.fromhex(key)
+            and raw[_LENGTH] == self._length
+        ):
+            return int.from_bytes(raw[_PAYLOAD_SUM], "little")
+        header = decode_header(raw, where)
+        check_header(header, self.layout, key, where)
+        raise BlockCorruptedError(f"{where}: header does not match its layout fields")

@@ -110,6 +110,3 @@ class BlockStore(ABC):
 
     def __contains__(self, key: object) -> bool:
         return isinstance(key, str) and self.contains(key)
-
-    def close(self) -> None:
-        """Release background resources; the store stays usable."""

@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import os
-import queue
 import secrets
-import threading
 import time
-import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -16,6 +13,7 @@ import torch
 from dualpath_ray.kv.block_format import (
     HEADER_SIZE,
     BlockHeader,
+    HeaderVerifier,
     check_header,
     checksum,
     decode_header,
@@ -35,6 +33,8 @@ from dualpath_ray.kv.layout import KVLayout
 
 BLOCK_SUFFIX = ".kvb"
 TEMP_SUFFIX = ".tmp"
+# A payload read but not yet verified: its bytes, the checksum its header promises, its path.
+_Check = tuple[memoryview, int, str]
 
 
 class LocalDirStore(BlockStore):
@@ -44,6 +44,10 @@ class LocalDirStore(BlockStore):
     one operation shared file systems make atomic; no locks are taken, and two writers racing
     on one key publish identical bytes (a key names its content). Directories are never
     removed, so a put never races a cleanup of its directory.
+
+    Every method is safe to call from several threads at once (no state changes after
+    construction). readv and xxhash release the GIL, so a reader that wants more than one
+    core's worth of read-and-verify bandwidth calls get_into from a thread pool.
     """
 
     def __init__(self, root: str | Path, layout: KVLayout, fsync: bool = False) -> None:
@@ -51,18 +55,23 @@ class LocalDirStore(BlockStore):
         if self._root.exists() and not self._root.is_dir():
             raise ValueError(f"store root {self._root} exists and is not a directory")
         self._root.mkdir(parents=True, exist_ok=True)
+        self._root_text = str(self._root)
         self.layout = layout
+        self._headers = HeaderVerifier(layout)
+        self._block_shape = torch.Size(layout.full_block_shape)
+        self._file_bytes = HEADER_SIZE + layout.full_block_bytes
         self.fsync = fsync
-        self._worker_lock = threading.Lock()
-        self._worker: _ChecksumWorker | None = None
 
     @property
     def root(self) -> Path:
         return self._root
 
     def path_of(self, key: str) -> Path:
+        return Path(self._path_text(key))
+
+    def _path_text(self, key: str) -> str:
         key = validate_key(key)
-        return self._root / key[:2] / key[2:4] / f"{key}{BLOCK_SUFFIX}"
+        return f"{self._root_text}/{key[:2]}/{key[2:4]}/{key}{BLOCK_SUFFIX}"
 
     def put(self, key: str, block: torch.Tensor, parent: str | None = None) -> bool:
         path = self.path_of(key)
@@ -92,30 +101,7 @@ class LocalDirStore(BlockStore):
         return True
 
     def get_into(self, key: str, out: torch.Tensor) -> None:
-        header, payload, where = self._read_unverified(key, out)
-        verify_payload(payload, header, where)
-
-    def get_many_into(self, keys: Sequence[str], outs: Sequence[torch.Tensor]) -> None:
-        """Like get_into per block, verifying block i's checksum while block i+1 is read."""
-        if len(keys) != len(outs):
-            raise ValueError(f"got {len(keys)} keys but {len(outs)} output blocks")
-        if len(keys) < 2:
-            super().get_many_into(keys, outs)
-            return
-        worker = self._checksum_worker()
-        results: queue.SimpleQueue[BlockCorruptedError | None] = queue.SimpleQueue()
-        submitted = 0
-        try:
-            for key, out in zip(keys, outs):
-                header, payload, where = self._read_unverified(key, out)
-                worker.submit(payload, header, where, results)
-                submitted += 1
-        finally:
-            # Wait for every submitted check even when a read failed: the worker must not be
-            # left hashing a buffer the caller is about to reuse.
-            errors = [e for e in (results.get() for _ in range(submitted)) if e is not None]
-        if errors:
-            raise errors[0]
+        verify_payload(*self._read_unverified(key, out))
 
     def contains(self, key: str) -> bool:
         return self.path_of(key).is_file()
@@ -133,8 +119,8 @@ class LocalDirStore(BlockStore):
             raw = os.pread(fd, HEADER_SIZE, 0)
         finally:
             os.close(fd)
-        header = decode_header(raw, str(path))
-        check_header(header, self.layout, key, str(path))
+        header = decode_header(raw, path)
+        check_header(header, self.layout, key, path)
         return header.parent
 
     def keys(self) -> Iterator[str]:
@@ -163,44 +149,32 @@ class LocalDirStore(BlockStore):
                     continue
         return removed
 
-    def close(self) -> None:
-        with self._worker_lock:
-            if self._worker is not None:
-                self._worker.stop()
-                self._worker = None
-
-    def _open(self, key: str) -> tuple[int, Path]:
-        path = self.path_of(key)
+    def _open(self, key: str) -> tuple[int, str]:
+        path = self._path_text(key)
         try:
             return os.open(path, os.O_RDONLY | os.O_CLOEXEC), path
         except FileNotFoundError:
             raise BlockNotFoundError(f"block {key} is not in store {self._root}") from None
 
-    def _read_unverified(self, key: str, out: torch.Tensor) -> tuple[BlockHeader, memoryview, str]:
+    def _read_unverified(self, key: str, out: torch.Tensor) -> _Check:
         """Read header and payload with one readv into `out`; checks the header, not the payload."""
-        check_host_block(self.layout, out, "out")
+        if not (out.dtype is torch.uint8 and out.shape == self._block_shape and out.is_cpu and out.is_contiguous()):
+            check_host_block(self.layout, out, "out")
         payload = byte_view(out)
         raw = bytearray(HEADER_SIZE)
         fd, path = self._open(key)
         try:
-            got = _read_fully(fd, [memoryview(raw), payload])
+            got = _read_fully(fd, [memoryview(raw), payload], self._file_bytes)
         finally:
             os.close(fd)
-        where = str(path)
-        header = decode_header(raw[:got] if got < HEADER_SIZE else raw, where)
-        check_header(header, self.layout, key, where)
-        if got != HEADER_SIZE + header.payload_length:
+        if got < HEADER_SIZE:
+            decode_header(raw[:got], path)
+        expected = self._headers.payload_checksum(raw, key, path)
+        if got != self._file_bytes:
             raise BlockCorruptedError(
-                f"{where}: truncated payload ({got - HEADER_SIZE} of {header.payload_length} bytes)"
+                f"{path}: truncated payload ({got - HEADER_SIZE} of {self.layout.full_block_bytes} bytes)"
             )
-        return header, payload, where
-
-    def _checksum_worker(self) -> _ChecksumWorker:
-        with self._worker_lock:
-            if self._worker is None:
-                self._worker = _ChecksumWorker()
-                weakref.finalize(self, self._worker.request_stop)
-            return self._worker
+        return payload, expected, path
 
     def _files(self) -> Iterator[Path]:
         for first in _fan_out_directories(self._root):
@@ -221,13 +195,20 @@ def _fan_out_directories(directory: Path) -> list[Path]:
         return []
 
 
-def _read_fully(fd: int, buffers: list[memoryview]) -> int:
-    """readv until every buffer is full or end of file; returns the bytes read.
+def _read_fully(fd: int, buffers: list[memoryview], size: int) -> int:
+    """readv until the `size` bytes of `buffers` are full or end of file; returns the bytes read.
 
     A local file fills in one call; the loop is for network file systems that read short.
     """
-    total = 0
+    total = os.readv(fd, buffers)
+    if total in (0, size):
+        return total
+    got = total
     pending = [b for b in buffers if len(b)]
+    while pending and got >= len(pending[0]):
+        got -= len(pending.pop(0))
+    if got:
+        pending[0] = pending[0][got:]
     while pending:
         got = os.readv(fd, pending)
         if got == 0:
@@ -256,41 +237,3 @@ def _fsync_directory(directory: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-_Job = tuple[memoryview, BlockHeader, str, "queue.SimpleQueue[BlockCorruptedError | None]"]
-
-
-class _ChecksumWorker:
-    """A thread verifying payload checksums; xxhash releases the GIL while it hashes."""
-
-    def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="block-checksum", daemon=True)
-        self._thread.start()
-
-    def submit(
-        self,
-        payload: memoryview,
-        header: BlockHeader,
-        where: str,
-        results: queue.SimpleQueue[BlockCorruptedError | None],
-    ) -> None:
-        self._jobs.put((payload, header, where, results))
-
-    def request_stop(self) -> None:
-        self._jobs.put(None)
-
-    def stop(self) -> None:
-        self.request_stop()
-        self._thread.join()
-
-    def _run(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            payload, header, where, results = job
-            try:
-                verify_payload(payload, header, where)
-            except BlockCorruptedError as error:
-                results.put(error)
-            else:
-                results.put(None)

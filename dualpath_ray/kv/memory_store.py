@@ -108,7 +108,7 @@ class MemoryStore(BlockStore):
                 self._corrupt_next.discard(key)
                 target[0] ^= 0xFF
             self.reads += 1
-        verify_payload(target, entry.header, f"memory block {key}")
+        verify_payload(target, entry.header.payload_checksum, f"memory block {key}")
 
     def contains(self, key: str) -> bool:
         validate_key(key)

@@ -44,14 +44,12 @@ def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[BlockStore
         LocalDirStore(tmp_path / "store", LAYOUT) if request.param == "local_dir" else MemoryStore(LAYOUT)
     )
     yield backend
-    backend.close()
 
 
 @pytest.fixture
 def local(tmp_path: Path) -> Iterator[LocalDirStore]:
     backend = LocalDirStore(tmp_path / "store", LAYOUT)
     yield backend
-    backend.close()
 
 
 def flip_byte(path: Path, offset: int) -> None:
