@@ -130,6 +130,8 @@ def read_mooncake(path: str | Path) -> list[MooncakeRequest]:
         raise TraceError("no such file", source=str(path)) from None
     except UnicodeDecodeError as exc:
         raise TraceError(f"not UTF-8 text ({exc.reason})", source=str(path)) from None
+    except OSError as exc:
+        raise TraceError(f"cannot read the file ({exc.strerror})", source=str(path)) from None
     except TraceError as exc:
         raise exc.with_source(str(path)) from None
 

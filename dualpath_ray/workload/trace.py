@@ -73,8 +73,14 @@ class Turn:
     tool_latency_s: float = 0.0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.gen_len, int) or self.gen_len < 1:
+        if not isinstance(self.appended, tuple):
+            # Lists and arrays are frozen to a tuple of ints: a Turn is immutable and hashable.
+            object.__setattr__(self, "appended", tuple(int(token) for token in self.appended))
+        if isinstance(self.gen_len, bool) or not isinstance(self.gen_len, (int, np.integer)) or (
+            self.gen_len < 1
+        ):
             raise TraceError(f"must be an int >= 1, got {self.gen_len!r}", field="gen_len")
+        object.__setattr__(self, "gen_len", int(self.gen_len))
         if not math.isfinite(self.tool_latency_s) or self.tool_latency_s < 0:
             raise TraceError(
                 f"must be a finite number >= 0, got {self.tool_latency_s!r}", field="tool_latency_s"
@@ -92,6 +98,8 @@ class Trajectory:
     arrival_s: float = 0.0
 
     def __post_init__(self) -> None:
+        if not isinstance(self.turns, tuple):
+            object.__setattr__(self, "turns", tuple(self.turns))
         where = {"trajectory_id": self.trajectory_id}
         if not isinstance(self.trajectory_id, str) or not self.trajectory_id:
             raise TraceError("must be a non-empty string", field="trajectory_id")

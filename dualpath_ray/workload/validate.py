@@ -58,16 +58,17 @@ class TraceError(ValueError):
 
     def with_source(self, source: str) -> TraceError:
         """The same error, located in `source` (a file name)."""
-        return TraceError(self.problem, **{**self._where(), "source": source})
+        return TraceError(self.problem, **{**self.location(), "source": source})
 
-    def _where(self) -> dict[str, object]:
+    def location(self) -> dict[str, object]:
+        """Where the problem is, and its fix, as keyword arguments of TraceError."""
         return {
             "field": self.field, "trajectory_id": self.trajectory_id, "turn": self.turn,
             "line": self.line, "source": self.source, "fix": self.fix,
         }
 
     def __reduce__(self) -> tuple[object, tuple[()]]:
-        return functools.partial(TraceError, self.problem, **self._where()), ()
+        return functools.partial(TraceError, self.problem, **self.location()), ()
 
 
 @dataclass(frozen=True)

@@ -210,6 +210,15 @@ def test_write_refuses_an_invalid_table(tmp_path: Path) -> None:
     assert not list(tmp_path.iterdir()), "an invalid trace leaves no file behind"
 
 
+def test_in_memory_forms_are_normalised() -> None:
+    turn = Turn(np.array([1, 2], dtype=np.int32), np.int64(3))
+    assert turn == Turn((1, 2), 3) and hash(turn) == hash(Turn((1, 2), 3)), (
+        "arrays and numpy ints are accepted and frozen to tuples of ints"
+    )
+    assert type(turn.gen_len) is int, "gen_len is stored as a Python int"
+    assert Trajectory("x", [turn]).turns == (turn,), "a list of turns becomes a tuple"
+
+
 def test_in_memory_checks() -> None:
     with pytest.raises(TraceError, match="gen_len"):
         Turn((1,), 0)
