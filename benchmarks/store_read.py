@@ -1,0 +1,218 @@
+"""Store read overhead: Full Blocks through LocalDirStore (checksums verified) vs plain reads.
+
+Writes N Full Blocks into a LocalDirStore, then times, in the same process and page-cache state
+(every file read once before timing, methods interleaved in rotating order each repetition):
+- plain_readv: os.open + one os.readv of the whole file into one big buffer + os.close, per
+  file, in order (the fastest plain sequential read Python offers; no parsing, no checksum);
+- plain_readinto: the same with open(path, "rb", buffering=0).readinto (the everyday way);
+- get_into: LocalDirStore.get_into per block into a BufferPool slot (one readv of header and
+  payload straight into the slot, header checked, xxh3_64 of the payload verified);
+- no_payload_hash (diagnostic, not a store API): get_into without the payload checksum, to
+  split the store's cost into its format/Python overhead and the checksum itself.
+Reports median GB/s of payload bytes per method and the median of the per-repetition ratios
+to each plain baseline. Goal: get_into / plain >= 0.9. Run: .venv/bin/python benchmarks/store_read.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import xxhash
+
+from dualpath_ray.kv.index import block_keys, namespace_for
+from dualpath_ray.kv.layout import KVLayout
+from dualpath_ray.kv.pool import BufferPool
+from dualpath_ray.kv.store import LocalDirStore
+
+
+@dataclass(frozen=True)
+class MethodResult:
+    name: str
+    median_gbps: float
+    min_gbps: float
+    max_gbps: float
+    ratio_to_readv: float
+    ratio_to_readinto: float
+
+
+@dataclass(frozen=True)
+class BenchResult:
+    blocks: int
+    block_bytes: int
+    total_mib: float
+    repetitions: int
+    methods: list[MethodResult]
+    checksum_only_gbps: float
+    machine: str
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--blocks", type=int, default=128, help="Full Blocks to read (default 128)")
+    parser.add_argument("--n-layer", type=int, default=16, help="layers per Full Block (default 16)")
+    parser.add_argument("--block-size", type=int, default=64, help="tokens per block (default 64)")
+    parser.add_argument("--n-kv-head", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--repetitions", type=int, default=15, help="timed rounds per method")
+    parser.add_argument("--root", type=Path, default=None, help="store directory (default: a temp dir)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    return parser.parse_args(argv)
+
+
+def fill_store(store: LocalDirStore, n_blocks: int) -> tuple[list[str], torch.Tensor]:
+    layout = store.layout
+    source = torch.randint(0, 256, (n_blocks, *layout.full_block_shape), dtype=torch.uint8)
+    keys = block_keys(np.arange(n_blocks * layout.block_size), layout.block_size, namespace_for("bench", 0))
+    for parent, key, block in zip([None, *keys], keys, source):
+        store.put(key, block, parent=parent)
+    return keys, source
+
+
+def file_slices(n_files: int, file_bytes: int) -> list[memoryview]:
+    """Consecutive slices of one zeroed buffer (touched once, so no page faults while timed)."""
+    buffer = np.zeros(n_files * file_bytes, dtype=np.uint8)
+    view = memoryview(buffer)
+    return [view[i * file_bytes : (i + 1) * file_bytes] for i in range(n_files)]
+
+
+def plain_readv(paths: list[str], file_bytes: int) -> Callable[[], None]:
+    slices = file_slices(len(paths), file_bytes)
+
+    def read_all() -> None:
+        for path, target in zip(paths, slices):
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                if os.readv(fd, [target]) != file_bytes:
+                    raise RuntimeError(f"short read of {path}")
+            finally:
+                os.close(fd)
+
+    return read_all
+
+
+def plain_readinto(paths: list[str], file_bytes: int) -> Callable[[], None]:
+    slices = file_slices(len(paths), file_bytes)
+
+    def read_all() -> None:
+        for path, target in zip(paths, slices):
+            with open(path, "rb", buffering=0) as file:
+                if file.readinto(target) != file_bytes:
+                    raise RuntimeError(f"short read of {path}")
+
+    return read_all
+
+
+def run(args: argparse.Namespace) -> BenchResult:
+    layout = KVLayout(args.n_layer, args.block_size, args.n_kv_head, args.head_dim, args.dtype)
+    with tempfile.TemporaryDirectory(prefix="dualpath-store-bench-") as scratch:
+        store = LocalDirStore(args.root or Path(scratch), layout)
+        keys, source = fill_store(store, args.blocks)
+        paths = [str(store.path_of(key)) for key in keys]
+        file_bytes = os.path.getsize(paths[0])
+        pool = BufferPool(args.blocks, layout, pin=False)
+        pool.buffer.fill_(0)
+        extent = pool.lease("bench", args.blocks)
+        assert extent is not None
+        outs = pool.full_blocks(extent)
+
+        def get_into() -> None:
+            for key, out in zip(keys, outs):
+                store.get_into(key, out)
+
+        def no_payload_hash() -> None:
+            for key, out in zip(keys, outs):
+                store._read_unverified(key, out)
+
+        methods: dict[str, Callable[[], None]] = {
+            "plain_readv": plain_readv(paths, file_bytes),
+            "plain_readinto": plain_readinto(paths, file_bytes),
+            "get_into": get_into,
+            "no_payload_hash": no_payload_hash,
+        }
+        for method in methods.values():
+            method()
+        seconds: dict[str, list[float]] = {name: [] for name in methods}
+        names = list(methods)
+        for rep in range(args.repetitions):
+            for name in names[rep % len(names) :] + names[: rep % len(names)]:
+                start = time.perf_counter()
+                methods[name]()
+                seconds[name].append(time.perf_counter() - start)
+        if not torch.equal(pool.buffer[list(extent.slots)], source):
+            raise RuntimeError("store reads did not deliver the bytes that were written")
+        checksum_gbps = checksum_only(outs)
+    payload = args.blocks * layout.full_block_bytes
+    results = [
+        MethodResult(
+            name=name,
+            median_gbps=payload / statistics.median(times) / 1e9,
+            min_gbps=payload / max(times) / 1e9,
+            max_gbps=payload / min(times) / 1e9,
+            ratio_to_readv=statistics.median(p / t for p, t in zip(seconds["plain_readv"], times)),
+            ratio_to_readinto=statistics.median(p / t for p, t in zip(seconds["plain_readinto"], times)),
+        )
+        for name, times in seconds.items()
+    ]
+    return BenchResult(
+        blocks=args.blocks,
+        block_bytes=layout.full_block_bytes,
+        total_mib=payload / 2**20,
+        repetitions=args.repetitions,
+        methods=results,
+        checksum_only_gbps=checksum_gbps,
+        machine=f"{platform.machine()} {os.cpu_count()} CPUs, Python {platform.python_version()}, "
+        f"xxhash {xxhash.VERSION}",
+    )
+
+
+def checksum_only(outs: list[torch.Tensor]) -> float:
+    """xxh3_64 throughput over the pool's payloads: the verification cost by itself."""
+    views = [memoryview(o.numpy()).cast("B") for o in outs]
+    start = time.perf_counter()
+    for view in views:
+        xxhash.xxh3_64_intdigest(view)
+    return sum(len(v) for v in views) / (time.perf_counter() - start) / 1e9
+
+
+def print_table(result: BenchResult) -> None:
+    print(
+        f"{result.blocks} Full Blocks x {result.block_bytes / 2**20:.2f} MiB = {result.total_mib:.0f} MiB, "
+        f"{result.repetitions} interleaved repetitions, page cache warm ({result.machine})"
+    )
+    print(f"{'method':<17}{'median GB/s':>12}{'min':>8}{'max':>8}{'/ readv':>10}{'/ readinto':>12}")
+    for m in result.methods:
+        print(
+            f"{m.name:<17}{m.median_gbps:>12.2f}{m.min_gbps:>8.2f}{m.max_gbps:>8.2f}"
+            f"{m.ratio_to_readv:>10.3f}{m.ratio_to_readinto:>12.3f}"
+        )
+    print(f"checksum only (xxh3_64 over the payloads): {result.checksum_only_gbps:.1f} GB/s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.blocks < 2 or args.repetitions < 1:
+        print("--blocks must be >= 2 and --repetitions >= 1", file=sys.stderr)
+        return 2
+    result = run(args)
+    if args.json:
+        print(json.dumps(asdict(result), indent=2))
+    else:
+        print_table(result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
