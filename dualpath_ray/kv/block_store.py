@@ -110,3 +110,6 @@ class BlockStore(ABC):
 
     def __contains__(self, key: object) -> bool:
         return isinstance(key, str) and self.contains(key)
+
+    def close(self) -> None:
+        """Release what the store holds open; the backends here hold nothing between calls."""
