@@ -1,7 +1,7 @@
 """Block keys and the prefix trie that finds the hit tokens of a prompt (paper: "Block layouts").
 
-A block key is a chained hash: key_i = xxh3_128(key_{i-1} || namespace || token ids of block i),
-with block 0 chained from a root derived from the namespace alone. A key therefore names the
+A block key is a chained hash, key_i = xxh3_128(key_{i-1} || len(ns) || ns || token ids of block
+i as int64), with block 0 chained from a root derived from the namespace ns alone. A key therefore names the
 whole token prefix up to and including its block, under one model and weight version, so two
 prompts share a key exactly when they share that prefix. Only full blocks get keys: a trailing
 partial block is always a miss.
@@ -25,11 +25,11 @@ from dualpath_ray.kv.store import (
     BlockNotFoundError,
     BlockStore,
     IncompatibleBlockError,
+    validate_key,
 )
 
 _LOG = logging.getLogger(__name__)
 
-KEY_HEX_CHARS = 32
 _ROOT_DOMAIN = b"dualpath-ray/block-chain-root/v1\x00"
 # Token ids are hashed as little-endian int64 whatever the caller's dtype, so a list, an int32
 # array and a torch tensor of the same ids give the same keys.
@@ -105,9 +105,7 @@ def next_block_key(parent: str | None, block_token_ids: Sequence[int], namespace
     if tokens.size == 0:
         raise ValueError("a block needs at least one token id")
     namespace_bytes = _namespace_field(namespace)
-    parent_digest = _root_digest(namespace_bytes) if parent is None else bytes.fromhex(parent)
-    if len(parent_digest) * 2 != KEY_HEX_CHARS:
-        raise ValueError(f"parent key must be {KEY_HEX_CHARS} hex chars, got {parent!r}")
+    parent_digest = _root_digest(namespace_bytes) if parent is None else bytes.fromhex(validate_key(parent))
     return _chain(parent_digest, namespace_bytes, tokens).hex()
 
 

@@ -87,6 +87,9 @@ def test_next_block_key_extends_a_chain() -> None:
     keys = block_keys(ids, BLOCK, NS)
     assert next_block_key(None, ids[:4], NS) == keys[0], "the first block chains from the root"
     assert next_block_key(keys[1], ids[8:12], NS) == keys[2], "a block chains from its parent key"
+    for bad_parent in (keys[0].upper(), keys[0][:-1], "../" + keys[0][3:]):
+        with pytest.raises(ValueError):
+            next_block_key(bad_parent, ids[:4], NS)
 
 
 @pytest.mark.parametrize(
