@@ -37,7 +37,7 @@ from dualpath_ray.runtime.topology import (
     verify_placement,
     warn_if_outside_bounds,
 )
-from dualpath_ray.runtime.transport import setup_transport_world
+from dualpath_ray.runtime.transport import setup_gloo_world
 
 
 @dataclass(frozen=True)
@@ -146,7 +146,8 @@ class DualPathCluster:
         actors = {**readers, **engines}
         where = dict(zip(actors, ray.get([a.node_labels.remote() for a in actors.values()])))
         placement = verify_placement(groups, self.nodes, {n: labels["ray.io/node-id"] for n, labels in where.items()})
-        setup_transport_world(cfg.runtime.transport, list(actors.values()), list(actors))
+        if cfg.runtime.transport == "gloo":
+            setup_gloo_world(list(actors.values()))
         ray.get([engine.start.remote() for engine in engines.values()])
         self.deployment = Deployment(mode, root, scheduler, readers, engines, groups, placement, warnings)
         return self.deployment

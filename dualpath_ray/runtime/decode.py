@@ -32,7 +32,7 @@ from dualpath_ray.runtime.messages import (
     TurnResult,
 )
 from dualpath_ray.runtime.prefill import EngineIdentity
-from dualpath_ray.runtime.transport import TransportEndpoint, make_transport
+from dualpath_ray.runtime.transport import TransportEndpoint, endpoint_actor_options, make_transport
 from dualpath_ray.scheduling import EngineLoad
 
 
@@ -53,7 +53,7 @@ class DecodeJob:
         return len(self.handoff.task.request.prompt)
 
 
-@ray.remote(enable_tensor_transport=True, concurrency_groups={"control": 4, "io": 4, "transport": 8})
+@ray.remote(**endpoint_actor_options(extra_concurrency_groups={"control": 4, "io": 4}))
 class DecodeEngine(TransportEndpoint):
     def __init__(self, cfg: DualPathConfig, identity: EngineIdentity, store_root: str | None) -> None:
         torch.set_num_threads(1)
@@ -64,7 +64,9 @@ class DecodeEngine(TransportEndpoint):
         self.cnic_in = make_link(cfg, f"cnic-in/{identity.engine_id}", cfg.cluster.cnic_gbps)
         self.cnic_out = make_link(cfg, f"cnic-out/{identity.engine_id}", cfg.cluster.cnic_gbps)
         self.counters = NodeCounters()
-        self.transport = make_transport(cfg.runtime.transport, identity.engine_id, cfg.runtime.namespace)
+        self.transport = self.attach_transport(
+            make_transport(cfg.runtime.transport, identity.engine_id, namespace=cfg.runtime.namespace)
+        )
         self.directory = ActorDirectory(cfg.runtime.namespace)
         store_cfg = cfg.store.model_copy(update={"root": store_root}) if store_root else cfg.store
         self.store = open_store(store_cfg, self.layout)
@@ -165,7 +167,7 @@ class DecodeEngine(TransportEndpoint):
             self.counters.cnic_in[task.path] += self.transport.pull(
                 ticket, split_by_blocks(kv[layer, :n], 0, self.layout.block_size)
             )
-            reader.release.remote(ticket)
+            ray.get(reader.release.remote(ticket))
         reader.free.remote(handoff.extent_id)
 
     def _materialise(self, task: Any, kv: torch.Tensor) -> None:

@@ -25,7 +25,7 @@ from dualpath_ray.model.cost import attention_predictor
 from dualpath_ray.runtime.emulation import PrefillState, make_compute, make_link
 from dualpath_ray.runtime.leader import ActorDirectory, GroupLeader, start_thread
 from dualpath_ray.runtime.messages import DecodeHandoff, NodeCounters, PrefillTask
-from dualpath_ray.runtime.transport import TransportEndpoint, make_transport
+from dualpath_ray.runtime.transport import TransportEndpoint, endpoint_actor_options, make_transport
 from dualpath_ray.scheduling import EngineLoad, pack_prefill_batch
 
 
@@ -35,7 +35,7 @@ class PrefillJob:
 
     task: PrefillTask
     prompt: np.ndarray
-    staging: list[Any]
+    staging: dict[str, Any]
     computed: int = 0
     pe_extent: int | None = None
     de_extent: int | None = None
@@ -56,7 +56,7 @@ class EngineIdentity:
     reader: str = ""
 
 
-@ray.remote(enable_tensor_transport=True, concurrency_groups={"control": 4, "transport": 8})
+@ray.remote(**endpoint_actor_options(extra_concurrency_groups={"control": 4}))
 class PrefillEngine(TransportEndpoint):
     def __init__(self, cfg: DualPathConfig, identity: EngineIdentity, store_root: str | None) -> None:
         torch.set_num_threads(1)
@@ -68,7 +68,9 @@ class PrefillEngine(TransportEndpoint):
         self.cnic_in = make_link(cfg, f"cnic-in/{identity.engine_id}", cfg.cluster.cnic_gbps)
         self.cnic_out = make_link(cfg, f"cnic-out/{identity.engine_id}", cfg.cluster.cnic_gbps)
         self.counters = NodeCounters()
-        self.transport = make_transport(cfg.runtime.transport, identity.engine_id, cfg.runtime.namespace)
+        self.transport = self.attach_transport(
+            make_transport(cfg.runtime.transport, identity.engine_id, namespace=cfg.runtime.namespace)
+        )
         self.directory = ActorDirectory(cfg.runtime.namespace)
         store_cfg = cfg.store.model_copy(update={"root": store_root}) if store_root else cfg.store
         self.store = open_store(store_cfg, self.layout)
@@ -135,14 +137,15 @@ class PrefillEngine(TransportEndpoint):
         owner = f"{task.request.request_id}#{task.request.attempt}"
         blocks = self.layout.blocks_for(len(prompt))
         keys = list(task.hit_keys)
-        staging: list[Any] = []
+        staging: dict[str, Any] = {}
         if not task.oracle:
             de_reader = self.directory.get(f"reader/{task.decode_node}")
             if task.path == "pe":
-                pe_reader = self.directory.get(self.id.reader)
-                staging = [pe_reader.read_blocks.remote(owner, keys, len(keys), "pe"), de_reader.lease.remote(owner, blocks)]
+                if keys:
+                    staging["pe"] = self.directory.get(self.id.reader).read_blocks.remote(owner, keys, len(keys), "pe")
+                staging["de"] = de_reader.lease.remote(owner, blocks)
             else:
-                staging = [de_reader.read_blocks.remote(owner, keys, blocks, "de")]
+                staging["de"] = de_reader.read_blocks.remote(owner, keys, blocks, "de")
         return PrefillJob(task=task, prompt=prompt, staging=staging)
 
     def _ready_jobs(self) -> list[PrefillJob]:
@@ -151,15 +154,13 @@ class PrefillEngine(TransportEndpoint):
         ready = []
         for job in jobs:
             if job.staging:
-                done, _ = ray.wait(job.staging, num_returns=len(job.staging), timeout=0)
-                if len(done) < len(job.staging):
+                refs = list(job.staging.values())
+                done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+                if len(done) < len(refs):
                     continue
-                extents = ray.get(job.staging)
-                if job.task.path == "pe":
-                    job.pe_extent, job.de_extent = extents
-                else:
-                    job.de_extent = extents[0]
-                job.staging = []
+                extents = dict(zip(job.staging, ray.get(refs)))
+                job.pe_extent, job.de_extent = extents.get("pe"), extents.get("de")
+                job.staging = {}
             if job.hbm is None:
                 job.hbm = torch.empty((self.layout.n_layer, len(job.prompt), self.layout.bytes_per_token_per_layer), dtype=torch.uint8)
                 job.computed = job.task.hit_tokens
@@ -222,7 +223,7 @@ class PrefillEngine(TransportEndpoint):
         ticket = ray.get(reader.offer.remote(extent, layer, 0, hit, path))
         self.cnic_in.take(ticket.nbytes)
         moved = self.transport.pull(ticket, split_by_blocks(target, 0, self.layout.block_size))
-        reader.release.remote(ticket)
+        ray.get(reader.release.remote(ticket))
         self.counters.cnic_in[path] += moved
 
     def _send(self, job: PrefillJob, layer: int, first: int, end: int) -> None:

@@ -21,7 +21,12 @@ from dualpath_ray.kv.pool import BufferPool, Extent
 from dualpath_ray.kv.store import open_store
 from dualpath_ray.runtime.emulation import make_link
 from dualpath_ray.runtime.messages import NodeCounters, PersistedBlock
-from dualpath_ray.runtime.transport import TransferTicket, TransportEndpoint, make_transport
+from dualpath_ray.runtime.transport import (
+    TransferTicket,
+    TransportEndpoint,
+    endpoint_actor_options,
+    make_transport,
+)
 
 
 class ReaderCore:
@@ -44,6 +49,8 @@ class ReaderCore:
 
     def lease(self, owner: str, n_blocks: int, timeout_s: float = 120.0) -> Extent:
         """Lease n_blocks slots, waiting while the pool is full (back-pressure, not failure)."""
+        if n_blocks < 1:
+            raise ValueError(f"request {owner}: an extent needs at least one block")
         if n_blocks > self.pool.capacity:
             raise ValueError(
                 f"request {owner} needs {n_blocks} buffer blocks but node {self.node_id} has "
@@ -105,15 +112,18 @@ class ReaderCore:
         return written
 
 
-@ray.remote(enable_tensor_transport=True, concurrency_groups={"transport": 8, "io": 16})
+@ray.remote(**endpoint_actor_options(extra_concurrency_groups={"io": 16}))
 class StorageReader(TransportEndpoint):
     """The per-node reader actor (`reader/<node>`): a thin shell around ReaderCore."""
 
     def __init__(self, cfg: DualPathConfig, node_id: str, store_root: str | None, endpoint: str) -> None:
         torch.set_num_threads(1)
         self.core = ReaderCore(cfg, node_id, store_root)
-        self.transport = make_transport(cfg.runtime.transport, endpoint, cfg.runtime.namespace)
-        self.transport.register(self.core.pool.tensor)
+        self.transport = self.attach_transport(
+            make_transport(cfg.runtime.transport, endpoint, namespace=cfg.runtime.namespace)
+        )
+        self.transport.register(self.core.pool.buffer)
+        self.offered: dict[str, int] = {}
 
     def node_labels(self) -> dict[str, str]:
         return dict(ray.get_runtime_context().get_node_labels())
@@ -137,20 +147,27 @@ class StorageReader(TransportEndpoint):
     def offer(self, extent_id: int, layer: int, start: int, end: int, path: str) -> TransferTicket:
         """Offer tokens [start, end) of one layer of an extent for a pull by an engine."""
         views = self.core.token_views(extent_id, layer, start, end)
+        self.core.pool.begin_transfer(extent_id)
         ticket = self.transport.offer(views)
+        self.offered[ticket.transfer_id] = extent_id
         self.core.counters.cnic_out[path] += ticket.nbytes
         return ticket
 
     @ray.method(concurrency_group="io")
     def release(self, ticket: TransferTicket) -> None:
         self.transport.release(ticket)
+        self.core.pool.end_transfer(self.offered.pop(ticket.transfer_id))
 
     @ray.method(concurrency_group="io")
     def receive(self, extent_id: int, layer: int, start: int, ticket: TransferTicket, path: str) -> int:
         """Pull an engine's offered KV of tokens [start, start + n) of one layer into an extent."""
         tokens = sum(shape[0] for shape in ticket.shapes)
         views = self.core.token_views(extent_id, layer, start, start + tokens)
-        moved = self.transport.pull(ticket, views)
+        self.core.pool.begin_transfer(extent_id)
+        try:
+            moved = self.transport.pull(ticket, views)
+        finally:
+            self.core.pool.end_transfer(extent_id)
         self.core.counters.cnic_in[path] += moved
         return moved
 
