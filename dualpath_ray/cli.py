@@ -14,6 +14,7 @@ COMMAND_MODULES = (
     "dualpath_ray.commands.bounds",
     "dualpath_ray.commands.profile",
     "dualpath_ray.commands.trace",
+    "dualpath_ray.commands.run",
 )
 
 
@@ -21,13 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dualpath", description=__doc__)
     subparsers = parser.add_subparsers(dest="command", required=True)
     for name in COMMAND_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name != name:
-                raise
-            continue
-        module.register(subparsers)
+        importlib.import_module(name).register(subparsers)
     return parser
 
 

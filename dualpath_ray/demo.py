@@ -13,7 +13,8 @@ from typing import Sequence
 
 from dualpath_ray.config import DualPathConfig, parse_config
 from dualpath_ray.kv.layout import KVLayout
-from dualpath_ray.runtime.cluster import DualPathCluster, TrajectoryInput, TurnInput
+from dualpath_ray.runtime.cluster import DualPathCluster
+from dualpath_ray.workload.trace import Trajectory, Turn
 from dualpath_ray.runtime.messages import TurnResult
 
 DEMO_CONFIG = {
@@ -34,16 +35,16 @@ def demo_config() -> DualPathConfig:
 
 def demo_trajectories(
     count: int = 8, turns: int = 5, first: int = 768, appended: int = 32, gen: int = 8, vocab: int = 512, seed: int = 0
-) -> list[TrajectoryInput]:
+) -> list[Trajectory]:
     """Agent-like turns: a long first context, then a few appended tokens per turn."""
     import numpy as np
 
     rng = np.random.default_rng(seed)
     return [
-        TrajectoryInput(
+        Trajectory(
             f"agent{a}",
             tuple(
-                TurnInput(tuple(int(x) for x in rng.integers(0, vocab, first if k == 0 else appended)), gen)
+                Turn(tuple(int(x) for x in rng.integers(0, vocab, first if k == 0 else appended)), gen)
                 for k in range(turns)
             ),
         )
@@ -95,7 +96,7 @@ def _report(cfg: DualPathConfig, cluster: DualPathCluster, results: dict[str, li
     )
 
 
-def run_demo(cfg: DualPathConfig, trajectories: Sequence[TrajectoryInput], modes: Sequence[str] = ("basic", "dualpath")) -> DemoReport:
+def run_demo(cfg: DualPathConfig, trajectories: Sequence[Trajectory], modes: Sequence[str] = ("basic", "dualpath")) -> DemoReport:
     """Run each mode on a fresh store over the same trajectories and compare."""
     report = DemoReport()
     outputs: dict[str, dict[str, list[tuple[int, ...]]]] = {}

@@ -7,7 +7,7 @@ import os
 import numpy as np
 
 from dualpath_ray.config import DualPathConfig, parse_config
-from dualpath_ray.runtime.cluster import TrajectoryInput, TurnInput
+from dualpath_ray.workload.trace import Trajectory, Turn
 
 
 def ray_test_env() -> None:
@@ -36,19 +36,19 @@ def runtime_config(transport: str = "gloo", mode: str = "dualpath", **runtime: o
 
 
 def trajectories(count: int = 8, turns: int = 4, first: int = 150, appended: int = 40,
-                 gen: int = 6, vocab: int = 512, seed: int = 7) -> list[TrajectoryInput]:
+                 gen: int = 6, vocab: int = 512, seed: int = 7) -> list[Trajectory]:
     rng = np.random.default_rng(seed)
     result = []
     for t in range(count):
         steps = tuple(
-            TurnInput(tuple(int(x) for x in rng.integers(0, vocab, first if k == 0 else appended)), gen)
+            Turn(tuple(int(x) for x in rng.integers(0, vocab, first if k == 0 else appended)), gen)
             for k in range(turns)
         )
-        result.append(TrajectoryInput(f"traj{t}", steps))
+        result.append(Trajectory(f"traj{t}", steps))
     return result
 
 
-def recompute_outputs(cfg: DualPathConfig, trajs: list[TrajectoryInput]) -> dict[str, list[tuple[int, ...]]]:
+def recompute_outputs(cfg: DualPathConfig, trajs: list[Trajectory]) -> dict[str, list[tuple[int, ...]]]:
     """Single-process greedy recompute of every turn from scratch: the reference outputs."""
     from dualpath_ray.model.llama import DecoderModel
 
@@ -59,7 +59,7 @@ def recompute_outputs(cfg: DualPathConfig, trajs: list[TrajectoryInput]) -> dict
         outputs[traj.trajectory_id] = []
         for turn in traj.turns:
             context = context + list(turn.appended)
-            generated = tuple(model.greedy_generate(context, turn.max_new_tokens).token_ids)
+            generated = tuple(model.greedy_generate(context, turn.gen_len).token_ids)
             outputs[traj.trajectory_id].append(generated)
             context = context + list(generated)
     return outputs

@@ -11,17 +11,14 @@ import asyncio
 import os
 import shutil
 import tempfile
-import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-import numpy as np
 import ray
 
 from dualpath_ray.config import DualPathConfig
-from dualpath_ray.kv.index import namespace_for
 from dualpath_ray.runtime.decode import DecodeEngine
-from dualpath_ray.runtime.messages import NodeCounters, RequestSpec, SamplingParams, TurnResult
+from dualpath_ray.runtime.messages import NodeCounters, TurnResult
 from dualpath_ray.runtime.prefill import EngineIdentity, PrefillEngine
 from dualpath_ray.runtime.reader import StorageReader
 from dualpath_ray.runtime.scheduler import Scheduler
@@ -38,22 +35,7 @@ from dualpath_ray.runtime.topology import (
     warn_if_outside_bounds,
 )
 from dualpath_ray.runtime.transport import setup_gloo_world
-
-
-@dataclass(frozen=True)
-class TurnInput:
-    """One turn of a trajectory: tokens appended to the conversation, and how much to generate."""
-
-    appended: tuple[int, ...]
-    max_new_tokens: int
-    tool_latency_s: float = 0.0
-
-
-@dataclass(frozen=True)
-class TrajectoryInput:
-    trajectory_id: str
-    turns: tuple[TurnInput, ...]
-    arrival_s: float = 0.0
+from dualpath_ray.workload.trace import Trajectory
 
 
 @dataclass
@@ -68,6 +50,7 @@ class Deployment:
     groups: dict[str, Any]
     placement: dict[str, str]
     warnings: list[str] = field(default_factory=list)
+    server: Any = None
 
 
 def _embedded_env() -> None:
@@ -159,44 +142,35 @@ class DualPathCluster:
 
     # --- running trajectories ----------------------------------------------------------
 
-    def run_trajectories(self, trajectories: Sequence[TrajectoryInput]) -> dict[str, list[TurnResult]]:
-        """Run every trajectory turn by turn; returns trajectory id -> results of its turns."""
+    def run_trajectories(self, trajectories: Sequence[Trajectory]) -> dict[str, list[TurnResult]]:
+        """Run every trajectory turn by turn; trajectory id -> its turns' results. Any failed
+        trajectory is an error here; `rollout` reports failures per trajectory instead."""
+        result = self.rollout(trajectories, progress=False)
+        if result.failures:
+            raise RuntimeError(f"trajectories failed: {result.failures}")
+        return result.turn_results
+
+    def rollout(self, trajectories: Sequence[Trajectory], resume: Any = None, progress: bool | None = None) -> Any:
+        """The batch API for RL pipelines (see dualpath_ray.api.rollout_async): a RolloutResult."""
+        from dualpath_ray.api import rollout_async
+
         if self.deployment is None:
             self.deploy()
-        return asyncio.run(self._run_all(trajectories))
-
-    async def _run_all(self, trajectories: Sequence[TrajectoryInput]) -> dict[str, list[TurnResult]]:
-        started = time.monotonic()
-        runs = [self._run_one(t, started) for t in trajectories]
-        results = await asyncio.gather(*runs)
-        return {t.trajectory_id: r for t, r in zip(trajectories, results)}
-
-    async def _run_one(self, trajectory: TrajectoryInput, started: float) -> list[TurnResult]:
-        delay = trajectory.arrival_s - (time.monotonic() - started)
-        if delay > 0:
-            await asyncio.sleep(delay)
-        context: list[int] = []
-        results: list[TurnResult] = []
-        for index, turn in enumerate(trajectory.turns):
-            if turn.tool_latency_s > 0:
-                await asyncio.sleep(turn.tool_latency_s)
-            context = context + list(turn.appended)
-            result = await self.generate(f"{trajectory.trajectory_id}/t{index}", context, turn.max_new_tokens)
-            results.append(result)
-            context = context + list(result.output_tokens)
-        return results
-
-    async def generate(self, request_id: str, prompt: Sequence[int], max_new_tokens: int, attempt: int = 0) -> TurnResult:
         assert self.deployment is not None
-        spec = RequestSpec(
-            request_id=request_id,
-            attempt=attempt,
-            prompt=np.asarray(prompt, dtype=np.int32),
-            sampling=SamplingParams(max_new_tokens=max_new_tokens),
-            namespace=namespace_for(self.cfg.model.model_id, self.cfg.model.weight_version),
-            submitted_at=time.time(),
-        )
-        return await self.deployment.scheduler.generate.remote(spec)
+        return asyncio.run(rollout_async(self.deployment.scheduler, self.cfg, trajectories, resume, progress))
+
+    def server(self) -> Any:
+        """The named `rollout-server` actor: verl-style `generate`, weight version, cache reset."""
+        from dualpath_ray.api import SERVER_NAME, RolloutServer
+
+        if self.deployment is None:
+            self.deploy()
+        assert self.deployment is not None
+        if self.deployment.server is None:
+            self.deployment.server = RolloutServer.options(
+                name=SERVER_NAME, namespace=self.cfg.runtime.namespace, get_if_exists=True
+            ).remote(self.cfg)
+        return self.deployment.server
 
     # --- observation -------------------------------------------------------------------
 
@@ -233,7 +207,8 @@ class DualPathCluster:
         if d is None:
             return
         ray.get([e.stop.remote() for e in d.engines.values()])
-        for actor in [*d.engines.values(), *d.readers.values(), d.scheduler]:
+        extra = [d.server] if d.server is not None else []
+        for actor in [*d.engines.values(), *d.readers.values(), d.scheduler, *extra]:
             ray.kill(actor, no_restart=True)
         for group in d.groups.values():
             remove_placement_group(group)

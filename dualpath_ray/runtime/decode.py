@@ -9,6 +9,7 @@ The turn's result is reported only after its blocks are stored, so the next turn
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -30,10 +31,14 @@ from dualpath_ray.runtime.messages import (
     NodeCounters,
     PersistedBlock,
     TurnResult,
+    failed_result,
 )
 from dualpath_ray.runtime.prefill import EngineIdentity
 from dualpath_ray.runtime.transport import TransportEndpoint, endpoint_actor_options, make_transport
 from dualpath_ray.scheduling import EngineLoad
+
+
+LOG = logging.getLogger("dualpath_ray.decode")
 
 
 @dataclass
@@ -135,8 +140,29 @@ class DecodeEngine(TransportEndpoint):
 
     # --- handoff: buffer -> HBM ---------------------------------------------------------
 
+    @ray.method(concurrency_group="control")
+    def cancel(self, request_id: str) -> None:
+        """Drop the reservation of a request that failed before it reached this engine."""
+        with self.lock:
+            if request_id not in self.running:
+                self.reserved.pop(request_id, None)
+
     @ray.method(concurrency_group="io")
     def handoff(self, handoff: DecodeHandoff) -> None:
+        try:
+            self._accept_handoff(handoff)
+        except Exception as exc:  # noqa: BLE001 - fail this request, keep serving the others
+            LOG.exception("%s: handoff of %s failed", self.id.engine_id, handoff.task.request.request_id)
+            self._fail(handoff, exc)
+
+    def _fail(self, handoff: DecodeHandoff, exc: BaseException) -> None:
+        spec = handoff.task.request
+        with self.lock:
+            self.running.pop(spec.request_id, None)
+            self.reserved.pop(spec.request_id, None)
+        self.directory.get("scheduler").complete.remote(failed_result(spec, self.id.engine_id, exc))
+
+    def _accept_handoff(self, handoff: DecodeHandoff) -> None:
         task = handoff.task
         spec = task.request
         prompt = [int(t) for t in spec.prompt]
@@ -227,8 +253,13 @@ class DecodeEngine(TransportEndpoint):
                     continue
                 self.compute.decode_pause(len(jobs), sum(job.kv_len for job in jobs))
                 for job in jobs:
-                    self._step(job)
+                    try:
+                        self._step(job)
+                    except Exception as exc:  # noqa: BLE001 - fail this request only
+                        LOG.exception("%s: decode of %s failed", self.id.engine_id, job.handoff.task.request.request_id)
+                        self._fail(job.handoff, exc)
         except BaseException as exc:  # noqa: BLE001 - reported by health()
+            LOG.exception("%s: decode loop died", self.id.engine_id)
             self.error = exc
 
     def _done(self, job: DecodeJob) -> str | None:
@@ -248,7 +279,8 @@ class DecodeEngine(TransportEndpoint):
             self._finish(job, reason)
             return
         n = job.kv_len
-        sampled, new_kv = self.compute.decode(np.asarray(job.tokens), [job.kv[layer, :n] for layer in range(self.layout.n_layer)])
+        past = [job.kv[layer, :n] for layer in range(self.layout.n_layer)]
+        sampled, new_kv = self.compute.decode(np.asarray(job.tokens), past, job.handoff.task.request.sampling.rule())
         for layer, data in enumerate(new_kv):
             job.kv[layer, n : n + 1] = data
         job.kv_len = n + 1

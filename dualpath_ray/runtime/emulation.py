@@ -143,6 +143,21 @@ class Sampled:
     log_prob: float
 
 
+@dataclass(frozen=True)
+class SamplingRule:
+    """How to pick a token from logits; the generator is seeded by (seed, position), so the
+    prefill side (first token) and the decode side pick identically for the same prefix."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def generator(self, position: int) -> torch.Generator | None:
+        if self.temperature == 0.0:
+            return None
+        return torch.Generator().manual_seed((self.seed * 1_000_003 + position) % (1 << 62))
+
+
 class EngineCompute(ABC):
     """What an engine computes; the engines never know whether it is the model or a profile."""
 
@@ -158,11 +173,13 @@ class EngineCompute(ABC):
         return the chunk's KV bytes [end - start, bpt] of that layer."""
 
     @abstractmethod
-    def first_token(self, state: PrefillState) -> Sampled:
+    def first_token(self, state: PrefillState, rule: SamplingRule) -> Sampled:
         """The token after the whole prompt (call after the last layer of the last chunk)."""
 
     @abstractmethod
-    def decode(self, tokens: np.ndarray, kv_layers: list[torch.Tensor]) -> tuple[Sampled, list[torch.Tensor]]:
+    def decode(
+        self, tokens: np.ndarray, kv_layers: list[torch.Tensor], rule: SamplingRule
+    ) -> tuple[Sampled, list[torch.Tensor]]:
         """One decode step for a sequence `tokens` (prompt + generated) whose KV for all but the
         last token is `kv_layers` (per layer [len(tokens) - 1, bpt] bytes); returns the next
         token and the last token's KV bytes per layer ([1, bpt])."""
@@ -196,12 +213,14 @@ class ModelCompute(EngineCompute):
             state.hidden, kv = self.model.forward_layer(layer, state.hidden, positions, past)
         return self.layout.kv_as_bytes(kv)
 
-    def first_token(self, state: PrefillState) -> Sampled:
+    def first_token(self, state: PrefillState, rule: SamplingRule) -> Sampled:
         with torch.inference_mode():
             logits = self.model.logits(state.hidden[-1:])[0]
-        return _greedy(logits)
+        return _sample(logits, rule, len(state.prompt))
 
-    def decode(self, tokens: np.ndarray, kv_layers: list[torch.Tensor]) -> tuple[Sampled, list[torch.Tensor]]:
+    def decode(
+        self, tokens: np.ndarray, kv_layers: list[torch.Tensor], rule: SamplingRule
+    ) -> tuple[Sampled, list[torch.Tensor]]:
         position = len(tokens) - 1
         ids = torch.tensor([int(tokens[-1])], dtype=torch.int64)
         new_kv: list[torch.Tensor] = []
@@ -212,13 +231,14 @@ class ModelCompute(EngineCompute):
                 hidden, kv = self.model.forward_layer(layer, hidden, pos, self.layout.bytes_as_kv(past))
                 new_kv.append(self.layout.kv_as_bytes(kv))
             logits = self.model.logits(hidden)[0]
-        return _greedy(logits), new_kv
+        return _sample(logits, rule, len(tokens)), new_kv
 
 
-def _greedy(logits: torch.Tensor) -> Sampled:
-    log_probs = torch.log_softmax(logits.float(), dim=-1)
-    token = int(torch.argmax(log_probs))
-    return Sampled(token, float(log_probs[token]))
+def _sample(logits: torch.Tensor, rule: SamplingRule, position: int) -> Sampled:
+    from dualpath_ray.model.llama import sample_token
+
+    token, log_prob = sample_token(logits, rule.temperature, rule.top_p, rule.generator(position))
+    return Sampled(int(token), float(log_prob))
 
 
 class ProfileCompute(EngineCompute):
@@ -238,10 +258,12 @@ class ProfileCompute(EngineCompute):
         hashes = prefix_hashes(state.prompt[: state.end])[state.start :]
         return stamp_kv(self.layout, hashes, layer)
 
-    def first_token(self, state: PrefillState) -> Sampled:
+    def first_token(self, state: PrefillState, rule: SamplingRule) -> Sampled:
         return Sampled(stamp_token(int(prefix_hashes(state.prompt)[-1]), self.vocab_size), 0.0)
 
-    def decode(self, tokens: np.ndarray, kv_layers: list[torch.Tensor]) -> tuple[Sampled, list[torch.Tensor]]:
+    def decode(
+        self, tokens: np.ndarray, kv_layers: list[torch.Tensor], rule: SamplingRule
+    ) -> tuple[Sampled, list[torch.Tensor]]:
         hashes = prefix_hashes(tokens)
         last = hashes[-1:]
         new_kv = [stamp_kv(self.layout, last, layer) for layer in range(self.layout.n_layer)]

@@ -8,6 +8,7 @@ from typing import Literal
 
 import numpy as np
 
+from dualpath_ray.runtime.emulation import SamplingRule
 from dualpath_ray.scheduling import EngineLoad
 
 ReadPath = Literal["pe", "de"]
@@ -15,12 +16,16 @@ ReadPath = Literal["pe", "de"]
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request sampling; temperature 0 is greedy (the only mode engines implement today)."""
+    """Per-request sampling; temperature 0 is greedy. Sampling is seeded by (seed, position)."""
 
     max_new_tokens: int = 16
     temperature: float = 0.0
     top_p: float = 1.0
+    seed: int = 0
     stop_token_ids: tuple[int, ...] = ()
+
+    def rule(self) -> SamplingRule:
+        return SamplingRule(self.temperature, self.top_p, self.seed)
 
 
 @dataclass(frozen=True)
@@ -125,3 +130,12 @@ class NodeCounters:
             self.cnic_in[path] += other.cnic_in[path]
             self.cnic_out[path] += other.cnic_out[path]
         self.snic_write += other.snic_write
+
+
+def failed_result(spec: RequestSpec, engine: str, error: BaseException | str) -> TurnResult:
+    """The result of a request an engine could not serve: the caller gets the error, not a hang."""
+    return TurnResult(
+        request_id=spec.request_id, attempt=spec.attempt, output_tokens=(), log_probs=(),
+        stop_reason="error", prompt_tokens=len(spec.prompt), hit_tokens=0, path="pe",
+        prefill_engine=engine, decode_engine="", ttft_s=0.0, tpot_s=0.0, error=f"{engine}: {error!r}",
+    )

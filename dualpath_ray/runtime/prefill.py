@@ -9,6 +9,7 @@ In oracle mode nothing is read or moved: the hit KV is materialised from the sto
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -24,9 +25,12 @@ from dualpath_ray.kv.store import open_store
 from dualpath_ray.model.cost import attention_predictor
 from dualpath_ray.runtime.emulation import PrefillState, make_compute, make_link
 from dualpath_ray.runtime.leader import ActorDirectory, GroupLeader, start_thread
-from dualpath_ray.runtime.messages import DecodeHandoff, NodeCounters, PrefillTask
+from dualpath_ray.runtime.messages import DecodeHandoff, NodeCounters, PrefillTask, failed_result
 from dualpath_ray.runtime.transport import TransportEndpoint, endpoint_actor_options, make_transport
 from dualpath_ray.scheduling import EngineLoad, pack_prefill_batch
+
+
+LOG = logging.getLogger("dualpath_ray.prefill")
 
 
 @dataclass
@@ -158,7 +162,11 @@ class PrefillEngine(TransportEndpoint):
                 done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
                 if len(done) < len(refs):
                     continue
-                extents = dict(zip(job.staging, ray.get(refs)))
+                try:
+                    extents = dict(zip(job.staging, ray.get(refs)))
+                except Exception as exc:  # noqa: BLE001 - a failed read fails this request only
+                    self._fail_staging(job, exc)
+                    continue
                 job.pe_extent, job.de_extent = extents.get("pe"), extents.get("de")
                 job.staging = {}
             if job.hbm is None:
@@ -177,9 +185,47 @@ class PrefillEngine(TransportEndpoint):
                 queue = [(job.request_id, job.computed, len(job.prompt) - job.computed) for job in ready]
                 batch = pack_prefill_batch(queue, self.predict_ms, self.cfg.scheduler.compute_quota_ms)
                 by_id = {job.request_id: job for job in ready}
-                self._run_batch([(by_id[rid], cached, bsz) for rid, cached, bsz in batch])
+                jobs = [(by_id[rid], cached, bsz) for rid, cached, bsz in batch]
+                try:
+                    self._run_batch(jobs)
+                except Exception as exc:  # noqa: BLE001 - fail these requests, keep serving others
+                    LOG.exception("%s: batch failed", self.id.engine_id)
+                    self._fail([job for job, _, _ in jobs], exc)
         except BaseException as exc:  # noqa: BLE001 - reported by health()
+            LOG.exception("%s: worker loop died", self.id.engine_id)
             self.error = exc
+            with self.lock:
+                pending = list(self.jobs)
+            self._fail(pending, exc)
+
+    def _fail(self, jobs: list[PrefillJob], exc: BaseException) -> None:
+        scheduler = self.directory.get("scheduler")
+        for job in jobs:
+            scheduler.complete.remote(failed_result(job.task.request, self.id.engine_id, exc))
+            self._release_extents(job)
+            with self.lock:
+                if job in self.jobs:
+                    self.jobs.remove(job)
+
+    def _fail_staging(self, job: PrefillJob, exc: Exception) -> None:
+        """Free whichever staging extents did get leased, then fail the request."""
+        for side, ref in job.staging.items():
+            try:
+                extent = ray.get(ref)
+            except Exception:  # noqa: BLE001 - that side never leased anything
+                continue
+            if side == "pe":
+                job.pe_extent = extent
+            else:
+                job.de_extent = extent
+        job.staging = {}
+        self._fail([job], exc)
+
+    def _release_extents(self, job: PrefillJob) -> None:
+        if job.pe_extent is not None:
+            self.directory.get(self.id.reader).free.remote(job.pe_extent)
+        if job.de_extent is not None:
+            self.directory.get(f"reader/{job.task.decode_node}").free.remote(job.de_extent)
 
     def _run_batch(self, batch: list[tuple[PrefillJob, int, int]]) -> None:
         states = [self.compute.begin_chunk(job.prompt, cached, cached + bsz) for job, cached, bsz in batch]
@@ -239,7 +285,7 @@ class PrefillEngine(TransportEndpoint):
         self.counters.cnic_out[job.task.path] += ticket.nbytes
 
     def _hand_off(self, job: PrefillJob, state: PrefillState) -> None:
-        sampled = self.compute.first_token(state)
+        sampled = self.compute.first_token(state, job.task.request.sampling.rule())
         if job.pe_extent is not None:
             self.directory.get(self.id.reader).free.remote(job.pe_extent)
         handoff = DecodeHandoff(job.task, job.de_extent, sampled.token, sampled.log_prob, time.time())

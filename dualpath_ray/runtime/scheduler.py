@@ -85,12 +85,17 @@ class SchedulerCore:
             )
         return tasks
 
-    def finish(self, result: TurnResult) -> None:
+    def finish(self, result: TurnResult) -> str | None:
+        """Record a finished turn; returns the decode engine still holding HBM for a failed one."""
         for block in result.persisted:
             self.index.insert_block(block.key, block.parent)
         self.specs.pop(result.request_id, None)
         self.hits.pop(result.request_id, None)
+        entry = self.dispatcher.entries.get(result.request_id)
+        if entry is None:
+            return None
         self.dispatcher.finish(result.request_id, failed=result.error is not None)
+        return entry.decode_engine if result.error is not None and entry.decode_engine else None
 
     def reset_prefix_cache(self) -> None:
         self.index.clear()
@@ -127,7 +132,9 @@ class Scheduler:
         return self.core.fetch_prefill(report)
 
     async def complete(self, result: TurnResult) -> None:
-        self.core.finish(result)
+        holder = self.core.finish(result)
+        if holder is not None:
+            ray.get_actor(holder, namespace=self.core.cfg.runtime.namespace).cancel.remote(result.request_id)
         future = self.pending.pop(result.request_id, None)
         if future is not None and not future.done():
             future.set_result(result)

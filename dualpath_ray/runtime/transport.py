@@ -112,9 +112,7 @@ class TransportState(enum.Enum):
 
 _TRANSITIONS: dict[TransportState, frozenset[TransportState]] = {
     TransportState.AWAITING_WORLD: frozenset({TransportState.READY, TransportState.CLOSED}),
-    TransportState.READY: frozenset(
-        {TransportState.READY, TransportState.BROKEN, TransportState.CLOSED}
-    ),
+    TransportState.READY: frozenset({TransportState.READY, TransportState.BROKEN, TransportState.CLOSED}),
     TransportState.BROKEN: frozenset({TransportState.READY, TransportState.CLOSED}),
     TransportState.CLOSED: frozenset(),
 }
@@ -181,9 +179,7 @@ class Transport(ABC):
 
     kind: str
 
-    def __init__(
-        self, endpoint_name: str, namespace: str, timeout_s: float, verify_bytes: bool
-    ) -> None:
+    def __init__(self, endpoint_name: str, namespace: str, timeout_s: float, verify_bytes: bool) -> None:
         self.endpoint_name = endpoint_name
         self.namespace = namespace
         self.timeout_s = timeout_s
@@ -242,9 +238,7 @@ class Transport(ABC):
             self._release_local(ticket.transfer_id)
             return
         try:
-            self._source_actor(ticket.source).transport_serve.remote(
-                ReleaseRequest(ticket.transfer_id)
-            )
+            self._source_actor(ticket.source).transport_serve.remote(ReleaseRequest(ticket.transfer_id))
         except TransportError:
             pass  # the source is gone, and its offers with it
 
@@ -303,9 +297,7 @@ class Transport(ABC):
             )
         self._check_digest(ticket, targets, reply.digest)
 
-    def _check_digest(
-        self, ticket: TransferTicket, targets: Sequence[torch.Tensor], digest: int | None
-    ) -> None:
+    def _check_digest(self, ticket: TransferTicket, targets: Sequence[torch.Tensor], digest: int | None) -> None:
         if digest is not None and tensors_digest(targets) != digest:
             raise TransportError(f"pull {ticket.transfer_id}: landed bytes differ from the source")
 
@@ -327,8 +319,7 @@ class Transport(ABC):
             handle = ray.get_actor(name, namespace=self.namespace)
         except ValueError as exc:
             raise SourceDiedError(
-                f"source endpoint {name!r} not found in namespace {self.namespace!r} (dead or never "
-                "started)"
+                f"source endpoint {name!r} not found in namespace {self.namespace!r} (dead or never started)"
             ) from exc
         with self._lock:
             self._sources[name] = handle
@@ -345,6 +336,8 @@ class Transport(ABC):
             return ray.get(ref, timeout=self.timeout_s + extra_s)
         except ray.exceptions.GetTimeoutError as exc:
             raise TransportError(f"{name} did not answer within {self.timeout_s + extra_s}s") from exc
+        except ray.exceptions.ActorUnavailableError as exc:
+            raise TransportError(f"{name} is unreachable for now; the request may still run: {exc}") from exc
         except ray.exceptions.RayActorError as exc:
             self._forget_source(name)
             raise SourceDiedError(f"source endpoint {name} died: {exc}") from exc
@@ -453,10 +446,7 @@ def make_transport(
         raise TransportError(f"timeout_s must be > 0 (got {timeout_s})")
     apply_ucx_environment(
         ucx_environment(
-            service_level=service_level,
-            traffic_class=traffic_class,
-            tls=ucx_tls,
-            net_devices=ucx_net_devices,
+            service_level=service_level, traffic_class=traffic_class, tls=ucx_tls, net_devices=ucx_net_devices
         )
     )
     if kind == "nixl":

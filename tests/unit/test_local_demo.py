@@ -101,7 +101,7 @@ def test_demo_command_prints_the_json_result(capsys: pytest.CaptureFixture[str])
 
 
 def test_demo_command_text_output_names_each_turn(capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli.main(["demo"]) == 0, "plain `dualpath demo` runs the local demo for now"
+    assert cli.main(["demo", "--local"]) == 0, "`dualpath demo --local` runs the single-process demo"
     out = capsys.readouterr().out
     assert all(f"turn {n}:" in out for n in (1, 2, 3)) and "OK" in out, f"text output names each turn: {out}"
 

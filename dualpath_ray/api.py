@@ -1,0 +1,276 @@
+"""The Python API for RL pipelines: batch rollouts, a verl-style agent-loop server, RL control.
+
+- `rollout(cluster, trajectories) -> RolloutResult`: every trajectory turn by turn; a trajectory
+  that fails is reported in `failures` while the others finish; `resume=` continues a previous
+  result from each trajectory's first missing turn.
+- `RolloutServer` (a named async actor, `rollout-server`): `generate(request_id, prompt_ids,
+  sampling_params) -> TokenOutput` for many concurrent agent loops; prefix reuse across turns
+  comes from the content-addressed store, so any engine can serve any turn.
+- `update_weight_version(v)` changes the key namespace of all later requests, so KV of an old
+  policy is never served again; `reset_prefix_cache()` forgets every indexed block.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal, Mapping, Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import ray
+
+from dualpath_ray.config import DualPathConfig, ModelConfig
+from dualpath_ray.kv.index import namespace_for
+from dualpath_ray.runtime.messages import RequestSpec, SamplingParams, TurnResult
+from dualpath_ray.workload.trace import Trajectory
+
+SERVER_NAME = "rollout-server"
+_SAMPLING_KEYS = {"max_tokens", "max_new_tokens", "temperature", "top_p", "seed", "stop_token_ids"}
+
+
+class RequestError(ValueError):
+    """One request's arguments are invalid; the message names the request and the field."""
+
+
+@dataclass(frozen=True)
+class TokenOutput:
+    """verl's TokenOutput shape: generated ids, their log-probs, and why generation stopped."""
+
+    token_ids: list[int]
+    log_probs: list[float] | None
+    stop_reason: Literal["completed", "aborted"] | None
+    extra_fields: dict[str, Any] = field(default_factory=dict)
+
+
+def validate_prompt(request_id: str, prompt_ids: Sequence[int], max_new_tokens: int, model: ModelConfig) -> np.ndarray:
+    if len(prompt_ids) == 0:
+        raise RequestError(f"request {request_id}: prompt_ids is empty; send at least one token")
+    prompt = np.asarray(prompt_ids)
+    if not np.issubdtype(prompt.dtype, np.integer):
+        raise RequestError(f"request {request_id}: prompt_ids must be integers (got {prompt.dtype})")
+    bad = np.flatnonzero((prompt < 0) | (prompt >= model.vocab_size))
+    if bad.size:
+        i = int(bad[0])
+        raise RequestError(
+            f"request {request_id}: prompt_ids[{i}] = {int(prompt[i])} is outside the vocabulary "
+            f"[0, {model.vocab_size})"
+        )
+    if len(prompt) + max_new_tokens > model.max_context:
+        raise RequestError(
+            f"request {request_id}: prompt ({len(prompt)} tokens) + max_tokens ({max_new_tokens}) "
+            f"exceeds the model's context of {model.max_context}; shorten the prompt or max_tokens"
+        )
+    return prompt.astype(np.int32)
+
+
+def parse_sampling(request_id: str, params: Mapping[str, Any] | None, default_max_new: int) -> SamplingParams:
+    params = dict(params or {})
+    unknown = set(params) - _SAMPLING_KEYS
+    if unknown:
+        raise RequestError(
+            f"request {request_id}: unknown sampling_params {sorted(unknown)}; allowed: {sorted(_SAMPLING_KEYS)}"
+        )
+    max_new = params.get("max_tokens", params.get("max_new_tokens", default_max_new))
+    temperature = params.get("temperature", 0.0)
+    top_p = params.get("top_p", 1.0)
+    if not isinstance(max_new, int) or isinstance(max_new, bool) or max_new < 1:
+        raise RequestError(f"request {request_id}: sampling_params.max_tokens must be an int >= 1 (got {max_new!r})")
+    if not isinstance(temperature, (int, float)) or not 0.0 <= temperature <= 100.0:
+        raise RequestError(f"request {request_id}: sampling_params.temperature must be in [0, 100] (got {temperature!r})")
+    if not isinstance(top_p, (int, float)) or not 0.0 < top_p <= 1.0:
+        raise RequestError(f"request {request_id}: sampling_params.top_p must be in (0, 1] (got {top_p!r})")
+    stops = params.get("stop_token_ids", ())
+    if not all(isinstance(t, int) for t in stops):
+        raise RequestError(f"request {request_id}: sampling_params.stop_token_ids must be ints (got {stops!r})")
+    return SamplingParams(int(max_new), float(temperature), float(top_p), int(params.get("seed", 0)), tuple(stops))
+
+
+def make_spec(request_id: str, prompt: np.ndarray, sampling: SamplingParams, namespace: str, attempt: int = 0) -> RequestSpec:
+    return RequestSpec(request_id, attempt, prompt, sampling, namespace, time.time())
+
+
+# --- batch rollouts -----------------------------------------------------------------------
+
+
+ROLLOUT_SCHEMA = pa.schema(
+    [
+        ("trajectory_id", pa.string()), ("turn", pa.int32()), ("request_id", pa.string()),
+        ("prompt_tokens", pa.int32()), ("hit_tokens", pa.int32()), ("output_token_ids", pa.list_(pa.int32())),
+        ("log_probs", pa.list_(pa.float32())), ("stop_reason", pa.string()), ("ttft_s", pa.float64()),
+        ("tpot_s", pa.float64()), ("path", pa.string()), ("prefill_engine", pa.string()),
+        ("decode_engine", pa.string()),
+    ]
+)
+
+
+@dataclass
+class RolloutResult:
+    """Per-turn results as an Arrow table, plus the trajectories that failed and why."""
+
+    table: pa.Table
+    failures: dict[str, str]
+    jct_s: float
+    turn_results: dict[str, list[TurnResult]] = field(default_factory=dict)
+
+    def outputs(self) -> dict[str, list[tuple[int, ...]]]:
+        grouped: dict[str, list[tuple[int, ...]]] = {}
+        rows = self.table.sort_by([("trajectory_id", "ascending"), ("turn", "ascending")]).to_pylist()
+        for row in rows:
+            grouped.setdefault(row["trajectory_id"], []).append(tuple(row["output_token_ids"]))
+        return grouped
+
+    def summary(self) -> dict[str, Any]:
+        prompt = pa.compute.sum(self.table["prompt_tokens"]).as_py() or 0
+        hits = pa.compute.sum(self.table["hit_tokens"]).as_py() or 0
+        return {
+            "trajectories": len(set(self.table["trajectory_id"].to_pylist()) | set(self.failures)),
+            "turns": self.table.num_rows,
+            "failed_trajectories": sorted(self.failures),
+            "failures": self.failures,
+            "jct_s": self.jct_s,
+            "hit_rate": hits / prompt if prompt else 0.0,
+            "mean_ttft_s": float(np.mean(self.table["ttft_s"].to_numpy())) if self.table.num_rows else 0.0,
+            "mean_tpot_s": float(np.mean(self.table["tpot_s"].to_numpy())) if self.table.num_rows else 0.0,
+            "requests_by_path": {p: self.table["path"].to_pylist().count(p) for p in ("pe", "de")},
+        }
+
+    def write_parquet(self, path: str) -> None:
+        pq.write_table(self.table, path)
+
+
+def _rows(trajectory_id: str, turn: int, result: TurnResult) -> dict[str, Any]:
+    return {
+        "trajectory_id": trajectory_id, "turn": turn, "request_id": result.request_id,
+        "prompt_tokens": result.prompt_tokens, "hit_tokens": result.hit_tokens,
+        "output_token_ids": list(result.output_tokens), "log_probs": list(result.log_probs),
+        "stop_reason": result.stop_reason, "ttft_s": result.ttft_s, "tpot_s": result.tpot_s,
+        "path": result.path, "prefill_engine": result.prefill_engine, "decode_engine": result.decode_engine,
+    }
+
+
+def _previous_outputs(resume: RolloutResult | None) -> dict[str, list[dict[str, Any]]]:
+    if resume is None:
+        return {}
+    done: dict[str, list[dict[str, Any]]] = {}
+    for row in resume.table.sort_by([("trajectory_id", "ascending"), ("turn", "ascending")]).to_pylist():
+        done.setdefault(row["trajectory_id"], []).append(row)
+    return done
+
+
+class _Progress:
+    def __init__(self, total: int, enabled: bool | None) -> None:
+        self.bar = None
+        if enabled if enabled is not None else sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, unit="turn", desc="rollout")
+
+    def step(self) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+async def _run_trajectory(
+    generate: Any, cfg: DualPathConfig, namespace: str, trajectory: Trajectory, done: list[dict[str, Any]],
+    started: float, progress: _Progress, served: list[TurnResult],
+) -> tuple[list[dict[str, Any]], str | None]:
+    rows = list(done)
+    context: list[int] = []
+    try:
+        delay = trajectory.arrival_s - (time.monotonic() - started)
+        if delay > 0 and not done:
+            await asyncio.sleep(delay)
+        for index, turn in enumerate(trajectory.turns):
+            context = context + list(turn.appended)
+            if index < len(done):
+                context = context + list(done[index]["output_token_ids"])
+                continue
+            if turn.tool_latency_s > 0:
+                await asyncio.sleep(turn.tool_latency_s)
+            request_id = f"{trajectory.trajectory_id}/t{index}"
+            prompt = validate_prompt(request_id, context, turn.gen_len, cfg.model)
+            spec = make_spec(request_id, prompt, SamplingParams(max_new_tokens=turn.gen_len), namespace)
+            result: TurnResult = await generate(spec)
+            if result.error:
+                raise RuntimeError(result.error)
+            rows.append(_rows(trajectory.trajectory_id, index, result))
+            served.append(result)
+            progress.step()
+            context = context + list(result.output_tokens)
+    except Exception as exc:  # noqa: BLE001 - one trajectory's failure must not stop the others
+        return rows, f"{type(exc).__name__}: {exc}"
+    return rows, None
+
+
+async def rollout_async(
+    scheduler: Any, cfg: DualPathConfig, trajectories: Sequence[Trajectory], resume: RolloutResult | None = None,
+    progress: bool | None = None, weight_version: int | None = None,
+) -> RolloutResult:
+    version = cfg.model.weight_version if weight_version is None else weight_version
+    namespace = namespace_for(cfg.model.model_id, version)
+    previous = _previous_outputs(resume)
+    bar = _Progress(sum(len(t.turns) for t in trajectories), progress)
+
+    async def generate(spec: RequestSpec) -> TurnResult:
+        return await scheduler.generate.remote(spec)
+
+    served: dict[str, list[TurnResult]] = {t.trajectory_id: [] for t in trajectories}
+    started = time.monotonic()
+    outcomes = await asyncio.gather(
+        *(
+            _run_trajectory(generate, cfg, namespace, t, previous.get(t.trajectory_id, []), started, bar, served[t.trajectory_id])
+            for t in trajectories
+        )
+    )
+    bar.close()
+    rows = [row for rs, _ in outcomes for row in rs]
+    failures = {t.trajectory_id: err for t, (_, err) in zip(trajectories, outcomes) if err}
+    table = pa.Table.from_pylist(rows, schema=ROLLOUT_SCHEMA)
+    return RolloutResult(table, failures, time.monotonic() - started, served)
+
+
+# --- the agent-loop server ---------------------------------------------------------------
+
+
+@ray.remote(num_cpus=0, max_concurrency=4096)
+class RolloutServer:
+    """verl-style token-in/token-out server in front of the scheduler."""
+
+    def __init__(self, cfg: DualPathConfig) -> None:
+        self.cfg = cfg
+        self.weight_version = cfg.model.weight_version
+        self.scheduler = ray.get_actor("scheduler", namespace=cfg.runtime.namespace)
+
+    async def generate(
+        self, request_id: str, prompt_ids: Sequence[int], sampling_params: Mapping[str, Any] | None = None, **_: Any
+    ) -> TokenOutput:
+        sampling = parse_sampling(request_id, sampling_params, self.cfg.runtime.max_new_tokens)
+        prompt = validate_prompt(request_id, prompt_ids, sampling.max_new_tokens, self.cfg.model)
+        namespace = namespace_for(self.cfg.model.model_id, self.weight_version)
+        result: TurnResult = await self.scheduler.generate.remote(make_spec(request_id, prompt, sampling, namespace))
+        return TokenOutput(
+            list(result.output_tokens), list(result.log_probs), "completed",
+            {"hit_tokens": result.hit_tokens, "path": result.path, "prefill_engine": result.prefill_engine,
+             "decode_engine": result.decode_engine, "ttft_s": result.ttft_s, "tpot_s": result.tpot_s,
+             "weight_version": self.weight_version},
+        )
+
+    async def update_weight_version(self, version: int) -> int:
+        if not isinstance(version, int) or version < 0:
+            raise RequestError(f"weight version must be an int >= 0 (got {version!r})")
+        self.weight_version = version
+        return version
+
+    async def reset_prefix_cache(self) -> None:
+        await self.scheduler.reset_prefix_cache.remote()
+
+    async def get_weight_version(self) -> int:
+        return self.weight_version
