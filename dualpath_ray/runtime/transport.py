@@ -18,7 +18,8 @@ Backends
 Correctness rule shared by both: a pull succeeds only if the source still holds the offer *after*
 the bytes landed (liveness only goes offered -> released, so this proves the views were valid
 during the whole read). A released, unknown or foreign ticket, a shape/dtype mismatch or a dead
-source raises `TransportError`; after a `TransportError` the targets' contents are undefined.
+source raises `TransportError` (`SourceDiedError` for a dead source, so callers can re-offer
+from another copy); after a `TransportError` the targets' contents are undefined.
 
 RDMA hardware mapping
 ---------------------

@@ -207,10 +207,10 @@ class GlooTransport(Transport):
         except SourceDiedError:
             raise
         except TransportError as exc:
-            self._abort_world(world, f"pull {ticket.transfer_id}: {exc}")
+            self._abort_world(world)
             raise
         if not isinstance(outcome, SendOutcome):
-            self._abort_world(world, f"pull {ticket.transfer_id}: unexpected reply {outcome!r}")
+            self._abort_world(world)
             raise TransportError(f"pull {ticket.transfer_id}: {ticket.source} is not a gloo endpoint")
         return outcome
 
@@ -222,7 +222,8 @@ class GlooTransport(Transport):
             self._broken_ranks.add(rank)
             raise TransportError(f"pull {ticket.transfer_id}: receive failed: {exc}") from exc
 
-    def _abort_world(self, world: _World, reason: str) -> None:
+    def _abort_world(self, world: _World) -> None:
+        """The source may still send into posted receives: stop every pair of this group."""
         with self._lock:
             if self._world is not world or self._state is not TransportState.READY:
                 return

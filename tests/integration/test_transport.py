@@ -7,7 +7,6 @@ slots of their own pools; bytes must be identical, and every misuse must raise T
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import os
 import time
 from collections.abc import Iterator
@@ -23,6 +22,7 @@ import torch  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
 from dualpath_ray.runtime.transport import (  # noqa: E402
+    TRANSPORT_GROUP,
     SourceDiedError,
     TransferTicket,
     TransportEndpoint,
@@ -32,16 +32,20 @@ from dualpath_ray.runtime.transport import (  # noqa: E402
     setup_gloo_world,
 )
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
+
+def _nixl_import_error() -> str | None:
+    try:
+        import nixl  # noqa: F401
+    except Exception as exc:  # a broken install counts as missing, whatever it raises
+        return f"`import nixl` fails ({type(exc).__name__}: {exc}); install the nixl extra"
+    return None
+
+
+_NIXL_MISSING = _nixl_import_error()
 KINDS = [
-    pytest.param(
-        "nixl",
-        id="nixl",
-        marks=pytest.mark.skipif(
-            importlib.util.find_spec("nixl") is None, reason="`import nixl` fails: the nixl extra is not installed"
-        ),
-    ),
+    pytest.param("nixl", id="nixl", marks=pytest.mark.skipif(_NIXL_MISSING is not None, reason=str(_NIXL_MISSING))),
     pytest.param("gloo", id="gloo"),
 ]
 SLOTS, LAYERS, BLOCK, WIDTH = 10, 2, 4, 32
@@ -53,13 +57,28 @@ Slot = tuple[int, int]
 class PoolEndpoint(TransportEndpoint):
     """An engine/reader stand-in: a registered uint8 pool [slot, layer, block, width]."""
 
-    def __init__(self, kind: str, name: str, namespace: str, seed: int, verify_bytes: bool = False) -> None:
+    def __init__(
+        self, kind: str, name: str, namespace: str, seed: int, verify_bytes: bool = False, timeout_s: float = 10.0
+    ) -> None:
         generator = torch.Generator().manual_seed(seed)
         self.pool = torch.randint(0, 256, (SLOTS, LAYERS, BLOCK, WIDTH), dtype=torch.uint8, generator=generator)
         self.transport = self.attach_transport(
-            make_transport(kind, name, namespace=namespace, timeout_s=10.0, verify_bytes=verify_bytes)
+            make_transport(kind, name, namespace=namespace, timeout_s=timeout_s, verify_bytes=verify_bytes)
         )
         self.transport.register(self.pool)
+        self.stalls: list[float] = []
+
+    @ray.method(concurrency_group=TRANSPORT_GROUP)
+    def stall(self, seconds: float) -> None:
+        """Occupy a transport thread, as a wedged source would."""
+        self.stalls.append(seconds)
+        time.sleep(seconds)
+
+    def stalled_threads(self) -> int:
+        return len(self.stalls)
+
+    def state(self) -> str:
+        return self.transport.state.value
 
     def offer(self, slots: list[Slot]) -> TransferTicket:
         return self.transport.offer([self.pool[s, layer] for s, layer in slots])
@@ -130,9 +149,12 @@ def cluster() -> Iterator[Cluster]:
     started.shutdown()
 
 
-def _endpoint(kind: str, name: str, namespace: str, node: int, seed: int, verify: bool = False) -> Any:
-    return PoolEndpoint.options(name=name, namespace=namespace, resources={f"node{node}": 0.01}).remote(
-        kind, name, namespace, seed, verify
+def _endpoint(
+    kind: str, name: str, namespace: str, node: int, seed: int, verify: bool = False, **options: Any
+) -> Any:
+    timeout_s = options.pop("timeout_s", 10.0)
+    return PoolEndpoint.options(name=name, namespace=namespace, resources={f"node{node}": 0.01}, **options).remote(
+        kind, name, namespace, seed, verify, timeout_s
     )
 
 
@@ -243,6 +265,26 @@ def test_local_pull_copies_within_the_source(endpoints: Endpoints) -> None:
     moved, landed = ray.get(endpoints.a.pull.remote(ticket, [(0, 1)]))
     assert moved == SLOT_BYTES and landed == ray.get(endpoints.a.slot_bytes.remote([(6, 0)])), "self-pull copies"
     ray.get(endpoints.a.release.remote(ticket))
+
+
+def test_source_that_never_answers_fails_the_pull(endpoints: Endpoints) -> None:
+    wedged = _endpoint(endpoints.kind, "prefill/n1/g1", endpoints.namespace, node=1, seed=5)
+    impatient = _endpoint(endpoints.kind, "decode/n2/g2", endpoints.namespace, node=2, seed=6, timeout_s=1.0)
+    if endpoints.kind == "gloo":
+        setup_gloo_world([endpoints.a, endpoints.b, endpoints.c, wedged, impatient])
+    ticket = ray.get(wedged.offer.remote([(2, 1)]))
+    threads = endpoint_actor_options()["concurrency_groups"][TRANSPORT_GROUP]
+    for _ in range(threads):
+        wedged.stall.remote(9.0)
+    assert _wait_until(lambda: ray.get(wedged.stalled_threads.remote()) == threads), "every transport thread is busy"
+    with pytest.raises(TransportError, match="did not answer"):
+        ray.get(impatient.pull.remote(ticket, [(2, 1)]))
+    if endpoints.kind == "gloo":
+        assert ray.get(impatient.state.remote()) == "broken", "an unanswered gloo request aborts the puller's world"
+        with pytest.raises(TransportError, match="setup_gloo_world"):
+            ray.get(impatient.pull.remote(ticket, [(2, 1)]))
+    for handle in (wedged, impatient):
+        ray.kill(handle)
 
 
 def test_dead_source_raises_and_other_pairs_keep_working(endpoints: Endpoints) -> None:
