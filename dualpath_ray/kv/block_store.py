@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -22,6 +22,8 @@ import torch
 from dualpath_ray.kv.layout import KVLayout
 
 KEY_PATTERN = re.compile(r"[0-9a-f]{32}")
+
+BlockHook = Callable[[int], object]
 
 
 class BlockNotFoundError(KeyError):
@@ -54,6 +56,16 @@ def check_host_block(layout: KVLayout, block: torch.Tensor, what: str) -> None:
     layout.check_full_block(block)
     if block.device.type != "cpu":
         raise ValueError(f"{what} must be a host tensor, got device {block.device}")
+
+
+def check_batch(layout: KVLayout, keys: Sequence[str], outs: Sequence[torch.Tensor]) -> None:
+    """Raise ValueError unless keys and outs pair up, every key is valid, every out a host block."""
+    if len(keys) != len(outs):
+        raise ValueError(f"got {len(keys)} keys but {len(outs)} output blocks: pass one out per key")
+    for key in keys:
+        validate_key(key)
+    for i, out in enumerate(outs):
+        check_host_block(layout, out, f"outs[{i}]")
 
 
 def byte_view(block: torch.Tensor) -> memoryview:
@@ -95,12 +107,34 @@ class BlockStore(ABC):
     def parent_of(self, key: str) -> str | None:
         """The key of the block before `key` (None for a first block)."""
 
-    def get_many_into(self, keys: Sequence[str], outs: Sequence[torch.Tensor]) -> None:
-        """Fill outs[i] with block keys[i]; raises like get_into for the first failing key."""
-        if len(keys) != len(outs):
-            raise ValueError(f"got {len(keys)} keys but {len(outs)} output blocks")
-        for key, out in zip(keys, outs):
-            self.get_into(key, out)
+    def get_many_into(
+        self,
+        keys: Sequence[str],
+        outs: Sequence[torch.Tensor],
+        before_read: BlockHook | None = None,
+        on_verified: BlockHook | None = None,
+    ) -> None:
+        """Fill outs[i] with block keys[i]; raises like get_into for the first failing key.
+
+        Both hooks run on the caller's thread with a block index: before_read(i) just before
+        block i is read (to pace reads, e.g. by a NIC token bucket), on_verified(i) once block i
+        has passed verification, for i = 0, 1, ... in order. Only blocks reported to on_verified
+        may be used; after a raise, the out of every block that was read but not reported holds
+        zeros, never unverified bytes.
+        """
+        check_batch(self.layout, keys, outs)
+        for i, (key, out) in enumerate(zip(keys, outs)):
+            if before_read is not None:
+                before_read(i)
+            try:
+                self.get_into(key, out)
+            except BlockNotFoundError:
+                raise
+            except BaseException:
+                out.zero_()
+                raise
+            if on_verified is not None:
+                on_verified(i)
 
     def get(self, key: str) -> torch.Tensor:
         """A freshly allocated copy of block `key`."""
@@ -112,4 +146,4 @@ class BlockStore(ABC):
         return isinstance(key, str) and self.contains(key)
 
     def close(self) -> None:
-        """Release what the store holds open; the backends here hold nothing between calls."""
+        """Release what the store holds open (threads, handles); reads still work afterwards."""

@@ -1,0 +1,285 @@
+"""The pipelined multi-block read: exact bytes, verified before use, errors named, threads stopped."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from dualpath_ray.config import DualPathConfig
+from dualpath_ray.kv.block_format import checksum
+from dualpath_ray.kv.index import block_keys, namespace_for
+from dualpath_ray.kv.layout import KVLayout
+from dualpath_ray.kv.payload_verifier import MAX_QUEUED_PER_BATCH, PendingCheck, VerifierState, VerifyBatch
+from dualpath_ray.kv.store import (
+    HEADER_SIZE,
+    BlockCorruptedError,
+    BlockNotFoundError,
+    LocalDirStore,
+    MemoryStore,
+)
+
+# 128 KiB blocks: above python-xxhash's 64 KiB threshold, so the verifier hashes without the GIL.
+LAYOUT = KVLayout(n_layer=4, block_size=32, n_kv_head=4, head_dim=64, dtype="bfloat16")
+N_BLOCKS = 10
+KEYS = block_keys(list(range((N_BLOCKS + 2) * LAYOUT.block_size)), LAYOUT.block_size, namespace_for("pipe", 0))
+
+
+def random_block(seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, LAYOUT.full_block_shape, dtype=torch.uint8, generator=generator)
+
+
+BLOCKS = [random_block(100 + i) for i in range(N_BLOCKS)]
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[LocalDirStore]:
+    backend = LocalDirStore(tmp_path / "store", LAYOUT)
+    for parent, key, block in zip([None, *KEYS], KEYS[:N_BLOCKS], BLOCKS):
+        backend.put(key, block, parent=parent)
+    yield backend
+    backend.close()
+
+
+def fresh_outs(n: int = N_BLOCKS) -> list[torch.Tensor]:
+    return [torch.full(LAYOUT.full_block_shape, 0x5A, dtype=torch.uint8) for _ in range(n)]
+
+
+def flip_payload_byte(store: LocalDirStore, key: str, offset: int) -> None:
+    path = store.path_of(key)
+    data = bytearray(path.read_bytes())
+    data[HEADER_SIZE + offset] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_get_many_into_is_byte_identical(store: LocalDirStore) -> None:
+    for n in (0, 1, 2, N_BLOCKS):
+        outs = fresh_outs(n)
+        store.get_many_into(KEYS[:n], outs)
+        assert all(torch.equal(o, b) for o, b in zip(outs, BLOCKS)), f"a batch of {n} must read back exactly"
+    assert store.verifier.state is VerifierState.RUNNING, "a batch must start the store's verifier threads"
+
+
+def test_blocks_are_reported_in_order_only_once_verified(store: LocalDirStore) -> None:
+    outs = fresh_outs()
+    reads: list[int] = []
+    verified: list[int] = []
+
+    def on_verified(i: int) -> None:
+        assert torch.equal(outs[i], BLOCKS[i]), f"block {i} must hold its verified bytes when reported"
+        verified.append(i)
+
+    store.get_many_into(KEYS[:N_BLOCKS], outs, before_read=reads.append, on_verified=on_verified)
+    assert reads == list(range(N_BLOCKS)), "before_read must run once per block, in block order"
+    assert verified == list(range(N_BLOCKS)), "on_verified must report every block once, in block order"
+
+
+@pytest.mark.parametrize("bad", [0, 4, N_BLOCKS - 1])
+def test_corrupted_block_in_a_batch_raises_naming_its_key(store: LocalDirStore, bad: int) -> None:
+    flip_payload_byte(store, KEYS[bad], LAYOUT.full_block_bytes // 3)
+    outs = fresh_outs()
+    verified: list[int] = []
+    with pytest.raises(BlockCorruptedError, match="payload checksum") as raised:
+        store.get_many_into(KEYS[:N_BLOCKS], outs, on_verified=verified.append)
+    assert KEYS[bad] in str(raised.value), "the error must name the corrupted block's key"
+    assert verified == list(range(bad)), "only the blocks before the corrupted one may be reported verified"
+    assert all(torch.equal(outs[i], BLOCKS[i]) for i in range(bad)), "blocks reported verified must be exact"
+    assert int(outs[bad].count_nonzero()) == 0, "the corrupted block's bytes must not be left in its out"
+    for i in range(bad + 1, N_BLOCKS):
+        assert not torch.equal(outs[i], BLOCKS[i]), f"unreported block {i} must not be left looking like data"
+    good = (bad + 1) % N_BLOCKS
+    again = fresh_outs(1)
+    store.get_many_into([KEYS[good]], again)
+    assert torch.equal(again[0], BLOCKS[good]), "the store must keep reading exactly after a failed batch"
+
+
+def test_truncated_block_in_a_batch_is_detected_and_scrubbed(store: LocalDirStore) -> None:
+    path = store.path_of(KEYS[3])
+    path.write_bytes(path.read_bytes()[: HEADER_SIZE + 100])
+    outs = fresh_outs()
+    with pytest.raises(BlockCorruptedError, match="truncated") as raised:
+        store.get_many_into(KEYS[:N_BLOCKS], outs)
+    assert KEYS[3] in str(raised.value), "the error must name the truncated block's key"
+    assert int(outs[3].count_nonzero()) == 0, "a truncated block's partial bytes must not be left in its out"
+
+
+def test_missing_key_in_a_batch_raises_block_not_found(store: LocalDirStore) -> None:
+    keys = [*KEYS[:3], KEYS[N_BLOCKS + 1], *KEYS[3:5]]
+    verified: list[int] = []
+    with pytest.raises(BlockNotFoundError) as raised:
+        store.get_many_into(keys, fresh_outs(len(keys)), on_verified=verified.append)
+    assert KEYS[N_BLOCKS + 1] in str(raised.value), "the error must name the missing key"
+    assert verified == [0, 1, 2], "the blocks before the miss must be verified and reported"
+
+
+def test_first_failing_block_wins(store: LocalDirStore) -> None:
+    flip_payload_byte(store, KEYS[2], 0)
+    store.delete(KEYS[6])
+    with pytest.raises(BlockCorruptedError) as raised:
+        store.get_many_into(KEYS[:N_BLOCKS], fresh_outs())
+    assert KEYS[2] in str(raised.value), "the first failing block in key order must be the one raised"
+
+
+def test_bad_arguments_are_rejected_before_any_read(store: LocalDirStore) -> None:
+    reads: list[int] = []
+    with pytest.raises(ValueError, match="2 keys but 1 output"):
+        store.get_many_into(KEYS[:2], fresh_outs(1), before_read=reads.append)
+    with pytest.raises(ValueError, match="invalid block key"):
+        store.get_many_into([KEYS[0], "../etc"], fresh_outs(2), before_read=reads.append)
+    with pytest.raises(ValueError, match="uint8 Full Block"):
+        store.get_many_into(KEYS[:2], [fresh_outs(1)[0], torch.zeros(3, dtype=torch.uint8)], before_read=reads.append)
+    assert reads == [], "a batch with a bad key or out must fail before reading anything"
+
+
+def test_a_raising_hook_propagates_and_leaves_the_store_usable(store: LocalDirStore) -> None:
+    def on_verified(i: int) -> None:
+        if i == 2:
+            raise RuntimeError("hook failed")
+
+    with pytest.raises(RuntimeError, match="hook failed"):
+        store.get_many_into(KEYS[:N_BLOCKS], fresh_outs(), on_verified=on_verified)
+    outs = fresh_outs()
+    store.get_many_into(KEYS[:N_BLOCKS], outs)
+    assert all(torch.equal(o, b) for o, b in zip(outs, BLOCKS)), "the next batch must read exactly"
+
+
+def test_concurrent_batches_share_the_verifier(store: LocalDirStore) -> None:
+    results: dict[int, bool] = {}
+
+    def read(worker: int) -> None:
+        outs = fresh_outs()
+        order = list(range(N_BLOCKS))[worker:] + list(range(N_BLOCKS))[:worker]
+        store.get_many_into([KEYS[i] for i in order], outs)
+        results[worker] = all(torch.equal(o, BLOCKS[i]) for o, i in zip(outs, order))
+
+    threads = [threading.Thread(target=read, args=(w,)) for w in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert results == {w: True for w in range(4)}, "concurrent batches must each read their blocks exactly"
+
+
+def test_close_stops_the_threads_and_reads_still_verify(store: LocalDirStore) -> None:
+    store.get_many_into(KEYS[:N_BLOCKS], fresh_outs())
+    threads = store.verifier.threads()
+    assert threads and all(t.is_alive() for t in threads), "a batch must leave the verifier threads running"
+    store.close()
+    for thread in threads:
+        thread.join(timeout=10)
+    assert not any(t.is_alive() for t in threads), "close() must stop every verifier thread"
+    assert store.verifier.state is VerifierState.CLOSED, "close() must move the verifier to CLOSED"
+    store.close()
+    outs = fresh_outs()
+    store.get_many_into(KEYS[:N_BLOCKS], outs)
+    assert all(torch.equal(o, b) for o, b in zip(outs, BLOCKS)), "a closed store must still read exactly"
+    assert store.verifier.threads() == threads, "a closed store must not start new threads"
+    flip_payload_byte(store, KEYS[1], 7)
+    with pytest.raises(BlockCorruptedError, match=KEYS[1]):
+        store.get_many_into(KEYS[:N_BLOCKS], fresh_outs())
+
+
+def test_zero_verify_threads_verifies_on_the_caller(tmp_path: Path) -> None:
+    serial = LocalDirStore(tmp_path, LAYOUT, verify_threads=0)
+    for key, block in zip(KEYS, BLOCKS):
+        serial.put(key, block)
+    outs = fresh_outs()
+    serial.get_many_into(KEYS[:N_BLOCKS], outs)
+    assert all(torch.equal(o, b) for o, b in zip(outs, BLOCKS)), "serial verification must read exactly"
+    assert serial.verifier.threads() == [], "verify_threads=0 must never start a thread"
+    with pytest.raises(ValueError, match="verify_threads"):
+        LocalDirStore(tmp_path, LAYOUT, verify_threads=-1)
+
+
+def test_a_verifier_that_never_runs_cannot_stall_a_batch() -> None:
+    handed: list[PendingCheck] = []
+
+    def submit(check: PendingCheck) -> bool:
+        handed.append(check)
+        return True
+
+    verified: list[int] = []
+    batch = VerifyBatch(submit, verified.append)
+    for i, block in enumerate(BLOCKS):
+        payload = memoryview(block.numpy()).cast("B")
+        batch.add(i, payload, checksum(payload), f"block {i}")
+    batch.finish()
+    assert verified == list(range(N_BLOCKS)), "every block must be verified even if the verifier never runs"
+    assert len(handed) <= MAX_QUEUED_PER_BATCH, "a batch must not queue more than its bound for the verifiers"
+    assert not any(check.claim() for check in handed), "every handed-over check must have been claimed and run"
+
+
+def test_default_batch_read_scrubs_a_corrupted_block() -> None:
+    memory = MemoryStore(LAYOUT)
+    for key, block in zip(KEYS, BLOCKS[:4]):
+        memory.put(key, block)
+    memory.corrupt(KEYS[2], offset=5)
+    outs = fresh_outs(4)
+    verified: list[int] = []
+    with pytest.raises(BlockCorruptedError, match=KEYS[2]):
+        memory.get_many_into(KEYS[:4], outs, on_verified=verified.append)
+    assert verified == [0, 1], "the default batch read must report only the blocks before the bad one"
+    assert int(outs[2].count_nonzero()) == 0, "the default batch read must not leave corrupted bytes in the out"
+
+
+def reader_config(tmp_path: Path) -> DualPathConfig:
+    cfg = DualPathConfig()
+    return cfg.model_copy(
+        update={
+            "cluster": cfg.cluster.model_copy(update={"buffer_blocks_per_node": 8}),
+            "emulation": cfg.emulation.model_copy(update={"enabled": False}),
+            "store": cfg.store.model_copy(update={"root": str(tmp_path)}),
+        }
+    )
+
+
+def test_reader_read_queue_drops_per_verified_block(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from dualpath_ray.runtime.reader import ReaderCore
+
+    core = ReaderCore(reader_config(tmp_path), "n0", str(tmp_path))
+    layout = core.layout
+    keys = block_keys(list(range(4 * layout.block_size)), layout.block_size, namespace_for("reader", 0))
+    for i, key in enumerate(keys):
+        core.store.put(key, torch.full(layout.full_block_shape, i + 1, dtype=torch.uint8))
+    seen: list[tuple[int, int, int]] = []
+    inner = core.store.get_many_into
+
+    def recording(keys, outs, before_read=None, on_verified=None):  # type: ignore[no-untyped-def]
+        def verified(i: int) -> None:
+            on_verified(i)
+            seen.append((i, core.read_q(), core.counters.snic_read["pe"]))
+
+        inner(keys, outs, before_read=before_read, on_verified=verified)
+
+    monkeypatch.setattr(core.store, "get_many_into", recording)
+    extent_id = core.read_blocks("r1", keys, 6, "pe")
+    expected = [(i, (3 - i) * layout.block_size, (i + 1) * layout.full_block_bytes) for i in range(4)]
+    assert seen == expected, "each verified block must leave the read queue and enter the SNIC counter at once"
+    assert core.read_q() == 0, "the read queue must be exactly empty after the read"
+    assert core.snic.bytes_total == 4 * layout.full_block_bytes, "the SNIC link must be charged once per block"
+    slots = core._extents[extent_id].slots
+    for i in range(4):
+        assert int(core.pool.full_block(slots[i])[0, 0, 0]) == i + 1, f"hit block {i} must land in slot {i}"
+    core.free(extent_id)
+    core.store.close()
+
+
+def test_reader_failed_read_frees_the_extent_and_empties_the_queue(tmp_path: Path) -> None:
+    from dualpath_ray.runtime.reader import ReaderCore
+
+    core = ReaderCore(reader_config(tmp_path), "n0", str(tmp_path))
+    layout = core.layout
+    keys = block_keys(list(range(4 * layout.block_size)), layout.block_size, namespace_for("reader", 1))
+    for i, key in enumerate(keys[:2]):
+        core.store.put(key, torch.full(layout.full_block_shape, i + 1, dtype=torch.uint8))
+    free_before = core.pool.check_integrity().free
+    with pytest.raises(BlockNotFoundError, match=keys[2]):
+        core.read_blocks("r1", keys, 4, "de")
+    assert core.read_q() == 0, "a failed read must leave no tokens in the read queue"
+    assert core.counters.snic_read["de"] == 2 * layout.full_block_bytes, "only the verified blocks are counted"
+    assert core.pool.check_integrity().free == free_before, "a failed read must free the extent it leased"
+    core.store.close()
