@@ -195,7 +195,7 @@ class StorageReader(TransportEndpoint):
         extent = self.core.lease(owner, 1)
         try:
             full = self.core.pool.full_block(extent.slots[0])
-            self.transport.pull(ticket, [full[layer] for layer in range(self.core.layout.n_layer)])
+            self.transport.pull(ticket, [full])
             return self.core.write_block(block, full)
         finally:
             self.core.free(extent.extent_id)
