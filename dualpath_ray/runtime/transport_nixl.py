@@ -13,8 +13,9 @@ TCP/shm):
   ``register_nixl_memory`` (registration is per storage, counted).
 * A dead source surfaces as ``OwnerDiedError`` from ``ray.get`` within milliseconds.
 * A borrower never drops the RDT metadata it registered when deserialising the ref (Ray's TODO
-  #57962), about 0.7 KB per ticket here; a successful pull drops it, so each deserialised ticket
-  is pulled at most once per process and must not be forwarded after being pulled.
+  #57962), about 0.7 KB per ticket here; a successful pull drops it. So a deserialised ticket is
+  pulled at most once per process; sent on after its pull it travels as a plain ref, which its
+  source can still release but nobody can pull. Non-endpoint relays (the scheduler) still leak.
 """
 
 from __future__ import annotations

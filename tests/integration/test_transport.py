@@ -98,6 +98,16 @@ class PoolEndpoint(TransportEndpoint):
         self.transport.release(message["ticket"])
         return result
 
+    def pull_and_hand_back(self, ticket: TransferTicket, slots: list[Slot], source: Any) -> tuple[int, str]:
+        """Pull, send the ticket itself back to its source's release method, then pull again."""
+        moved, _ = self.pull(ticket, slots)
+        ray.get(source.release.remote(ticket))
+        try:
+            self.pull(ticket, slots)
+        except TransportError as exc:
+            return moved, str(exc)
+        return moved, ""
+
     def pull_raw(self, ticket: TransferTicket, targets: list[torch.Tensor]) -> int:
         return self.transport.pull(ticket, targets)
 
@@ -206,6 +216,17 @@ def test_ticket_crosses_two_hops_and_puller_releases(endpoints: Endpoints) -> No
     if endpoints.kind == "nixl":
         assert _wait_until(lambda: ray.get(endpoints.a.rdt_counts.remote())[0] == 0), "source frees its RDT object"
         assert ray.get(endpoints.c.rdt_counts.remote()) == (0, 0), "puller keeps no RDT metadata after a pull"
+
+
+def test_puller_hands_the_pulled_ticket_back_to_its_source(endpoints: Endpoints) -> None:
+    ticket = ray.get(endpoints.a.offer.remote([(9, 0)]))
+    moved, second_pull = ray.get(endpoints.b.pull_and_hand_back.remote(ticket, [(8, 1)], endpoints.a))
+    assert moved == SLOT_BYTES, "the first pull moves the block"
+    assert ray.get(endpoints.a.outstanding.remote()) == 0, "a pulled ticket sent back to its source releases it"
+    assert second_pull, "pulling a ticket again after its release raises TransportError"
+    del ticket
+    if endpoints.kind == "nixl":
+        assert _wait_until(lambda: ray.get(endpoints.a.rdt_counts.remote())[0] == 0), "source frees its RDT object"
 
 
 def test_many_concurrent_transfers_in_both_directions(endpoints: Endpoints) -> None:
