@@ -16,6 +16,9 @@ import os
 import sys
 from pathlib import Path
 
+# Run as a script from a job's working directory: import the package shipped beside it.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 from dualpath_ray.commands.run import add_run_arguments, run_trace
 from dualpath_ray.config import ConfigError, load_config
 

@@ -22,6 +22,7 @@ import torch
 from dualpath_ray.config import DualPathConfig
 from dualpath_ray.kv.index import block_keys
 from dualpath_ray.kv.layout import KVLayout, split_by_blocks
+from dualpath_ray.kv.pool import BufferPool
 from dualpath_ray.kv.store import open_store
 from dualpath_ray.runtime.emulation import make_compute, make_link
 from dualpath_ray.runtime.leader import ActorDirectory, GroupLeader, start_thread
@@ -39,6 +40,8 @@ from dualpath_ray.scheduling import EngineLoad
 
 
 LOG = logging.getLogger("dualpath_ray.decode")
+# Full Blocks one engine may have on their way to the store at once (D2H staging slots).
+PERSIST_STAGING_BLOCKS = 32
 
 
 @dataclass
@@ -75,6 +78,8 @@ class DecodeEngine(TransportEndpoint):
         self.directory = ActorDirectory(cfg.runtime.namespace)
         store_cfg = cfg.store.model_copy(update={"root": store_root}) if store_root else cfg.store
         self.store = open_store(store_cfg, self.layout)
+        self.staging = BufferPool(PERSIST_STAGING_BLOCKS, self.layout)
+        self.transport.register(self.staging.buffer)
         self.capacity = cfg.cluster.hbm_tokens_per_engine
         self.reserved: dict[str, int] = {}
         self.running: dict[str, DecodeJob] = {}
@@ -232,16 +237,37 @@ class DecodeEngine(TransportEndpoint):
         spec = job.handoff.task.request
         keys = block_keys(job.tokens[: (block + 1) * size], size, spec.namespace)
         persisted = PersistedBlock(keys[block], keys[block - 1] if block else None)
-        pieces = [job.kv[layer, block * size : (block + 1) * size] for layer in range(self.layout.n_layer)]
-        if job.handoff.task.oracle:
-            self.store.put(persisted.key, torch.stack(pieces), parent=persisted.parent)
-        else:
-            ticket = self.transport.offer(pieces)
-            self.cnic_out.take(ticket.nbytes)
-            self.counters.cnic_out[job.handoff.task.path] += ticket.nbytes
-            owner = f"{spec.request_id}#{spec.attempt}"
-            job.persists.append((ticket, self.directory.get(self.id.reader).persist.remote(owner, persisted, ticket)))
         job.persisted.append(persisted)
+        if job.handoff.task.oracle:
+            self.store.put(persisted.key, job.kv[:, block * size : (block + 1) * size].contiguous(), parent=persisted.parent)
+            return
+        # D2H staging: the block is copied into a slot of this engine's registered staging pool,
+        # so in-flight persists never offer overlapping views of the live KV tensor.
+        owner = f"{spec.request_id}#{spec.attempt}"
+        while (extent := self.staging.lease(owner, 1)) is None:
+            self._settle_persist(job.persists.pop(0) if job.persists else self._oldest_persist())
+        staged = self.staging.full_block(extent.slots[0])
+        staged.copy_(job.kv[:, block * size : (block + 1) * size])
+        ticket = self.transport.offer([staged])
+        self.cnic_out.take(ticket.nbytes)
+        self.counters.cnic_out[job.handoff.task.path] += ticket.nbytes
+        ref = self.directory.get(self.id.reader).persist.remote(owner, persisted, ticket)
+        job.persists.append((ticket, ref, extent.extent_id))
+
+    def _oldest_persist(self) -> tuple[Any, Any, int]:
+        with self.lock:
+            for other in self.running.values():
+                if other.persists:
+                    return other.persists.pop(0)
+        raise RuntimeError(f"{self.id.engine_id}: persist staging is full with nothing in flight")
+
+    def _settle_persist(self, pending: tuple[Any, Any, int]) -> None:
+        ticket, ref, extent_id = pending
+        try:
+            ray.get(ref)
+        finally:
+            self.transport.release(ticket)
+            self.staging.release(extent_id)
 
     def _decode_loop(self) -> None:
         try:
@@ -290,9 +316,8 @@ class DecodeEngine(TransportEndpoint):
             self._persist(job, job.kv_len // self.layout.block_size - 1)
 
     def _finish(self, job: DecodeJob, reason: str) -> None:
-        for ticket, ref in job.persists:
-            ray.get(ref)
-            self.transport.release(ticket)
+        while job.persists:
+            self._settle_persist(job.persists.pop(0))
         task = job.handoff.task
         spec = task.request
         finished = time.time()

@@ -1,0 +1,120 @@
+"""The RL-facing API on an embedded 1P1D cluster: concurrent verl-style agent loops, weight
+versions, prefix-cache reset, per-request validation, and per-trajectory failure isolation."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from tests.helpers import ray_test_env, runtime_config, trajectories
+
+ray_test_env()
+
+import numpy as np  # noqa: E402
+
+from dualpath_ray.api import RequestError  # noqa: E402
+from dualpath_ray.runtime.cluster import DualPathCluster  # noqa: E402
+from dualpath_ray.workload.trace import Trajectory, Turn  # noqa: E402
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    cfg = runtime_config(transport="gloo", verify_kv=False)
+    cfg = cfg.with_overrides(cluster={"snic_gbps": 1.0})
+    c = DualPathCluster.start(cfg)
+    c.deploy("dualpath")
+    yield c
+    c.shutdown()
+
+
+async def agent_loop(server, agent: int, turns: int, rng: np.random.Generator, version_change_at: int | None):
+    """One agent: prompt grows by its previous output plus a tool observation each turn."""
+    context = [int(x) for x in rng.integers(0, 512, 150)]
+    hits = []
+    for turn in range(turns):
+        if version_change_at is not None and turn == version_change_at:
+            hits.append("version")
+        out = await server.generate.remote(f"agent{agent}-t{turn}", context, {"max_tokens": 5})
+        hits.append(out.extra_fields["hit_tokens"])
+        assert out.stop_reason == "completed" and len(out.token_ids) == 5, "each turn generates max_tokens"
+        assert len(out.log_probs) == 5, "one log-prob per generated token"
+        context = context + list(out.token_ids) + [int(x) for x in rng.integers(0, 512, 40)]
+    return hits
+
+
+def test_sixteen_concurrent_agent_loops_reuse_their_prefix(cluster):
+    server = cluster.server()
+
+    async def run():
+        rngs = [np.random.default_rng(100 + a) for a in range(16)]
+        return await asyncio.gather(*(agent_loop(server, a, 4, rngs[a], None) for a in range(16)))
+
+    for agent, hits in enumerate(asyncio.run(run())):
+        assert hits[0] == 0, f"agent {agent}: the first turn has nothing stored"
+        assert all(b > a for a, b in zip(hits, hits[1:])), f"agent {agent}: hit tokens grow turn by turn: {hits}"
+
+
+def test_weight_version_change_makes_the_next_turn_miss(cluster):
+    import ray
+
+    server = cluster.server()
+    rng = np.random.default_rng(5)
+    context = [int(x) for x in rng.integers(0, 512, 200)]
+    first = ray.get(server.generate.remote("wv-0", context, {"max_tokens": 4}))
+    context = context + list(first.token_ids) + [1, 2, 3]
+    reused = ray.get(server.generate.remote("wv-1", context, {"max_tokens": 4}))
+    assert reused.extra_fields["hit_tokens"] > 0, "same policy: the turn reuses the stored prefix"
+    ray.get(server.update_weight_version.remote(7))
+    after = ray.get(server.generate.remote("wv-2", context, {"max_tokens": 4}))
+    assert after.extra_fields["hit_tokens"] == 0, "KV of an old policy is never served after an update"
+    assert after.extra_fields["weight_version"] == 7, "the server reports the version it served with"
+    again = ray.get(server.generate.remote("wv-3", context + list(after.token_ids), {"max_tokens": 4}))
+    assert again.extra_fields["hit_tokens"] > 0, "the new policy's own blocks are reused"
+    ray.get(server.reset_prefix_cache.remote())
+    reset = ray.get(server.generate.remote("wv-4", context + list(after.token_ids), {"max_tokens": 4}))
+    assert reset.extra_fields["hit_tokens"] == 0, "after reset_prefix_cache nothing is hit"
+    ray.get(server.update_weight_version.remote(0))
+
+
+@pytest.mark.parametrize(
+    "prompt, params, field",
+    [
+        ([1, 2, 600], {"max_tokens": 2}, "prompt_ids[2]"),
+        ([], {"max_tokens": 2}, "empty"),
+        ([1] * 2047, {"max_tokens": 8}, "context"),
+        ([1, 2, 3], {"temperature": -1}, "temperature"),
+        ([1, 2, 3], {"top_p": 0}, "top_p"),
+        ([1, 2, 3], {"max_tokens": 0}, "max_tokens"),
+        ([1, 2, 3], {"beam_width": 2}, "unknown"),
+    ],
+)
+def test_bad_requests_fail_alone_with_a_clear_error(cluster, prompt, params, field):
+    import ray
+
+    server = cluster.server()
+    good = server.generate.remote("ok-" + field, [5, 6, 7, 8], {"max_tokens": 2})
+    with pytest.raises(RequestError, match=field):
+        ray.get(server.generate.remote("bad-" + field, prompt, params))
+    assert len(ray.get(good).token_ids) == 2, "a valid request sent alongside a bad one is served"
+
+
+def test_rollout_reports_a_failed_trajectory_and_finishes_the_others(cluster):
+    trajs = trajectories(count=3, turns=2)
+    bad = Trajectory("bad", (Turn((1, 2, 3), 4), Turn((9999,), 4)))
+    result = cluster.rollout([*trajs, bad], progress=False)
+    assert set(result.failures) == {"bad"}, "only the trajectory with an out-of-vocabulary token fails"
+    assert "outside the vocabulary" in result.failures["bad"], "the failure says what was wrong"
+    table = result.table.to_pylist()
+    assert {(r["trajectory_id"], r["turn"]) for r in table} >= {(t.trajectory_id, k) for t in trajs for k in range(2)}, (
+        "every turn of the good trajectories is present"
+    )
+    assert ("bad", 0) in {(r["trajectory_id"], r["turn"]) for r in table}, "the bad trajectory keeps its good first turn"
+    resumed = cluster.rollout([*trajs, Trajectory("bad", (bad.turns[0], Turn((7,), 4)))], resume=result, progress=False)
+    assert resumed.failures == {}, "resuming with the turn fixed completes every trajectory"
+    before = result.outputs()
+    after = resumed.outputs()
+    assert all(after[t.trajectory_id] == before[t.trajectory_id] for t in trajs), "completed turns are kept, not rerun"
+    assert len(after["bad"]) == 2 and after["bad"][0] == before["bad"][0], "resume continues from the first missing turn"
