@@ -57,7 +57,7 @@ def ray_head(tmp_path_factory):
     nodes = [start_node(["--head", f"--port={port}", f"--dashboard-port={dashboard}", "--include-dashboard=true",
                          "--num-cpus=1", '--resources={"dualpath_head": 1}'])]
     address = f"127.0.0.1:{port}"
-    time.sleep(3)
+    wait_for_nodes(address, 1)
     for role in ("prefill", "decode"):
         nodes.append(start_node([f"--address={address}", "--num-cpus=1", "--num-gpus=2",
                                  f'--resources={{"dualpath_{role}_slot": 1}}', f"--labels=dualpath/role={role}"]))
@@ -93,13 +93,13 @@ def test_ray_job_submit_rollout_matches_a_direct_rollout(ray_head, tmp_path):
     trajs = trajectories(count=3, turns=3)
     trace = write_trace(trajs, tmp_path / "trace.parquet")
     out, summary = tmp_path / "out" / "results.parquet", tmp_path / "out" / "summary.json"
-    submit = subprocess.run(
-        ["ray", "job", "submit", f"--address={dashboard}", f"--working-dir={REPO}",
-         "--metadata-json", json.dumps({"trainer_run_id": "run-42"}), "--",
-         "python", "jobs/rollout.py", "--config", str(config_path), "--trace", str(trace),
-         "--out", str(out), "--summary", str(summary)],
-        env=cli_env(), capture_output=True, text=True, timeout=600,
-    )
+    command = [
+        "ray", "job", "submit", f"--address={dashboard}", f"--working-dir={REPO}",
+        "--metadata-json", json.dumps({"trainer_run_id": "run-42"}), "--",
+        "python", "jobs/rollout.py", "--config", str(config_path), "--trace", str(trace),
+        "--out", str(out), "--summary", str(summary),
+    ]
+    submit = submit_when_ready(command)
     assert submit.returncode == 0, f"the job must reach SUCCEEDED:\n{submit.stdout[-4000:]}\n{submit.stderr[-4000:]}"
     assert "SUCCEEDED" in submit.stdout + submit.stderr, "ray job submit reports the final state"
     report = json.loads(summary.read_text())
@@ -118,6 +118,17 @@ def test_ray_job_submit_rollout_matches_a_direct_rollout(ray_head, tmp_path):
     assert direct.returncode == 0, f"direct rollout failed:\n{direct.stderr[-4000:]}"
     direct_outputs = {tuple(k): tuple(v) for k, v in json.loads(direct.stdout.strip().splitlines()[-1])}
     assert job_outputs == direct_outputs, "the job's outputs equal a direct cluster.rollout of the same trace"
+
+
+def submit_when_ready(command: list[str], timeout_s: float = 120.0) -> subprocess.CompletedProcess:
+    """`ray job submit`, retried while the head's job agent is still starting (nothing was
+    submitted then: the server answers 'No available agent')."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        submit = subprocess.run(command, env=cli_env(), capture_output=True, text=True, timeout=600)
+        if "No available agent" not in submit.stderr or time.monotonic() > deadline:
+            return submit
+        time.sleep(3)
 
 
 DIRECT_ROLLOUT = """
