@@ -112,6 +112,9 @@ class RuntimeConfig(_Section):
     transport: Literal["nixl", "gloo"] = Field("nixl", description="KV transport between nodes.")
     namespace: str = Field("dualpath", min_length=1, description="Ray namespace of all actors.")
     max_new_tokens: int = Field(16, ge=1, description="Default generation length per turn.")
+    placement_timeout_s: float = Field(
+        60.0, gt=0, description="How long to wait for the P/D placement groups before failing."
+    )
     verify_kv: bool = Field(
         False, description="Decode engines check every assembled KV byte (tests; costs a recompute)."
     )

@@ -108,7 +108,7 @@ class DualPathCluster:
         root = store_root or (str(cfg.store.root) if cfg.store.root else self._fresh_root())
         ns = cfg.runtime.namespace
         warnings = [w for w in [warn_if_outside_bounds(cfg)] if w]
-        groups = create_role_groups(cfg)
+        groups = create_role_groups(cfg, cfg.runtime.placement_timeout_s)
         scheduler = Scheduler.options(
             name="scheduler", namespace=ns, lifetime="detached", get_if_exists=True,
             resources={HEAD_RESOURCE: 0.01} if self.local_cluster else None,

@@ -120,3 +120,15 @@ def test_rollout_reports_a_failed_trajectory_and_finishes_the_others(cluster):
     after = resumed.outputs()
     assert all(after[t.trajectory_id] == before[t.trajectory_id] for t in trajs), "completed turns are kept, not rerun"
     assert len(after["bad"]) == 2 and after["bad"][0] == before["bad"][0], "resume continues from the first missing turn"
+
+
+def test_an_unsatisfiable_topology_is_a_clear_error_not_a_hang(cluster):
+    import time
+
+    from dualpath_ray.runtime.topology import TopologyError, create_role_groups
+
+    cfg = cluster.cfg.with_overrides(cluster={"prefill_nodes": 2}, runtime={"namespace": "dualpath-probe"})
+    started = time.monotonic()
+    with pytest.raises(TopologyError, match=r"2 prefill node\(s\).*has 1 alive node"):
+        create_role_groups(cfg, timeout_s=3.0)
+    assert time.monotonic() - started < 30, "the error comes after the placement timeout, not a hang"
