@@ -119,6 +119,19 @@ def test_ray_job_submit_rollout_matches_a_direct_rollout(ray_head, tmp_path):
     direct_outputs = {tuple(k): tuple(v) for k, v in json.loads(direct.stdout.strip().splitlines()[-1])}
     assert job_outputs == direct_outputs, "the job's outputs equal a direct cluster.rollout of the same trace"
 
+    cli_out = tmp_path / "cli" / "results.parquet"
+    run = subprocess.run(
+        [str(BIN / "dualpath"), "run", "--config", str(config_path), "--trace", str(trace), "--mode", "basic",
+         "--out", str(cli_out), "--address", address],
+        env=cli_env(), capture_output=True, text=True, timeout=600,
+    )
+    assert run.returncode == 0, f"`dualpath run` on the same cluster failed:\n{run.stderr[-4000:]}"
+    cli_rows = pq.read_table(cli_out).to_pylist()
+    assert {(r["trajectory_id"], r["turn"]): tuple(r["output_token_ids"]) for r in cli_rows} == job_outputs, (
+        "`dualpath run --mode basic` serves the same tokens as the job in dualpath mode"
+    )
+    assert {r["path"] for r in cli_rows} == {"pe"}, "basic mode reads only through the prefill node"
+
 
 def submit_when_ready(command: list[str], timeout_s: float = 120.0) -> subprocess.CompletedProcess:
     """`ray job submit`, retried while the head's job agent is still starting (nothing was
