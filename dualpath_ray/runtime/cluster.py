@@ -99,10 +99,15 @@ class DualPathCluster:
             ray.init(address=address, namespace=cfg.runtime.namespace)
         return cls(cfg, None)
 
-    def deploy(self, mode: str | None = None, store_root: str | None = None) -> Deployment:
-        """Start the scheduler, one reader per node and one engine per GPU; verify placement."""
+    def deploy(self, mode: str | None = None, store_root: str | None = None, cfg: DualPathConfig | None = None) -> Deployment:
+        """Start the scheduler, one reader per node and one engine per GPU; verify placement.
+        `cfg` may replace the configuration for this deployment if its topology is unchanged."""
         if self.deployment is not None:
             self.teardown()
+        if cfg is not None:
+            if cfg.cluster != self.cfg.cluster:
+                raise ValueError("deploy(cfg=...) cannot change the cluster section; start a new cluster")
+            self.cfg = cfg
         cfg = self.cfg
         mode = mode or cfg.runtime.mode
         root = store_root or (str(cfg.store.root) if cfg.store.root else self._fresh_root())

@@ -48,6 +48,9 @@ def runs(request: pytest.FixtureRequest):
                 "placement": deployment.placement,
                 "named": [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"] == "scheduler"],
             }
+        profile = cfg.with_overrides(emulation={"compute": "profile"})
+        cluster.deploy("dualpath", cfg=profile)
+        observed["profile"] = {"results": cluster.run_trajectories(trajs), "health": cluster.health()}
         cluster.teardown()
         observed["leftover"] = [
             a for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == cfg.runtime.namespace
@@ -128,3 +131,14 @@ def test_pools_are_free_after_the_run_and_no_actor_leaks(runs):
         for node, (free, leased, in_flight, capacity) in observed[mode]["pools"].items():
             assert (leased, in_flight) == (0, 0) and free == capacity, f"{mode} {node}: buffer pool not fully free"
     assert observed["leftover"] == [], f"teardown must remove every named actor: {observed['leftover']}"
+
+
+def test_profile_compute_stamps_kv_that_the_decode_side_verifies(runs):
+    _, _, observed = runs
+    profile = observed["profile"]
+    assert profile["health"] == {}, "profile-mode engines ran without failures"
+    results = [r for turns in profile["results"].values() for r in turns]
+    assert all(r.kv_bytes_verified > 0 and r.kv_mismatches == 0 for r in results), (
+        "every stamped KV byte the decode engines assemble matches the (prefix, layer, position) pattern"
+    )
+    assert all(t[1].hit_tokens > 0 for t in profile["results"].values()), "profile mode persists and reuses blocks too"
