@@ -116,11 +116,12 @@ class BlockStore(ABC):
     ) -> None:
         """Fill outs[i] with block keys[i]; raises like get_into for the first failing key.
 
-        Both hooks run on the caller's thread with a block index: before_read(i) just before
-        block i is read (to pace reads, e.g. by a NIC token bucket), on_verified(i) once block i
-        has passed verification, for i = 0, 1, ... in order. Only blocks reported to on_verified
-        may be used; after a raise, the out of every block that was read but not reported holds
-        zeros, never unverified bytes.
+        The hooks take a block index. before_read(i) runs just before block i is read (to pace
+        reads, e.g. by a NIC token bucket) on the thread that reads it: a backend may read
+        blocks on several threads at once, so the hook must be thread-safe. on_verified(i) runs
+        on the caller's thread once block i has passed verification, for i = 0, 1, ... in
+        order. Only blocks reported to on_verified may be used; after a raise, the out of every
+        block that was read but not reported holds zeros, never unverified bytes.
         """
         check_batch(self.layout, keys, outs)
         for i, (key, out) in enumerate(zip(keys, outs)):

@@ -32,7 +32,7 @@ from dualpath_ray.kv.block_store import (
     validate_key,
 )
 from dualpath_ray.kv.layout import KVLayout
-from dualpath_ray.kv.payload_verifier import PayloadVerifier
+from dualpath_ray.kv.read_helpers import BatchRead, ReadHelpers
 
 BLOCK_SUFFIX = ".kvb"
 TEMP_SUFFIX = ".tmp"
@@ -48,15 +48,15 @@ class LocalDirStore(BlockStore):
     on one key publish identical bytes (a key names its content). Directories are never
     removed, so a put never races a cleanup of its directory.
 
-    Multi-block reads are pipelined: get_many_into reads block i+1 on the caller's thread while
-    one of the store's `verify_threads` checksums block i (both release the GIL), so verifying
-    costs the reader little more than the plain read when a core is free for the hash. Those
-    threads start on the first get_many_into and stop in close(); after close the store still
-    reads, verifying on the caller's thread. Every method is safe to call from several threads
-    at once; concurrent get_many_into calls share the verifier threads.
+    Multi-block reads overlap: in get_many_into the caller and up to `read_threads` helper
+    threads each read and verify whole blocks, so one checksums block i while another reads
+    block i+1 (readv and xxhash both release the GIL), and verification costs the reader little
+    when a core is free. The helpers start on the first get_many_into and stop in close(); after
+    close the store still reads, on the caller's thread alone. Every method is safe to call from
+    several threads at once; concurrent get_many_into calls share the helpers.
     """
 
-    def __init__(self, root: str | Path, layout: KVLayout, fsync: bool = False, verify_threads: int = 1) -> None:
+    def __init__(self, root: str | Path, layout: KVLayout, fsync: bool = False, read_threads: int = 1) -> None:
         self._root = Path(root)
         if self._root.exists() and not self._root.is_dir():
             raise ValueError(f"store root {self._root} exists and is not a directory")
@@ -67,7 +67,7 @@ class LocalDirStore(BlockStore):
         self._block_shape = torch.Size(layout.full_block_shape)
         self._file_bytes = HEADER_SIZE + layout.full_block_bytes
         self.fsync = fsync
-        self._verifier = PayloadVerifier(verify_threads, name=f"store-{self._root.name}")
+        self._helpers = ReadHelpers(read_threads, name=f"store-{self._root.name}")
 
     @property
     def root(self) -> Path:
@@ -117,41 +117,37 @@ class LocalDirStore(BlockStore):
         before_read: BlockHook | None = None,
         on_verified: BlockHook | None = None,
     ) -> None:
-        """BlockStore.get_many_into, pipelined: block i is verified while block i+1 is read.
+        """BlockStore.get_many_into, read by the caller and the store's helper threads together.
 
-        A block is reported to on_verified only after its checksum matched; the first failing
-        block (in key order) raises, once no store thread still reads any of `outs`.
+        Each block is read and verified on one thread while the others read the next blocks;
+        before_read(i) runs on the thread that reads block i, so it must be thread-safe.
+        on_verified(i) runs on the caller's thread, in block order, after block i's checksum
+        matched. The first failing block (in key order) raises once no store thread still
+        touches any of `outs`.
         """
         check_batch(self.layout, keys, outs)
-        batch = self._verifier.batch(on_verified)
-        started = 0
+
+        def read_block(index: int) -> None:
+            if before_read is not None:
+                before_read(index)
+            verify_payload(*self._read_unverified(keys[index], outs[index]))
+
+        batch = BatchRead(len(keys), read_block, on_verified)
         try:
-            for i, (key, out) in enumerate(zip(keys, outs)):
-                if batch.failed:
-                    break
-                if before_read is not None:
-                    before_read(i)
-                started = i + 1
-                try:
-                    unverified = self._read_unverified(key, out)
-                except BaseException:
-                    batch.finish()
-                    raise
-                batch.add(i, *unverified)
-            batch.finish()
+            batch.run(self._helpers)
         except BaseException:
-            batch.drain()
-            for out in outs[batch.verified : started]:
+            batch.stop()
+            for out in outs[batch.verified : batch.claimed]:
                 out.zero_()
             raise
 
     def close(self) -> None:
-        """Stop the verifier threads (after the checks already queued); reads still work."""
-        self._verifier.close()
+        """Stop the helper threads (after the jobs already queued); reads still work."""
+        self._helpers.close()
 
     @property
-    def verifier(self) -> PayloadVerifier:
-        return self._verifier
+    def helpers(self) -> ReadHelpers:
+        return self._helpers
 
     def contains(self, key: str) -> bool:
         return self.path_of(key).is_file()

@@ -83,10 +83,10 @@ class ReaderCore:
     def read_blocks(self, owner: str, keys: list[str], total_blocks: int, path: str) -> int:
         """Lease an extent of total_blocks and read the hit blocks `keys` into its first slots.
 
-        One pipelined store read of all hit blocks; the SNIC bucket is taken per block just
-        before that block's read, and each block leaves the read queue (and enters the SNIC
-        read counter) once it is verified. On a failure the extent is freed and the queue
-        drops every block that was not read.
+        One store read of all hit blocks (the store overlaps them on its helper threads); the
+        SNIC bucket is taken per block just before that block's read, and each block leaves the
+        read queue (and enters the SNIC read counter) once it is verified. On a failure the
+        extent is freed and the queue drops every block that was not read.
         """
         block_bytes = self.layout.full_block_bytes
         block_tokens = self.layout.block_size

@@ -1,4 +1,4 @@
-"""The pipelined multi-block read: exact bytes, verified before use, errors named, threads stopped."""
+"""The overlapped multi-block read: exact bytes, verified before use, errors named, threads stopped."""
 
 from __future__ import annotations
 
@@ -10,10 +10,9 @@ import pytest
 import torch
 
 from dualpath_ray.config import DualPathConfig
-from dualpath_ray.kv.block_format import checksum
 from dualpath_ray.kv.index import block_keys, namespace_for
 from dualpath_ray.kv.layout import KVLayout
-from dualpath_ray.kv.payload_verifier import MAX_QUEUED_PER_BATCH, PendingCheck, VerifierState, VerifyBatch
+from dualpath_ray.kv.read_helpers import BatchRead, HelperState, ReadHelpers
 from dualpath_ray.kv.store import (
     HEADER_SIZE,
     BlockCorruptedError,
@@ -22,7 +21,7 @@ from dualpath_ray.kv.store import (
     MemoryStore,
 )
 
-# 128 KiB blocks: above python-xxhash's 64 KiB threshold, so the verifier hashes without the GIL.
+# 128 KiB blocks: above python-xxhash's 64 KiB threshold, so the helpers hash without the GIL.
 LAYOUT = KVLayout(n_layer=4, block_size=32, n_kv_head=4, head_dim=64, dtype="bfloat16")
 N_BLOCKS = 10
 KEYS = block_keys(list(range((N_BLOCKS + 2) * LAYOUT.block_size)), LAYOUT.block_size, namespace_for("pipe", 0))
@@ -61,7 +60,7 @@ def test_get_many_into_is_byte_identical(store: LocalDirStore) -> None:
         outs = fresh_outs(n)
         store.get_many_into(KEYS[:n], outs)
         assert all(torch.equal(o, b) for o, b in zip(outs, BLOCKS)), f"a batch of {n} must read back exactly"
-    assert store.verifier.state is VerifierState.RUNNING, "a batch must start the store's verifier threads"
+    assert store.helpers.state is HelperState.RUNNING, "a batch must start the store's helper threads"
 
 
 def test_blocks_are_reported_in_order_only_once_verified(store: LocalDirStore) -> None:
@@ -74,7 +73,7 @@ def test_blocks_are_reported_in_order_only_once_verified(store: LocalDirStore) -
         verified.append(i)
 
     store.get_many_into(KEYS[:N_BLOCKS], outs, before_read=reads.append, on_verified=on_verified)
-    assert reads == list(range(N_BLOCKS)), "before_read must run once per block, in block order"
+    assert sorted(reads) == list(range(N_BLOCKS)), "before_read must run once per block"
     assert verified == list(range(N_BLOCKS)), "on_verified must report every block once, in block order"
 
 
@@ -147,7 +146,7 @@ def test_a_raising_hook_propagates_and_leaves_the_store_usable(store: LocalDirSt
     assert all(torch.equal(o, b) for o, b in zip(outs, BLOCKS)), "the next batch must read exactly"
 
 
-def test_concurrent_batches_share_the_verifier(store: LocalDirStore) -> None:
+def test_concurrent_batches_share_the_helpers(store: LocalDirStore) -> None:
     results: dict[int, bool] = {}
 
     def read(worker: int) -> None:
@@ -164,53 +163,71 @@ def test_concurrent_batches_share_the_verifier(store: LocalDirStore) -> None:
     assert results == {w: True for w in range(4)}, "concurrent batches must each read their blocks exactly"
 
 
+def test_helpers_read_blocks_beside_the_caller(store: LocalDirStore) -> None:
+    gate = threading.Event()
+    readers: dict[int, str] = {}
+
+    def before_read(i: int) -> None:
+        readers[i] = threading.current_thread().name
+        if i == 0:
+            assert gate.wait(timeout=30), "another thread must read a block while block 0's reader waits"
+        else:
+            gate.set()
+
+    outs = fresh_outs()
+    store.get_many_into(KEYS[:N_BLOCKS], outs, before_read=before_read)
+    assert all(torch.equal(o, b) for o, b in zip(outs, BLOCKS)), "an overlapped batch must read exactly"
+    assert readers[1] != readers[0], "another thread must read block 1 while block 0's reader is held"
+    assert threading.current_thread().name in readers.values(), "the caller must read blocks itself too"
+
+
 def test_close_stops_the_threads_and_reads_still_verify(store: LocalDirStore) -> None:
     store.get_many_into(KEYS[:N_BLOCKS], fresh_outs())
-    threads = store.verifier.threads()
-    assert threads and all(t.is_alive() for t in threads), "a batch must leave the verifier threads running"
+    threads = store.helpers.threads()
+    assert threads and all(t.is_alive() for t in threads), "a batch must leave the helper threads running"
     store.close()
     for thread in threads:
         thread.join(timeout=10)
-    assert not any(t.is_alive() for t in threads), "close() must stop every verifier thread"
-    assert store.verifier.state is VerifierState.CLOSED, "close() must move the verifier to CLOSED"
+    assert not any(t.is_alive() for t in threads), "close() must stop every helper thread"
+    assert store.helpers.state is HelperState.CLOSED, "close() must move the helpers to CLOSED"
     store.close()
     outs = fresh_outs()
     store.get_many_into(KEYS[:N_BLOCKS], outs)
     assert all(torch.equal(o, b) for o, b in zip(outs, BLOCKS)), "a closed store must still read exactly"
-    assert store.verifier.threads() == threads, "a closed store must not start new threads"
+    assert store.helpers.threads() == threads, "a closed store must not start new threads"
     flip_payload_byte(store, KEYS[1], 7)
     with pytest.raises(BlockCorruptedError, match=KEYS[1]):
         store.get_many_into(KEYS[:N_BLOCKS], fresh_outs())
 
 
-def test_zero_verify_threads_verifies_on_the_caller(tmp_path: Path) -> None:
-    serial = LocalDirStore(tmp_path, LAYOUT, verify_threads=0)
+def test_zero_read_threads_reads_on_the_caller(tmp_path: Path) -> None:
+    serial = LocalDirStore(tmp_path, LAYOUT, read_threads=0)
     for key, block in zip(KEYS, BLOCKS):
         serial.put(key, block)
     outs = fresh_outs()
-    serial.get_many_into(KEYS[:N_BLOCKS], outs)
-    assert all(torch.equal(o, b) for o, b in zip(outs, BLOCKS)), "serial verification must read exactly"
-    assert serial.verifier.threads() == [], "verify_threads=0 must never start a thread"
-    with pytest.raises(ValueError, match="verify_threads"):
-        LocalDirStore(tmp_path, LAYOUT, verify_threads=-1)
+    readers: set[str] = set()
+    serial.get_many_into(KEYS[:N_BLOCKS], outs, before_read=lambda i: readers.add(threading.current_thread().name))
+    assert all(torch.equal(o, b) for o, b in zip(outs, BLOCKS)), "a serial batch must read exactly"
+    assert readers == {threading.current_thread().name}, "read_threads=0 must read every block on the caller"
+    assert serial.helpers.threads() == [], "read_threads=0 must never start a thread"
+    with pytest.raises(ValueError, match="read_threads"):
+        LocalDirStore(tmp_path, LAYOUT, read_threads=-1)
 
 
-def test_a_verifier_that_never_runs_cannot_stall_a_batch() -> None:
-    handed: list[PendingCheck] = []
-
-    def submit(check: PendingCheck) -> bool:
-        handed.append(check)
-        return True
-
+def test_busy_helpers_cannot_stall_a_batch() -> None:
+    helpers = ReadHelpers(1, "test")
+    release = threading.Event()
+    assert helpers.offer(lambda: release.wait(timeout=30) and None, 1) == 1, "an idle helper must take a job"
+    done: list[int] = []
     verified: list[int] = []
-    batch = VerifyBatch(submit, verified.append)
-    for i, block in enumerate(BLOCKS):
-        payload = memoryview(block.numpy()).cast("B")
-        batch.add(i, payload, checksum(payload), f"block {i}")
-    batch.finish()
-    assert verified == list(range(N_BLOCKS)), "every block must be verified even if the verifier never runs"
-    assert len(handed) <= MAX_QUEUED_PER_BATCH, "a batch must not queue more than its bound for the verifiers"
-    assert not any(check.claim() for check in handed), "every handed-over check must have been claimed and run"
+    batch = BatchRead(N_BLOCKS, done.append, verified.append)
+    batch.run(helpers)
+    assert verified == list(range(N_BLOCKS)), "a batch must finish on its caller while every helper is busy"
+    assert done == list(range(N_BLOCKS)), "the caller must read every block, in order, when no helper is free"
+    assert helpers.offer(lambda: None, 5) == 0, "no job may be queued for a helper that is not idle"
+    release.set()
+    helpers.close()
+    assert not any(t.is_alive() for t in helpers.threads()), "close() must stop a helper once its job ends"
 
 
 def test_default_batch_read_scrubs_a_corrupted_block() -> None:
