@@ -256,6 +256,8 @@ class RolloutServer:
         prompt = validate_prompt(request_id, prompt_ids, sampling.max_new_tokens, self.cfg.model)
         namespace = namespace_for(self.cfg.model.model_id, self.weight_version)
         result: TurnResult = await self.scheduler.generate.remote(make_spec(request_id, prompt, sampling, namespace))
+        if result.error:
+            raise RuntimeError(f"request {request_id} failed: {result.error}")
         return TokenOutput(
             list(result.output_tokens), list(result.log_probs), "completed",
             {"hit_tokens": result.hit_tokens, "path": result.path, "prefill_engine": result.prefill_engine,

@@ -130,7 +130,9 @@ class ReaderCore:
         return written
 
 
-@ray.remote(**endpoint_actor_options(extra_concurrency_groups={"io": 16}))
+# "io" methods may wait for free buffer blocks; everything that frees blocks or moves bytes out
+# of an extent runs on "ctl", so a full pool can always drain.
+@ray.remote(**endpoint_actor_options(extra_concurrency_groups={"io": 16, "ctl": 8}))
 class StorageReader(TransportEndpoint):
     """The per-node reader actor (`reader/<node>`): a thin shell around ReaderCore."""
 
@@ -157,11 +159,11 @@ class StorageReader(TransportEndpoint):
     def lease(self, owner: str, n_blocks: int) -> int:
         return self.core.lease(owner, n_blocks).extent_id
 
-    @ray.method(concurrency_group="io")
+    @ray.method(concurrency_group="ctl")
     def free(self, extent_id: int) -> None:
         self.core.free(extent_id)
 
-    @ray.method(concurrency_group="io")
+    @ray.method(concurrency_group="ctl")
     def offer(self, extent_id: int, layer: int, start: int, end: int, path: str) -> TransferTicket:
         """Offer tokens [start, end) of one layer of an extent for a pull by an engine."""
         views = self.core.token_views(extent_id, layer, start, end)
@@ -171,12 +173,12 @@ class StorageReader(TransportEndpoint):
         self.core.counters.cnic_out[path] += ticket.nbytes
         return ticket
 
-    @ray.method(concurrency_group="io")
+    @ray.method(concurrency_group="ctl")
     def release(self, ticket: TransferTicket) -> None:
         self.transport.release(ticket)
         self.core.pool.end_transfer(self.offered.pop(ticket.transfer_id))
 
-    @ray.method(concurrency_group="io")
+    @ray.method(concurrency_group="ctl")
     def receive(self, extent_id: int, layer: int, start: int, ticket: TransferTicket, path: str) -> int:
         """Pull an engine's offered KV of tokens [start, start + n) of one layer into an extent."""
         tokens = sum(shape[0] for shape in ticket.shapes)
@@ -200,15 +202,15 @@ class StorageReader(TransportEndpoint):
         finally:
             self.core.free(extent.extent_id)
 
-    @ray.method(concurrency_group="io")
+    @ray.method(concurrency_group="ctl")
     def read_q(self) -> int:
         return self.core.read_q()
 
-    @ray.method(concurrency_group="io")
+    @ray.method(concurrency_group="ctl")
     def counters(self) -> NodeCounters:
         return self.core.counters
 
-    @ray.method(concurrency_group="io")
+    @ray.method(concurrency_group="ctl")
     def pool_integrity(self) -> tuple[int, int, int, int]:
         counts = self.core.pool.check_integrity()
         return (counts.free, counts.leased, counts.in_flight, counts.capacity)
