@@ -12,6 +12,7 @@ import torch
 from dualpath_ray.config import DualPathConfig
 from dualpath_ray.kv.index import block_keys, namespace_for
 from dualpath_ray.kv.layout import KVLayout
+from dualpath_ray.kv.local_store import HELPED_BLOCK_BYTES
 from dualpath_ray.kv.read_helpers import BatchRead, HelperState, ReadHelpers
 from dualpath_ray.kv.store import (
     HEADER_SIZE,
@@ -21,7 +22,8 @@ from dualpath_ray.kv.store import (
     MemoryStore,
 )
 
-# 128 KiB blocks: above python-xxhash's 64 KiB threshold, so the helpers hash without the GIL.
+# 128 KiB blocks: above python-xxhash's 64 KiB threshold, so the helpers hash without the GIL
+# (below HELPED_BLOCK_BYTES, so the fixture asks for its helper explicitly).
 LAYOUT = KVLayout(n_layer=4, block_size=32, n_kv_head=4, head_dim=64, dtype="bfloat16")
 N_BLOCKS = 10
 KEYS = block_keys(list(range((N_BLOCKS + 2) * LAYOUT.block_size)), LAYOUT.block_size, namespace_for("pipe", 0))
@@ -37,7 +39,7 @@ BLOCKS = [random_block(100 + i) for i in range(N_BLOCKS)]
 
 @pytest.fixture
 def store(tmp_path: Path) -> Iterator[LocalDirStore]:
-    backend = LocalDirStore(tmp_path / "store", LAYOUT)
+    backend = LocalDirStore(tmp_path / "store", LAYOUT, read_threads=1)
     for parent, key, block in zip([None, *KEYS], KEYS[:N_BLOCKS], BLOCKS):
         backend.put(key, block, parent=parent)
     yield backend
@@ -212,6 +214,15 @@ def test_zero_read_threads_reads_on_the_caller(tmp_path: Path) -> None:
     assert serial.helpers.threads() == [], "read_threads=0 must never start a thread"
     with pytest.raises(ValueError, match="read_threads"):
         LocalDirStore(tmp_path, LAYOUT, read_threads=-1)
+
+
+def test_helpers_by_default_only_for_blocks_they_speed_up(tmp_path: Path) -> None:
+    small = LocalDirStore(tmp_path / "small", LAYOUT)
+    big_layout = KVLayout(n_layer=8, block_size=64, n_kv_head=4, head_dim=64, dtype="bfloat16")
+    big = LocalDirStore(tmp_path / "big", big_layout)
+    assert big_layout.full_block_bytes >= HELPED_BLOCK_BYTES > LAYOUT.full_block_bytes, "test layouts"
+    assert small.helpers.size == 0, "blocks under HELPED_BLOCK_BYTES must be read by the caller alone"
+    assert big.helpers.size == 1, "blocks of HELPED_BLOCK_BYTES or more must get one helper by default"
 
 
 def test_busy_helpers_cannot_stall_a_batch() -> None:
