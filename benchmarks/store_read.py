@@ -5,18 +5,27 @@ Writes N Full Blocks into a LocalDirStore, then times, in the same process and p
 - plain_readv: os.open + one os.readv of the whole file into one big buffer + os.close, per
   file, in order (the fastest plain sequential read Python offers; no parsing, no checksum);
 - plain_readinto: the same with open(path, "rb", buffering=0).readinto (the everyday way);
-- get_into: LocalDirStore.get_into per block into a BufferPool slot (one readv of header and
-  payload straight into the slot, header checked, xxh3_64 of the payload verified);
-- no_payload_hash (diagnostic, not a store API): get_into without the payload checksum, to
-  split the store's cost into its format/Python overhead and the checksum itself.
+- get_many_into: LocalDirStore.get_many_into of all N blocks into BufferPool slots: the caller
+  and the store's helper thread each read and verify whole blocks, so one hashes block i while
+  the other reads block i+1; every payload verified;
+- get_many_serial: the same call on a store with read_threads=0 (every block read and verified
+  on the calling thread), to show what the helper buys;
+- get_into: LocalDirStore.get_into per block (single-block path, sequential; for reference);
+- no_payload_hash (diagnostic, not a store API): reads and header checks without the payload
+  checksum, to split the store's cost into its format/Python overhead and the checksum itself;
+- plain_readv_x2 (reference): plain_readv split over two threads, what two unverified readers
+  give on this machine.
 Reports median GB/s of payload bytes per method and the median of the per-repetition ratios
-to each plain baseline. Goal: get_into / plain >= 0.9. Run: .venv/bin/python benchmarks/store_read.py
+to each plain baseline. Goal: get_many_into / plain >= 0.9. `--busy K` runs K busy-looping
+processes while timing, to show what is left when the second core is taken.
+Run: .venv/bin/python benchmarks/store_read.py
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import platform
 import statistics
@@ -24,6 +33,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -53,6 +63,9 @@ class BenchResult:
     block_bytes: int
     total_mib: float
     repetitions: int
+    busy_processes: int
+    load_average: tuple[float, float]
+    idle_cores_while_timing: float | None
     methods: list[MethodResult]
     checksum_only_gbps: float
     machine: str
@@ -67,6 +80,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--repetitions", type=int, default=15, help="timed rounds per method")
+    parser.add_argument("--busy", type=int, default=0, help="busy-looping processes while timing (default 0)")
     parser.add_argument("--root", type=Path, default=None, help="store directory (default: a temp dir)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     return parser.parse_args(argv)
@@ -103,6 +117,20 @@ def plain_readv(paths: list[str], file_bytes: int) -> Callable[[], None]:
     return read_all
 
 
+def plain_readv_x2(paths: list[str], file_bytes: int) -> Callable[[], None]:
+    """plain_readv over even files on a second thread while this thread reads the odd ones."""
+    even = plain_readv(paths[0::2], file_bytes)
+    odd = plain_readv(paths[1::2], file_bytes)
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bench-plain")
+
+    def read_all() -> None:
+        other = pool.submit(even)
+        odd()
+        other.result()
+
+    return read_all
+
+
 def plain_readinto(paths: list[str], file_bytes: int) -> Callable[[], None]:
     slices = file_slices(len(paths), file_bytes)
 
@@ -115,47 +143,81 @@ def plain_readinto(paths: list[str], file_bytes: int) -> Callable[[], None]:
     return read_all
 
 
-def run(args: argparse.Namespace) -> BenchResult:
-    layout = KVLayout(args.n_layer, args.block_size, args.n_kv_head, args.head_dim, args.dtype)
-    with tempfile.TemporaryDirectory(prefix="dualpath-store-bench-") as scratch:
-        store = LocalDirStore(args.root or Path(scratch), layout)
-        keys, source = fill_store(store, args.blocks)
-        paths = [str(store.path_of(key)) for key in keys]
-        file_bytes = os.path.getsize(paths[0])
-        pool = BufferPool(args.blocks, layout, pin=False)
-        pool.buffer.fill_(0)
-        extent = pool.lease("bench", args.blocks)
-        assert extent is not None
-        outs = pool.full_blocks(extent)
+def cpu_ticks() -> tuple[int, int] | None:
+    """(idle, total) jiffies of all CPUs from /proc/stat; None where there is none."""
+    try:
+        with open("/proc/stat") as stat:
+            fields = [int(v) for v in stat.readline().split()[1:]]
+    except OSError:
+        return None
+    return fields[3] + fields[4], sum(fields)
 
-        def get_into() -> None:
-            for key, out in zip(keys, outs):
-                store.get_into(key, out)
 
-        def no_payload_hash() -> None:
-            for key, out in zip(keys, outs):
-                store._read_unverified(key, out)
+def idle_cores(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
+    """CPUs left idle between two cpu_ticks samples (this process's own work included)."""
+    if before is None or after is None or after[1] == before[1]:
+        return None
+    return (after[0] - before[0]) / (after[1] - before[1]) * (os.cpu_count() or 1)
 
-        methods: dict[str, Callable[[], None]] = {
-            "plain_readv": plain_readv(paths, file_bytes),
-            "plain_readinto": plain_readinto(paths, file_bytes),
-            "get_into": get_into,
-            "no_payload_hash": no_payload_hash,
-        }
-        for method in methods.values():
-            method()
-        seconds: dict[str, list[float]] = {name: [] for name in methods}
-        names = list(methods)
-        for rep in range(args.repetitions):
-            for name in names[rep % len(names) :] + names[: rep % len(names)]:
-                start = time.perf_counter()
-                methods[name]()
-                seconds[name].append(time.perf_counter() - start)
-        if not torch.equal(pool.buffer[list(extent.slots)], source):
-            raise RuntimeError("store reads did not deliver the bytes that were written")
-        checksum_gbps = checksum_only(outs)
-    payload = args.blocks * layout.full_block_bytes
-    results = [
+
+def busy_loop() -> None:
+    while True:
+        pass
+
+
+def start_busy(count: int) -> list[multiprocessing.Process]:
+    """`count` processes spinning on a core each: the competition a shared machine brings."""
+    context = multiprocessing.get_context("spawn")
+    workers = [context.Process(target=busy_loop, daemon=True) for _ in range(count)]
+    for worker in workers:
+        worker.start()
+    return workers
+
+
+def stop_busy(workers: list[multiprocessing.Process]) -> None:
+    for worker in workers:
+        worker.terminate()
+    for worker in workers:
+        worker.join()
+
+
+def time_interleaved(methods: dict[str, Callable[[], None]], repetitions: int) -> dict[str, list[float]]:
+    """Seconds per call of each method, the methods run in a rotating order every repetition."""
+    seconds: dict[str, list[float]] = {name: [] for name in methods}
+    names = list(methods)
+    for rep in range(repetitions):
+        for name in names[rep % len(names) :] + names[: rep % len(names)]:
+            start = time.perf_counter()
+            methods[name]()
+            seconds[name].append(time.perf_counter() - start)
+    return seconds
+
+
+def store_methods(store: LocalDirStore, serial: LocalDirStore, keys: list[str], outs: list[torch.Tensor]) -> dict[str, Callable[[], None]]:
+    def get_many_into() -> None:
+        store.get_many_into(keys, outs)
+
+    def get_many_serial() -> None:
+        serial.get_many_into(keys, outs)
+
+    def get_into() -> None:
+        for key, out in zip(keys, outs):
+            store.get_into(key, out)
+
+    def no_payload_hash() -> None:
+        for key, out in zip(keys, outs):
+            store._read_unverified(key, out)
+
+    return {
+        "get_many_into": get_many_into,
+        "get_many_serial": get_many_serial,
+        "get_into": get_into,
+        "no_payload_hash": no_payload_hash,
+    }
+
+
+def summarise(seconds: dict[str, list[float]], payload: int) -> list[MethodResult]:
+    return [
         MethodResult(
             name=name,
             median_gbps=payload / statistics.median(times) / 1e9,
@@ -166,12 +228,55 @@ def run(args: argparse.Namespace) -> BenchResult:
         )
         for name, times in seconds.items()
     ]
+
+
+def run(args: argparse.Namespace) -> BenchResult:
+    layout = KVLayout(args.n_layer, args.block_size, args.n_kv_head, args.head_dim, args.dtype)
+    with tempfile.TemporaryDirectory(prefix="dualpath-store-bench-") as scratch:
+        root = args.root or Path(scratch)
+        store = LocalDirStore(root, layout)
+        serial = LocalDirStore(root, layout, read_threads=0)
+        keys, source = fill_store(store, args.blocks)
+        paths = [str(store.path_of(key)) for key in keys]
+        file_bytes = os.path.getsize(paths[0])
+        pool = BufferPool(args.blocks, layout, pin=False)
+        pool.buffer.fill_(0)
+        extent = pool.lease("bench", args.blocks)
+        assert extent is not None
+        outs = pool.full_blocks(extent)
+        methods: dict[str, Callable[[], None]] = {
+            "plain_readv": plain_readv(paths, file_bytes),
+            "plain_readinto": plain_readinto(paths, file_bytes),
+            **store_methods(store, serial, keys, outs),
+            "plain_readv_x2": plain_readv_x2(paths, file_bytes),
+        }
+        for method in methods.values():
+            method()
+        busy = start_busy(args.busy)
+        load_before = os.getloadavg()[0]
+        ticks_before = cpu_ticks()
+        try:
+            seconds = time_interleaved(methods, args.repetitions)
+        finally:
+            ticks_after = cpu_ticks()
+            stop_busy(busy)
+            store.close()
+        load_after = os.getloadavg()[0]
+        pool.buffer.fill_(0)
+        store.get_many_into(keys, outs)
+        if not torch.equal(pool.buffer[list(extent.slots)], source):
+            raise RuntimeError("store reads did not deliver the bytes that were written")
+        checksum_gbps = checksum_only(outs)
+    payload = args.blocks * layout.full_block_bytes
     return BenchResult(
         blocks=args.blocks,
         block_bytes=layout.full_block_bytes,
         total_mib=payload / 2**20,
         repetitions=args.repetitions,
-        methods=results,
+        busy_processes=args.busy,
+        load_average=(load_before, load_after),
+        idle_cores_while_timing=idle_cores(ticks_before, ticks_after),
+        methods=summarise(seconds, payload),
         checksum_only_gbps=checksum_gbps,
         machine=f"{platform.machine()} {os.cpu_count()} CPUs, Python {platform.python_version()}, "
         f"xxhash {xxhash.VERSION}",
@@ -192,6 +297,12 @@ def print_table(result: BenchResult) -> None:
         f"{result.blocks} Full Blocks x {result.block_bytes / 2**20:.2f} MiB = {result.total_mib:.0f} MiB, "
         f"{result.repetitions} interleaved repetitions, page cache warm ({result.machine})"
     )
+    idle = "n/a" if result.idle_cores_while_timing is None else f"{result.idle_cores_while_timing:.2f}"
+    print(
+        f"busy-looping processes while timing: {result.busy_processes}; 1-minute load average "
+        f"{result.load_average[0]:.1f} before, {result.load_average[1]:.1f} after; "
+        f"idle cores while timing: {idle} of {os.cpu_count()}"
+    )
     print(f"{'method':<17}{'median GB/s':>12}{'min':>8}{'max':>8}{'/ readv':>10}{'/ readinto':>12}")
     for m in result.methods:
         print(
@@ -203,8 +314,8 @@ def print_table(result: BenchResult) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.blocks < 2 or args.repetitions < 1:
-        print("--blocks must be >= 2 and --repetitions >= 1", file=sys.stderr)
+    if args.blocks < 2 or args.repetitions < 1 or args.busy < 0:
+        print("--blocks must be >= 2, --repetitions >= 1 and --busy >= 0", file=sys.stderr)
         return 2
     result = run(args)
     if args.json:
