@@ -40,29 +40,33 @@ def cli_env() -> dict[str, str]:
     env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
     env["RAY_AUTH_MODE"] = "disabled"
     env["RAY_USAGE_STATS_ENABLED"] = "0"
+    env["RAY_raylet_start_wait_time_s"] = "120"
     env.pop("RAY_ADDRESS", None)
     return env
 
 
-def start_node(args: list[str]) -> subprocess.Popen:
+def start_node(args: list[str], log: Path) -> subprocess.Popen:
     return subprocess.Popen(
         [str(BIN / "ray"), "start", "--block", "--disable-usage-stats", "--object-store-memory=90000000", *args],
-        env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        env=cli_env(), stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
     )
 
 
 @pytest.fixture(scope="module")
 def ray_head(tmp_path_factory):
+    logs = tmp_path_factory.mktemp("ray-nodes")
     port, dashboard = free_port(), free_port()
     nodes = [start_node(["--head", f"--port={port}", f"--dashboard-port={dashboard}", "--include-dashboard=true",
-                         "--num-cpus=1", '--resources={"dualpath_head": 1}'])]
+                         "--num-cpus=1", '--resources={"dualpath_head": 1}'], logs / "head.log")]
     address = f"127.0.0.1:{port}"
-    wait_for_nodes(address, 1)
-    for role in ("prefill", "decode"):
-        nodes.append(start_node([f"--address={address}", "--num-cpus=1", "--num-gpus=2",
-                                 f'--resources={{"dualpath_{role}_slot": 1}}', f"--labels=dualpath/role={role}"]))
     try:
-        wait_for_nodes(address, 3)
+        wait_for_nodes(address, 1, logs)
+        # One node at a time: on 2 busy cores concurrent raylet registrations can time out.
+        for count, role in enumerate(("prefill", "decode"), start=2):
+            nodes.append(start_node([f"--address={address}", "--num-cpus=1", "--num-gpus=2",
+                                     f'--resources={{"dualpath_{role}_slot": 1}}', f"--labels=dualpath/role={role}"],
+                                    logs / f"{role}.log"))
+            wait_for_nodes(address, count, logs)
         yield address, f"http://127.0.0.1:{dashboard}"
     finally:
         for node in reversed(nodes):
@@ -71,7 +75,7 @@ def ray_head(tmp_path_factory):
             node.wait(timeout=60)
 
 
-def wait_for_nodes(address: str, count: int, timeout_s: float = 90.0) -> None:
+def wait_for_nodes(address: str, count: int, logs: Path, timeout_s: float = 120.0) -> None:
     probe = f"import ray; ray.init(address='{address}'); print(sum(n['Alive'] for n in ray.nodes()))"
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -79,7 +83,8 @@ def wait_for_nodes(address: str, count: int, timeout_s: float = 90.0) -> None:
         if out.returncode == 0 and out.stdout.strip().splitlines()[-1:] == [str(count)]:
             return
         time.sleep(2)
-    raise TimeoutError(f"{count} Ray nodes did not come up at {address}")
+    tails = "\n".join(f"--- {log.name}\n{log.read_text()[-2000:]}" for log in sorted(logs.glob("*.log")))
+    raise TimeoutError(f"{count} Ray nodes did not come up at {address}; last probe: {out.stderr[-1000:]}\n{tails}")
 
 
 def test_ray_job_submit_rollout_matches_a_direct_rollout(ray_head, tmp_path):
@@ -94,14 +99,18 @@ def test_ray_job_submit_rollout_matches_a_direct_rollout(ray_head, tmp_path):
     trace = write_trace(trajs, tmp_path / "trace.parquet")
     out, summary = tmp_path / "out" / "results.parquet", tmp_path / "out" / "summary.json"
     command = [
-        "ray", "job", "submit", f"--address={dashboard}", f"--working-dir={REPO}",
+        "ray", "job", "submit", f"--address={dashboard}", f"--working-dir={REPO}", "--submission-id=rollout-test",
         "--metadata-json", json.dumps({"trainer_run_id": "run-42"}), "--",
         "python", "jobs/rollout.py", "--config", str(config_path), "--trace", str(trace),
         "--out", str(out), "--summary", str(summary),
     ]
     submit = submit_when_ready(command)
     assert submit.returncode == 0, f"the job must reach SUCCEEDED:\n{submit.stdout[-4000:]}\n{submit.stderr[-4000:]}"
-    assert "SUCCEEDED" in submit.stdout + submit.stderr, "ray job submit reports the final state"
+    from ray.job_submission import JobStatus, JobSubmissionClient
+
+    info = JobSubmissionClient(dashboard).get_job_info("rollout-test")
+    assert info.status == JobStatus.SUCCEEDED, f"the job's final state is SUCCEEDED, not {info.status}"
+    assert info.metadata.get("trainer_run_id") == "run-42", "the trainer's run id is in the job metadata"
     report = json.loads(summary.read_text())
     assert report["metadata"].get("trainer_run_id") == "run-42", "the trainer's run id from the job metadata is kept"
     assert report["failed_trajectories"] == [], "no trajectory failed"
