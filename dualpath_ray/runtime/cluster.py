@@ -19,7 +19,8 @@ import ray
 from dualpath_ray.config import DualPathConfig
 from dualpath_ray.runtime.decode import DecodeEngine
 from dualpath_ray.runtime.messages import NodeCounters, TurnResult
-from dualpath_ray.runtime.prefill import EngineIdentity, PrefillEngine
+from dualpath_ray.runtime.engine import EngineIdentity
+from dualpath_ray.runtime.prefill import PrefillEngine
 from dualpath_ray.runtime.reader import StorageReader
 from dualpath_ray.runtime.scheduler import Scheduler
 from dualpath_ray.runtime.topology import (

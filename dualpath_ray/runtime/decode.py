@@ -10,7 +10,6 @@ The turn's result is reported only after its blocks are stored, so the next turn
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,21 +20,17 @@ import torch
 
 from dualpath_ray.config import DualPathConfig
 from dualpath_ray.kv.index import block_keys
-from dualpath_ray.kv.layout import KVLayout, split_by_blocks
+from dualpath_ray.kv.layout import split_by_blocks
 from dualpath_ray.kv.pool import BufferPool
-from dualpath_ray.kv.store import open_store
-from dualpath_ray.runtime.emulation import make_compute, make_link
-from dualpath_ray.runtime.leader import ActorDirectory, GroupLeader, start_thread
+from dualpath_ray.runtime.engine import EngineBase, EngineIdentity
 from dualpath_ray.runtime.messages import (
     DecodeHandoff,
     DecodeReservation,
-    NodeCounters,
     PersistedBlock,
     TurnResult,
     failed_result,
 )
-from dualpath_ray.runtime.prefill import EngineIdentity
-from dualpath_ray.runtime.transport import TransportEndpoint, endpoint_actor_options, make_transport
+from dualpath_ray.runtime.transport import endpoint_actor_options
 from dualpath_ray.scheduling import EngineLoad
 
 
@@ -62,74 +57,21 @@ class DecodeJob:
 
 
 @ray.remote(**endpoint_actor_options(extra_concurrency_groups={"control": 4, "io": 4}))
-class DecodeEngine(TransportEndpoint):
+class DecodeEngine(EngineBase):
+    role = "decode"
+
     def __init__(self, cfg: DualPathConfig, identity: EngineIdentity, store_root: str | None) -> None:
-        torch.set_num_threads(1)
-        self.cfg = cfg
-        self.id = identity
-        self.layout = KVLayout.from_model(cfg.model, cfg.store.block_size)
-        self.compute = make_compute(cfg, self.layout)
-        self.cnic_in = make_link(cfg, f"cnic-in/{identity.engine_id}", cfg.cluster.cnic_gbps)
-        self.cnic_out = make_link(cfg, f"cnic-out/{identity.engine_id}", cfg.cluster.cnic_gbps)
-        self.counters = NodeCounters()
-        self.transport = self.attach_transport(
-            make_transport(cfg.runtime.transport, identity.engine_id, namespace=cfg.runtime.namespace)
-        )
-        self.directory = ActorDirectory(cfg.runtime.namespace)
-        store_cfg = cfg.store.model_copy(update={"root": store_root}) if store_root else cfg.store
-        self.store = open_store(store_cfg, self.layout)
+        super().__init__(cfg, identity, store_root)
         self.staging = BufferPool(PERSIST_STAGING_BLOCKS, self.layout)
         self.transport.register(self.staging.buffer)
         self.capacity = cfg.cluster.hbm_tokens_per_engine
         self.reserved: dict[str, int] = {}
         self.running: dict[str, DecodeJob] = {}
-        self.lock = threading.Lock()
-        self.stopped = threading.Event()
-        self.error: BaseException | None = None
-        self.leader: GroupLeader | None = None
-        if identity.members and identity.members[0] == identity.engine_id:
-            self.leader = GroupLeader(
-                "decode", identity.node_id, identity.members, identity.reader, self.directory,
-                identity.engine_id, self._load, self._accept, cfg.scheduler.fetch_interval_ms / 1000.0,
-            )
-
-    def start(self) -> bool:
-        start_thread(self._decode_loop, f"decode-{self.id.engine_id}")
-        if self.leader is not None:
-            start_thread(self.leader.run, f"leader-{self.id.engine_id}")
-        return True
-
-    @ray.method(concurrency_group="control")
-    def stop(self) -> None:
-        self.stopped.set()
-        if self.leader is not None:
-            self.leader.stopped.set()
-
-    @ray.method(concurrency_group="control")
-    def load(self) -> EngineLoad:
-        return self._load()
-
-    @ray.method(concurrency_group="control")
-    def accept(self, reservations: list[DecodeReservation]) -> None:
-        self._accept(reservations)
-
-    @ray.method(concurrency_group="control")
-    def health(self) -> str | None:
-        errors = [e for e in (self.error, self.leader.error if self.leader else None) if e]
-        return repr(errors[0]) if errors else None
-
-    @ray.method(concurrency_group="control")
-    def stats(self) -> NodeCounters:
-        return self.counters
 
     @ray.method(concurrency_group="control")
     def hbm_in_use(self) -> int:
         with self.lock:
             return sum(self.reserved.values())
-
-    @ray.method(concurrency_group="control")
-    def node_labels(self) -> dict[str, str]:
-        return dict(ray.get_runtime_context().get_node_labels())
 
     def _load(self) -> EngineLoad:
         with self.lock:
@@ -272,7 +214,7 @@ class DecodeEngine(TransportEndpoint):
             self.transport.release(ticket)
             self.staging.release(extent_id)
 
-    def _decode_loop(self) -> None:
+    def _main_loop(self) -> None:
         try:
             while not self.stopped.is_set():
                 with self.lock:

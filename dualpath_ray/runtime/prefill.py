@@ -10,9 +10,8 @@ In oracle mode nothing is read or moved: the hit KV is materialised from the sto
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -20,13 +19,12 @@ import ray
 import torch
 
 from dualpath_ray.config import DualPathConfig
-from dualpath_ray.kv.layout import KVLayout, split_by_blocks
-from dualpath_ray.kv.store import open_store
+from dualpath_ray.kv.layout import split_by_blocks
 from dualpath_ray.model.cost import attention_predictor
-from dualpath_ray.runtime.emulation import PrefillState, make_compute, make_link
-from dualpath_ray.runtime.leader import ActorDirectory, GroupLeader, start_thread
-from dualpath_ray.runtime.messages import DecodeHandoff, NodeCounters, PrefillTask, failed_result
-from dualpath_ray.runtime.transport import TransportEndpoint, endpoint_actor_options, make_transport
+from dualpath_ray.runtime.emulation import PrefillState
+from dualpath_ray.runtime.engine import EngineBase, EngineIdentity
+from dualpath_ray.runtime.messages import DecodeHandoff, PrefillTask, failed_result
+from dualpath_ray.runtime.transport import endpoint_actor_options
 from dualpath_ray.scheduling import EngineLoad, pack_prefill_batch
 
 
@@ -51,77 +49,14 @@ class PrefillJob:
         return self.task.request.request_id
 
 
-@dataclass
-class EngineIdentity:
-    engine_id: str
-    node_id: str
-    gpu: int
-    members: list[str] = field(default_factory=list)
-    reader: str = ""
-
-
 @ray.remote(**endpoint_actor_options(extra_concurrency_groups={"control": 4}))
-class PrefillEngine(TransportEndpoint):
+class PrefillEngine(EngineBase):
+    role = "prefill"
+
     def __init__(self, cfg: DualPathConfig, identity: EngineIdentity, store_root: str | None) -> None:
-        torch.set_num_threads(1)
-        self.cfg = cfg
-        self.id = identity
-        self.layout = KVLayout.from_model(cfg.model, cfg.store.block_size)
-        self.compute = make_compute(cfg, layout=self.layout)
+        super().__init__(cfg, identity, store_root)
         self.predict_ms = attention_predictor(cfg)
-        self.cnic_in = make_link(cfg, f"cnic-in/{identity.engine_id}", cfg.cluster.cnic_gbps)
-        self.cnic_out = make_link(cfg, f"cnic-out/{identity.engine_id}", cfg.cluster.cnic_gbps)
-        self.counters = NodeCounters()
-        self.transport = self.attach_transport(
-            make_transport(cfg.runtime.transport, identity.engine_id, namespace=cfg.runtime.namespace)
-        )
-        self.directory = ActorDirectory(cfg.runtime.namespace)
-        store_cfg = cfg.store.model_copy(update={"root": store_root}) if store_root else cfg.store
-        self.store = open_store(store_cfg, self.layout)
         self.jobs: list[PrefillJob] = []
-        self.lock = threading.Lock()
-        self.stopped = threading.Event()
-        self.error: BaseException | None = None
-        self.leader: GroupLeader | None = None
-        if identity.members and identity.members[0] == identity.engine_id:
-            self.leader = GroupLeader(
-                "prefill", identity.node_id, identity.members, identity.reader, self.directory,
-                identity.engine_id, self._load, self._accept, cfg.scheduler.fetch_interval_ms / 1000.0,
-            )
-
-    def start(self) -> bool:
-        """Start the worker (and, on g0, the group's pull loop) once every actor exists."""
-        start_thread(self._work_loop, f"prefill-{self.id.engine_id}")
-        if self.leader is not None:
-            start_thread(self.leader.run, f"leader-{self.id.engine_id}")
-        return True
-
-    @ray.method(concurrency_group="control")
-    def stop(self) -> None:
-        self.stopped.set()
-        if self.leader is not None:
-            self.leader.stopped.set()
-
-    @ray.method(concurrency_group="control")
-    def load(self) -> EngineLoad:
-        return self._load()
-
-    @ray.method(concurrency_group="control")
-    def accept(self, tasks: list[PrefillTask]) -> None:
-        self._accept(tasks)
-
-    @ray.method(concurrency_group="control")
-    def health(self) -> str | None:
-        errors = [e for e in (self.error, self.leader.error if self.leader else None) if e]
-        return repr(errors[0]) if errors else None
-
-    @ray.method(concurrency_group="control")
-    def stats(self) -> NodeCounters:
-        return self.counters
-
-    @ray.method(concurrency_group="control")
-    def node_labels(self) -> dict[str, str]:
-        return dict(ray.get_runtime_context().get_node_labels())
 
     # --- work ---------------------------------------------------------------------------
 
@@ -175,7 +110,7 @@ class PrefillEngine(TransportEndpoint):
             ready.append(job)
         return ready
 
-    def _work_loop(self) -> None:
+    def _main_loop(self) -> None:
         try:
             while not self.stopped.is_set():
                 ready = self._ready_jobs()
