@@ -21,6 +21,7 @@ TCP/shm):
 from __future__ import annotations
 
 import os
+import threading
 from typing import Any
 
 import ray
@@ -100,6 +101,13 @@ class NixlTransport(Transport):
 
     kind = "nixl"
 
+    def __init__(self, endpoint_name: str, namespace: str, timeout_s: float, verify_bytes: bool) -> None:
+        super().__init__(endpoint_name, namespace, timeout_s, verify_bytes)
+        # Ray 2.60's NIXL fetch path keeps a per-process cache of remote agents that concurrent
+        # fetches race on (seen: NIXL_ERR_INVALID_PARAM when two threads add the same agent,
+        # NIXL_ERR_NOT_FOUND when one evicts it under another's transfer), so one pull at a time.
+        self._fetch_lock = threading.Lock()
+
     def _register_backend(self, pool: torch.Tensor) -> None:
         try:
             register_nixl_memory(pool)
@@ -122,14 +130,15 @@ class NixlTransport(Transport):
                 f"pull {ticket.transfer_id}: handle is {type(ref).__name__}, not a NIXL RDT ref "
                 "(a ticket from another backend?)"
             )
-        try:
-            set_target_for_ref(ref, targets)
-        except ValueError as exc:
-            raise TransportError(
-                f"pull {ticket.transfer_id}: no RDT metadata for this ref here (it was already "
-                "pulled in this process, or forwarded after a pull); offer again"
-            ) from exc
-        landed = self._read(ticket, ref)
+        with self._fetch_lock:
+            try:
+                set_target_for_ref(ref, targets)
+            except ValueError as exc:
+                raise TransportError(
+                    f"pull {ticket.transfer_id}: no RDT metadata for this ref here (it was already "
+                    "pulled in this process, or forwarded after a pull); offer again"
+                ) from exc
+            landed = self._read(ticket, ref)
         if len(landed) != len(targets) or any(
             got.data_ptr() != want.data_ptr() for got, want in zip(landed, targets)
         ):
