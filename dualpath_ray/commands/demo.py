@@ -48,12 +48,15 @@ def run_demo(args: argparse.Namespace) -> int:
     else:
         with tempfile.TemporaryDirectory(prefix="dualpath-demo-") as tmp:
             result = run_local_demo(cfg, tmp)
-    if args.json:
-        print(json.dumps(result.to_json(), indent=2))
-    else:
-        print(describe(result))
-    if not result.within_tolerance:
-        print("dualpath demo: KV reuse changed the model's output (see above)", file=sys.stderr)
+    return emit(args.json, result.to_json(), describe(result), result.within_tolerance,
+                "KV reuse changed the model's output (see above)")
+
+
+def emit(as_json: bool, data: object, text: str, ok: bool, failure: str) -> int:
+    """Print the result as JSON or text; exit 1 with `failure` on stderr when it is not ok."""
+    print(json.dumps(data, indent=2) if as_json else text)
+    if not ok:
+        print(f"dualpath demo: {failure}", file=sys.stderr)
         return 1
     return 0
 
@@ -88,11 +91,5 @@ def run_ray_demo(args: argparse.Namespace) -> int:
     cfg = load_config(args.config) if args.config else demo_config()
     trajectories = demo_trajectories(args.agents, args.turns, vocab=cfg.model.vocab_size)
     report = run_cluster_demo(cfg, trajectories)
-    if args.json:
-        print(json.dumps(report.to_json(), indent=2))
-    else:
-        print(format_report(report))
-    if not report.outputs_match:
-        print("dualpath demo: modes produced different outputs", file=sys.stderr)
-        return 1
-    return 0
+    return emit(args.json, report.to_json(), format_report(report), report.outputs_match,
+                "modes produced different outputs")
