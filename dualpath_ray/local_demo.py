@@ -208,7 +208,7 @@ def run_local_demo(
     """
     _check_fits(cfg, user_tokens, cfg.runtime.max_new_tokens)
     layout = KVLayout.from_model(cfg.model, cfg.store.block_size)
-    store = open_store(cfg.store.model_copy(update={"root": Path(store_root)}), layout)
+    store = open_store(cfg.store, layout, root=store_root)
     conversation: list[int] = []
     turns: list[TurnResult] = []
     try:

@@ -39,8 +39,13 @@ __all__ = [
 ]
 
 
-def open_store(cfg: StoreConfig, layout: KVLayout, fsync: bool = False) -> BlockStore:
-    """The store `cfg` names; local_dir with no root gets a fresh temporary directory (`.root`)."""
+def open_store(
+    cfg: StoreConfig, layout: KVLayout, fsync: bool = False, root: str | Path | None = None
+) -> BlockStore:
+    """The store `cfg` names, at `root` if given (else cfg.root); local_dir with neither gets a
+    fresh temporary directory (`.root`)."""
+    if root is not None:
+        cfg = cfg.model_copy(update={"root": Path(root)})
     if cfg.block_size != layout.block_size:
         raise ValueError(
             f"store.block_size ({cfg.block_size}) differs from the KV layout's block_size "

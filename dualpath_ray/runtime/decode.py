@@ -68,11 +68,6 @@ class DecodeEngine(EngineBase):
         self.reserved: dict[str, int] = {}
         self.running: dict[str, DecodeJob] = {}
 
-    @ray.method(concurrency_group="control")
-    def hbm_in_use(self) -> int:
-        with self.lock:
-            return sum(self.reserved.values())
-
     def _load(self) -> EngineLoad:
         with self.lock:
             used = sum(self.reserved.values())

@@ -47,8 +47,7 @@ class EngineBase(TransportEndpoint):
             make_transport(cfg.runtime.transport, identity.engine_id, namespace=cfg.runtime.namespace)
         )
         self.directory = ActorDirectory(cfg.runtime.namespace)
-        store_cfg = cfg.store.model_copy(update={"root": store_root}) if store_root else cfg.store
-        self.store = open_store(store_cfg, self.layout)
+        self.store = open_store(cfg.store, self.layout, root=store_root)
         self.lock = threading.Lock()
         self.stopped = threading.Event()
         self.error: BaseException | None = None

@@ -9,7 +9,6 @@ computing still answers at once.
 from __future__ import annotations
 
 import threading
-import time
 from collections import defaultdict
 from typing import Any, Callable, Literal
 
@@ -108,6 +107,3 @@ def start_thread(target: Callable[[], None], name: str) -> threading.Thread:
     thread.start()
     return thread
 
-
-def monotonic_ms() -> float:
-    return time.monotonic() * 1000.0

@@ -36,8 +36,7 @@ class ReaderCore:
         self.cfg = cfg
         self.node_id = node_id
         self.layout = KVLayout.from_model(cfg.model, cfg.store.block_size)
-        store_cfg = cfg.store.model_copy(update={"root": store_root}) if store_root else cfg.store
-        self.store = open_store(store_cfg, self.layout)
+        self.store = open_store(cfg.store, self.layout, root=store_root)
         self.pool = BufferPool(cfg.cluster.buffer_blocks_per_node, self.layout)
         self.snic = make_link(cfg, f"snic/{node_id}", cfg.cluster.snic_gbps)
         self.counters = NodeCounters()

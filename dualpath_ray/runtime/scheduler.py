@@ -36,8 +36,7 @@ class SchedulerCore:
         self.cfg = cfg
         self.mode = mode
         self.layout = KVLayout.from_model(cfg.model, cfg.store.block_size)
-        store_cfg = cfg.store.model_copy(update={"root": store_root}) if store_root else cfg.store
-        self.store = open_store(store_cfg, self.layout)
+        self.store = open_store(cfg.store, self.layout, root=store_root)
         self.index = PrefixIndex.rebuild(self.store, cfg.store.block_size)
         alpha, beta = derive_alpha_beta(cfg, self.layout)
         self.dispatcher = Dispatcher(Constants(alpha, beta, cfg.scheduler.z_margin), mode)  # type: ignore[arg-type]
@@ -139,11 +138,5 @@ class Scheduler:
         if future is not None and not future.done():
             future.set_result(result)
 
-    async def lookup(self, spec: RequestSpec) -> int:
-        return self.core.lookup(spec)[1]
-
     async def reset_prefix_cache(self) -> None:
         self.core.reset_prefix_cache()
-
-    async def in_flight(self) -> int:
-        return len(self.pending)

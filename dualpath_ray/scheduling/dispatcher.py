@@ -167,9 +167,6 @@ class Dispatcher:
         entry = self.entries.pop(request_id)
         transition(entry, RequestState.FAILED if failed else RequestState.DONE)
 
-    def pending(self) -> int:
-        return len(self.entries)
-
     def _decode_request(self, request_id: str) -> QueuedRequest:
         return QueuedRequest(request_id, self.entries[request_id].decode_tokens)
 
