@@ -14,10 +14,10 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from dataclasses import asdict
 
 from dualpath_ray.config import load_config
-from dualpath_ray.demo import demo_trajectories
-from dualpath_ray.kv.layout import KVLayout
+from dualpath_ray.demo import demo_trajectories, measure_mode
 from dualpath_ray.runtime.cluster import DualPathCluster
 from dualpath_ray.workload.trace import Trajectory
 
@@ -36,10 +36,7 @@ def main() -> None:
     parser.add_argument("--gen", type=int, default=8)
     args = parser.parse_args()
     cfg = load_config(args.config)
-    layout = KVLayout.from_model(cfg.model, cfg.store.block_size)
     trajectories = demo_trajectories(args.agents, args.turns, args.first, args.appended, args.gen, cfg.model.vocab_size)
-    rate = cfg.cluster.snic_gbps * 1e9 / 8
-    nodes = cfg.cluster.prefill_nodes + cfg.cluster.decode_nodes
     report: dict[str, dict[str, object]] = {}
     outputs = {}
     cluster = DualPathCluster.start(cfg)
@@ -51,24 +48,15 @@ def main() -> None:
             result = cluster.rollout(trajectories, resume=warm, progress=False)
             jct = time.monotonic() - started
             assert not result.failures, result.failures
-            timed = [r for rs in result.turn_results.values() for r in rs]
-            hit_bytes = sum(r.hit_tokens for r in timed) * layout.bytes_per_token
-            counters = cluster.counters()
-            report[mode] = {
-                "jct_s": round(jct, 2),
-                "bound_s": round(hit_bytes / (rate * nodes), 2),
-                "hit_bytes": hit_bytes,
-                "snic_read_bytes": {n: sum(c.snic_read.values()) for n, c in counters.items()},
-                "snic_write_bytes": {n: c.snic_write for n, c in counters.items()},
-                "requests_by_path": {p: sum(r.path == p for r in timed) for p in ("pe", "de")},
-            }
+            report[mode] = asdict(measure_mode(cfg, cluster, result.turn_results, jct))
             outputs[mode] = result.outputs()
     finally:
         cluster.shutdown()
     basic, dual = report["basic"], report["dualpath"]
     print(json.dumps(report, indent=2))
     print(f"Basic JCT / DualPath JCT = {basic['jct_s'] / dual['jct_s']:.2f}x; "
-          f"DualPath JCT / bound = {dual['jct_s'] / dual['bound_s']:.3f}; outputs match: {outputs['basic'] == outputs['dualpath']}")
+          f"DualPath JCT / bound = {dual['jct_s'] / dual['aggregate_snic_bound_s']:.3f}; "
+          f"outputs match: {outputs['basic'] == outputs['dualpath']}")
 
 
 if __name__ == "__main__":

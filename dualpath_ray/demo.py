@@ -74,7 +74,9 @@ class DemoReport:
                 "warnings": self.warnings}
 
 
-def _report(cfg: DualPathConfig, cluster: DualPathCluster, results: dict[str, list[TurnResult]], jct: float) -> ModeReport:
+def measure_mode(cfg: DualPathConfig, cluster: DualPathCluster, results: dict[str, list[TurnResult]], jct: float) -> ModeReport:
+    """What one mode's run moved and how long it took; the bound is these turns' hit bytes over
+    the sum of every node's SNIC rate."""
     layout = KVLayout.from_model(cfg.model, cfg.store.block_size)
     counters = cluster.counters()
     turns = [r for rs in results.values() for r in rs]
@@ -111,7 +113,7 @@ def run_demo(cfg: DualPathConfig, trajectories: Sequence[Trajectory], modes: Seq
             failed = cluster.health()
             if failed:
                 raise RuntimeError(f"{mode}: engine failures: {failed}")
-            report.modes[mode] = _report(cfg, cluster, results, jct)
+            report.modes[mode] = measure_mode(cfg, cluster, results, jct)
             outputs[mode] = {t: [r.output_tokens for r in rs] for t, rs in results.items()}
         first = next(iter(outputs.values()))
         report.outputs_match = all(o == first for o in outputs.values())
