@@ -83,10 +83,13 @@ def parse_sampling(request_id: str, params: Mapping[str, Any] | None, default_ma
         raise RequestError(f"request {request_id}: sampling_params.temperature must be in [0, 100] (got {temperature!r})")
     if not isinstance(top_p, (int, float)) or not 0.0 < top_p <= 1.0:
         raise RequestError(f"request {request_id}: sampling_params.top_p must be in (0, 1] (got {top_p!r})")
+    seed = params.get("seed", 0)
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise RequestError(f"request {request_id}: sampling_params.seed must be an int (got {seed!r})")
     stops = params.get("stop_token_ids", ())
     if not all(isinstance(t, int) for t in stops):
         raise RequestError(f"request {request_id}: sampling_params.stop_token_ids must be ints (got {stops!r})")
-    return SamplingParams(int(max_new), float(temperature), float(top_p), int(params.get("seed", 0)), tuple(stops))
+    return SamplingParams(int(max_new), float(temperature), float(top_p), seed, tuple(stops))
 
 
 def make_spec(request_id: str, prompt: np.ndarray, sampling: SamplingParams, namespace: str, attempt: int = 0) -> RequestSpec:

@@ -91,6 +91,7 @@ def test_weight_version_change_makes_the_next_turn_miss(cluster):
         ([1, 2, 3], {"top_p": 0}, "top_p"),
         ([1, 2, 3], {"max_tokens": 0}, "max_tokens"),
         ([1, 2, 3], {"beam_width": 2}, "unknown"),
+        ([1, 2, 3], {"seed": "x"}, "seed"),
     ],
 )
 def test_bad_requests_fail_alone_with_a_clear_error(cluster, prompt, params, field):
