@@ -70,6 +70,15 @@ class ClusterConfig(_Section):
         1024, ge=1, description="Host staging buffer of each node, in Full Blocks."
     )
     cpus_per_node: float = Field(2.0, gt=0, description="Ray CPUs of each embedded node.")
+    prefill_hbm_tokens: int = Field(
+        65536,
+        ge=1,
+        description="KV tokens one prefill engine holds per layer of its window (hit + computed "
+        "tokens of a whole batch); must be >= model.max_context so any prompt fits alone.",
+    )
+    pin_host_buffers: bool = Field(
+        True, description="Pin the host buffers of nodes that have a GPU (never without CUDA)."
+    )
 
 
 class StoreConfig(_Section):
@@ -118,6 +127,16 @@ class RuntimeConfig(_Section):
     verify_kv: bool = Field(
         False, description="Decode engines check every assembled KV byte (tests; costs a recompute)."
     )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="Where engines compute: auto = the GPU Ray gave the actor, else the CPU."
+    )
+    compute_threads: int = Field(1, ge=1, description="torch CPU threads of each engine on the CPU.")
+    transfer_timeout_s: float = Field(
+        60.0, gt=0, description="Longest wait for one KV transfer before it fails."
+    )
+    max_persists_in_flight: int = Field(
+        64, ge=1, description="Full Blocks one decode engine may have on their way to the store."
+    )
 
 
 class DualPathConfig(_Section):
@@ -129,6 +148,15 @@ class DualPathConfig(_Section):
     scheduler: SchedulerConfig = SchedulerConfig()
     emulation: EmulationConfig = EmulationConfig()
     runtime: RuntimeConfig = RuntimeConfig()
+
+    @model_validator(mode="after")
+    def _prefill_window_holds_a_prompt(self) -> DualPathConfig:
+        if self.cluster.prefill_hbm_tokens < self.model.max_context:
+            raise ValueError(
+                f"cluster.prefill_hbm_tokens ({self.cluster.prefill_hbm_tokens}) must be >= "
+                f"model.max_context ({self.model.max_context}) so that any prompt fits a prefill engine"
+            )
+        return self
 
     def with_overrides(self, **sections: dict[str, Any]) -> DualPathConfig:
         """A copy with some fields of some sections replaced, validated like a file."""
