@@ -1,6 +1,6 @@
 """`dualpath profile`: measure the configured model's layer time here and fit the latency model.
 
-The result is a hardware profile (format in dualpath_ray.model.cost) for
+The result is a hardware profile (format in dualpath_ray.model.profile) for
 `emulation.profile_path`, the runtime's profile-compute mode and the cluster simulator.
 """
 
@@ -17,7 +17,7 @@ import torch
 
 from dualpath_ray.config import DualPathConfig, ModelConfig, load_config
 from dualpath_ray.kv.layout import KVLayout, torch_dtype
-from dualpath_ray.model.cost import (
+from dualpath_ray.model.profile import (
     HardwareProfile,
     derive_alpha,
     derive_beta,

@@ -15,7 +15,7 @@ from dualpath_ray.scheduling import (
     assign_decode_groups,
     assign_decode_in_group,
 )
-from tests.unit._policy_reference import (
+from tests.unit.scheduling._policy_reference import (
     reference_assign_decode_groups,
     reference_assign_decode_in_group,
 )

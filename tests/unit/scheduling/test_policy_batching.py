@@ -145,3 +145,21 @@ def test_quota_is_kept_and_the_chunk_is_maximal(
         assert not _fits(predict, pairs + [(cached, 1)], quota), (
             "packing stopped without a chunk only if no single token of the next request fits"
         )
+
+
+def test_token_capacity_bounds_the_batch_and_cuts_the_tail() -> None:
+    packed = pack_prefill_batch([("a", 40, 10), ("b", 30, 20), ("c", 0, 5)], _per_token, quota_ms=1000, max_tokens=90)
+    assert packed == [("a", 40, 10), ("b", 30, 10)], (
+        "a holds 50 tokens; b gets the 40 left: its 30 cached + a 10-token chunk; packing stops"
+    )
+    assert pack_prefill_batch([("a", 40, 10), ("b", 40, 20)], _per_token, 1000, max_tokens=80) == [("a", 40, 10)], (
+        "b's 40 cached tokens alone overflow the 30 left, so b waits whole"
+    )
+    assert pack_prefill_batch([("a", 10, 100)], _per_token, 1000, max_tokens=50) == [("a", 10, 40)], (
+        "a first request longer than the capacity is chunked to fit it"
+    )
+
+
+def test_a_request_whose_cache_alone_overflows_the_capacity_is_an_error() -> None:
+    with pytest.raises(ValueError, match="prefill_hbm_tokens"):
+        pack_prefill_batch([("a", 64, 1)], _per_token, 1000, max_tokens=64)

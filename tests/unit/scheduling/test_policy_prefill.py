@@ -15,7 +15,7 @@ from dualpath_ray.scheduling import (
     assign_prefill,
     choose_read_path,
 )
-from tests.unit._policy_reference import reference_assign_prefill
+from tests.unit.scheduling._policy_reference import reference_assign_prefill
 
 
 def _queue(*tokens: int) -> list[QueuedRequest]:

@@ -22,7 +22,7 @@ def test_bytes_per_token_follow_the_model_spec(layout):
 
 def test_layer_blocks_are_zero_copy_slices_that_concatenate_to_the_full_block(layout):
     full = torch.randint(0, 256, layout.full_block_shape, dtype=torch.uint8)
-    blocks = layout.layer_blocks(full)
+    blocks = [layout.layer_block(full, layer) for layer in range(layout.n_layer)]
     assert all(b.shape == (1, 4, 128) for b in blocks), "a Layer Block is [1, block_size, bytes]"
     assert all(b.untyped_storage().data_ptr() == full.untyped_storage().data_ptr() for b in blocks), (
         "Layer Blocks share the Full Block's storage (zero copy)"

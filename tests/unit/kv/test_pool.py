@@ -52,7 +52,6 @@ def test_lease_gives_distinct_slots_and_none_when_full() -> None:
     second = pool.lease("r2", 2)
     assert second is not None and not set(first.slots) & set(second.slots), "extents never share slots"
     assert pool.check_integrity() == PoolCounts(0, 6, 0, 6), "all slots leased"
-    assert pool.extents_of("r2") == [second], "extents_of lists an owner's extents"
 
 
 def test_lease_may_use_non_contiguous_slots() -> None:
@@ -82,23 +81,14 @@ def test_views_share_the_pool_storage() -> None:
     blocks = pool.full_blocks(extent)
     for i, block in enumerate(blocks):
         block.fill_(i + 1)
-    for layer in range(LAYOUT.n_layer):
-        views = pool.layer_views(extent, layer)
-        assert len(views) == 3, "one Layer Block per block of the extent"
-        for i, view in enumerate(views):
-            assert tuple(view.shape) == (1, LAYOUT.block_size, LAYOUT.bytes_per_token_per_layer), (
-                "a Layer Block is [1, block_size, bytes]"
-            )
-            assert view.untyped_storage().data_ptr() == pool.buffer.untyped_storage().data_ptr(), (
-                "a Layer Block view must share the pool's storage"
-            )
-            assert bool((view == i + 1).all()), "a Layer Block view must see its slot's bytes"
-    views = pool.layer_views(extent.extent_id, 1, first_block=2)
-    assert len(views) == 1 and bool((views[0] == 3).all()), "first_block skips the leading blocks"
-    views[0].fill_(9)
-    assert bool((pool.full_block(extent.slots[2])[1] == 9).all()), "writes through a view land in the pool"
-    stacked = torch.cat([pool.layer_views(extent, layer)[0] for layer in range(LAYOUT.n_layer)])
-    assert torch.equal(stacked, blocks[0]), "n_layer Layer Blocks concatenated are the Full Block"
+    for i, slot in enumerate(extent.slots):
+        view = pool.full_block(slot)
+        assert view.untyped_storage().data_ptr() == pool.buffer.untyped_storage().data_ptr(), (
+            "a slot's Full Block view must share the pool's storage"
+        )
+        assert bool((view == i + 1).all()), "a slot view must see the bytes written through the extent"
+    pool.full_block(extent.slots[2])[1].fill_(9)
+    assert bool((blocks[2][1] == 9).all()), "writes through one view land in the pool for every view"
 
 
 def test_view_bounds_and_stale_extents() -> None:
@@ -106,16 +96,12 @@ def test_view_bounds_and_stale_extents() -> None:
     extent = pool.lease("r", 2)
     assert extent is not None
     with pytest.raises(IndexError):
-        pool.layer_views(extent, LAYOUT.n_layer)
-    with pytest.raises(IndexError):
-        pool.layer_views(extent, 0, first_block=3)
-    with pytest.raises(IndexError):
         pool.full_block(4)
     with pytest.raises(ValueError, match="does not match"):
-        pool.layer_views(Extent(extent.extent_id, "other", extent.slots), 0)
+        pool.full_blocks(Extent(extent.extent_id, "other", extent.slots))
     pool.release(extent.extent_id)
     with pytest.raises(KeyError, match="not leased"):
-        pool.layer_views(extent, 0)
+        pool.full_blocks(extent)
 
 
 def test_store_reads_fill_pool_slots_in_place() -> None:
