@@ -12,43 +12,22 @@ of the block before it. Invariants every backend keeps:
 
 from __future__ import annotations
 
-import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import torch
 
+from dualpath_ray.kv.errors import BlockCorruptedError, BlockNotFoundError, IncompatibleBlockError
+from dualpath_ray.kv.keys import KEY_PATTERN, validate_key
 from dualpath_ray.kv.layout import KVLayout
 
-KEY_PATTERN = re.compile(r"[0-9a-f]{32}")
+__all__ = [
+    "KEY_PATTERN", "BlockCorruptedError", "BlockHook", "BlockNotFoundError", "BlockStore",
+    "IncompatibleBlockError", "byte_view", "check_batch", "check_host_block", "validate_key",
+]
 
 BlockHook = Callable[[int], object]
-
-
-class BlockNotFoundError(KeyError):
-    """No block is stored under this key (a miss)."""
-
-    def __str__(self) -> str:
-        return str(self.args[0]) if self.args else "block not found"
-
-
-class BlockCorruptedError(Exception):
-    """A stored block failed verification (header or payload checksum, length, key)."""
-
-
-class IncompatibleBlockError(ValueError):
-    """A block was written with another format version or KV layout than this store's."""
-
-
-def validate_key(key: object) -> str:
-    """Return `key` if it is exactly 32 lowercase hex chars; raise ValueError otherwise."""
-    if not isinstance(key, str) or KEY_PATTERN.fullmatch(key) is None:
-        raise ValueError(
-            f"invalid block key {key!r}: a key is exactly 32 lowercase hex chars "
-            "(use dualpath_ray.kv.index.block_keys)"
-        )
-    return key
 
 
 def check_host_block(layout: KVLayout, block: torch.Tensor, what: str) -> None:

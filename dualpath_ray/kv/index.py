@@ -15,18 +15,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import xxhash
 
-from dualpath_ray.kv.store import (
-    BlockCorruptedError,
-    BlockNotFoundError,
-    BlockStore,
-    IncompatibleBlockError,
-    validate_key,
-)
+from dualpath_ray.kv.errors import BlockCorruptedError, BlockNotFoundError, IncompatibleBlockError
+from dualpath_ray.kv.keys import validate_key
+
+if TYPE_CHECKING:
+    from dualpath_ray.kv.block_store import BlockStore
 
 _LOG = logging.getLogger(__name__)
 

@@ -10,6 +10,7 @@ bytes without a copy.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -22,6 +23,14 @@ def torch_dtype(name: str) -> torch.dtype:
         return _DTYPES[name]
     except KeyError:
         raise ValueError(f"unknown dtype {name!r}; allowed: {', '.join(_DTYPES)}") from None
+
+
+class SlotSegment(NamedTuple):
+    """A run of bytes inside one Full Block slot: where it starts, how long, its first token."""
+
+    offset: int
+    nbytes: int
+    token: int
 
 
 @dataclass(frozen=True)
@@ -83,10 +92,6 @@ class KVLayout:
         """Blocks needed to hold `tokens` tokens (the last one may be partial)."""
         return -(-tokens // self.block_size)
 
-    def full_blocks_in(self, tokens: int) -> int:
-        """Full blocks in a prefix of `tokens` tokens (a trailing partial block is not one)."""
-        return tokens // self.block_size
-
     def empty_full_block(self) -> torch.Tensor:
         return torch.empty(self.full_block_shape, dtype=torch.uint8)
 
@@ -106,8 +111,28 @@ class KVLayout:
             raise IndexError(f"layer {layer} outside [0, {self.n_layer})")
         return full[layer : layer + 1]
 
-    def layer_blocks(self, full: torch.Tensor) -> list[torch.Tensor]:
-        return [self.layer_block(full, layer) for layer in range(self.n_layer)]
+    def slot_byte_offset(self, slot: int, layer: int, token: int) -> int:
+        """Byte offset of (layer, token) of slot `slot` in a pool of Full Block slots."""
+        return ((slot * self.n_layer + layer) * self.block_size + token) * self.bytes_per_token_per_layer
+
+    def slot_segments(self, slots: tuple[int, ...], layer: int, start: int, end: int) -> list[SlotSegment]:
+        """Byte runs of tokens [start, end) of one layer of an extent whose blocks sit in `slots`.
+
+        One run per block the range touches; `token` is the first token of the run, so a caller
+        pairs it with the same tokens of a contiguous local buffer.
+        """
+        if end > len(slots) * self.block_size:
+            raise ValueError(f"tokens [{start}, {end}) exceed an extent of {len(slots)} blocks")
+        runs = []
+        for block, lo, hi in block_segments(start, end, self.block_size):
+            runs.append(
+                SlotSegment(
+                    self.slot_byte_offset(slots[block], layer, lo),
+                    (hi - lo) * self.bytes_per_token_per_layer,
+                    block * self.block_size + lo,
+                )
+            )
+        return runs
 
     def kv_as_bytes(self, kv: torch.Tensor) -> torch.Tensor:
         """One layer's KV [T, 2, n_kv_head, head_dim] as [T, bytes_per_token_per_layer] uint8."""

@@ -1,7 +1,7 @@
 """The host staging buffer of one node (paper: PE buffer / DE buffer), in Full Block slots.
 
-One uint8 tensor [capacity, n_layer, block_size, bytes_per_token_per_layer] (pinned where an
-accelerator exists, so H2D/D2H and RDMA can use it directly). A request leases an extent: a set
+One uint8 tensor [capacity, n_layer, block_size, bytes_per_token_per_layer], allocated once and
+pinned where CUDA exists (kv/host_memory.py), so H2D/D2H and RDMA can use it directly. A request leases an extent: a set
 of slots, not necessarily contiguous, one per Full Block it needs. Storage reads fill whole
 slots; layer-by-layer movement uses Layer Block views of them. Nothing is copied to convert.
 
@@ -20,6 +20,7 @@ from typing import NamedTuple
 
 import torch
 
+from dualpath_ray.kv.host_memory import allocate_host_buffer
 from dualpath_ray.kv.layout import KVLayout
 
 
@@ -98,23 +99,16 @@ class _Lease:
 class BufferPool:
     """Full Block slots of one node's staging buffer, leased out as extents."""
 
-    def __init__(self, capacity_blocks: int, layout: KVLayout, pin: bool | None = None) -> None:
+    def __init__(self, capacity_blocks: int, layout: KVLayout, pin: bool = True) -> None:
         if isinstance(capacity_blocks, bool) or not isinstance(capacity_blocks, int) or capacity_blocks < 1:
             raise ValueError(f"capacity_blocks must be an int >= 1, got {capacity_blocks!r}")
         self.layout = layout
         self.capacity = capacity_blocks
-        self.pinned = pin is not False and torch.cuda.is_available()
-        self.buffer = torch.empty(
-            (capacity_blocks, *layout.full_block_shape), dtype=torch.uint8, pin_memory=self.pinned
-        )
+        self.buffer, self.pinned = allocate_host_buffer((capacity_blocks, *layout.full_block_shape), pin)
         self._lock = threading.Lock()
         self._free: list[int] = list(reversed(range(capacity_blocks)))
         self._leases: dict[int, _Lease] = {}
         self._ids = itertools.count()
-
-    @property
-    def free_blocks(self) -> int:
-        return len(self._free)
 
     @property
     def nbytes(self) -> int:
@@ -164,10 +158,6 @@ class BufferPool:
             raise KeyError(f"extent {extent_id} is not leased (never leased or already released)")
         return lease.extent
 
-    def extents_of(self, owner: str) -> list[Extent]:
-        with self._lock:
-            return [lease.extent for lease in self._leases.values() if lease.extent.owner == owner]
-
     def full_block(self, slot: int) -> torch.Tensor:
         """Slot `slot` as a Full Block [n_layer, block_size, bytes] view of the buffer."""
         if not 0 <= slot < self.capacity:
@@ -177,13 +167,6 @@ class BufferPool:
     def full_blocks(self, extent: Extent | int) -> list[torch.Tensor]:
         """The extent's Full Block views, in block order."""
         return [self.buffer[slot] for slot in self._live(extent).slots]
-
-    def layer_views(self, extent: Extent | int, layer: int, first_block: int = 0) -> list[torch.Tensor]:
-        """Layer Block `layer` of the extent's blocks from `first_block` on: [1, block_size, bytes] views."""
-        live = self._live(extent)
-        if not 0 <= first_block <= live.n_blocks:
-            raise IndexError(f"first_block {first_block} outside [0, {live.n_blocks}]")
-        return [self.layout.layer_block(self.buffer[slot], layer) for slot in live.slots[first_block:]]
 
     def check_integrity(self) -> PoolCounts:
         """Count every slot's state; raise PoolIntegrityError if any slot is lost or shared."""

@@ -22,7 +22,7 @@ def test_pool_is_pinned_and_layer_blocks_round_trip_through_the_device():
     assert pool.pinned and pool.buffer.is_pinned(), "with an accelerator the staging buffer is pinned"
     pool.buffer.copy_(torch.randint(0, 256, pool.buffer.shape, dtype=torch.uint8))
     extent = pool.lease("r", 2)
-    views = pool.layer_views(extent, layer=1)
+    views = [pool.full_block(slot)[1] for slot in extent.slots]
     device = [v.to("cuda", non_blocking=True) for v in views]
     torch.cuda.synchronize()
     assert all(torch.equal(d.cpu(), v) for d, v in zip(device, views)), "H2D of Layer Blocks is byte-exact"

@@ -47,7 +47,8 @@ def test_kv_read_back_and_sliced_into_layer_blocks_is_byte_identical(
         full = layout.empty_full_block()
         store.get_into(key, full)
         span = slice(block * BLOCK, (block + 1) * BLOCK)
-        for layer, layer_block in enumerate(layout.layer_blocks(full)):
+        for layer in range(layout.n_layer):
+            layer_block = layout.layer_block(full, layer)
             assert torch.equal(layer_block[0], layout.kv_as_bytes(produced[layer][span])), (
                 f"block {block} layer {layer}: the Layer Block read back must be the model's KV bytes"
             )
