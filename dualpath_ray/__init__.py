@@ -12,7 +12,7 @@ __all__ = [
 
 # Ray and torch load only when the runtime is used, so `dualpath bounds` and config checks stay light.
 _LAZY = {
-    "DualPathCluster": "dualpath_ray.runtime.cluster",
+    "DualPathCluster": "dualpath_ray.cluster",
     "RolloutResult": "dualpath_ray.api",
     "TokenOutput": "dualpath_ray.api",
     "read_trace": "dualpath_ray.workload.trace",

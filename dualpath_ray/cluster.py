@@ -18,8 +18,9 @@ import ray
 
 from dualpath_ray.config import DualPathConfig
 from dualpath_ray.runtime.decode import DecodeEngine
-from dualpath_ray.runtime.messages import NodeCounters, TurnResult
+from dualpath_ray.runtime.accounting import NodeCounters
 from dualpath_ray.runtime.engine import EngineIdentity
+from dualpath_ray.runtime.messages import TurnResult
 from dualpath_ray.runtime.prefill import PrefillEngine
 from dualpath_ray.runtime.reader import StorageReader
 from dualpath_ray.runtime.scheduler import Scheduler
@@ -196,6 +197,35 @@ class DualPathCluster:
         """node -> (free, leased, in_flight, capacity), each checked by the pool itself."""
         assert self.deployment is not None
         return {name: ray.get(r.pool_integrity.remote()) for name, r in self.deployment.readers.items()}
+
+    def page_integrity(self) -> dict[str, tuple[int, int, int, int]]:
+        """decode engine -> (free, allocated, reserved, capacity) of its HBM pages, checked by the pool."""
+        assert self.deployment is not None
+        decode = {n: e for n, e in self.deployment.engines.items() if n.startswith("decode/")}
+        return dict(zip(decode, ray.get([e.page_integrity.remote() for e in decode.values()])))
+
+    def engine_stats(self) -> dict[str, dict[str, Any]]:
+        """Each engine's core and transport figures (batches, transfers, bytes in flight, ...)."""
+        assert self.deployment is not None
+        engines = self.deployment.engines
+        return dict(zip(engines, ray.get([e.engine_stats.remote() for e in engines.values()])))
+
+    def update_weights(self, version: int, source: Any) -> int:
+        """Swap every engine's weights between rollouts and move later requests to the key
+        namespace of `version`, so KV of the old weights is never hit. `source`: a safetensors
+        checkpoint directory, or a state dict (put once in the object store for all engines)."""
+        assert self.deployment is not None
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise ValueError(f"update_weights: version must be an int >= 0 (got {version!r})")
+        if not isinstance(source, (str, os.PathLike)):
+            source = ray.put(dict(source))
+        else:
+            source = os.fspath(source)
+        ray.get([e.update_weights.remote(version, source) for e in self.deployment.engines.values()])
+        self.cfg = self.cfg.with_overrides(model={"weight_version": version})
+        if self.deployment.server is not None:
+            ray.get(self.deployment.server.update_weight_version.remote(version))
+        return version
 
     def health(self) -> dict[str, str]:
         """Engines whose worker or leader thread failed, with the error."""

@@ -1,13 +1,8 @@
-"""The Python API for RL pipelines: batch rollouts, a verl-style agent-loop server, RL control.
+"""Batch rollouts for RL pipelines: every trajectory turn by turn, results as an Arrow table.
 
-- `rollout(cluster, trajectories) -> RolloutResult`: every trajectory turn by turn; a trajectory
-  that fails is reported in `failures` while the others finish; `resume=` continues a previous
-  result from each trajectory's first missing turn.
-- `RolloutServer` (a named async actor, `rollout-server`): `generate(request_id, prompt_ids,
-  sampling_params) -> TokenOutput` for many concurrent agent loops; prefix reuse across turns
-  comes from the content-addressed store, so any engine can serve any turn.
-- `update_weight_version(v)` changes the key namespace of all later requests, so KV of an old
-  policy is never served again; `reset_prefix_cache()` forgets every indexed block.
+A trajectory that fails is reported in `failures` while the others finish; `resume=` continues a
+previous result from each trajectory's first missing turn. Turn k+1 is submitted only when turn
+k has finished (plus its tool latency); its prompt is turn k's prompt + output + appended tokens.
 """
 
 from __future__ import annotations
@@ -16,88 +11,17 @@ import asyncio
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Literal, Mapping, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-import ray
 
-from dualpath_ray.config import DualPathConfig, ModelConfig
+from dualpath_ray.api.validation import make_spec, validate_prompt
+from dualpath_ray.config import DualPathConfig
 from dualpath_ray.kv.index import namespace_for
 from dualpath_ray.runtime.messages import RequestSpec, SamplingParams, TurnResult
 from dualpath_ray.workload.trace import Trajectory
-
-SERVER_NAME = "rollout-server"
-_SAMPLING_KEYS = {"max_tokens", "max_new_tokens", "temperature", "top_p", "seed", "stop_token_ids"}
-
-
-class RequestError(ValueError):
-    """One request's arguments are invalid; the message names the request and the field."""
-
-
-@dataclass(frozen=True)
-class TokenOutput:
-    """verl's TokenOutput shape: generated ids, their log-probs, and why generation stopped."""
-
-    token_ids: list[int]
-    log_probs: list[float] | None
-    stop_reason: Literal["completed", "aborted"] | None
-    extra_fields: dict[str, Any] = field(default_factory=dict)
-
-
-def validate_prompt(request_id: str, prompt_ids: Sequence[int], max_new_tokens: int, model: ModelConfig) -> np.ndarray:
-    if len(prompt_ids) == 0:
-        raise RequestError(f"request {request_id}: prompt_ids is empty; send at least one token")
-    prompt = np.asarray(prompt_ids)
-    if not np.issubdtype(prompt.dtype, np.integer):
-        raise RequestError(f"request {request_id}: prompt_ids must be integers (got {prompt.dtype})")
-    bad = np.flatnonzero((prompt < 0) | (prompt >= model.vocab_size))
-    if bad.size:
-        i = int(bad[0])
-        raise RequestError(
-            f"request {request_id}: prompt_ids[{i}] = {int(prompt[i])} is outside the vocabulary "
-            f"[0, {model.vocab_size})"
-        )
-    if len(prompt) + max_new_tokens > model.max_context:
-        raise RequestError(
-            f"request {request_id}: prompt ({len(prompt)} tokens) + max_tokens ({max_new_tokens}) "
-            f"exceeds the model's context of {model.max_context}; shorten the prompt or max_tokens"
-        )
-    return prompt.astype(np.int32)
-
-
-def parse_sampling(request_id: str, params: Mapping[str, Any] | None, default_max_new: int) -> SamplingParams:
-    params = dict(params or {})
-    unknown = set(params) - _SAMPLING_KEYS
-    if unknown:
-        raise RequestError(
-            f"request {request_id}: unknown sampling_params {sorted(unknown)}; allowed: {sorted(_SAMPLING_KEYS)}"
-        )
-    max_new = params.get("max_tokens", params.get("max_new_tokens", default_max_new))
-    temperature = params.get("temperature", 0.0)
-    top_p = params.get("top_p", 1.0)
-    if not isinstance(max_new, int) or isinstance(max_new, bool) or max_new < 1:
-        raise RequestError(f"request {request_id}: sampling_params.max_tokens must be an int >= 1 (got {max_new!r})")
-    if not isinstance(temperature, (int, float)) or not 0.0 <= temperature <= 100.0:
-        raise RequestError(f"request {request_id}: sampling_params.temperature must be in [0, 100] (got {temperature!r})")
-    if not isinstance(top_p, (int, float)) or not 0.0 < top_p <= 1.0:
-        raise RequestError(f"request {request_id}: sampling_params.top_p must be in (0, 1] (got {top_p!r})")
-    seed = params.get("seed", 0)
-    if not isinstance(seed, int) or isinstance(seed, bool):
-        raise RequestError(f"request {request_id}: sampling_params.seed must be an int (got {seed!r})")
-    stops = params.get("stop_token_ids", ())
-    if not all(isinstance(t, int) for t in stops):
-        raise RequestError(f"request {request_id}: sampling_params.stop_token_ids must be ints (got {stops!r})")
-    return SamplingParams(int(max_new), float(temperature), float(top_p), seed, tuple(stops))
-
-
-def make_spec(request_id: str, prompt: np.ndarray, sampling: SamplingParams, namespace: str, attempt: int = 0) -> RequestSpec:
-    return RequestSpec(request_id, attempt, prompt, sampling, namespace, time.time())
-
-
-# --- batch rollouts -----------------------------------------------------------------------
-
 
 ROLLOUT_SCHEMA = pa.schema(
     [
@@ -238,44 +162,3 @@ async def rollout_async(
     failures = {t.trajectory_id: err for t, (_, err) in zip(trajectories, outcomes) if err}
     table = pa.Table.from_pylist(rows, schema=ROLLOUT_SCHEMA)
     return RolloutResult(table, failures, time.monotonic() - started, served)
-
-
-# --- the agent-loop server ---------------------------------------------------------------
-
-
-@ray.remote(num_cpus=0, max_concurrency=4096)
-class RolloutServer:
-    """verl-style token-in/token-out server in front of the scheduler."""
-
-    def __init__(self, cfg: DualPathConfig) -> None:
-        self.cfg = cfg
-        self.weight_version = cfg.model.weight_version
-        self.scheduler = ray.get_actor("scheduler", namespace=cfg.runtime.namespace)
-
-    async def generate(
-        self, request_id: str, prompt_ids: Sequence[int], sampling_params: Mapping[str, Any] | None = None, **_: Any
-    ) -> TokenOutput:
-        sampling = parse_sampling(request_id, sampling_params, self.cfg.runtime.max_new_tokens)
-        prompt = validate_prompt(request_id, prompt_ids, sampling.max_new_tokens, self.cfg.model)
-        namespace = namespace_for(self.cfg.model.model_id, self.weight_version)
-        result: TurnResult = await self.scheduler.generate.remote(make_spec(request_id, prompt, sampling, namespace))
-        if result.error:
-            raise RuntimeError(f"request {request_id} failed: {result.error}")
-        return TokenOutput(
-            list(result.output_tokens), list(result.log_probs), "completed",
-            {"hit_tokens": result.hit_tokens, "path": result.path, "prefill_engine": result.prefill_engine,
-             "decode_engine": result.decode_engine, "ttft_s": result.ttft_s, "tpot_s": result.tpot_s,
-             "weight_version": self.weight_version},
-        )
-
-    async def update_weight_version(self, version: int) -> int:
-        if not isinstance(version, int) or version < 0:
-            raise RequestError(f"weight version must be an int >= 0 (got {version!r})")
-        self.weight_version = version
-        return version
-
-    async def reset_prefix_cache(self) -> None:
-        await self.scheduler.reset_prefix_cache.remote()
-
-    async def get_weight_version(self) -> int:
-        return self.weight_version
