@@ -1,117 +1,124 @@
-"""KV transport between Ray actors: prefill engines, decode engines and per-node storage readers.
+"""KV transport between Ray actors (prefill engines, decode engines, storage readers), v2: regions.
 
-KV bytes never travel through the Ray object store. A source endpoint `offer`s views of its
-registered pool and gets a small picklable `TransferTicket`; the ticket travels inside ordinary
-actor messages (through the scheduler if need be); the destination `pull`s straight into views of
-its own pool and the source `release`s the views afterwards (the puller may release it by message).
+An endpoint registers its long-lived pools once (`register`), then `seal`s. A peer fetches the
+endpoint's `EndpointInfo` (pool sizes, backend addressing) once, with one Ray call, and caches
+it. A transfer names byte ranges (`Region`s) of registered pools on both sides: `read` pulls
+remote bytes into local regions, `write` pushes local bytes into remote regions. Both post the
+move and return a `Transfer` to poll (`done`) or block on (`wait`). The Ray object store never
+carries KV bytes.
 
-Backends
---------
-* ``nixl`` (default): Ray Direct Transport with NIXL. `offer` is
-  ``ray.put(views, _tensor_transport="nixl")`` inside the source; the ref is the ticket handle.
-  `pull` is ``set_target_for_ref`` + ``ray.get``: a one-sided READ into the caller's targets.
-* ``gloo``: two-sided ``ProcessGroupGloo`` send/recv with a unique tag per tensor, for machines
-  without NIXL. The puller posts its receives, then asks the source (through
-  `TransportEndpoint.transport_serve`, in the ``transport`` concurrency group) to send.
-  The driver forms one world over all endpoints first: `setup_gloo_world(endpoint_handles)`.
+Backends: ``nixl`` (transport_nixl.py: one-sided READ/WRITE through the nixl agent, no Ray call
+per transfer) and ``gloo`` (transport_gloo.py: two-sided send/recv over host memory, one Ray call
+per transfer to the passive side; the CPU fallback).
 
-Correctness rule shared by both: a pull succeeds only if the source still holds the offer *after*
-the bytes landed (liveness only goes offered -> released, so this proves the views were valid
-during the whole read). A released, unknown or foreign ticket, a shape/dtype mismatch or a dead
-source raises `TransportError` (`SourceDiedError` for a dead source, so callers can re-offer
-from another copy); after a `TransportError` the targets' contents are undefined.
+Ownership rule: the transport moves bytes, it does not lease them. Whoever names a remote region
+must know by its own protocol (a message from the owner) that the region holds the wanted bytes
+(read) or may be overwritten (write) until the transfer completes. After a TransportError the
+destination regions hold undefined bytes; a transfer that fails or times out is aborted before
+the error is raised, so no byte lands after it (gloo does that by aborting its world: BROKEN).
 
-RDMA hardware mapping
----------------------
-* NIXL picks its UCX backend (LIBFABRIC only on AWS EFA). UCX selects IB or RoCE verbs (``rc``/
-  ``dc``, GPUDirect RDMA for CUDA memory) when an RDMA NIC is present and falls back to TCP and
-  shared memory otherwise (as on the CPU-only CI machines). ``UCX_TLS`` restricts the transports
-  (e.g. ``rc,cuda_copy`` on IB, ``tcp`` to force sockets); ``UCX_NET_DEVICES`` picks the NIC
-  port (``mlx5_0:1``): bind each engine to the compute NIC next to its GPU.
-* Traffic isolation (paper section 5) keeps KV traffic from slowing model collectives:
-  ``UCX_IB_SL`` sets the InfiniBand service level (0-15, mapped to a virtual lane by the subnet
-  manager's SL2VL table); ``UCX_IB_TRAFFIC_CLASS`` sets the GRH traffic class (0-255) that RoCE
-  switches read as DSCP (upper 6 bits) for PFC/ETS priority queues. Put KV on an SL/TC different
-  from NCCL's (``NCCL_IB_SL`` / ``NCCL_IB_TC``). `make_transport(service_level=...,
-  traffic_class=..., ucx_tls=..., ucx_net_devices=...)` sets these for the whole process; it
-  must run before the process first uses NIXL (UCX reads them when the NIXL agent is created).
-  They are not testable without RDMA hardware; gloo (TCP) ignores them.
-* gloo uses TCP sockets only: no RDMA, no service levels.
-
-Actor requirements
-------------------
-Every endpoint actor class inherits `TransportEndpoint`, is declared with
-``@ray.remote(**endpoint_actor_options())`` (RDT enabled, ``transport`` concurrency group), is a
+Actor requirements: every endpoint actor class inherits `TransportEndpoint`, is declared with
+``@ray.remote(**endpoint_actor_options())`` (it gets the ``transport`` concurrency group), is a
 named actor whose Ray name equals its endpoint name (``reader/n1``, ``prefill/n0/g1``), and calls
-``self.attach_transport(make_transport(...))`` in ``__init__``. `pull` blocks: async actors
-should call it through ``asyncio.to_thread``; in async actors the ``transport`` group runs its
-(synchronous) handlers one at a time, which is correct but serialises gloo sends of that source.
+``self.attach_transport(make_transport(...))``, then `register` and `seal`, in ``__init__``.
 """
 
 from __future__ import annotations
 
 import enum
-import itertools
+import math
 import threading
+import time
 import uuid
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Any
 
 import ray
 import torch
-import xxhash
 
 TRANSPORT_GROUP = "transport"
 TRANSPORT_KINDS = ("nixl", "gloo")
+OPS = ("read", "write")
+_SPIN_S = 0.001  # wait() polls without sleeping this long: NIXL moves of <= 4 MiB finish inside it
+_FIRST_PAUSE_S = 50e-6
+_MAX_PAUSE_S = 1e-3
+_PROBE_TIMEOUT_S = 5.0  # bound on the liveness probe that classifies a failed transfer
 
 
 class TransportError(RuntimeError):
-    """A transfer cannot be done or did not complete; targets of a failed pull are undefined."""
+    """A move cannot be done or did not complete; its destination regions are undefined."""
 
 
-class SourceDiedError(TransportError):
-    """The source endpoint is dead or unknown: its offers are gone (re-offer from another copy)."""
+class PeerDiedError(TransportError):
+    """The peer endpoint is dead, restarted or unknown: its regions are gone."""
+
+
+class RegionError(TransportError):
+    """A region is outside its pool, sizes differ, the pool is unknown, or a view is unusable."""
 
 
 @dataclass(frozen=True)
-class TransferTicket:
-    """What a puller needs to fetch one offer; small and picklable."""
+class Region:
+    """Bytes [offset, offset + nbytes) of the registered pool `pool` of one endpoint."""
 
-    transfer_id: str
-    source: str
+    pool: str
+    offset: int
     nbytes: int
-    shapes: tuple[tuple[int, ...], ...]
-    handle: object
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.nbytes
+
+
+Move = tuple[Region, Region]  # (local region, remote region), equal nbytes
 
 
 @dataclass(frozen=True)
-class ConfirmRequest:
-    """Puller -> source: is the offer still live (after the bytes landed)?"""
-
-    transfer_id: str
-    want_digest: bool
-
-
-@dataclass(frozen=True)
-class ConfirmReply:
-    live: bool
-    digest: int | None
+class PoolInfo:
+    name: str
+    nbytes: int
+    device: str  # "cpu" or "cuda:0"
 
 
 @dataclass(frozen=True)
-class ReleaseRequest:
-    transfer_id: str
+class EndpointInfo:
+    """What a peer needs to address this endpoint; fetched once per peer."""
+
+    endpoint: str
+    incarnation: str
+    kind: str
+    pools: tuple[PoolInfo, ...]
+    backend: object
+
+
+@dataclass(frozen=True)
+class TransportStats:
+    posted: int = 0  # transfers posted to a peer or copied locally
+    descriptors: int = 0  # contiguous moves after coalescing
+    bytes_read: int = 0  # bytes of completed reads
+    bytes_written: int = 0  # bytes of completed writes
+    peer_calls: int = 0  # Ray actor calls this transport issued itself
+
+
+@dataclass(frozen=True)
+class InfoRequest:
+    """Any peer -> endpoint: your EndpointInfo."""
 
 
 class TransportState(enum.Enum):
-    AWAITING_WORLD = "awaiting_world"  # gloo only: no world joined yet
+    REGISTERING = "registering"  # pools may be registered; no moves until seal()
+    AWAITING_WORLD = "awaiting_world"  # gloo only: sealed, no world joined yet
     READY = "ready"
     BROKEN = "broken"  # gloo only: the world is unusable until setup_gloo_world runs again
     CLOSED = "closed"
 
 
 _TRANSITIONS: dict[TransportState, frozenset[TransportState]] = {
+    TransportState.REGISTERING: frozenset(
+        {TransportState.AWAITING_WORLD, TransportState.READY, TransportState.CLOSED}
+    ),
     TransportState.AWAITING_WORLD: frozenset({TransportState.READY, TransportState.CLOSED}),
     TransportState.READY: frozenset({TransportState.READY, TransportState.BROKEN, TransportState.CLOSED}),
     TransportState.BROKEN: frozenset({TransportState.READY, TransportState.CLOSED}),
@@ -126,266 +133,408 @@ def next_state(current: TransportState, target: TransportState) -> TransportStat
     return target
 
 
-def tensors_digest(tensors: Sequence[torch.Tensor]) -> int:
-    """xxh3-64 over the bytes of the tensors in order (debug byte comparison)."""
-    digest = xxhash.xxh3_64()
-    for tensor in tensors:
-        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().data)
-    return digest.intdigest()
-
-
-def check_offer_tensors(tensors: Sequence[torch.Tensor]) -> None:
-    """Offered tensors must be non-empty contiguous uint8 views."""
-    if not tensors:
-        raise TransportError("offer: tensors is empty; offer at least one tensor")
-    for index, tensor in enumerate(tensors):
-        if not isinstance(tensor, torch.Tensor):
-            raise TransportError(f"offer: tensors[{index}] is {type(tensor).__name__}, not a tensor")
-        if tensor.dtype != torch.uint8:
-            raise TransportError(f"offer: tensors[{index}] has dtype {tensor.dtype}; use uint8 views")
-        if not tensor.is_contiguous():
-            raise TransportError(
-                f"offer: tensors[{index}] is not contiguous; offer whole slots such as pool[i, layer]"
-            )
-
-
-def check_pull_targets(ticket: TransferTicket, targets: Sequence[torch.Tensor]) -> None:
-    """Targets must match the ticket one for one: same shape, uint8, contiguous."""
-    if len(targets) != len(ticket.shapes):
-        raise TransportError(
-            f"pull {ticket.transfer_id}: {len(targets)} targets for {len(ticket.shapes)} tensors"
+def check_region(region: object, pools: Mapping[str, PoolInfo], owner: str, where: str) -> Region:
+    """`region` must lie inside one of `owner`'s pools; messages name the field and the fix."""
+    if not isinstance(region, Region):
+        raise RegionError(f"{where} is {type(region).__name__}, not a Region; build it with region_of(pool, view)")
+    pool = pools.get(region.pool)
+    if pool is None:
+        raise RegionError(f"{where}.pool {region.pool!r} is not a pool of {owner}; its pools are {sorted(pools)}")
+    if not isinstance(region.offset, int) or region.offset < 0:
+        raise RegionError(f"{where}.offset is {region.offset!r}; it must be an int >= 0")
+    if not isinstance(region.nbytes, int) or region.nbytes <= 0:
+        raise RegionError(f"{where}.nbytes is {region.nbytes!r}; it must be an int > 0")
+    if region.end > pool.nbytes:
+        raise RegionError(
+            f"{where} ends at byte {region.end}, past the end of {owner}'s pool {pool.name!r} "
+            f"({pool.nbytes} bytes); shrink nbytes or fix the offset"
         )
-    for index, (target, shape) in enumerate(zip(targets, ticket.shapes)):
-        if not isinstance(target, torch.Tensor):
-            raise TransportError(f"pull: targets[{index}] is {type(target).__name__}, not a tensor")
-        if tuple(target.shape) != shape:
-            raise TransportError(
-                f"pull {ticket.transfer_id}: targets[{index}] has shape {tuple(target.shape)}, "
-                f"the offer has {shape}"
+    return region
+
+
+def check_moves(moves: object, where: str) -> list[Move]:
+    """A non-empty sequence of (local, remote) Region pairs of equal size."""
+    if not isinstance(moves, Sequence) or isinstance(moves, (str, bytes)) or not moves:
+        raise RegionError(f"{where}: moves must be a non-empty list of (local, remote) Region pairs")
+    checked: list[Move] = []
+    for index, move in enumerate(moves):
+        if not isinstance(move, tuple) or len(move) != 2:
+            raise RegionError(f"{where}: moves[{index}] must be a (local Region, remote Region) tuple")
+        local, remote = move
+        if isinstance(local, Region) and isinstance(remote, Region) and local.nbytes != remote.nbytes:
+            raise RegionError(
+                f"{where}: moves[{index}] local nbytes {local.nbytes} != remote nbytes {remote.nbytes}; "
+                "a move copies equal byte counts"
             )
-        if target.dtype != torch.uint8:
-            raise TransportError(f"pull: targets[{index}] has dtype {target.dtype}; use uint8 views")
-        if not target.is_contiguous():
-            raise TransportError(f"pull: targets[{index}] is not contiguous")
+        checked.append((local, remote))
+    return checked
+
+
+def coalesce_moves(moves: Sequence[Move]) -> list[Move]:
+    """Merge each move into the previous one when both sides continue it, keeping list order.
+
+    A run of blocks in consecutive slots then costs one descriptor / one gloo message."""
+    merged: list[Move] = []
+    for local, remote in moves:
+        if merged:
+            last_local, last_remote = merged[-1]
+            if (
+                local.pool == last_local.pool
+                and remote.pool == last_remote.pool
+                and local.offset == last_local.end
+                and remote.offset == last_remote.end
+            ):
+                nbytes = last_local.nbytes + local.nbytes
+                merged[-1] = (
+                    Region(local.pool, last_local.offset, nbytes),
+                    Region(remote.pool, last_remote.offset, nbytes),
+                )
+                continue
+        merged.append((local, remote))
+    return merged
+
+
+class Transfer:
+    """One posted move (read or write) of a list of regions. Thread-safe to poll.
+
+    The outcome is sticky: once done() returned True it stays True, once it raised every later
+    call raises the same error. A transfer still running at its deadline (posted + the
+    transport's timeout_s) or when wait(timeout_s) expires is aborted, then fails."""
+
+    def __init__(
+        self, op: str, peer: str, nbytes: int, deadline: float, on_done: Callable[[Transfer], None]
+    ) -> None:
+        self.op = op
+        self.peer = peer
+        self.nbytes = nbytes
+        self._deadline = deadline
+        self._on_done = on_done
+        self._lock = threading.Lock()
+        self._finished = False
+        self._error: TransportError | None = None
+
+    def done(self) -> bool:
+        """Polls the backend once; True once every byte landed; raises TransportError on failure."""
+        with self._lock:
+            return self._advance(None)
+
+    def wait(self, timeout_s: float | None = None) -> int:
+        """Blocks (spins briefly, then short sleeps) until done; returns nbytes; raises on failure.
+
+        timeout_s=None waits up to the transfer's deadline."""
+        start = time.monotonic()
+        limit = math.inf if timeout_s is None else start + timeout_s
+        pause = _FIRST_PAUSE_S
+        while True:
+            now = time.monotonic()
+            with self._lock:
+                if self._advance(f"wait({timeout_s}) expired" if now >= limit else None):
+                    return self.nbytes
+            if now - start >= _SPIN_S:
+                time.sleep(pause)
+                pause = min(2 * pause, _MAX_PAUSE_S)
+
+    def _advance(self, give_up: str | None) -> bool:
+        if self._finished:
+            return True
+        if self._error is not None:
+            raise self._error
+        try:
+            if self._poll():
+                self._finished = True
+                self._on_done(self)
+                return True
+            if give_up is None and time.monotonic() >= self._deadline:
+                give_up = "did not complete before the transport timeout"
+            if give_up is not None:
+                raise self._abort(give_up)
+        except TransportError as exc:
+            self._error = exc
+            raise
+        return False
+
+    # ---- backend hooks -----------------------------------------------------------------
+    def _poll(self) -> bool:
+        """Advance the backend once; True when complete; raise TransportError on failure."""
+        return True
+
+    def _abort(self, reason: str) -> TransportError:
+        """Give up: after this returns no byte of this transfer may land; the error to raise."""
+        return TransportError(f"{self.op} with {self.peer}: {reason}")
+
+
+class _Counters:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._values = {f.name: 0 for f in fields(TransportStats)}
+
+    def add(self, **increments: int) -> None:
+        with self._lock:
+            for name, value in increments.items():
+                self._values[name] += value
+
+    def snapshot(self) -> TransportStats:
+        with self._lock:
+            return TransportStats(**self._values)
 
 
 @dataclass(frozen=True)
-class _Offer:
-    ticket: TransferTicket
-    tensors: tuple[torch.Tensor, ...]
+class _Peer:
+    info: EndpointInfo
+    pools: dict[str, PoolInfo]
 
 
 class Transport(ABC):
-    """One instance per endpoint actor process; methods are thread-safe."""
+    """One per endpoint actor process; every method is thread-safe."""
 
     kind: str
 
-    def __init__(self, endpoint_name: str, namespace: str, timeout_s: float, verify_bytes: bool) -> None:
+    def __init__(self, endpoint_name: str, namespace: str, timeout_s: float) -> None:
         self.endpoint_name = endpoint_name
         self.namespace = namespace
         self.timeout_s = timeout_s
-        self.verify_bytes = verify_bytes
+        self.incarnation = uuid.uuid4().hex[:12]
         self._lock = threading.Lock()
-        self._offers: dict[str, _Offer] = {}
-        self._pools: list[torch.Tensor] = []
-        self._sources: dict[str, Any] = {}
-        self._sequence = itertools.count()
-        self._incarnation = uuid.uuid4().hex[:8]
-        self._state = self._initial_state()
+        self._state = TransportState.REGISTERING
+        self._pools: dict[str, torch.Tensor] = {}  # name -> uint8 1-D view of the whole pool
+        self._pool_infos: dict[str, PoolInfo] = {}
+        self._info: EndpointInfo | None = None
+        self._peers: dict[str, _Peer] = {}
+        self._actors: dict[str, Any] = {}
+        self._counters = _Counters()
 
-    # ---- public interface -------------------------------------------------------------
-    def register(self, pool: torch.Tensor) -> None:
-        """Register a long-lived pool once, before offering or pulling views of it."""
-        self._require_usable()
-        if not isinstance(pool, torch.Tensor) or not pool.is_contiguous():
-            raise TransportError("register: pool must be a contiguous tensor")
-        self._register_backend(pool)
+    # ---- registration ------------------------------------------------------------------
+    def register(self, name: str, pool: torch.Tensor) -> None:
+        """Register a contiguous tensor (any dtype, host or cuda) as the byte pool `name`."""
+        if not isinstance(name, str) or not name:
+            raise RegionError(f"register: name must be a non-empty str (got {name!r})")
+        if not isinstance(pool, torch.Tensor) or not pool.is_contiguous() or pool.numel() == 0:
+            raise RegionError(f"register {name!r}: pool must be a non-empty contiguous tensor")
         with self._lock:
-            self._pools.append(pool)
+            if self._state is not TransportState.REGISTERING:
+                raise TransportError(f"register {name!r}: {self.endpoint_name} is {self._state.value}; register before seal()")
+            if name in self._pools:
+                raise RegionError(f"register: pool name {name!r} is already registered; names are unique")
+            self._register_backend(name, pool)
+            self._pools[name] = pool.reshape(-1).view(torch.uint8)
+            self._pool_infos[name] = PoolInfo(name, pool.numel() * pool.element_size(), str(pool.device))
 
-    def offer(self, tensors: list[torch.Tensor]) -> TransferTicket:
-        """Publish views that stay valid until `release`; returns the ticket to hand around."""
-        self._require(TransportState.READY)
-        check_offer_tensors(tensors)
-        views = tuple(tensors)
-        transfer_id = f"{self.endpoint_name}#{self._incarnation}-{next(self._sequence)}"
-        handle = self._publish(transfer_id, views)
-        ticket = TransferTicket(
-            transfer_id=transfer_id,
-            source=self.endpoint_name,
-            nbytes=sum(t.numel() for t in views),
-            shapes=tuple(tuple(t.shape) for t in views),
-            handle=handle,
-        )
+    def seal(self) -> None:
+        """No more registrations; publishes this endpoint's metadata."""
         with self._lock:
-            self._offers[transfer_id] = _Offer(ticket, views)
-        return ticket
+            if self._state is not TransportState.REGISTERING:
+                raise TransportError(f"seal: {self.endpoint_name} is {self._state.value}; seal() runs once")
+            backend = self._seal_backend()
+            pools = tuple(self._pool_infos.values())
+            self._info = EndpointInfo(self.endpoint_name, self.incarnation, self.kind, pools, backend)
+            self._state = next_state(self._state, self._sealed_state())
 
-    def pull(self, ticket: TransferTicket, targets: list[torch.Tensor]) -> int:
-        """Fill `targets` in place with the offer's bytes; blocks; returns the bytes moved."""
-        self._require(TransportState.READY)
-        if not isinstance(ticket, TransferTicket):
-            raise TransportError(f"pull: expected a TransferTicket, got {type(ticket).__name__}")
-        check_pull_targets(ticket, targets)
-        if ticket.source == self.endpoint_name:
-            self._copy_local(ticket, list(targets))
+    def info(self) -> EndpointInfo:
+        if self._info is None or self._state is TransportState.CLOSED:
+            raise TransportError(f"{self.endpoint_name} is {self._state.value}; info() needs seal() (and not close())")
+        return self._info
+
+    # ---- regions -----------------------------------------------------------------------
+    def region_of(self, pool: str, view: torch.Tensor) -> Region:
+        """The Region of a contiguous view into the local pool `pool` (data_ptr arithmetic)."""
+        base = self._pools.get(pool)
+        if base is None:
+            raise RegionError(f"region_of: {pool!r} is not a pool of {self.endpoint_name}; its pools are {sorted(self._pools)}")
+        if not isinstance(view, torch.Tensor) or view.device != base.device:
+            raise RegionError(f"region_of {pool!r}: view must be a tensor on {base.device}")
+        if not view.is_contiguous():
+            raise RegionError(f"region_of {pool!r}: view is not contiguous; a Region is one byte range, so split it")
+        offset = view.data_ptr() - base.data_ptr()
+        region = Region(pool, offset, view.numel() * view.element_size())
+        if offset < 0 or region.end > base.numel():
+            raise RegionError(f"region_of {pool!r}: view is not inside pool {pool!r}; slice the registered tensor")
+        return check_region(region, self._pool_infos, self.endpoint_name, f"region_of {pool!r}: view")
+
+    def view(self, region: Region) -> torch.Tensor:
+        """uint8 1-D view of a local region."""
+        check_region(region, self._pool_infos, self.endpoint_name, "view: region")
+        return self._pools[region.pool][region.offset : region.end]
+
+    # ---- moves -------------------------------------------------------------------------
+    def read(self, peer: str, moves: Sequence[Move]) -> Transfer:
+        """Remote bytes -> local regions."""
+        return self._move("read", peer, moves)
+
+    def write(self, peer: str, moves: Sequence[Move]) -> Transfer:
+        """Local bytes -> remote regions."""
+        return self._move("write", peer, moves)
+
+    def _move(self, op: str, peer: str, moves: Sequence[Move]) -> Transfer:
+        where = f"{op} {'from' if op == 'read' else 'to'} {peer}"
+        if peer != self.endpoint_name or self._state in (TransportState.REGISTERING, TransportState.CLOSED):
+            self._require_ready(where)  # a self-move copies local memory: it needs no gloo world
+        if not isinstance(peer, str) or not peer:
+            raise TransportError(f"{op}: peer must be an endpoint name such as 'reader/n1' (got {peer!r})")
+        checked = check_moves(moves, where)
+        for index, (local, _) in enumerate(checked):
+            check_region(local, self._pool_infos, self.endpoint_name, f"{where}: moves[{index}] local region")
+        remote_pools = self._pool_infos if peer == self.endpoint_name else self._peer(peer).pools
+        for index, (_, remote) in enumerate(checked):
+            check_region(remote, remote_pools, peer, f"{where}: moves[{index}] remote region")
+        merged = coalesce_moves(checked)
+        if peer == self.endpoint_name:
+            transfer = self._copy_locally(op, merged)
         else:
-            self._fetch(ticket, list(targets))
-        return ticket.nbytes
+            transfer = self._post(op, peer, merged)
+        self._counters.add(posted=1, descriptors=len(merged))
+        return transfer
 
-    def release(self, ticket: TransferTicket) -> None:
-        """Drop an offer; idempotent. Called by a non-source, it messages the source."""
-        if ticket.source == self.endpoint_name:
-            self._release_local(ticket.transfer_id)
-            return
+    def _copy_locally(self, op: str, moves: Sequence[Move]) -> Transfer:
+        """A self-move is a plain copy, so callers need not special-case their own endpoint."""
+        for local, remote in moves:
+            source, target = (remote, local) if op == "read" else (local, remote)
+            data = self._pools[source.pool][source.offset : source.end]
+            overlaps = source.pool == target.pool and source.offset < target.end and target.offset < source.end
+            self._pools[target.pool][target.offset : target.end].copy_(data.clone() if overlaps else data)
+        transfer = self._new_transfer(Transfer, op, self.endpoint_name, moves)
+        transfer.done()
+        return transfer
+
+    def _new_transfer(self, cls: type[Transfer], op: str, peer: str, moves: Sequence[Move], *args: Any) -> Any:
+        nbytes = sum(local.nbytes for local, _ in moves)
+        return cls(op, peer, nbytes, time.monotonic() + self.timeout_s, self._count_done, *args)
+
+    def _count_done(self, transfer: Transfer) -> None:
+        if transfer.op == "read":
+            self._counters.add(bytes_read=transfer.nbytes)
+        else:
+            self._counters.add(bytes_written=transfer.nbytes)
+
+    def stats(self) -> TransportStats:
+        return self._counters.snapshot()
+
+    # ---- peers -------------------------------------------------------------------------
+    def _peer(self, peer: str) -> _Peer:
+        """The peer's EndpointInfo, fetched through one Ray call and then cached."""
+        with self._lock:
+            cached = self._peers.get(peer)
+        if cached is not None:
+            return cached
+        info = self._call_peer(peer, InfoRequest())
+        if not isinstance(info, EndpointInfo) or info.endpoint != peer:
+            raise TransportError(f"{peer} answered the info request with {info!r}; is it a TransportEndpoint?")
+        if info.kind != self.kind:
+            raise TransportError(f"{peer} uses the {info.kind} transport, {self.endpoint_name} {self.kind}; use one kind")
+        with self._lock:
+            return self._peers.setdefault(peer, _Peer(info, {p.name: p for p in info.pools}))
+
+    def _peer_info(self, peer: str) -> EndpointInfo:
+        return self._peer(peer).info
+
+    def _submit(self, peer: str, request: object) -> Any:
+        """Start `request` on the peer's transport group; returns its ObjectRef."""
+        with self._lock:
+            handle = self._actors.get(peer)
+        if handle is None:
+            try:
+                handle = ray.get_actor(peer, namespace=self.namespace)
+            except ValueError as exc:
+                raise PeerDiedError(f"endpoint {peer!r} not found in namespace {self.namespace!r} (dead or never started)") from exc
+            with self._lock:
+                handle = self._actors.setdefault(peer, handle)
+        self._counters.add(peer_calls=1)
         try:
-            self._source_actor(ticket.source).transport_serve.remote(ReleaseRequest(ticket.transfer_id))
-        except TransportError:
-            pass  # the source is gone, and its offers with it
+            return handle.transport_serve.remote(request)
+        except AssertionError as exc:
+            raise TransportError(f"{peer} has no {TRANSPORT_GROUP!r} concurrency group; declare its class with @ray.remote(**endpoint_actor_options())") from exc
 
+    def _reply(self, peer: str, ref: Any, timeout_s: float) -> object:
+        """The result of a request to the peer; any failure is a TransportError."""
+        try:
+            return ray.get(ref, timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError as exc:
+            raise TransportError(f"{peer} did not answer within {timeout_s}s") from exc
+        except ray.exceptions.ActorUnavailableError as exc:
+            raise TransportError(f"{peer} is unreachable for now; the request may still run: {exc}") from exc
+        except ray.exceptions.RayActorError as exc:
+            self._forget_peer(peer)
+            raise PeerDiedError(f"endpoint {peer} died: {exc}") from exc
+        except ray.exceptions.RayTaskError as exc:
+            raise TransportError(f"{peer} failed to serve the request: {exc}") from exc
+
+    def _call_peer(self, peer: str, request: object, timeout_s: float | None = None) -> object:
+        return self._reply(peer, self._submit(peer, request), self.timeout_s if timeout_s is None else timeout_s)
+
+    def _failure(self, peer: str, what: str) -> TransportError:
+        """Classify a failed transfer with a liveness probe: dead or restarted peers are PeerDiedError."""
+        with self._lock:
+            cached = self._peers.get(peer)
+        try:
+            current = self._call_peer(peer, InfoRequest(), min(self.timeout_s, _PROBE_TIMEOUT_S))
+        except PeerDiedError as exc:
+            return PeerDiedError(f"{what}; {exc}")
+        except TransportError as exc:
+            return TransportError(f"{what}; probing {peer} also failed: {exc}")
+        if cached is not None and isinstance(current, EndpointInfo) and current.incarnation != cached.info.incarnation:
+            self._forget_peer(peer)
+            return PeerDiedError(f"{what}; {peer} restarted (a new incarnation): its regions are gone")
+        return TransportError(what)
+
+    def _forget_peer(self, peer: str) -> None:
+        with self._lock:
+            self._actors.pop(peer, None)
+            dropped = self._peers.pop(peer, None)
+        if dropped is not None:
+            self._forget_backend_peer(dropped.info)
+
+    # ---- lifecycle ---------------------------------------------------------------------
     def close(self) -> None:
         with self._lock:
             if self._state is TransportState.CLOSED:
                 return
             self._state = next_state(self._state, TransportState.CLOSED)
-            self._offers = {}
-            pools, self._pools = self._pools, []
-        for pool in pools:
-            self._deregister_backend(pool)
         self._close_backend()
-
-    def outstanding_offers(self) -> int:
-        """How many offers this endpoint still holds (leak checks)."""
-        with self._lock:
-            return len(self._offers)
 
     @property
     def state(self) -> TransportState:
         return self._state
 
-    # ---- served on the source through TransportEndpoint.transport_serve ------------------
-    def serve(self, request: object) -> object:
-        if isinstance(request, ConfirmRequest):
-            return self._confirm_local(request)
-        if isinstance(request, ReleaseRequest):
-            self._release_local(request.transfer_id)
-            return None
-        return self._serve_backend(request)
-
-    # ---- shared helpers for backends ---------------------------------------------------
-    def _offered(self, transfer_id: str) -> _Offer | None:
-        with self._lock:
-            return self._offers.get(transfer_id)
-
-    def _release_local(self, transfer_id: str) -> None:
-        with self._lock:
-            self._offers.pop(transfer_id, None)
-
-    def _confirm_local(self, request: ConfirmRequest) -> ConfirmReply:
-        offer = self._offered(request.transfer_id)
-        if offer is None:
-            return ConfirmReply(live=False, digest=None)
-        digest = tensors_digest(offer.tensors) if request.want_digest else None
-        return ConfirmReply(live=True, digest=digest)
-
-    def _confirm_remote(self, ticket: TransferTicket, targets: Sequence[torch.Tensor]) -> None:
-        """Ask the source, after the bytes landed, whether the offer was live throughout."""
-        reply = self._call_source(ticket.source, ConfirmRequest(ticket.transfer_id, self.verify_bytes))
-        if not isinstance(reply, ConfirmReply) or not reply.live:
-            raise TransportError(
-                f"pull {ticket.transfer_id}: {ticket.source} no longer offers it (never offered, "
-                "or released before the pull completed); the targets hold undefined bytes"
-            )
-        self._check_digest(ticket, targets, reply.digest)
-
-    def _check_digest(self, ticket: TransferTicket, targets: Sequence[torch.Tensor], digest: int | None) -> None:
-        if digest is not None and tensors_digest(targets) != digest:
-            raise TransportError(f"pull {ticket.transfer_id}: landed bytes differ from the source")
-
-    def _copy_local(self, ticket: TransferTicket, targets: list[torch.Tensor]) -> None:
-        offer = self._offered(ticket.transfer_id)
-        if offer is None:
-            raise TransportError(f"pull {ticket.transfer_id}: not offered here (released or unknown)")
-        for target, tensor in zip(targets, offer.tensors):
-            target.copy_(tensor)
-        if self._offered(ticket.transfer_id) is None:
-            raise TransportError(f"pull {ticket.transfer_id}: released during the local copy")
-
-    def _source_actor(self, name: str) -> Any:
-        with self._lock:
-            handle = self._sources.get(name)
-        if handle is not None:
-            return handle
-        try:
-            handle = ray.get_actor(name, namespace=self.namespace)
-        except ValueError as exc:
-            raise SourceDiedError(
-                f"source endpoint {name!r} not found in namespace {self.namespace!r} (dead or never started)"
-            ) from exc
-        with self._lock:
-            self._sources[name] = handle
-        return handle
-
-    def _forget_source(self, name: str) -> None:
-        with self._lock:
-            self._sources.pop(name, None)
-
-    def _call_source(self, name: str, request: object, extra_s: float = 0.0) -> object:
-        """Run `request` on the source's transport group; any failure is a TransportError."""
-        try:
-            ref = self._source_actor(name).transport_serve.remote(request)
-            return ray.get(ref, timeout=self.timeout_s + extra_s)
-        except ray.exceptions.GetTimeoutError as exc:
-            raise TransportError(f"{name} did not answer within {self.timeout_s + extra_s}s") from exc
-        except ray.exceptions.ActorUnavailableError as exc:
-            raise TransportError(f"{name} is unreachable for now; the request may still run: {exc}") from exc
-        except ray.exceptions.RayActorError as exc:
-            self._forget_source(name)
-            raise SourceDiedError(f"source endpoint {name} died: {exc}") from exc
-        except ray.exceptions.RayTaskError as exc:
-            raise TransportError(f"source endpoint {name} failed to serve: {exc}") from exc
-        except AssertionError as exc:
-            raise TransportError(
-                f"{name} has no {TRANSPORT_GROUP!r} concurrency group; declare its class with "
-                "@ray.remote(**endpoint_actor_options())"
-            ) from exc
-
-    def _require(self, state: TransportState) -> None:
-        if self._state is not state:
-            raise TransportError(
-                f"{self.kind} transport of {self.endpoint_name} is {self._state.value}, "
-                f"needs {state.value}" + self._state_hint()
-            )
-
-    def _require_usable(self) -> None:
-        if self._state is TransportState.CLOSED:
-            raise TransportError(f"transport of {self.endpoint_name} is closed")
-
     def _set_state(self, target: TransportState) -> None:
         with self._lock:
             self._state = next_state(self._state, target)
 
+    def _require_ready(self, where: str) -> None:
+        state = self._state
+        if state is TransportState.READY:
+            return
+        hint = {
+            TransportState.REGISTERING: "; call seal() after registering its pools",
+            TransportState.CLOSED: "; it was closed",
+        }.get(state, self._state_hint())
+        raise TransportError(f"{where}: {self.kind} transport of {self.endpoint_name} is {state.value}, needs ready{hint}")
+
+    def serve(self, request: object) -> object:
+        """What TransportEndpoint.transport_serve runs on the passive side."""
+        if isinstance(request, InfoRequest):
+            return self.info()
+        return self._serve_backend(request)
+
+    # ---- backend hooks -----------------------------------------------------------------
+    def _sealed_state(self) -> TransportState:
+        return TransportState.READY
+
     def _state_hint(self) -> str:
         return ""
 
-    # ---- backend hooks -----------------------------------------------------------------
-    def _initial_state(self) -> TransportState:
-        return TransportState.READY
+    def _forget_backend_peer(self, info: EndpointInfo) -> None:
+        return None
+
+    def _serve_backend(self, request: object) -> object:
+        raise TransportError(f"{self.kind} endpoint {self.endpoint_name} cannot serve {type(request).__name__}")
 
     @abstractmethod
-    def _register_backend(self, pool: torch.Tensor) -> None: ...
+    def _register_backend(self, name: str, pool: torch.Tensor) -> None: ...
 
     @abstractmethod
-    def _deregister_backend(self, pool: torch.Tensor) -> None: ...
+    def _seal_backend(self) -> object: ...
 
     @abstractmethod
-    def _publish(self, transfer_id: str, tensors: tuple[torch.Tensor, ...]) -> object: ...
-
-    @abstractmethod
-    def _fetch(self, ticket: TransferTicket, targets: list[torch.Tensor]) -> None: ...
-
-    @abstractmethod
-    def _serve_backend(self, request: object) -> object: ...
+    def _post(self, op: str, peer: str, moves: Sequence[Move]) -> Transfer: ...
 
     @abstractmethod
     def _close_backend(self) -> None: ...
@@ -402,7 +551,7 @@ class TransportEndpoint:
         if actor_name and actor_name != transport.endpoint_name:
             raise TransportError(
                 f"endpoint name {transport.endpoint_name!r} differs from the actor's Ray name "
-                f"{actor_name!r}; peers find sources by name, so make them equal"
+                f"{actor_name!r}; peers find endpoints by name, so make them equal"
             )
         self._endpoint_transport = transport
         return transport
@@ -417,11 +566,10 @@ class TransportEndpoint:
 def endpoint_actor_options(
     transport_threads: int = 8, extra_concurrency_groups: Mapping[str, int] | None = None
 ) -> dict[str, Any]:
-    """Options for ``@ray.remote(**...)`` on an endpoint class (RDT on, a transport group)."""
+    """Options for ``@ray.remote(**...)`` on an endpoint class: the transport group and yours."""
     if transport_threads < 1:
         raise TransportError(f"transport_threads must be >= 1 (got {transport_threads})")
-    groups = {TRANSPORT_GROUP: transport_threads, **(extra_concurrency_groups or {})}
-    return {"enable_tensor_transport": True, "concurrency_groups": groups}
+    return {"concurrency_groups": {TRANSPORT_GROUP: transport_threads, **(extra_concurrency_groups or {})}}
 
 
 def make_transport(
@@ -430,13 +578,12 @@ def make_transport(
     *,
     namespace: str,
     timeout_s: float = 60.0,
-    verify_bytes: bool = False,
     service_level: int | None = None,
     traffic_class: int | None = None,
     ucx_tls: str | None = None,
     ucx_net_devices: str | None = None,
 ) -> Transport:
-    """Build this process's transport; UCX knobs are applied to the process environment."""
+    """Build this process's transport; UCX knobs are applied to the process environment first."""
     from dualpath_ray.runtime.transport_nixl import apply_ucx_environment, ucx_environment
 
     if kind not in TRANSPORT_KINDS:
@@ -446,21 +593,19 @@ def make_transport(
     if timeout_s <= 0:
         raise TransportError(f"timeout_s must be > 0 (got {timeout_s})")
     apply_ucx_environment(
-        ucx_environment(
-            service_level=service_level, traffic_class=traffic_class, tls=ucx_tls, net_devices=ucx_net_devices
-        )
+        ucx_environment(service_level=service_level, traffic_class=traffic_class, tls=ucx_tls, net_devices=ucx_net_devices)
     )
     if kind == "nixl":
         from dualpath_ray.runtime.transport_nixl import NixlTransport
 
-        return NixlTransport(endpoint_name, namespace, timeout_s, verify_bytes)
+        return NixlTransport(endpoint_name, namespace, timeout_s)
     from dualpath_ray.runtime.transport_gloo import GlooTransport
 
-    return GlooTransport(endpoint_name, namespace, timeout_s, verify_bytes)
+    return GlooTransport(endpoint_name, namespace, timeout_s)
 
 
 def setup_gloo_world(endpoints: Sequence[Any], *, timeout_s: float = 60.0) -> Any:
-    """Driver side: form one gloo world over these endpoint actor handles (ranks = order)."""
+    """Driver side: form one gloo world over these sealed endpoint actor handles (ranks = order)."""
     from dualpath_ray.runtime.transport_gloo import form_gloo_world
 
     return form_gloo_world(endpoints, timeout_s=timeout_s)

@@ -1,53 +1,71 @@
-"""gloo backend of the KV transport: two-sided send/recv over one world of all endpoints.
+"""gloo backend of the KV transport: two-sided send/recv of host regions over one world.
 
-The world is a private ``ProcessGroupGloo`` (not torch's default group), so forming it again
-after an endpoint restarts needs no process-global state. Rank 0 hosts the rendezvous
-``TCPStore``; the driver hands its address to every endpoint (`form_gloo_world`).
+The world is a private ``ProcessGroupGloo`` over all endpoints (not torch's default group), so
+forming it again after an endpoint restarts needs no process-global state. The driver forms it
+(`form_gloo_world`): it asks every endpoint for its EndpointInfo (so all are sealed and gloo),
+rank 0 hosts the rendezvous ``TCPStore``, and every endpoint joins knowing all names by rank.
 
-A pull posts one receive per target with tags fresh to this puller (so concurrent transfers
-between any pairs, and several between the same pair, never match each other), then asks the
-source to send. Facts about gloo's TCP transport in torch 2.13 that shape the error handling
-(checked on this machine):
+A transfer is one Ray call to the passive side plus one gloo op per coalesced region on each side:
+* read: post a recv per local region, then ask the peer (`SendRegions`) to send its regions; the
+  peer posts the sends on a transport-group thread and answers once they completed;
+* write: ask the peer (`RecvRegions`) to receive into its regions, then post the sends; the peer
+  answers once its recvs completed, so a good answer proves the bytes landed.
+`Transfer.done` is true when the answer is good and every local op completed.
+
+Tags: gloo matches by (pair, direction, tag). Sends from X to Y carry tags chosen by Y for Y's
+reads and by X for X's writes, so reads and writes draw from disjoint halves of the tag space,
+each from a per-process counter: no two outstanding moves of one direction share a tag.
+
+Facts about gloo's TCP transport in torch 2.13 that shape the error handling (checked on this
+machine):
 * a receive that times out closes the pair for good ("Application timeout caused pair closure");
 * a receive whose buffer is dropped before any send is harmless, but a later send on its tag
-  wedges the pair; so receives are dropped only when the source reports it never sent;
-* a dead peer makes pending receives fail within milliseconds ("Connection closed by peer");
-* ``abort()`` on the group stops all its pairs; receives posted before it are never written.
-When the outcome is ambiguous (the source neither answered nor died) the puller aborts its whole
-group: late bytes can then never land in targets that were handed back as failed, and the
-endpoint reports BROKEN until the driver calls `setup_gloo_world` again.
+  wedges the pair; a send without a matching receive just stays pending, other tags unaffected;
+* a send posted before its receive waits for it (gloo rendezvous), so write's order is safe;
+* only ``wait()`` completes a send/recv work: ``is_completed()`` stays False (and ``exception()``
+  None) even after the bytes arrived or the peer died, and ``get_future()`` did not resolve either;
+  so `Transfer.done` polls the peer's answer (``ray.wait``, timeout 0) and, once it is good, waits
+  for the local ops, which the answer proves finished or about to;
+* a dead peer fails pending ops within milliseconds (seen through ``wait()``);
+* ``abort()`` on the group stops all its pairs; ops posted before it are never completed.
+Hence: ops of a failed transfer are parked (kept alive) until the world is replaced, never
+dropped while a send could still match them; when bytes may still land (the peer neither
+answered nor died, or answered that its side failed), the initiator aborts its whole world and
+reports BROKEN until the driver calls `setup_gloo_world` again.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 import uuid
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Sequence
+from typing import Any
 
 import ray
 import torch
 import torch.distributed as dist
 
 from dualpath_ray.runtime.transport import (
-    SourceDiedError,
-    TransferTicket,
+    EndpointInfo,
+    InfoRequest,
+    Move,
+    PeerDiedError,
+    Region,
+    RegionError,
+    Transfer,
     Transport,
     TransportError,
     TransportState,
     next_state,
-    tensors_digest,
 )
 
 _MAX_TAG = 2**31 - 1
+_TAG_RANGES = {"read": (1, 2**30), "write": (2**30, _MAX_TAG)}
 _ANSWER_GRACE_S = 5.0
-
-
-@dataclass(frozen=True)
-class GlooHandle:
-    world_id: str
-    rank: int
+_MIN_FINISH_S = 1.0  # local ops after a good answer get at least this long, even past the deadline
 
 
 @dataclass(frozen=True)
@@ -76,7 +94,7 @@ class JoinRequest:
     host: str
     port: int
     rank: int
-    size: int
+    endpoints: tuple[str, ...]
     timeout_s: float
 
 
@@ -87,201 +105,282 @@ class Joined:
 
 
 @dataclass(frozen=True)
-class SendRequest:
+class SendRegions:
+    """Initiator of a read -> peer: send these regions of yours to rank `peer_rank`."""
+
     world_id: str
-    transfer_id: str
-    dst_rank: int
+    regions: tuple[Region, ...]
+    peer_rank: int
     tags: tuple[int, ...]
-    want_digest: bool
 
 
 @dataclass(frozen=True)
-class SendOutcome:
-    """sent is True once any byte may have left; the puller must then wait for its receives."""
+class RecvRegions:
+    """Initiator of a write -> peer: receive from rank `peer_rank` into these regions of yours."""
 
-    sent: bool
+    world_id: str
+    regions: tuple[Region, ...]
+    peer_rank: int
+    tags: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class RegionsOutcome:
+    """posted: the peer posted its ops (bytes may have moved); error None: all of them completed."""
+
+    posted: bool
     error: str | None
-    digest: int | None
 
 
 @dataclass(frozen=True)
 class _World:
     world_id: str
     rank: int
-    size: int
+    ranks: Mapping[str, int]
     group: Any
 
 
 class _TagCounter:
-    """Tags unique to this puller process, hence unique per (source, puller) pair."""
+    """Per-process tag counters, one per op, over disjoint ranges below gloo's int32 limit."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._next = 1
+        self._next = {op: low for op, (low, _) in _TAG_RANGES.items()}
 
-    def allocate(self, count: int) -> tuple[int, ...]:
+    def allocate(self, op: str, count: int) -> tuple[int, ...]:
+        low, high = _TAG_RANGES[op]
         with self._lock:
-            if self._next + count > _MAX_TAG:
-                self._next = 1
-            start, self._next = self._next, self._next + count
+            if self._next[op] + count > high:
+                self._next[op] = low
+            start = self._next[op]
+            self._next[op] = start + count
         return tuple(range(start, start + count))
 
 
-def _require_cpu(tensors: Sequence[torch.Tensor], what: str) -> None:
-    for index, tensor in enumerate(tensors):
-        if tensor.device.type != "cpu":
-            raise TransportError(f"gloo moves CPU tensors only; {what}[{index}] is on {tensor.device}")
+class GlooTransfer(Transfer):
+    """Local ops + the peer's answer; see the module docstring for when the world is aborted."""
+
+    def __init__(
+        self,
+        op: str,
+        peer: str,
+        nbytes: int,
+        deadline: float,
+        on_done: Callable[[Transfer], None],
+        transport: GlooTransport,
+        world: _World,
+        answer: Any,
+        works: list[Any],
+    ) -> None:
+        super().__init__(op, peer, nbytes, deadline, on_done)
+        self._transport = transport
+        self._world = world
+        self._answer = answer
+        self._works = works
+        self._answered = False
+
+    def _poll(self) -> bool:
+        if not self._transport._in_world(self._world):
+            raise self._fail(f"the gloo world was aborted or replaced during the {self.op}", abort=False)
+        if not self._answered:
+            ready, _ = ray.wait([self._answer], timeout=0)
+            if not ready:
+                return False
+            self._check_answer()
+            self._answered = True
+        self._finish_local_ops()
+        return True
+
+    def _finish_local_ops(self) -> None:
+        """A good answer proves the peer's side is done, so the local ops finish at once; only
+        wait() completes a gloo op, hence the (short) blocking wait here."""
+        remaining = max(self._deadline - time.monotonic(), _MIN_FINISH_S)
+        try:
+            for work in self._works:
+                work.wait(timedelta(seconds=remaining))
+        except RuntimeError as exc:
+            raise self._fail(f"local gloo op failed after the peer finished: {exc}", abort=False, broken=True) from exc
+
+    def _check_answer(self) -> None:
+        try:
+            outcome = self._transport._reply(self.peer, self._answer, 0)
+        except PeerDiedError as exc:
+            raise self._fail(str(exc), abort=False, cls=PeerDiedError, broken=True) from exc
+        except TransportError as exc:
+            raise self._fail(str(exc), abort=True) from exc
+        if not isinstance(outcome, RegionsOutcome):
+            raise self._fail(f"{self.peer} answered {outcome!r}; is it a gloo endpoint?", abort=True)
+        if not outcome.posted:
+            raise self._fail(f"{self.peer} did not take part: {outcome.error}", abort=False)
+        if outcome.error is not None:  # the peer's ops failed: ours may still complete into our regions
+            raise self._fail(f"{self.peer}: {outcome.error}", abort=True, broken=True)
+
+    def _fail(self, why: str, *, abort: bool, cls: type[TransportError] = TransportError, broken: bool = False) -> TransportError:
+        self._transport._park(self._works, self._world, self._rank(), broken)
+        self._works = []
+        if abort:
+            self._transport._abort_world(self._world)
+        return cls(f"gloo {self.op} with {self.peer}: {why}")
+
+    def _abort(self, reason: str) -> TransportError:
+        if not self._answered:
+            reason = f"{self.peer} did not answer within {self._transport.timeout_s}s ({reason})"
+        error = self._fail(f"{reason}; this endpoint's world was aborted", abort=True)
+        return error
+
+    def _rank(self) -> int:
+        return self._world.ranks[self.peer]
 
 
 class GlooTransport(Transport):
     kind = "gloo"
 
-    def __init__(self, endpoint_name: str, namespace: str, timeout_s: float, verify_bytes: bool) -> None:
-        super().__init__(endpoint_name, namespace, timeout_s, verify_bytes)
+    def __init__(self, endpoint_name: str, namespace: str, timeout_s: float) -> None:
+        super().__init__(endpoint_name, namespace, timeout_s)
         self._world: _World | None = None
         self._master_store: tuple[str, Any] | None = None
         self._broken_ranks: set[int] = set()
+        self._parked: list[Any] = []  # ops of failed transfers, alive until the world is replaced
         self._tags = _TagCounter()
 
-    def _initial_state(self) -> TransportState:
+    def _sealed_state(self) -> TransportState:
         return TransportState.AWAITING_WORLD
 
     def _state_hint(self) -> str:
         return "; the driver must call setup_gloo_world over all endpoints"
 
-    def _register_backend(self, pool: torch.Tensor) -> None:
-        _require_cpu([pool], "pool")
+    def _register_backend(self, name: str, pool: torch.Tensor) -> None:
+        if pool.device.type != "cpu":
+            raise RegionError(f"register {name!r}: the pool is on {pool.device}; gloo moves host memory; use nixl on GPU nodes")
 
-    def _deregister_backend(self, pool: torch.Tensor) -> None:
+    def _seal_backend(self) -> object:
         return None
 
-    def _publish(self, transfer_id: str, tensors: tuple[torch.Tensor, ...]) -> object:
-        _require_cpu(tensors, "tensors")
+    # ---- initiator ---------------------------------------------------------------------
+    def _post(self, op: str, peer: str, moves: Sequence[Move]) -> Transfer:
         world = self._current_world()
-        return GlooHandle(world.world_id, world.rank)
+        rank = world.ranks.get(peer)
+        if rank is None:
+            raise TransportError(f"{peer} is not in this endpoint's gloo world{self._state_hint()}")
+        try:
+            if rank in self._broken_ranks:
+                raise TransportError(f"the gloo pair with {peer} (rank {rank}) failed earlier{self._state_hint()}")
+            answer, works = self._start(op, peer, world, rank, moves)
+        except PeerDiedError:
+            raise
+        except TransportError as exc:  # a closed pair or a failed call: a dead peer is PeerDiedError
+            raise self._failure(peer, str(exc)) from exc
+        return self._new_transfer(GlooTransfer, op, peer, moves, self, world, answer, works)
+
+    def _start(self, op: str, peer: str, world: _World, rank: int, moves: Sequence[Move]) -> tuple[Any, list[Any]]:
+        """Post the local ops and the request, in the order that lets each side's ops match."""
+        tags = self._tags.allocate(op, len(moves))
+        views = [self.view(local) for local, _ in moves]
+        remote = tuple(region for _, region in moves)
+        if op == "write":
+            answer = self._submit(peer, RecvRegions(world.world_id, remote, world.rank, tags))
+            return answer, self._post_ops(world, rank, "send", views, tags)
+        works = self._post_ops(world, rank, "recv", views, tags)
+        try:
+            return self._submit(peer, SendRegions(world.world_id, remote, world.rank, tags)), works
+        except TransportError:
+            self._park(works, world, rank, broken=False)  # no send will ever carry these tags
+            raise
 
     def _current_world(self) -> _World:
         world = self._world
-        if world is None:
-            raise TransportError(f"{self.endpoint_name} has not joined a gloo world{self._state_hint()}")
+        if world is None or self._state is not TransportState.READY:
+            raise TransportError(f"{self.endpoint_name} is not in a usable gloo world{self._state_hint()}")
         return world
 
-    # ---- puller ------------------------------------------------------------------------
-    def _fetch(self, ticket: TransferTicket, targets: list[torch.Tensor]) -> None:
-        handle = ticket.handle
-        if not isinstance(handle, GlooHandle):
-            raise TransportError(
-                f"pull {ticket.transfer_id}: handle is {type(handle).__name__}, not a gloo handle "
-                "(a ticket from another backend?)"
-            )
-        _require_cpu(targets, "targets")
-        world = self._current_world()
-        if handle.world_id != world.world_id:
-            raise TransportError(
-                f"pull {ticket.transfer_id}: offered in gloo world {handle.world_id}, this endpoint "
-                f"is in {world.world_id}; offer again"
-            )
-        if handle.rank in self._broken_ranks:
-            raise TransportError(
-                f"pull {ticket.transfer_id}: the gloo pair with rank {handle.rank} failed earlier"
-                f"{self._state_hint()}"
-            )
-        tags = self._tags.allocate(len(targets))
+    def _post_ops(self, world: _World, rank: int, op: str, views: list[torch.Tensor], tags: Sequence[int]) -> list[Any]:
+        post = world.group.recv if op == "recv" else world.group.send
+        works: list[Any] = []
         try:
-            receives = [world.group.recv([t], handle.rank, tag) for t, tag in zip(targets, tags)]
+            for view, tag in zip(views, tags):
+                works.append(post([view], rank, tag))
         except RuntimeError as exc:
-            self._broken_ranks.add(handle.rank)
-            raise TransportError(f"pull {ticket.transfer_id}: cannot post receives: {exc}") from exc
-        request = SendRequest(world.world_id, ticket.transfer_id, world.rank, tags, self.verify_bytes)
-        outcome = self._ask_to_send(ticket, world, request)
-        if not outcome.sent:
-            raise TransportError(f"pull {ticket.transfer_id}: {ticket.source} did not send: {outcome.error}")
-        self._wait_receives(ticket, handle.rank, receives)
-        if outcome.error is not None:
-            raise TransportError(f"pull {ticket.transfer_id}: {ticket.source}: {outcome.error}")
-        self._check_digest(ticket, targets, outcome.digest)
+            self._park(works, world, rank, broken=True)
+            raise TransportError(f"gloo: cannot post a {op} with rank {rank}: {exc}") from exc
+        return works
 
-    def _ask_to_send(self, ticket: TransferTicket, world: _World, request: SendRequest) -> SendOutcome:
-        try:
-            outcome = self._call_source(ticket.source, request, extra_s=_ANSWER_GRACE_S)
-        except SourceDiedError:
-            raise
-        except TransportError as exc:
-            self._abort_world(world)
-            raise
-        if not isinstance(outcome, SendOutcome):
-            self._abort_world(world)
-            raise TransportError(f"pull {ticket.transfer_id}: {ticket.source} is not a gloo endpoint")
-        return outcome
+    def _in_world(self, world: _World) -> bool:
+        return self._world is world and self._state is TransportState.READY
 
-    def _wait_receives(self, ticket: TransferTicket, rank: int, receives: list[Any]) -> None:
-        try:
-            for receive in receives:
-                receive.wait(timedelta(seconds=self.timeout_s))
-        except RuntimeError as exc:
-            self._broken_ranks.add(rank)
-            raise TransportError(f"pull {ticket.transfer_id}: receive failed: {exc}") from exc
+    def _park(self, works: list[Any], world: _World, rank: int, broken: bool) -> None:
+        with self._lock:
+            if self._world is world:
+                self._parked.extend(works)
+                if broken:
+                    self._broken_ranks.add(rank)
 
     def _abort_world(self, world: _World) -> None:
-        """The source may still send into posted receives: stop every pair of this group."""
+        """Bytes of a failed transfer may still land: stop every pair of this world."""
         with self._lock:
             if self._world is not world or self._state is not TransportState.READY:
                 return
+            self._state = next_state(self._state, TransportState.BROKEN)
         world.group.abort()
-        self._set_state(TransportState.BROKEN)
 
-    # ---- source ------------------------------------------------------------------------
+    # ---- passive side ------------------------------------------------------------------
     def _serve_backend(self, request: object) -> object:
-        if isinstance(request, SendRequest):
-            return self._serve_send(request)
+        if isinstance(request, SendRegions):
+            return self._serve_regions(request, "send")
+        if isinstance(request, RecvRegions):
+            return self._serve_regions(request, "recv")
         if isinstance(request, HostStoreRequest):
             return self._serve_host_store(request)
         if isinstance(request, JoinRequest):
             return self._serve_join(request)
-        raise TransportError(f"gloo endpoint {self.endpoint_name} cannot serve {request!r}")
+        return super()._serve_backend(request)
 
-    def _serve_send(self, request: SendRequest) -> SendOutcome:
+    def _serve_regions(self, request: SendRegions | RecvRegions, op: str) -> RegionsOutcome:
         world = self._world
-        if self._state is not TransportState.READY or world is None or world.world_id != request.world_id:
-            return SendOutcome(False, f"{self.endpoint_name} is not in gloo world {request.world_id}", None)
-        offer = self._offered(request.transfer_id)
-        if offer is None:
-            return SendOutcome(False, "not offered (never offered, or already released)", None)
-        if len(request.tags) != len(offer.tensors):
-            return SendOutcome(False, f"{len(request.tags)} tags for {len(offer.tensors)} tensors", None)
+        if not (world is not None and self._in_world(world) and world.world_id == request.world_id):
+            return RegionsOutcome(False, f"{self.endpoint_name} is not in gloo world {request.world_id} (or broken)")
+        if request.peer_rank in self._broken_ranks:
+            return RegionsOutcome(False, f"the pair with rank {request.peer_rank} failed earlier")
+        if len(request.tags) != len(request.regions):
+            return RegionsOutcome(False, f"{len(request.tags)} tags for {len(request.regions)} regions")
         try:
-            sends = [world.group.send([t], request.dst_rank, tag) for t, tag in zip(offer.tensors, request.tags)]
-            for send in sends:
-                send.wait(timedelta(seconds=self.timeout_s))
-        except RuntimeError as exc:
-            return SendOutcome(True, f"send failed: {exc}", None)
-        if self._offered(request.transfer_id) is None:
-            return SendOutcome(True, "released while sending; the bytes are undefined", None)
-        digest = tensors_digest(offer.tensors) if request.want_digest else None
-        return SendOutcome(True, None, digest)
+            views = [self.view(region) for region in request.regions]
+        except RegionError as exc:
+            return RegionsOutcome(False, str(exc))
+        try:
+            works = self._post_ops(world, request.peer_rank, op, views, request.tags)
+            for work in works:
+                work.wait(timedelta(seconds=self.timeout_s))
+        except (RuntimeError, TransportError) as exc:
+            with self._lock:
+                self._broken_ranks.add(request.peer_rank)
+            return RegionsOutcome(True, f"{op} failed: {exc}")
+        return RegionsOutcome(True, None)
 
     def _serve_host_store(self, request: HostStoreRequest) -> StoreAddress:
         host = ray.util.get_node_ip_address()
-        store = dist.TCPStore(
-            host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=request.timeout_s)
-        )
+        store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=request.timeout_s))
         with self._lock:
             self._master_store = (request.world_id, store)
         return StoreAddress(host, store.port)
 
     def _serve_join(self, request: JoinRequest) -> Joined:
-        self._require_usable()
+        if self._state is TransportState.REGISTERING:
+            raise TransportError(f"join: {self.endpoint_name} is still registering; seal() it first")
+        next_state(self._state, TransportState.READY)  # a closed endpoint refuses before any socket opens
+        if request.endpoints[request.rank] != self.endpoint_name:
+            raise TransportError(f"join: rank {request.rank} is {request.endpoints[request.rank]}, not {self.endpoint_name}")
         timeout = timedelta(seconds=request.timeout_s)
         store = self._rendezvous_store(request, timeout)
         options = dist.ProcessGroupGloo._Options()
         options._timeout = timeout
         options._devices = [dist.ProcessGroupGloo.create_device(hostname=ray.util.get_node_ip_address())]
         prefixed = dist.PrefixStore(f"dualpath/{request.world_id}", store)
-        group = dist.ProcessGroupGloo(prefixed, request.rank, request.size, options)
+        group = dist.ProcessGroupGloo(prefixed, request.rank, len(request.endpoints), options)
+        ranks = {name: rank for rank, name in enumerate(request.endpoints)}
         with self._lock:
-            previous, self._world = self._world, _World(request.world_id, request.rank, request.size, group)
-            self._broken_ranks = set()
             self._state = next_state(self._state, TransportState.READY)
+            previous, self._world = self._world, _World(request.world_id, request.rank, ranks, group)
+            self._broken_ranks, self._parked = set(), []
         if previous is not None:
             previous.group.abort()
         return Joined(self.endpoint_name, request.rank)
@@ -298,7 +397,7 @@ class GlooTransport(Transport):
     def _close_backend(self) -> None:
         with self._lock:
             world, self._world = self._world, None
-            self._master_store = None
+            self._master_store, self._parked = None, []
         if world is not None:
             world.group.abort()
 
@@ -309,22 +408,27 @@ def form_gloo_world(endpoints: Sequence[Any], *, timeout_s: float = 60.0) -> Glo
         raise TransportError("setup_gloo_world: endpoints is empty; pass every endpoint actor handle")
     world_id = uuid.uuid4().hex
     try:
-        address = ray.get(
-            endpoints[0].transport_serve.remote(HostStoreRequest(world_id, timeout_s)), timeout=timeout_s
-        )
+        infos = ray.get([e.transport_serve.remote(InfoRequest()) for e in endpoints], timeout=timeout_s)
+        names = _world_names(infos)
+        address = ray.get(endpoints[0].transport_serve.remote(HostStoreRequest(world_id, timeout_s)), timeout=timeout_s)
         joins = [
-            endpoint.transport_serve.remote(
-                JoinRequest(world_id, address.host, address.port, rank, len(endpoints), timeout_s)
-            )
+            endpoint.transport_serve.remote(JoinRequest(world_id, address.host, address.port, rank, names, timeout_s))
             for rank, endpoint in enumerate(endpoints)
         ]
-        joined = ray.get(joins, timeout=timeout_s + _ANSWER_GRACE_S)
+        ray.get(joins, timeout=timeout_s + _ANSWER_GRACE_S)
     except (ray.exceptions.RayError, AssertionError) as exc:
         raise TransportError(
-            f"setup_gloo_world: forming the world failed (every endpoint must be a TransportEndpoint "
-            f"with a gloo transport): {exc}"
+            "setup_gloo_world: forming the world failed (every endpoint must be a TransportEndpoint with "
+            f"a sealed gloo transport): {exc}"
         ) from exc
-    names = tuple(j.endpoint_name for j in joined)
+    return GlooWorld(world_id, names)
+
+
+def _world_names(infos: Sequence[object]) -> tuple[str, ...]:
+    for index, info in enumerate(infos):
+        if not isinstance(info, EndpointInfo) or info.kind != "gloo":
+            raise TransportError(f"setup_gloo_world: endpoints[{index}] is not a gloo endpoint ({info!r})")
+    names = tuple(info.endpoint for info in infos)  # type: ignore[union-attr]
     if len(set(names)) != len(names):
         raise TransportError(f"setup_gloo_world: endpoint names are not unique: {names}")
-    return GlooWorld(world_id, names)
+    return names

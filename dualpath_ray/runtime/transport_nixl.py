@@ -1,46 +1,62 @@
-"""NIXL backend of the KV transport: one-sided READs through Ray Direct Transport.
+"""NIXL backend of the KV transport: one-sided READ/WRITE through the nixl agent API.
 
-Behaviours of Ray 2.60 + nixl 1.5.1 this relies on (checked on a CPU-only `Cluster`, UCX over
-TCP/shm):
-* A ref made by ``ray.put(views, _tensor_transport="nixl")`` inside the source actor can ride
-  nested in any message (a dataclass, a list) through third parties (scheduler, driver) and be
-  pulled by an endpoint several hops away.
-* ``set_target_for_ref`` keeps only weakrefs to the targets: if they die before ``ray.get``,
-  Ray silently reads into fresh tensors. `_fetch` holds them and checks data_ptr identity.
-* The READ does not ask the source: after a release (and slot reuse) it would return the new
-  bytes silently, hence the liveness confirmation after every read.
-* Two live offers with overlapping but unequal slot sets work once the pool is registered with
-  ``register_nixl_memory`` (registration is per storage, counted).
-* A dead source surfaces as ``OwnerDiedError`` from ``ray.get`` within milliseconds.
-* A borrower never drops the RDT metadata it registered when deserialising the ref (Ray's TODO
-  #57962), about 0.7 KB per ticket here; a successful pull drops it. So a deserialised ticket is
-  pulled at most once per process; sent on after its pull it travels as a plain ref, which its
-  source can still release but nobody can pull. Non-endpoint relays (the scheduler) still leak.
+One ``nixl_agent`` per endpoint process, named ``{endpoint}#{incarnation}``, UCX backend with
+its progress thread. Pools are registered with the agent once; `seal` publishes the agent
+metadata (taken after every registration, so it covers all pools) and each pool's base address
+in `EndpointInfo.backend`. A peer loads that metadata once (``add_remote_agent``, cached by agent
+name, i.e. per incarnation). A transfer is then ``initialize_xfer`` over two Nx3 descriptor
+arrays (address, length, device id) + ``transfer``; `Transfer.done` is one ``check_xfer_state``.
+No Ray call happens per transfer, and the passive side runs no code at all.
+
+Facts about nixl 1.5.1 this relies on (checked on this CPU-only machine, UCX over cma/tcp):
+* agent calls raise typed exceptions rather than returning "ERR": a remote range outside the
+  peer's registrations fails ``initialize_xfer`` with NIXL_ERR_NOT_FOUND (a second bounds check
+  behind ours); posting to a dead peer fails at once with NIXL_ERR_REMOTE_DISCONNECT;
+* ``add_remote_agent`` takes ~30 ms, creating an agent ~0.5 s: both happen once, not per move;
+* releasing an unfinished transfer handle cancels it; if cancelling fails nixl keeps the handle
+  in its leak list (released when the agent is destroyed) and the bytes may still land.
+The agent is shared by engine worker threads and Ray's transport-group threads; every agent call
+runs under one lock (the agent's own sync mode is NONE without a listener thread).
+
+RDMA hardware mapping
+---------------------
+* UCX selects IB or RoCE verbs (``rc``/``dc``, GPUDirect RDMA for CUDA memory) when an RDMA NIC
+  is present and falls back to TCP, shared memory and cma otherwise (as on the CPU-only CI
+  machines). ``UCX_TLS`` restricts the transports (``rc,cuda_copy`` on IB, ``tcp`` to force
+  sockets); ``UCX_NET_DEVICES`` picks the NIC port (``mlx5_0:1``): bind each engine to the
+  compute NIC next to its GPU.
+* Traffic isolation (paper section 5) keeps KV traffic from slowing model collectives:
+  ``UCX_IB_SL`` sets the InfiniBand service level (0-15, mapped to a virtual lane by the subnet
+  manager's SL2VL table); ``UCX_IB_TRAFFIC_CLASS`` sets the GRH traffic class (0-255) that RoCE
+  switches read as DSCP (upper 6 bits) for PFC/ETS priority queues. Put KV on an SL/TC different
+  from NCCL's (``NCCL_IB_SL`` / ``NCCL_IB_TC``). `make_transport(service_level=...,
+  traffic_class=..., ucx_tls=..., ucx_net_devices=...)` sets these for the whole process before
+  the agent exists (UCX reads them when the agent's UCX context is created). They are not
+  testable without RDMA hardware; gloo (TCP) ignores them.
 """
 
 from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-import ray
+import numpy as np
 import torch
-from ray.experimental import (
-    deregister_nixl_memory,
-    register_nixl_memory,
-    set_target_for_ref,
-)
 
 from dualpath_ray.runtime.transport import (
-    SourceDiedError,
-    TransferTicket,
+    Move,
+    Transfer,
     Transport,
     TransportError,
 )
 
 _UCX_SERVICE_LEVELS = range(16)
 _UCX_TRAFFIC_CLASSES = range(256)
+_NIXL_OPS = {"read": "READ", "write": "WRITE"}
+_MISSING = "runtime.transport: nixl is not installed; pip install '.[nixl]' or use gloo"
 
 
 def ucx_environment(
@@ -58,9 +74,7 @@ def ucx_environment(
         env["UCX_IB_SL"] = str(service_level)
     if traffic_class is not None:
         if traffic_class not in _UCX_TRAFFIC_CLASSES:
-            raise TransportError(
-                f"traffic_class must be in 0..255 (DSCP << 2 on RoCE; got {traffic_class})"
-            )
+            raise TransportError(f"traffic_class must be in 0..255 (DSCP << 2 on RoCE; got {traffic_class})")
         env["UCX_IB_TRAFFIC_CLASS"] = str(traffic_class)
     if tls is not None:
         if not tls.strip():
@@ -85,89 +99,200 @@ def apply_ucx_environment(env: dict[str, str]) -> None:
     os.environ.update(env)
 
 
-def _forget_borrowed_rdt_metadata(ref: ray.ObjectRef) -> None:
-    """Drop the RDT metadata Ray 2.60 leaves behind on a borrower after a pull."""
-    manager = ray._private.worker.global_worker.rdt_manager
-    lock = getattr(manager, "_lock", None)
-    table = getattr(manager, "_managed_rdt_metadata", None)
-    if lock is None or table is None:
-        return
-    with lock:
-        table.pop(ref.hex(), None)
+@dataclass(frozen=True)
+class NixlPool:
+    """Where one registered pool lives in its process, as NIXL descriptors address it."""
+
+    name: str
+    base: int
+    device_id: int
+    mem_type: str  # "DRAM" or "VRAM"
+
+
+@dataclass(frozen=True)
+class NixlEndpoint:
+    """`EndpointInfo.backend` of a NIXL endpoint."""
+
+    agent_name: str
+    metadata: bytes
+    pools: tuple[NixlPool, ...]
+
+
+def nixl_pool(name: str, pool: torch.Tensor) -> NixlPool:
+    if pool.device.type == "cpu":
+        return NixlPool(name, pool.data_ptr(), 0, "DRAM")
+    return NixlPool(name, pool.data_ptr(), pool.get_device(), "VRAM")
+
+
+def descriptor_groups(
+    moves: Sequence[Move], local: Mapping[str, NixlPool], remote: Mapping[str, NixlPool]
+) -> dict[tuple[str, str], tuple[np.ndarray, np.ndarray]]:
+    """Nx3 uint64 (address, length, device id) arrays per (local, remote) memory type pair.
+
+    A NIXL descriptor list has one memory type, so moves mixing host and device pools become
+    one posted transfer per pair of types."""
+    rows: dict[tuple[str, str], tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]] = {}
+    for here, there in moves:
+        mine, theirs = local[here.pool], remote[there.pool]
+        own, peer = rows.setdefault((mine.mem_type, theirs.mem_type), ([], []))
+        own.append((mine.base + here.offset, here.nbytes, mine.device_id))
+        peer.append((theirs.base + there.offset, there.nbytes, theirs.device_id))
+    return {key: (np.array(a, dtype=np.uint64), np.array(b, dtype=np.uint64)) for key, (a, b) in rows.items()}
+
+
+def _load_nixl() -> tuple[Any, Any]:
+    try:
+        from nixl._api import nixl_agent, nixl_agent_config
+    except Exception as exc:  # a broken install counts as missing, whatever it raises
+        raise TransportError(f"{_MISSING} ({type(exc).__name__}: {exc})") from exc
+    return nixl_agent, nixl_agent_config
+
+
+class NixlTransfer(Transfer):
+    """Posted NIXL handles (one per memory-type pair); done when every one reports DONE."""
+
+    def __init__(
+        self,
+        op: str,
+        peer: str,
+        nbytes: int,
+        deadline: float,
+        on_done: Callable[[Transfer], None],
+        transport: NixlTransport,
+        handles: list[Any],
+    ) -> None:
+        super().__init__(op, peer, nbytes, deadline, on_done)
+        self._transport = transport
+        self._handles = handles
+
+    def _poll(self) -> bool:
+        pending = []
+        for handle in self._handles:
+            try:
+                state = self._transport._agent_call(self._transport._agent.check_xfer_state, handle)
+            except Exception as exc:  # nixl raises its own exception types for a broken peer
+                state = f"ERR ({type(exc).__name__}: {exc})"
+            if state == "PROC":
+                pending.append(handle)
+            elif state == "DONE":
+                self._transport._release([handle])
+            else:
+                self._transport._release(self._handles)
+                self._handles = []
+                raise self._transport._failure(self.peer, f"NIXL {self.op} with {self.peer} failed: {state}")
+        self._handles = pending
+        return not pending
+
+    def _abort(self, reason: str) -> TransportError:
+        cancelled = self._transport._release(self._handles)
+        self._handles = []
+        landing = "cancelled" if cancelled else "could not be cancelled: bytes may still land"
+        return TransportError(f"NIXL {self.op} with {self.peer}: {reason}; the posted transfer was {landing}")
 
 
 class NixlTransport(Transport):
-    """Source: ``ray.put(views, _tensor_transport="nixl")``; puller: a one-sided READ."""
-
     kind = "nixl"
 
-    def __init__(self, endpoint_name: str, namespace: str, timeout_s: float, verify_bytes: bool) -> None:
-        super().__init__(endpoint_name, namespace, timeout_s, verify_bytes)
-        # Ray 2.60's NIXL fetch path keeps a per-process cache of remote agents that concurrent
-        # fetches race on (seen: NIXL_ERR_INVALID_PARAM when two threads add the same agent,
-        # NIXL_ERR_NOT_FOUND when one evicts it under another's transfer), so one pull at a time.
-        self._fetch_lock = threading.Lock()
-
-    def _register_backend(self, pool: torch.Tensor) -> None:
+    def __init__(self, endpoint_name: str, namespace: str, timeout_s: float) -> None:
+        super().__init__(endpoint_name, namespace, timeout_s)
+        agent_cls, config_cls = _load_nixl()
+        self._agent_lock = threading.Lock()
+        self.agent_name = f"{endpoint_name}#{self.incarnation}"
         try:
-            register_nixl_memory(pool)
+            self._agent = agent_cls(self.agent_name, config_cls(enable_prog_thread=True, backends=["UCX"]))
         except Exception as exc:
-            raise TransportError(f"register_nixl_memory failed for {self.endpoint_name}: {exc}") from exc
+            raise TransportError(f"creating the NIXL agent {self.agent_name} failed: {exc}") from exc
+        if "UCX" not in self._agent.backends:
+            raise TransportError(f"NIXL has no UCX plugin here (plugins: {self._agent.get_plugin_list()})")
+        self._registrations: list[Any] = []
+        self._local: dict[str, NixlPool] = {}
+        self._remote_agents: dict[str, Any] = {}  # peer agent name -> name add_remote_agent returned
 
-    def _deregister_backend(self, pool: torch.Tensor) -> None:
-        deregister_nixl_memory(pool)
+    def _agent_call(self, method: Callable[..., Any], *args: Any) -> Any:
+        with self._agent_lock:
+            return method(*args)
 
-    def _publish(self, transfer_id: str, tensors: tuple[torch.Tensor, ...]) -> object:
+    def _register_backend(self, name: str, pool: torch.Tensor) -> None:
         try:
-            return ray.put(list(tensors), _tensor_transport="nixl")
+            registration = self._agent_call(self._agent.register_memory, pool)
         except Exception as exc:
-            raise TransportError(f"offer {transfer_id}: NIXL put failed: {exc}") from exc
+            raise TransportError(f"register {name!r}: NIXL register_memory failed: {exc}") from exc
+        self._registrations.append(registration)
+        self._local[name] = nixl_pool(name, pool)
 
-    def _fetch(self, ticket: TransferTicket, targets: list[torch.Tensor]) -> None:
-        ref = ticket.handle
-        if not isinstance(ref, ray.ObjectRef):
-            raise TransportError(
-                f"pull {ticket.transfer_id}: handle is {type(ref).__name__}, not a NIXL RDT ref "
-                "(a ticket from another backend?)"
-            )
-        with self._fetch_lock:
+    def _seal_backend(self) -> object:
+        metadata = self._agent_call(self._agent.get_agent_metadata)
+        return NixlEndpoint(self.agent_name, metadata, tuple(self._local.values()))
+
+    def _remote_agent(self, backend: NixlEndpoint) -> Any:
+        """Load the peer's agent metadata once per incarnation (the check-then-add is atomic)."""
+        with self._agent_lock:
+            loaded = self._remote_agents.get(backend.agent_name)
+            if loaded is None:
+                loaded = self._agent.add_remote_agent(backend.metadata)
+                self._remote_agents[backend.agent_name] = loaded
+        return loaded
+
+    def _post(self, op: str, peer: str, moves: Sequence[Move]) -> Transfer:
+        backend = self._peer_info(peer).backend
+        if not isinstance(backend, NixlEndpoint):
+            raise TransportError(f"{peer} published {type(backend).__name__}, not NIXL addressing")
+        remote_pools = {p.name: p for p in backend.pools}
+        handles: list[Any] = []
+        try:
+            remote_agent = self._remote_agent(backend)
+            for (local_mem, remote_mem), (local, remote) in descriptor_groups(moves, self._local, remote_pools).items():
+                handles.append(self._post_one(op, local_mem, local, remote_mem, remote, remote_agent))
+        except Exception as exc:  # nixl raises its own types; classify every failure with a probe
+            self._release(handles)
+            raise self._failure(peer, f"posting NIXL {op} with {peer} failed: {type(exc).__name__}: {exc}") from exc
+        return self._new_transfer(NixlTransfer, op, peer, moves, self, handles)
+
+    def _post_one(
+        self, op: str, local_mem: str, local: np.ndarray, remote_mem: str, remote: np.ndarray, remote_agent: Any
+    ) -> Any:
+        with self._agent_lock:
+            local_descs = self._agent.get_xfer_descs(local, local_mem)
+            remote_descs = self._agent.get_xfer_descs(remote, remote_mem)
+            handle = self._agent.initialize_xfer(_NIXL_OPS[op], local_descs, remote_descs, remote_agent)
             try:
-                set_target_for_ref(ref, targets)
-            except ValueError as exc:
-                raise TransportError(
-                    f"pull {ticket.transfer_id}: no RDT metadata for this ref here (it was already "
-                    "pulled in this process, or forwarded after a pull); offer again"
-                ) from exc
-            landed = self._read(ticket, ref)
-        if len(landed) != len(targets) or any(
-            got.data_ptr() != want.data_ptr() for got, want in zip(landed, targets)
-        ):
-            raise TransportError(
-                f"pull {ticket.transfer_id}: Ray read into fresh buffers instead of the targets"
-            )
-        self._confirm_remote(ticket, targets)
-        _forget_borrowed_rdt_metadata(ref)
+                state = self._agent.transfer(handle)
+            except Exception:
+                handle.release()
+                raise
+        if state == "ERR":
+            self._release([handle])
+            raise TransportError(f"NIXL refused to post the {op}")
+        return handle
 
-    def _read(self, ticket: TransferTicket, ref: ray.ObjectRef) -> list[Any]:
-        try:
-            landed = ray.get(ref, timeout=self.timeout_s)
-        except ray.exceptions.GetTimeoutError as exc:
-            raise TransportError(f"pull {ticket.transfer_id}: no data within {self.timeout_s}s") from exc
-        except ray.exceptions.OwnerDiedError as exc:
-            raise SourceDiedError(
-                f"pull {ticket.transfer_id}: source {ticket.source} died; its offer is gone"
-            ) from exc
-        except (ray.exceptions.RayError, ValueError, RuntimeError, TimeoutError) as exc:
-            raise TransportError(
-                f"pull {ticket.transfer_id} from {ticket.source} failed (source dead or ticket "
-                f"freed?): {type(exc).__name__}: {exc}"
-            ) from exc
-        if not isinstance(landed, list):
-            raise TransportError(f"pull {ticket.transfer_id}: the ref does not hold a tensor list")
-        return landed
+    def _release(self, handles: Sequence[Any]) -> bool:
+        """Release (and so cancel, if still running) handles; False if one could not be."""
+        released = True
+        for handle in handles:
+            try:
+                self._agent_call(handle.release)
+            except Exception:
+                released = False
+        return released
 
-    def _serve_backend(self, request: object) -> object:
-        raise TransportError(f"nixl endpoint {self.endpoint_name} cannot serve {request!r}")
+    def _forget_backend_peer(self, info: Any) -> None:
+        backend = info.backend
+        if not isinstance(backend, NixlEndpoint):
+            return
+        with self._agent_lock:
+            loaded = self._remote_agents.pop(backend.agent_name, None)
+            if loaded is not None:
+                try:
+                    self._agent.remove_remote_agent(loaded)
+                except Exception:
+                    pass  # already disconnected: nothing left to drop
 
     def _close_backend(self) -> None:
-        return None
+        with self._agent_lock:
+            registrations, self._registrations = self._registrations, []
+            for registration in registrations:
+                try:
+                    self._agent.deregister_memory(registration)
+                except Exception:
+                    pass  # closing anyway; the agent goes with the process
+            self._remote_agents = {}
