@@ -18,7 +18,7 @@ from dataclasses import asdict
 
 from dualpath_ray.config import load_config
 from dualpath_ray.demo import demo_trajectories, measure_mode
-from dualpath_ray.runtime.cluster import DualPathCluster
+from dualpath_ray.cluster import DualPathCluster
 from dualpath_ray.workload.trace import Trajectory
 
 

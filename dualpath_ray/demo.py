@@ -13,7 +13,7 @@ from typing import Sequence
 
 from dualpath_ray.config import DualPathConfig, parse_config
 from dualpath_ray.kv.layout import KVLayout
-from dualpath_ray.runtime.cluster import DualPathCluster
+from dualpath_ray.cluster import DualPathCluster
 from dualpath_ray.workload.trace import Trajectory, Turn
 from dualpath_ray.runtime.messages import TurnResult
 

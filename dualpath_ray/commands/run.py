@@ -38,7 +38,7 @@ def run_trace(
     address: str | None, metadata: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Replay a trace and write its results; returns the summary (also written if asked)."""
-    from dualpath_ray.runtime.cluster import DualPathCluster
+    from dualpath_ray.cluster import DualPathCluster
     from dualpath_ray.workload.trace import read_trace
 
     trajectories = read_trace(trace, cfg.model.vocab_size)

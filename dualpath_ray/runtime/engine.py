@@ -1,8 +1,14 @@
-"""What prefill and decode engines share: identity, compute, NIC links, transport, the group
-leader on g0, and the control methods the leader and the driver call."""
+"""What prefill and decode engine actors share: identity, device, compute, NIC links, transport,
+the worker thread that runs the core, the group leader on g0, and the control methods.
+
+An engine actor is a shell: its core (runtime/prefill_core.py, runtime/decode_core.py) makes
+every decision; the actor owns the threads, the Ray calls (runtime/ray_ports.py) and the
+transport, and answers `load`/`accept` on its control group while the worker computes.
+"""
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -13,11 +19,14 @@ import torch
 from dualpath_ray.config import DualPathConfig
 from dualpath_ray.kv.layout import KVLayout
 from dualpath_ray.kv.store import open_store
+from dualpath_ray.runtime.accounting import NodeCounters
 from dualpath_ray.runtime.emulation import make_compute, make_link
 from dualpath_ray.runtime.leader import ActorDirectory, GroupLeader, start_thread
-from dualpath_ray.runtime.messages import NodeCounters
 from dualpath_ray.runtime.transport import TransportEndpoint, make_transport
 from dualpath_ray.scheduling import EngineLoad
+
+LOG = logging.getLogger("dualpath_ray.engine")
+IDLE_WAIT_S = 0.001
 
 
 @dataclass
@@ -29,41 +38,80 @@ class EngineIdentity:
     reader: str = ""
 
 
+def engine_device(cfg: DualPathConfig) -> torch.device:
+    """The GPU Ray gave this actor (CUDA_VISIBLE_DEVICES holds only it: cuda:0), else the CPU."""
+    choice = cfg.runtime.device
+    has_gpu = torch.cuda.is_available() and bool(ray.get_gpu_ids())
+    if choice == "cuda" and not has_gpu:
+        raise RuntimeError(
+            "runtime.device is cuda but this engine has no CUDA device (is torch a CUDA build, and "
+            "does the node offer GPUs to Ray?); use runtime.device: auto or cpu"
+        )
+    return torch.device("cuda:0") if choice != "cpu" and has_gpu else torch.device("cpu")
+
+
 class EngineBase(TransportEndpoint):
-    """Base of the engine actor classes; subclasses define `_load`, `_accept` and `_main_loop`."""
+    """Base of the engine actor classes; subclasses build `self.core` in `_build_core`."""
 
     role: Literal["prefill", "decode"]
 
     def __init__(self, cfg: DualPathConfig, identity: EngineIdentity, store_root: str | None) -> None:
-        torch.set_num_threads(1)
+        torch.set_num_threads(cfg.runtime.compute_threads)
         self.cfg = cfg
         self.id = identity
+        self.device = engine_device(cfg)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
         self.layout = KVLayout.from_model(cfg.model, cfg.store.block_size)
-        self.compute = make_compute(cfg, self.layout)
-        self.cnic_in = make_link(cfg, f"cnic-in/{identity.engine_id}", cfg.cluster.cnic_gbps)
-        self.cnic_out = make_link(cfg, f"cnic-out/{identity.engine_id}", cfg.cluster.cnic_gbps)
-        self.counters = NodeCounters()
+        self.compute = make_compute(cfg, self.layout, self.device)
+        self.links = (
+            make_link(cfg, f"cnic-in/{identity.engine_id}", cfg.cluster.cnic_gbps),
+            make_link(cfg, f"cnic-out/{identity.engine_id}", cfg.cluster.cnic_gbps),
+        )
         self.transport = self.attach_transport(
-            make_transport(cfg.runtime.transport, identity.engine_id, namespace=cfg.runtime.namespace)
+            make_transport(
+                cfg.runtime.transport, identity.engine_id, namespace=cfg.runtime.namespace,
+                timeout_s=cfg.runtime.transfer_timeout_s,
+            )
         )
         self.directory = ActorDirectory(cfg.runtime.namespace)
         self.store = open_store(cfg.store, self.layout, root=store_root)
-        self.lock = threading.Lock()
+        self.weight_version = cfg.model.weight_version
+        self.core = self._build_core()
+        self.transport.seal()
+        self.compute_lock = threading.Lock()
         self.stopped = threading.Event()
         self.error: BaseException | None = None
         self.leader: GroupLeader | None = None
         if identity.members and identity.members[0] == identity.engine_id:
             self.leader = GroupLeader(
                 self.role, identity.node_id, identity.members, identity.reader, self.directory,
-                identity.engine_id, self._load, self._accept, cfg.scheduler.fetch_interval_ms / 1000.0,
+                identity.engine_id, self.core.load, self.core.accept, cfg.scheduler.fetch_interval_ms / 1000.0,
             )
+
+    def _build_core(self) -> Any:
+        raise NotImplementedError
 
     def start(self) -> bool:
         """Start the worker (and, on g0, the group's pull loop) once every actor exists."""
-        start_thread(self._main_loop, f"{self.role}-{self.id.engine_id}")
+        start_thread(self._work, f"{self.role}-{self.id.engine_id}")
         if self.leader is not None:
             start_thread(self.leader.run, f"leader-{self.id.engine_id}")
         return True
+
+    def _work(self) -> None:
+        try:
+            while not self.stopped.is_set():
+                with self.compute_lock:
+                    busy = self.core.step()
+                if not busy:
+                    self.stopped.wait(IDLE_WAIT_S)
+        except BaseException as exc:  # noqa: BLE001 - reported by health(), its requests failed
+            LOG.exception("%s: worker loop died", self.id.engine_id)
+            self.error = exc
+            self.core.fail_all(exc)
+
+    # --- control ------------------------------------------------------------------------
 
     @ray.method(concurrency_group="control")
     def stop(self) -> None:
@@ -73,11 +121,11 @@ class EngineBase(TransportEndpoint):
 
     @ray.method(concurrency_group="control")
     def load(self) -> EngineLoad:
-        return self._load()
+        return self.core.load()
 
     @ray.method(concurrency_group="control")
     def accept(self, items: list[Any]) -> None:
-        self._accept(items)
+        self.core.accept(items)
 
     @ray.method(concurrency_group="control")
     def health(self) -> str | None:
@@ -86,17 +134,28 @@ class EngineBase(TransportEndpoint):
 
     @ray.method(concurrency_group="control")
     def stats(self) -> NodeCounters:
-        return self.counters
+        return self.core.counters
+
+    @ray.method(concurrency_group="control")
+    def engine_stats(self) -> dict[str, Any]:
+        """The core's figures and the transport's, for benchmarks and `dualpath status`."""
+        from dataclasses import asdict
+
+        return {"core": asdict(self.core.stats), "transport": asdict(self.transport.stats()), "device": str(self.device)}
 
     @ray.method(concurrency_group="control")
     def node_labels(self) -> dict[str, str]:
         return dict(ray.get_runtime_context().get_node_labels())
 
-    def _load(self) -> EngineLoad:
-        raise NotImplementedError
-
-    def _accept(self, items: list[Any]) -> None:
-        raise NotImplementedError
-
-    def _main_loop(self) -> None:
-        raise NotImplementedError
+    @ray.method(concurrency_group="control")
+    def update_weights(self, version: int, source: Any) -> int:
+        """Swap the model's weights between rollouts (source: a safetensors directory, or a state
+        dict passed through the object store); later requests use the version's key namespace."""
+        with self.compute_lock:
+            if self.core.busy():
+                raise RuntimeError(
+                    f"{self.id.engine_id}: update_weights while requests are in flight; call it between rollouts"
+                )
+            self.compute.load_weights(source)
+            self.weight_version = version
+        return version

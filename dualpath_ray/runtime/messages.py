@@ -1,15 +1,19 @@
 """Typed messages between the actors. Each carries the request id and the attempt number, so a
-retried request can never be confused with a stale message of an earlier attempt."""
+retried request can never be confused with a stale message of an earlier attempt.
+
+A leaf module: plain frozen dataclasses and numpy arrays, no torch and no other project module at
+run time, so every process (and the simulator) can import it cheaply.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
-from dualpath_ray.runtime.emulation import SamplingRule
-from dualpath_ray.scheduling import EngineLoad
+if TYPE_CHECKING:
+    from dualpath_ray.scheduling.loads import EngineLoad
 
 ReadPath = Literal["pe", "de"]
 
@@ -24,9 +28,6 @@ class SamplingParams:
     seed: int = 0
     stop_token_ids: tuple[int, ...] = ()
 
-    def rule(self) -> SamplingRule:
-        return SamplingRule(self.temperature, self.top_p, self.seed)
-
 
 @dataclass(frozen=True)
 class RequestSpec:
@@ -38,6 +39,11 @@ class RequestSpec:
     sampling: SamplingParams
     namespace: str
     submitted_at: float
+
+    @property
+    def owner(self) -> str:
+        """The lease owner of this attempt's buffer extents."""
+        return f"{self.request_id}#{self.attempt}"
 
 
 @dataclass(frozen=True)
@@ -66,12 +72,26 @@ class DecodeReservation:
 
 
 @dataclass(frozen=True)
+class ExtentGrant:
+    """A leased extent of one node's host buffer: where a request's KV sits on that node.
+
+    `slots` are the buffer's Full Block slots in block order; peers address bytes of them
+    through the transport (the reader's pool "buffer"), so the grant is all they need.
+    """
+
+    node_id: str
+    reader: str
+    extent_id: int
+    slots: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class DecodeHandoff:
     """Prefill is done: the prompt's KV is in the decode node's buffer extent (or, in oracle
     mode, to be materialised in place) and the first token is sampled."""
 
     task: PrefillTask
-    extent_id: int | None
+    extent: ExtentGrant | None
     first_token: int
     first_log_prob: float
     first_token_at: float
@@ -113,23 +133,6 @@ class GroupReport:
     node_id: str
     engines: tuple[EngineLoad, ...]
     read_q_tokens: int
-
-
-@dataclass
-class NodeCounters:
-    """Exact bytes through one node's NICs, split by read path where a path applies."""
-
-    snic_read: dict[str, int] = field(default_factory=lambda: {"pe": 0, "de": 0})
-    snic_write: int = 0
-    cnic_in: dict[str, int] = field(default_factory=lambda: {"pe": 0, "de": 0})
-    cnic_out: dict[str, int] = field(default_factory=lambda: {"pe": 0, "de": 0})
-
-    def merge(self, other: NodeCounters) -> None:
-        for path in ("pe", "de"):
-            self.snic_read[path] += other.snic_read[path]
-            self.cnic_in[path] += other.cnic_in[path]
-            self.cnic_out[path] += other.cnic_out[path]
-        self.snic_write += other.snic_write
 
 
 def failed_result(spec: RequestSpec, engine: str, error: BaseException | str) -> TurnResult:

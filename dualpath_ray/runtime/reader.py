@@ -2,31 +2,33 @@
 
 Every byte between the store and a node passes through its reader: reads of hit Full Blocks
 into buffer extents, and writes of persisted blocks out of it. Engines move Layer Blocks into
-and out of the buffer through the transport: the reader offers views of an extent for a pull,
-or pulls an engine's offered KV into an extent. The read queue it reports (`read_q`) is the
-number of hit tokens whose blocks are waiting for, or being read through, the SNIC.
+and out of the buffer themselves, with one-sided transport reads and writes of its registered
+pool ("buffer"), so the reader is not on that path at all; it only leases extents and frees
+them when their owner says so, which is what keeps a slot from being reused under a transfer.
+The read queue it reports (`read_q`) is the number of hit tokens whose blocks are waiting for,
+or being read through, the SNIC.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from typing import Sequence
 
 import ray
 import torch
 
 from dualpath_ray.config import DualPathConfig
-from dualpath_ray.kv.layout import KVLayout, block_segments
+from dualpath_ray.kv.layout import KVLayout
 from dualpath_ray.kv.pool import BufferPool, Extent
 from dualpath_ray.kv.store import open_store
+from dualpath_ray.runtime.accounting import NodeCounters
 from dualpath_ray.runtime.emulation import make_link
-from dualpath_ray.runtime.messages import NodeCounters, PersistedBlock
-from dualpath_ray.runtime.transport import (
-    TransferTicket,
-    TransportEndpoint,
-    endpoint_actor_options,
-    make_transport,
-)
+from dualpath_ray.runtime.messages import ExtentGrant, PersistedBlock
+from dualpath_ray.runtime.transport import Region, TransportEndpoint, endpoint_actor_options, make_transport
+
+BUFFER_POOL = "buffer"
+HBM_POOL = "hbm"
 
 
 class ReaderCore:
@@ -37,8 +39,9 @@ class ReaderCore:
         self.node_id = node_id
         self.layout = KVLayout.from_model(cfg.model, cfg.store.block_size)
         self.store = open_store(cfg.store, self.layout, root=store_root)
-        self.pool = BufferPool(cfg.cluster.buffer_blocks_per_node, self.layout)
+        self.pool = BufferPool(cfg.cluster.buffer_blocks_per_node, self.layout, pin=cfg.cluster.pin_host_buffers)
         self.snic = make_link(cfg, f"snic/{node_id}", cfg.cluster.snic_gbps)
+        self.lease_timeout_s = cfg.runtime.transfer_timeout_s * 2
         self.counters = NodeCounters()
         self._read_q_tokens = 0
         self._extents: dict[int, Extent] = {}
@@ -46,7 +49,7 @@ class ReaderCore:
 
     # --- extents ------------------------------------------------------------------------
 
-    def lease(self, owner: str, n_blocks: int, timeout_s: float = 120.0) -> Extent:
+    def lease(self, owner: str, n_blocks: int) -> Extent:
         """Lease n_blocks slots, waiting while the pool is full (back-pressure, not failure)."""
         if n_blocks < 1:
             raise ValueError(f"request {owner}: an extent needs at least one block")
@@ -55,11 +58,13 @@ class ReaderCore:
                 f"request {owner} needs {n_blocks} buffer blocks but node {self.node_id} has "
                 f"{self.pool.capacity}; raise cluster.buffer_blocks_per_node"
             )
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + self.lease_timeout_s
         with self._cond:
             while (extent := self.pool.lease(owner, n_blocks)) is None:
                 if not self._cond.wait(timeout=max(0.0, deadline - time.monotonic())):
-                    raise TimeoutError(f"node {self.node_id}: no {n_blocks} free buffer blocks in {timeout_s}s")
+                    raise TimeoutError(
+                        f"node {self.node_id}: no {n_blocks} free buffer blocks in {self.lease_timeout_s}s"
+                    )
             self._extents[extent.extent_id] = extent
             return extent
 
@@ -69,17 +74,12 @@ class ReaderCore:
             self.pool.release(extent_id)
             self._cond.notify_all()
 
-    def token_views(self, extent_id: int, layer: int, start: int, end: int) -> list[torch.Tensor]:
-        """Views [n, bpt] of tokens [start, end) of one layer, one per block they touch."""
-        extent = self._extents[extent_id]
-        return [
-            self.pool.full_block(extent.slots[block])[layer, lo:hi]
-            for block, lo, hi in block_segments(start, end, self.layout.block_size)
-        ]
+    def grant(self, extent: Extent, reader: str) -> ExtentGrant:
+        return ExtentGrant(self.node_id, reader, extent.extent_id, extent.slots)
 
     # --- storage I/O --------------------------------------------------------------------
 
-    def read_blocks(self, owner: str, keys: list[str], total_blocks: int, path: str) -> int:
+    def read_blocks(self, owner: str, keys: Sequence[str], total_blocks: int, path: str) -> Extent:
         """Lease an extent of total_blocks and read the hit blocks `keys` into its first slots.
 
         One store read of all hit blocks (the store overlaps them on its helper threads); the
@@ -107,11 +107,11 @@ class ReaderCore:
             extent = self.lease(owner, total_blocks)
             try:
                 outs = [self.pool.full_block(slot) for slot in extent.slots[: len(keys)]]
-                self.store.get_many_into(keys, outs, before_read=before_read, on_verified=on_verified)
+                self.store.get_many_into(list(keys), outs, before_read=before_read, on_verified=on_verified)
             except BaseException:
                 self.free(extent.extent_id)
                 raise
-            return extent.extent_id
+            return extent
         finally:
             with self._cond:
                 self._read_q_tokens -= pending
@@ -128,21 +128,31 @@ class ReaderCore:
             self.counters.snic_write += self.layout.full_block_bytes
         return written
 
+    def write_extent(self, extent_id: int, blocks: Sequence[tuple[int, PersistedBlock]]) -> int:
+        """Write blocks (index in the extent, key) from an extent, then free it in any case."""
+        try:
+            extent = self._extents[extent_id]
+            return sum(self.write_block(block, self.pool.full_block(extent.slots[index])) for index, block in blocks)
+        finally:
+            self.free(extent_id)
 
-# "io" methods may wait for free buffer blocks; everything that frees blocks or moves bytes out
-# of an extent runs on "ctl", so a full pool can always drain.
+
+# "io" methods may wait for free buffer blocks or the SNIC; freeing runs on "ctl", so a full
+# pool can always drain.
 @ray.remote(**endpoint_actor_options(extra_concurrency_groups={"io": 16, "ctl": 8}))
 class StorageReader(TransportEndpoint):
     """The per-node reader actor (`reader/<node>`): a thin shell around ReaderCore."""
 
     def __init__(self, cfg: DualPathConfig, node_id: str, store_root: str | None, endpoint: str) -> None:
         torch.set_num_threads(1)
+        self.name = endpoint
         self.core = ReaderCore(cfg, node_id, store_root)
+        self.timeout_s = cfg.runtime.transfer_timeout_s
         self.transport = self.attach_transport(
-            make_transport(cfg.runtime.transport, endpoint, namespace=cfg.runtime.namespace)
+            make_transport(cfg.runtime.transport, endpoint, namespace=cfg.runtime.namespace, timeout_s=self.timeout_s)
         )
-        self.transport.register(self.core.pool.buffer)
-        self.offered: dict[str, int] = {}
+        self.transport.register(BUFFER_POOL, self.core.pool.buffer)
+        self.transport.seal()
 
     def node_labels(self) -> dict[str, str]:
         return dict(ray.get_runtime_context().get_node_labels())
@@ -151,55 +161,37 @@ class StorageReader(TransportEndpoint):
         return True
 
     @ray.method(concurrency_group="io")
-    def read_blocks(self, owner: str, keys: list[str], total_blocks: int, path: str) -> int:
-        return self.core.read_blocks(owner, keys, total_blocks, path)
+    def stage(self, owner: str, keys: list[str], total_blocks: int, path: str) -> ExtentGrant:
+        return self.core.grant(self.core.read_blocks(owner, keys, total_blocks, path), self.name)
 
     @ray.method(concurrency_group="io")
-    def lease(self, owner: str, n_blocks: int) -> int:
-        return self.core.lease(owner, n_blocks).extent_id
+    def lease(self, owner: str, n_blocks: int) -> ExtentGrant:
+        return self.core.grant(self.core.lease(owner, n_blocks), self.name)
 
     @ray.method(concurrency_group="ctl")
     def free(self, extent_id: int) -> None:
         self.core.free(extent_id)
 
-    @ray.method(concurrency_group="ctl")
-    def offer(self, extent_id: int, layer: int, start: int, end: int, path: str) -> TransferTicket:
-        """Offer tokens [start, end) of one layer of an extent for a pull by an engine."""
-        views = self.core.token_views(extent_id, layer, start, end)
-        self.core.pool.begin_transfer(extent_id)
-        ticket = self.transport.offer(views)
-        self.offered[ticket.transfer_id] = extent_id
-        self.core.counters.cnic_out[path] += ticket.nbytes
-        return ticket
-
-    @ray.method(concurrency_group="ctl")
-    def release(self, ticket: TransferTicket) -> None:
-        self.transport.release(ticket)
-        self.core.pool.end_transfer(self.offered.pop(ticket.transfer_id))
-
-    @ray.method(concurrency_group="ctl")
-    def receive(self, extent_id: int, layer: int, start: int, ticket: TransferTicket, path: str) -> int:
-        """Pull an engine's offered KV of tokens [start, start + n) of one layer into an extent."""
-        tokens = sum(shape[0] for shape in ticket.shapes)
-        views = self.core.token_views(extent_id, layer, start, start + tokens)
-        self.core.pool.begin_transfer(extent_id)
-        try:
-            moved = self.transport.pull(ticket, views)
-        finally:
-            self.core.pool.end_transfer(extent_id)
-        self.core.counters.cnic_in[path] += moved
-        return moved
+    @ray.method(concurrency_group="io")
+    def persist_extent(self, extent_id: int, blocks: list[tuple[int, PersistedBlock]]) -> int:
+        return self.core.write_extent(extent_id, blocks)
 
     @ray.method(concurrency_group="io")
-    def persist(self, owner: str, block: PersistedBlock, ticket: TransferTicket) -> bool:
-        """D2H of one Full Block from a decode engine into a buffer slot, then the SNIC write."""
-        extent = self.core.lease(owner, 1)
+    def persist_pages(self, owner: str, engine: str, blocks: list[tuple[int, PersistedBlock]]) -> int:
+        """D2H: pull whole pages of a decode engine's HBM into a leased extent, then write them."""
+        layout = self.core.layout
+        extent = self.core.lease(owner, len(blocks))
+        moves = [
+            (Region(BUFFER_POOL, slot * layout.full_block_bytes, layout.full_block_bytes),
+             Region(HBM_POOL, page * layout.full_block_bytes, layout.full_block_bytes))
+            for slot, (page, _) in zip(extent.slots, blocks)
+        ]
         try:
-            full = self.core.pool.full_block(extent.slots[0])
-            self.transport.pull(ticket, [full])
-            return self.core.write_block(block, full)
-        finally:
+            self.transport.read(engine, moves).wait(self.timeout_s)
+        except BaseException:
             self.core.free(extent.extent_id)
+            raise
+        return self.core.write_extent(extent.extent_id, [(i, block) for i, (_, block) in enumerate(blocks)])
 
     @ray.method(concurrency_group="ctl")
     def read_q(self) -> int:

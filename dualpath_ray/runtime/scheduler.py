@@ -18,7 +18,7 @@ from dualpath_ray.config import DualPathConfig
 from dualpath_ray.kv.index import PrefixIndex
 from dualpath_ray.kv.layout import KVLayout
 from dualpath_ray.kv.store import open_store
-from dualpath_ray.model.cost import derive_alpha_beta
+from dualpath_ray.model.profile import derive_alpha_beta
 from dualpath_ray.runtime.messages import (
     DecodeReservation,
     GroupReport,
@@ -51,7 +51,10 @@ class SchedulerCore:
 
     def submit(self, spec: RequestSpec) -> None:
         keys, hit_tokens = self.lookup(spec)
-        decode_tokens = len(spec.prompt) + spec.sampling.max_new_tokens
+        # Decode engines hold KV in whole pages of block_size tokens, so a reservation is counted
+        # in pages' tokens; the dispatcher's free-HBM arithmetic then matches the engines' exactly.
+        pages = self.layout.blocks_for(len(spec.prompt) + spec.sampling.max_new_tokens)
+        decode_tokens = pages * self.layout.block_size
         self.dispatcher.submit(spec.request_id, len(spec.prompt), hit_tokens, decode_tokens)
         self.specs[spec.request_id] = spec
         self.hits[spec.request_id] = (keys, hit_tokens)

@@ -15,7 +15,7 @@ ray_test_env()
 import numpy as np  # noqa: E402
 
 from dualpath_ray.api import RequestError  # noqa: E402
-from dualpath_ray.runtime.cluster import DualPathCluster  # noqa: E402
+from dualpath_ray.cluster import DualPathCluster  # noqa: E402
 from dualpath_ray.workload.trace import Trajectory, Turn  # noqa: E402
 
 pytestmark = pytest.mark.integration

@@ -156,7 +156,7 @@ def submit_when_ready(command: list[str], timeout_s: float = 120.0) -> subproces
 DIRECT_ROLLOUT = """
 import json, sys
 from dualpath_ray.config import load_config
-from dualpath_ray.runtime.cluster import DualPathCluster
+from dualpath_ray.cluster import DualPathCluster
 from dualpath_ray.workload.trace import read_trace
 address, config, trace, store = sys.argv[1:]
 cfg = load_config(config).with_overrides(store={"root": store})

@@ -15,7 +15,7 @@ ray_test_env()
 import ray  # noqa: E402
 
 from dualpath_ray.kv.layout import KVLayout  # noqa: E402
-from dualpath_ray.runtime.cluster import DualPathCluster  # noqa: E402
+from dualpath_ray.cluster import DualPathCluster  # noqa: E402
 
 pytestmark = pytest.mark.integration
 

@@ -1,13 +1,13 @@
-"""Emulation pieces without Ray: deterministic stamps and byte-exact link counters."""
+"""Deterministic stamps of profile compute: functions of (prefix, layer, position) only."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from dualpath_ray.config import DualPathConfig, ModelConfig
+from dualpath_ray.config import ModelConfig
 from dualpath_ray.kv.layout import KVLayout
-from dualpath_ray.runtime.emulation import Link, expected_kv, make_link, prefix_hashes, stamp_kv, stamp_token
+from dualpath_ray.runtime.emulation.stamps import expected_kv, extend_prefix, prefix_hashes, prefix_sum, stamp_kv, stamp_token
 
 
 def test_prefix_hashes_depend_on_the_prefix_only():
@@ -33,12 +33,10 @@ def test_stamped_kv_is_a_deterministic_function_of_prefix_layer_and_position():
     assert 0 <= stamp_token(int(prefix_hashes(prompt)[-1]), 512) < 512, "stamped tokens are in the vocabulary"
 
 
-def test_links_count_every_byte_and_pace_only_when_emulated():
-    link = Link("cnic")
-    for n in (10, 0, 4096):
-        link.take(n)
-    assert link.bytes_total == 4106, "the counter is exact"
-    off = DualPathConfig().with_overrides(emulation={"enabled": False})
-    assert make_link(off, "snic", 1.0).bucket is None, "real hardware: no emulated bucket"
-    on = make_link(DualPathConfig(), "snic", 8.0)
-    assert on.bucket is not None and on.bucket.rate == 1e9, "8 Gbit/s is 1e9 bytes/s"
+def test_extending_a_prefix_by_one_token_gives_the_full_hash():
+    tokens = np.array([3, 1, 4, 1, 5, 9, 2, 6])
+    full = prefix_hashes(tokens)
+    state = prefix_sum(tokens[:5])
+    for position in range(5, 8):
+        state, value = extend_prefix(state, int(tokens[position]), position)
+        assert value == int(full[position]), f"O(1) extension at position {position} equals the vectorised hash"

@@ -1,0 +1,529 @@
+"""The decode engine's logic, without Ray: reservations, H2D, batched decode, persistence.
+
+A request's life here, one transition function (`transition`):
+RESERVED (pages set aside when the scheduler placed it) -> LOADING (its prompt's KV moves from the
+decode node's buffer extent into its pages: one read of whole Full Blocks) -> RUNNING (decoded in
+one batched step with every other running request) -> FINISHING (its last blocks are on their way
+to the store) -> DONE; or FAILED from any of them. Oracle mode skips LOADING: the prompt's KV is
+materialised in the pages directly (hits from the store, the rest computed here).
+
+Persistence has one owner per block: the request that filled it. Prompt blocks that were not hits
+are written by the node's reader straight from the extent (they are already in the buffer), which
+is freed after; a block that fills up while decoding is pulled from its page by the reader (D2H)
+and written. At most `max_persists_in_flight` blocks are on their way at once; more wait in the
+request's queue (back-pressure, never a failure), and a turn is reported only after every one of
+its blocks is published, so the next turn never misses a block this one produced. Keys extend
+the chain block by block (`next_block_key`), O(n) per request.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from dualpath_ray.kv.block_store import BlockStore
+from dualpath_ray.kv.index import next_block_key
+from dualpath_ray.kv.layout import KVLayout
+from dualpath_ray.kv.paged import PagedKVPool
+from dualpath_ray.runtime.accounting import NodeCounters
+from dualpath_ray.runtime.compute import DecodeSeq, EngineCompute
+from dualpath_ray.runtime.emulation.links import Link
+from dualpath_ray.runtime.messages import DecodeHandoff, DecodeReservation, PersistedBlock, TurnResult, failed_result
+from dualpath_ray.runtime.ports import Clock, Pending, ReaderPort, SchedulerPort, TransportPort
+from dualpath_ray.runtime.transport import Move, Region
+from dualpath_ray.runtime.verify import KVCheck, verify_prompt_kv
+from dualpath_ray.scheduling import EngineLoad
+
+LOG = logging.getLogger("dualpath_ray.decode")
+HBM_POOL = "hbm"
+BUFFER_POOL = "buffer"
+
+
+class DecodeState(enum.Enum):
+    RESERVED = "reserved"
+    LOADING = "loading"
+    RUNNING = "running"
+    FINISHING = "finishing"
+    DONE = "done"
+    FAILED = "failed"
+
+
+_MOVES = {
+    DecodeState.RESERVED: {DecodeState.LOADING, DecodeState.RUNNING, DecodeState.FAILED},
+    DecodeState.LOADING: {DecodeState.RUNNING, DecodeState.FAILED},
+    DecodeState.RUNNING: {DecodeState.FINISHING, DecodeState.FAILED},
+    DecodeState.FINISHING: {DecodeState.DONE, DecodeState.FAILED},
+    DecodeState.DONE: set(),
+    DecodeState.FAILED: set(),
+}
+
+
+class DecodeTransitionError(RuntimeError):
+    pass
+
+
+@dataclass
+class DecodeJob:
+    request_id: str
+    owner: str
+    reserved_tokens: int
+    state: DecodeState = DecodeState.RESERVED
+    handoff: DecodeHandoff | None = None
+    tokens: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    kv_len: int = 0
+    compute_state: Any = None
+    load: Pending[int] | None = None
+    persists: list[tuple[Pending[int], tuple[PersistedBlock, ...]]] = field(default_factory=list)
+    extent_persist: Pending[int] | None = None
+    extent_blocks: tuple[PersistedBlock, ...] = ()
+    queued: deque[tuple[int, PersistedBlock]] = field(default_factory=deque)
+    parent_key: str | None = None
+    persisted: list[PersistedBlock] = field(default_factory=list)
+    stop_reason: str | None = None
+    check: KVCheck = field(default_factory=KVCheck)
+
+    @property
+    def prompt_len(self) -> int:
+        assert self.handoff is not None
+        return len(self.handoff.task.request.prompt)
+
+
+def transition(job: DecodeJob, target: DecodeState) -> None:
+    """The one way a decode job's state changes; an illegal move raises."""
+    if target not in _MOVES[job.state]:
+        raise DecodeTransitionError(f"request {job.request_id}: {job.state.value} -> {target.value}")
+    job.state = target
+
+
+@dataclass(frozen=True)
+class DecodePorts:
+    readers: ReaderPort
+    transport: TransportPort
+    scheduler: SchedulerPort
+    clock: Clock
+
+
+@dataclass(frozen=True)
+class DecodeSettings:
+    engine_id: str
+    node_id: str
+    max_context: int
+    max_persists_in_flight: int
+    transfer_timeout_s: float
+    verify_kv: bool
+
+
+@dataclass
+class DecodeStats:
+    steps: int = 0
+    tokens: int = 0
+    max_batch: int = 0
+    loads: int = 0
+    persisted_blocks: int = 0
+    max_persists_in_flight: int = 0
+    persist_waits: int = 0
+    finished: int = 0
+    failures: int = 0
+
+
+class DecodeCore:
+    """Every decision and state change of one decode engine; the actor only runs `step`."""
+
+    def __init__(
+        self,
+        settings: DecodeSettings,
+        layout: KVLayout,
+        compute: EngineCompute,
+        pages: PagedKVPool,
+        ports: DecodePorts,
+        store: BlockStore | None,
+        links: tuple[Link, Link],
+    ) -> None:
+        self.settings = settings
+        self.layout = layout
+        self.compute = compute
+        self.pages = pages
+        self.ports = ports
+        self.store = store
+        self.cnic_in, self.cnic_out = links
+        self.counters = NodeCounters()
+        self.stats = DecodeStats()
+        self.jobs: dict[str, DecodeJob] = {}
+        self._arrived: deque[DecodeHandoff] = deque()
+        self._lock = threading.Lock()
+        self._in_flight = 0
+
+    # --- what the actor's control and io threads call -----------------------------------
+
+    def load(self) -> EngineLoad:
+        with self._lock:
+            tokens = sum(job.reserved_tokens for job in self.jobs.values())
+            free = self.pages.unreserved_pages * self.layout.block_size
+            return EngineLoad(self.settings.engine_id, self.settings.node_id, len(self.jobs), tokens, free)
+
+    def accept(self, reservations: Sequence[DecodeReservation]) -> None:
+        with self._lock:
+            for r in reservations:
+                owner = f"{r.request_id}#{r.attempt}"
+                self.pages.reserve(owner, self.pages.pages_for(r.tokens))
+                self.jobs[r.request_id] = DecodeJob(r.request_id, owner, r.tokens)
+
+    def cancel(self, request_id: str) -> None:
+        """Drop the reservation of a request that failed before it reached this engine."""
+        with self._lock:
+            job = self.jobs.get(request_id)
+            if job is None or job.state is not DecodeState.RESERVED:
+                return
+            del self.jobs[request_id]
+            self.pages.release(job.owner)
+
+    def hand_off(self, handoff: DecodeHandoff) -> None:
+        with self._lock:
+            self._arrived.append(handoff)
+
+    def busy(self) -> bool:
+        with self._lock:
+            return bool(self.jobs) or bool(self._arrived)
+
+    # --- the worker thread ----------------------------------------------------------------
+
+    def step(self) -> bool:
+        """One round: take handoffs, finish loads, one decode step, persists, finished turns."""
+        did = self._take_handoffs()
+        did |= self._poll_loads()
+        did |= self._decode_once()
+        did |= self._advance_persists()
+        did |= self._finish_ready()
+        return did
+
+    def fail_all(self, error: BaseException) -> None:
+        with self._lock:
+            jobs = [j for j in self.jobs.values() if j.handoff is not None]
+        for job in jobs:
+            self._fail(job, error)
+
+    # --- handoff: buffer -> HBM -------------------------------------------------------------
+
+    def _take_handoffs(self) -> bool:
+        with self._lock:
+            arrived, self._arrived = list(self._arrived), deque()
+        for handoff in arrived:
+            spec = handoff.task.request
+            job = self.jobs.get(spec.request_id)
+            if job is None or job.state is not DecodeState.RESERVED or job.owner != spec.owner:
+                LOG.error("%s: handoff of %s without a reservation", self.settings.engine_id, spec.request_id)
+                self._report(failed_result(spec, self.settings.engine_id, "handoff without a reservation"))
+                if handoff.extent is not None:
+                    self.ports.readers.free(handoff.extent)
+                continue
+            job.handoff = handoff
+            try:
+                self._start_load(job)
+            except Exception as exc:  # noqa: BLE001 - fail this request, keep serving the others
+                self._fail(job, exc)
+        return bool(arrived)
+
+    def _start_load(self, job: DecodeJob) -> None:
+        assert job.handoff is not None
+        task = job.handoff.task
+        prompt = np.asarray(task.request.prompt, dtype=np.int64)
+        job.tokens = [int(t) for t in prompt] + [job.handoff.first_token]
+        job.log_probs = [job.handoff.first_log_prob]
+        job.kv_len = len(prompt)
+        job.parent_key = task.hit_keys[-1] if task.hit_keys else None
+        table = self.pages.ensure(job.owner, len(prompt))
+        if task.oracle:
+            self._materialise(job, prompt, table)
+            self._start_running(job)
+            return
+        extent = job.handoff.extent
+        assert extent is not None, f"request {job.request_id}: a non-oracle handoff names an extent"
+        moves = self._prompt_moves(table, extent.slots, len(prompt))
+        nbytes = sum(m[0].nbytes for m in moves)
+        self.cnic_in.take(nbytes)
+        self.counters.cnic_in[task.path] += nbytes
+        job.load = self.ports.transport.read(extent.reader, moves)
+        transition(job, DecodeState.LOADING)
+
+    def _prompt_moves(self, table: Sequence[int], slots: Sequence[int], tokens: int) -> list[Move]:
+        """Whole Full Blocks page <- slot, and the partial last block layer by layer."""
+        layout = self.layout
+        full, tail = divmod(tokens, layout.block_size)
+        moves = [
+            (Region(HBM_POOL, table[b] * layout.full_block_bytes, layout.full_block_bytes),
+             Region(BUFFER_POOL, slots[b] * layout.full_block_bytes, layout.full_block_bytes))
+            for b in range(full)
+        ]
+        for layer in range(layout.n_layer if tail else 0):
+            nbytes = tail * layout.bytes_per_token_per_layer
+            moves.append((
+                Region(HBM_POOL, layout.slot_byte_offset(table[full], layer, 0), nbytes),
+                Region(BUFFER_POOL, layout.slot_byte_offset(slots[full], layer, 0), nbytes),
+            ))
+        return moves
+
+    def _materialise(self, job: DecodeJob, prompt: np.ndarray, table: Sequence[int]) -> None:
+        """Oracle mode: hit KV straight from the store into pages, the rest computed in place."""
+        assert self.store is not None and job.handoff is not None
+        task = job.handoff.task
+        for block, key in enumerate(task.hit_keys):
+            self._store_read(key, table[block])
+        self.compute.fill_pages(prompt, task.hit_tokens, len(prompt), self.pages.tensor, table)
+
+    def _store_read(self, key: str, page: int) -> None:
+        assert self.store is not None
+        target = self.pages.page(page)
+        if target.device.type == "cpu":
+            self.store.get_into(key, target)
+            return
+        host = self.layout.empty_full_block()
+        self.store.get_into(key, host)
+        target.copy_(host)
+
+    def _poll_loads(self) -> bool:
+        did = False
+        for job in self._jobs_in(DecodeState.LOADING):
+            try:
+                if not job.load.done():  # type: ignore[union-attr]
+                    continue
+                job.load.wait(0)  # type: ignore[union-attr]
+            except Exception as exc:  # noqa: BLE001 - fail this request only
+                self._fail(job, exc)
+                continue
+            job.load = None
+            self.stats.loads += 1
+            try:
+                self._start_running(job)
+            except Exception as exc:  # noqa: BLE001
+                self._fail(job, exc)
+            did = True
+        return did
+
+    def _start_running(self, job: DecodeJob) -> None:
+        assert job.handoff is not None
+        task = job.handoff.task
+        if self.settings.verify_kv:
+            assert self.store is not None
+            job.check = verify_prompt_kv(self.compute, self.store, task, self.pages.tensor, self.pages.table(job.owner))
+        job.compute_state = self.compute.decode_state(job.tokens)
+        self._persist_prompt(job)
+        transition(job, DecodeState.RUNNING)
+
+    def _persist_prompt(self, job: DecodeJob) -> None:
+        """Prompt blocks that were not hits: written from the extent, which is then freed."""
+        assert job.handoff is not None
+        task = job.handoff.task
+        size = self.layout.block_size
+        first = task.hit_tokens // size
+        blocks = []
+        for block in range(first, job.prompt_len // size):
+            blocks.append((block, self._next_key(job, block)))
+        if task.oracle:
+            for block, persisted in blocks:
+                self._oracle_write(job, block, persisted)
+            return
+        extent = job.handoff.extent
+        assert extent is not None
+        if not blocks:
+            self.ports.readers.free(extent)
+            return
+        # Not counted against max_persists_in_flight: these blocks already sit in a leased extent
+        # and need no staging slot; the budget bounds the D2H staging of filled pages.
+        job.extent_persist = self.ports.readers.persist_extent(extent, blocks)
+        job.extent_blocks = tuple(p for _, p in blocks)
+
+    def _next_key(self, job: DecodeJob, block: int) -> PersistedBlock:
+        assert job.handoff is not None
+        size = self.layout.block_size
+        key = next_block_key(job.parent_key, job.tokens[block * size : (block + 1) * size], job.handoff.task.request.namespace)
+        persisted = PersistedBlock(key, job.parent_key)
+        job.parent_key = key
+        return persisted
+
+    def _oracle_write(self, job: DecodeJob, block: int, persisted: PersistedBlock) -> None:
+        assert self.store is not None
+        page = self.pages.page(self.pages.table(job.owner)[block])
+        self.store.put(persisted.key, page.cpu() if page.device.type != "cpu" else page, parent=persisted.parent)
+        job.persisted.append(persisted)
+
+    # --- decode -------------------------------------------------------------------------
+
+    def _decode_once(self) -> bool:
+        running = self._jobs_in(DecodeState.RUNNING)
+        for job in running:
+            job.stop_reason = self._stop_reason(job)
+            if job.stop_reason is not None:
+                transition(job, DecodeState.FINISHING)
+        batch = [job for job in running if job.state is DecodeState.RUNNING]
+        if not batch:
+            return bool(running)
+        try:
+            seqs = [
+                DecodeSeq(job.tokens[-1], job.kv_len, self.pages.ensure(job.owner, job.kv_len + 1), job.compute_state)
+                for job in batch
+            ]
+            params = [job.handoff.task.request.sampling for job in batch]  # type: ignore[union-attr]
+            sampled = self.compute.decode_step(seqs, self.pages.tensor, params)
+        except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, not the engine
+            LOG.exception("%s: decode step of %d failed", self.settings.engine_id, len(batch))
+            for job in batch:
+                self._fail(job, exc)
+            return True
+        self.stats.steps += 1
+        self.stats.tokens += len(batch)
+        self.stats.max_batch = max(self.stats.max_batch, len(batch))
+        size = self.layout.block_size
+        for job, token in zip(batch, sampled):
+            job.kv_len += 1
+            job.tokens.append(token.token)
+            job.log_probs.append(token.log_prob)
+            if job.kv_len % size == 0:
+                block = job.kv_len // size - 1
+                persisted = self._next_key(job, block)
+                if job.handoff.task.oracle:  # type: ignore[union-attr]
+                    self._oracle_write(job, block, persisted)
+                else:
+                    job.queued.append((self.pages.table(job.owner)[block], persisted))
+        return True
+
+    def _stop_reason(self, job: DecodeJob) -> str | None:
+        sampling = job.handoff.task.request.sampling  # type: ignore[union-attr]
+        generated = len(job.tokens) - job.prompt_len
+        if generated and job.tokens[-1] in sampling.stop_token_ids:
+            return "stop"
+        if generated >= sampling.max_new_tokens:
+            return "length"
+        if len(job.tokens) >= self.settings.max_context:
+            return "context"
+        return None
+
+    # --- persistence --------------------------------------------------------------------
+
+    def _advance_persists(self) -> bool:
+        did = False
+        for job in self._jobs_in(DecodeState.RUNNING, DecodeState.FINISHING):
+            did |= self._settle(job)
+        for job in self._jobs_in(DecodeState.RUNNING, DecodeState.FINISHING):
+            if not job.queued:
+                continue
+            room = self.settings.max_persists_in_flight - self._in_flight
+            if room <= 0:
+                self.stats.persist_waits += 1
+                break
+            blocks = [job.queued.popleft() for _ in range(min(room, len(job.queued)))]
+            nbytes = len(blocks) * self.layout.full_block_bytes
+            self.cnic_out.take(nbytes)
+            self.counters.cnic_out[job.handoff.task.path] += nbytes  # type: ignore[union-attr]
+            pending = self.ports.readers.persist_pages(self.settings.node_id, job.owner, blocks)
+            job.persists.append((pending, tuple(p for _, p in blocks)))
+            self._in_flight += len(blocks)
+            self.stats.max_persists_in_flight = max(self.stats.max_persists_in_flight, self._in_flight)
+            did = True
+        return did
+
+    def _settle(self, job: DecodeJob) -> bool:
+        """Collect the job's finished persists; a failed one fails the request."""
+        still, settled, error = [], False, None
+        if job.extent_persist is not None:
+            try:
+                if job.extent_persist.done():
+                    job.extent_persist.wait(0)
+                    job.persisted[:0] = job.extent_blocks
+                    self.stats.persisted_blocks += len(job.extent_blocks)
+                    job.extent_persist, settled = None, True
+            except Exception as exc:  # noqa: BLE001 - the turn cannot be reported without its blocks
+                job.extent_persist, error = None, exc
+        for pending, blocks in job.persists:
+            try:
+                done = pending.done()
+                if done:
+                    pending.wait(0)
+            except Exception as exc:  # noqa: BLE001 - the turn cannot be reported without its blocks
+                self._in_flight -= len(blocks)
+                error = exc
+                continue
+            if done:
+                self._in_flight -= len(blocks)
+                job.persisted.extend(blocks)
+                self.stats.persisted_blocks += len(blocks)
+                settled = True
+            else:
+                still.append((pending, blocks))
+        job.persists = still
+        if error is not None:
+            self._fail(job, error)
+            return True
+        return settled
+
+    def _finish_ready(self) -> bool:
+        did = False
+        for job in self._jobs_in(DecodeState.FINISHING):
+            if job.persists or job.queued or job.extent_persist is not None:
+                continue
+            self._finish(job)
+            did = True
+        return did
+
+    def _finish(self, job: DecodeJob) -> None:
+        assert job.handoff is not None
+        task = job.handoff.task
+        spec = task.request
+        finished = self.ports.clock.now()
+        output = tuple(job.tokens[job.prompt_len :])
+        tpot = (finished - job.handoff.first_token_at) / (len(output) - 1) if len(output) > 1 else 0.0
+        result = TurnResult(
+            request_id=spec.request_id, attempt=spec.attempt, output_tokens=output,
+            log_probs=tuple(job.log_probs), stop_reason=job.stop_reason or "length", prompt_tokens=job.prompt_len,
+            hit_tokens=task.hit_tokens, path=task.path, prefill_engine=task.prefill_engine,
+            decode_engine=self.settings.engine_id, ttft_s=job.handoff.first_token_at - spec.submitted_at,
+            tpot_s=tpot, kv_bytes_verified=job.check.bytes_verified, kv_mismatches=job.check.mismatches,
+            persisted=tuple(job.persisted),
+        )
+        transition(job, DecodeState.DONE)
+        self._forget(job)
+        self.stats.finished += 1
+        self._report(result)
+
+    # --- failures and bookkeeping -------------------------------------------------------
+
+    def _fail(self, job: DecodeJob, error: BaseException) -> None:
+        """Wait out the request's transfers (the reader may still read its pages), free all it
+        holds, report the error."""
+        if job.state in (DecodeState.DONE, DecodeState.FAILED):
+            return
+        for pending in [job.load, job.extent_persist] + [p for p, _ in job.persists]:
+            if pending is None:
+                continue
+            try:
+                pending.wait(self.settings.transfer_timeout_s)
+            except Exception:  # noqa: BLE001 - only that it ended matters now
+                pass
+        self._in_flight -= sum(len(blocks) for _, blocks in job.persists)
+        job.persists, job.queued, job.load, job.extent_persist = [], deque(), None, None
+        if job.handoff is not None and job.handoff.extent is not None and job.state in (DecodeState.RESERVED, DecodeState.LOADING):
+            self.ports.readers.free(job.handoff.extent)
+        transition(job, DecodeState.FAILED)
+        self._forget(job)
+        self.stats.failures += 1
+        spec = job.handoff.task.request if job.handoff else None
+        if spec is not None:
+            self._report(failed_result(spec, self.settings.engine_id, error))
+
+    def _forget(self, job: DecodeJob) -> None:
+        with self._lock:
+            self.jobs.pop(job.request_id, None)
+            self.pages.release(job.owner)
+
+    def _report(self, result: TurnResult) -> None:
+        self.ports.scheduler.complete(result)
+
+    def _jobs_in(self, *states: DecodeState) -> list[DecodeJob]:
+        with self._lock:
+            return [job for job in self.jobs.values() if job.state in states]

@@ -1,0 +1,74 @@
+"""Emulated NIC bandwidth: a token bucket per NIC direction, and an exact byte counter.
+
+A node's SNIC is one bucket (reads and writes share it); each engine's CNIC has one bucket per
+direction, since a NIC is full duplex. With emulation off, `Link.take` only counts and returns at
+once: the real hardware sets the pace.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+from dualpath_ray.config import DualPathConfig
+
+
+class TokenBucket:
+    """A byte-rate limiter: `take(n)` blocks until n bytes of credit have accrued.
+
+    Credit accrues at `rate_bytes_s` up to `burst_bytes`; a take larger than the burst is paid in
+    full (the bucket goes into debt), so large transfers are not starved and the long-run rate is
+    exact. Thread-safe: the reader and engine actors call it from several threads.
+    """
+
+    def __init__(self, rate_bytes_s: float, burst_bytes: float) -> None:
+        if rate_bytes_s <= 0 or burst_bytes <= 0:
+            raise ValueError("rate_bytes_s and burst_bytes must be positive")
+        self.rate = float(rate_bytes_s)
+        self.burst = float(burst_bytes)
+        self._credit = self.burst
+        self._stamp = time.monotonic()
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> float:
+        """Reserve nbytes and sleep until they are paid for; returns seconds waited."""
+        if nbytes <= 0:
+            return 0.0
+        with self._lock:
+            now = time.monotonic()
+            self._credit = min(self.burst, self._credit + (now - self._stamp) * self.rate)
+            self._stamp = now
+            self._credit -= nbytes
+            wait = -self._credit / self.rate if self._credit < 0 else 0.0
+        if wait > 0:
+            time.sleep(wait)
+        return wait
+
+
+@dataclass
+class Link:
+    """One NIC direction: an optional bucket plus an exact byte counter."""
+
+    name: str
+    bucket: TokenBucket | None = None
+    bytes_total: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def take(self, nbytes: int) -> None:
+        with self._lock:
+            self.bytes_total += nbytes
+        if self.bucket is not None:
+            self.bucket.take(nbytes)
+
+
+def gbps_to_bytes_s(gbps: float) -> float:
+    return gbps * 1e9 / 8
+
+
+def make_link(cfg: DualPathConfig, name: str, gbps: float) -> Link:
+    """A NIC direction at `gbps`, paced only when emulation is enabled."""
+    if not cfg.emulation.enabled:
+        return Link(name)
+    rate = gbps_to_bytes_s(gbps)
+    return Link(name, TokenBucket(rate, rate * cfg.emulation.burst_seconds))

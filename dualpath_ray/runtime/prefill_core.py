@@ -1,0 +1,307 @@
+"""The prefill engine's logic, without Ray: staging, compute-quota batches, layerwise prefill.
+
+A request (a `PrefillTask` from the scheduler) goes STAGING -> READY -> BATCHED -> HANDED_OFF,
+or back to READY after a chunk that does not end its prompt, or FAILED (`transition`).
+- Staging: the reader of the chosen side leases an extent and reads the hit Full Blocks into
+  it (PE path: this node's reader, plus an empty extent on the decode node for the KV to send;
+  DE path: the decode node's reader, one extent for hits and computed KV alike).
+- A batch: READY requests in FIFO order packed by the compute quota and the window's capacity
+  (`pack_prefill_batch`), laid out in the layer window (kv/window.py).
+- Layer by layer with double buffering (`_LayerPipeline`): layer l+1's past KV is on its way in
+  while layer l computes, and layer l-1's KV on its way out; one read per (layer, source reader)
+  and one write per (layer, destination reader) for the whole batch. The past KV of a first chunk
+  comes from the side its hits were read on; a later chunk's from the decode node's extent,
+  which by then holds every token before it. A chunk sends the decode node everything not yet
+  there: hits + new tokens on the PE path's first chunk, only new tokens otherwise.
+- Handoff: after the last layer the first token is sampled, the PE extent is freed, and the
+  decode engine gets a `DecodeHandoff` naming the decode node's extent.
+Oracle mode moves nothing: hit KV comes straight from the store and nothing is sent.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+from dualpath_ray.kv.block_store import BlockStore
+from dualpath_ray.kv.layout import KVLayout
+from dualpath_ray.kv.window import LayerWindow, span_offsets
+from dualpath_ray.runtime.accounting import NodeCounters
+from dualpath_ray.runtime.compute import ChunkSpec, EngineCompute
+from dualpath_ray.runtime.emulation.links import Link
+from dualpath_ray.runtime.messages import DecodeHandoff, ExtentGrant, PrefillTask, failed_result
+from dualpath_ray.runtime.ports import Clock, DecodePort, Pending, ReaderPort, SchedulerPort, TransportPort
+from dualpath_ray.runtime.prefill_pipeline import LayerPipeline, PipelineStats, oracle_kv_for
+from dualpath_ray.scheduling import EngineLoad, pack_prefill_batch
+
+LOG = logging.getLogger("dualpath_ray.prefill")
+
+
+class PrefillState(enum.Enum):
+    STAGING = "staging"
+    READY = "ready"
+    BATCHED = "batched"
+    HANDED_OFF = "handed_off"
+    FAILED = "failed"
+
+
+_MOVES = {
+    PrefillState.STAGING: {PrefillState.READY, PrefillState.FAILED},
+    PrefillState.READY: {PrefillState.BATCHED, PrefillState.FAILED},
+    PrefillState.BATCHED: {PrefillState.READY, PrefillState.HANDED_OFF, PrefillState.FAILED},
+    PrefillState.HANDED_OFF: set(),
+    PrefillState.FAILED: set(),
+}
+
+
+class PrefillTransitionError(RuntimeError):
+    pass
+
+
+@dataclass
+class PrefillJob:
+    """One request on this engine, from assignment to handoff."""
+
+    task: PrefillTask
+    prompt: np.ndarray
+    state: PrefillState = PrefillState.STAGING
+    computed: int = 0
+    staging: dict[str, Pending[ExtentGrant]] = field(default_factory=dict)
+    pe: ExtentGrant | None = None
+    de: ExtentGrant | None = None
+    oracle_kv: torch.Tensor | None = None
+    chunks: int = 0
+
+    @property
+    def request_id(self) -> str:
+        return self.task.request.request_id
+
+
+def transition(job: PrefillJob, target: PrefillState) -> None:
+    """The one way a prefill job's state changes; an illegal move raises."""
+    if target not in _MOVES[job.state]:
+        raise PrefillTransitionError(f"request {job.request_id}: {job.state.value} -> {target.value}")
+    job.state = target
+
+
+@dataclass(frozen=True)
+class PrefillPorts:
+    readers: ReaderPort
+    transport: TransportPort
+    scheduler: SchedulerPort
+    decode: DecodePort
+    clock: Clock
+
+
+@dataclass
+class PrefillStats:
+    """What the engine did, for its `stats()`: batches, chunks, and the pipeline's figures."""
+
+    batches: int = 0
+    chunks: int = 0
+    handoffs: int = 0
+    failures: int = 0
+    tokens_computed: int = 0
+    port_calls: int = 0
+    pipeline: PipelineStats = field(default_factory=PipelineStats)
+
+
+@dataclass(frozen=True)
+class PrefillSettings:
+    engine_id: str
+    node_id: str
+    reader: str
+    quota_ms: float
+    transfer_timeout_s: float
+
+
+class PrefillCore:
+    """Every decision and state change of one prefill engine; the actor only runs `step`."""
+
+    def __init__(
+        self,
+        settings: PrefillSettings,
+        layout: KVLayout,
+        compute: EngineCompute,
+        window: LayerWindow,
+        predict_ms: Callable[[list[tuple[int, int]]], float],
+        ports: PrefillPorts,
+        store: BlockStore | None,
+        links: tuple[Link, Link],
+    ) -> None:
+        self.settings = settings
+        self.layout = layout
+        self.compute = compute
+        self.window = window
+        self.predict_ms = predict_ms
+        self.ports = ports
+        self.store = store
+        self.cnic_in, self.cnic_out = links
+        self.counters = NodeCounters()
+        self.stats = PrefillStats()
+        self.jobs: dict[str, PrefillJob] = {}
+        self._lock = threading.Lock()
+
+    # --- what the actor's control thread calls ------------------------------------------
+
+    def load(self) -> EngineLoad:
+        with self._lock:
+            tokens = sum(len(job.prompt) for job in self.jobs.values())
+            return EngineLoad(self.settings.engine_id, self.settings.node_id, len(self.jobs), tokens)
+
+    def accept(self, tasks: Sequence[PrefillTask]) -> None:
+        jobs = [self._stage(task) for task in tasks]
+        with self._lock:
+            for job in jobs:
+                if job.request_id in self.jobs:
+                    raise ValueError(f"request {job.request_id} is already on {self.settings.engine_id}")
+                self.jobs[job.request_id] = job
+
+    def busy(self) -> bool:
+        with self._lock:
+            return bool(self.jobs)
+
+    # --- what the actor's worker thread calls ---------------------------------------------
+
+    def step(self) -> bool:
+        """Advance staging and run at most one batch; False when there was nothing to do."""
+        self._poll_staging()
+        batch = self._next_batch()
+        if not batch:
+            return False
+        self._run_batch(batch)
+        return True
+
+    def fail_all(self, error: BaseException) -> None:
+        """The worker is dying: every request still here gets an error result."""
+        with self._lock:
+            jobs = [j for j in self.jobs.values() if j.state is not PrefillState.FAILED]
+        for job in jobs:
+            self._fail(job, error)
+
+    # --- staging ------------------------------------------------------------------------
+
+    def _stage(self, task: PrefillTask) -> PrefillJob:
+        prompt = np.asarray(task.request.prompt, dtype=np.int64)
+        job = PrefillJob(task, prompt, computed=task.hit_tokens)
+        owner = task.request.owner
+        blocks = self.layout.blocks_for(len(prompt))
+        keys = list(task.hit_keys)
+        readers = self.ports.readers
+        if task.oracle:
+            job.oracle_kv = oracle_kv_for(self.layout, len(prompt), self._read_oracle_hits(keys))
+        elif task.path == "pe":
+            if keys:
+                job.staging["pe"] = readers.stage(self.settings.node_id, owner, keys, len(keys), "pe")
+            job.staging["de"] = readers.lease(task.decode_node, owner, blocks)
+        else:
+            job.staging["de"] = readers.stage(task.decode_node, owner, keys, blocks, "de")
+        self.stats.port_calls += len(job.staging)
+        return job
+
+    def _read_oracle_hits(self, keys: list[str]) -> torch.Tensor | None:
+        """Oracle mode materialises hit KV from the store in place: no SNIC, buffer or transfer."""
+        if not keys:
+            return None
+        assert self.store is not None, "oracle mode needs the engine's store handle"
+        blocks = torch.empty((len(keys), *self.layout.full_block_shape), dtype=torch.uint8)
+        self.store.get_many_into(keys, list(blocks))
+        return blocks
+
+    def _poll_staging(self) -> None:
+        with self._lock:
+            staging = [j for j in self.jobs.values() if j.state is PrefillState.STAGING]
+        for job in staging:
+            try:
+                if not all(p.done() for p in job.staging.values()):
+                    continue
+            except Exception as exc:  # noqa: BLE001 - a failed read fails this request only
+                self._fail(job, exc)
+                continue
+            for side, pending in job.staging.items():
+                setattr(job, side, pending.wait(0))
+            job.staging = {}
+            transition(job, PrefillState.READY)
+
+    # --- batches ------------------------------------------------------------------------
+
+    def _next_batch(self) -> list[tuple[PrefillJob, int, int]]:
+        with self._lock:
+            ready = [j for j in self.jobs.values() if j.state is PrefillState.READY]
+        if not ready:
+            return []
+        queue = [(j.request_id, j.computed, len(j.prompt) - j.computed) for j in ready]
+        by_id = {j.request_id: j for j in ready}
+        packed = pack_prefill_batch(queue, self.predict_ms, self.settings.quota_ms, self.window.capacity_tokens)
+        batch = [(by_id[rid], cached, bsz) for rid, cached, bsz in packed]
+        for job, _, _ in batch:
+            transition(job, PrefillState.BATCHED)
+        return batch
+
+    def _run_batch(self, batch: list[tuple[PrefillJob, int, int]]) -> None:
+        offsets = span_offsets([cached + bsz for _, cached, bsz in batch])
+        chunks = [ChunkSpec(job.prompt, cached, cached + bsz, off) for (job, cached, bsz), off in zip(batch, offsets)]
+        jobs = [job for job, _, _ in batch]
+        pipeline = LayerPipeline(
+            self.layout, self.window, self.ports.transport, self.settings.transfer_timeout_s,
+            self.stats.pipeline, self.counters, (self.cnic_in, self.cnic_out),
+        )
+        try:
+            state = self.compute.begin_prefill(chunks)
+            pipeline.run(jobs, chunks, lambda layer: self.compute.prefill_layer(state, layer, self.window.slot(layer)))
+            finished = [i for i, c in enumerate(chunks) if c.end == len(c.prompt)]
+            sampled = self.compute.sample_last(state, finished, [jobs[i].task.request.sampling for i in finished])
+        except Exception as exc:  # noqa: BLE001 - fail this batch's requests, keep serving the others
+            LOG.exception("%s: batch of %d failed", self.settings.engine_id, len(jobs))
+            pipeline.drain()
+            self.window.reset()
+            for job in jobs:
+                self._fail(job, exc)
+            return
+        self.stats.batches += 1
+        self.stats.chunks += len(jobs)
+        self.stats.tokens_computed += sum(c.new_tokens for c in chunks)
+        for job, chunk in zip(jobs, chunks):
+            job.computed = chunk.end
+            job.chunks += 1
+            if chunk.end < len(job.prompt):
+                transition(job, PrefillState.READY)
+        for index, token in zip(finished, sampled):
+            self._hand_off(jobs[index], token.token, token.log_prob)
+
+    def _hand_off(self, job: PrefillJob, token: int, log_prob: float) -> None:
+        if job.pe is not None:
+            self.ports.readers.free(job.pe)
+            job.pe = None
+        handoff = DecodeHandoff(job.task, job.de, token, log_prob, self.ports.clock.now())
+        self.ports.decode.hand_off(job.task.decode_engine, handoff)
+        self.stats.port_calls += 2
+        self.stats.handoffs += 1
+        transition(job, PrefillState.HANDED_OFF)
+        with self._lock:
+            del self.jobs[job.request_id]
+
+    def _fail(self, job: PrefillJob, error: BaseException) -> None:
+        """Free what the request holds, report the error, forget it."""
+        for pending in job.staging.values():
+            try:
+                grant = pending.wait(self.settings.transfer_timeout_s)
+            except Exception:  # noqa: BLE001 - that side never leased anything
+                continue
+            self.ports.readers.free(grant)
+        job.staging = {}
+        for grant in (job.pe, job.de):
+            if grant is not None:
+                self.ports.readers.free(grant)
+        job.pe = job.de = None
+        transition(job, PrefillState.FAILED)
+        self.stats.failures += 1
+        with self._lock:
+            self.jobs.pop(job.request_id, None)
+        self.ports.scheduler.complete(failed_result(job.task.request, self.settings.engine_id, error))

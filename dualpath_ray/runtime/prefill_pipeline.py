@@ -1,0 +1,224 @@
+"""One prefill batch, layer by layer, with its KV transfers double-buffered around compute.
+
+Layer l uses window slot l % 3. The order of one batch (L layers):
+
+    post_in(0), post_in(1)
+    for l in 0..L-1:  finish_in(l); compute(l); post_out(l); finish_out(l-1); post_in(l+2)
+
+so while layer l computes, layer l+1's past KV is landing and layer l-1's KV is leaving, and a
+slot is loaded again only after its previous layer's KV has left (the window's lifecycle checks
+it). Each post is one transfer per peer for the whole batch: all requests whose past KV sits on
+that reader in one read, all requests whose KV goes to that reader in one write. At most one
+wait per layer and direction is on the critical path, and only if the transfer is slower than
+the compute it overlaps.
+
+Oracle requests move nothing: their KV lives in a host tensor of the whole prompt (`oracle_kv`),
+filled from the store at staging; loads and sends are local copies.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, Sequence
+
+import torch
+
+from dualpath_ray.kv.layout import KVLayout
+from dualpath_ray.kv.window import LayerWindow, SlotEvent, SlotState
+from dualpath_ray.runtime.accounting import NodeCounters
+from dualpath_ray.runtime.compute import ChunkSpec
+from dualpath_ray.runtime.emulation.links import Link
+from dualpath_ray.runtime.ports import Pending, TransportPort
+from dualpath_ray.runtime.transport import Move, Region
+
+if TYPE_CHECKING:
+    from dualpath_ray.runtime.prefill_core import PrefillJob
+
+WINDOW_POOL = "window"
+BUFFER_POOL = "buffer"
+
+
+@dataclass
+class PipelineStats:
+    """Transfers and memory of every batch an engine ran."""
+
+    layers: int = 0
+    reads: int = 0
+    writes: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    max_in_flight_bytes: int = 0
+    max_transfers_per_layer_peer: int = 0  # reads + writes of one layer with one reader
+    window_layers_held_max: int = 0
+
+    def transfers_per_layer(self) -> float:
+        return (self.reads + self.writes) / self.layers if self.layers else 0.0
+
+
+@dataclass
+class _Posted:
+    pending: Pending[int]
+    nbytes: int
+
+
+@dataclass
+class _Layer:
+    reads: list[_Posted] = field(default_factory=list)
+    writes: list[_Posted] = field(default_factory=list)
+    per_peer: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+
+
+class LayerPipeline:
+    def __init__(
+        self,
+        layout: KVLayout,
+        window: LayerWindow,
+        transport: TransportPort,
+        timeout_s: float,
+        stats: PipelineStats,
+        counters: NodeCounters,
+        links: tuple[Link, Link],
+    ) -> None:
+        self.layout = layout
+        self.window = window
+        self.transport = transport
+        self.timeout_s = timeout_s
+        self.stats = stats
+        self.counters = counters
+        self.cnic_in, self.cnic_out = links
+        self._layers: dict[int, _Layer] = defaultdict(_Layer)
+        self._in_flight = 0
+
+    def run(self, jobs: Sequence[PrefillJob], chunks: Sequence[ChunkSpec], compute: Callable[[int], None]) -> None:
+        n_layer = self.layout.n_layer
+        self._post_in(jobs, chunks, 0)
+        if n_layer > 1:
+            self._post_in(jobs, chunks, 1)
+        for layer in range(n_layer):
+            self._finish_in(layer)
+            compute(layer)
+            self.window.move(layer, SlotEvent.COMPUTE)
+            self._post_out(jobs, chunks, layer)
+            if layer + 2 < n_layer:
+                if layer >= 1:
+                    self._finish_out(layer - 1)
+                self._post_in(jobs, chunks, layer + 2)
+        for layer in range(max(0, n_layer - 3), n_layer):
+            if self.window.state(layer) is not SlotState.FREE:
+                self._finish_out(layer)
+        self.stats.layers += n_layer
+        self.stats.window_layers_held_max = max(self.stats.window_layers_held_max, self.window.max_held)
+
+    def drain(self) -> None:
+        """After a failure: let every posted transfer end (either way) before the window is reused."""
+        for layer in self._layers.values():
+            for posted in layer.reads + layer.writes:
+                try:
+                    posted.pending.wait(self.timeout_s)
+                except Exception:  # noqa: BLE001 - the batch has failed already; only the ending matters
+                    pass
+        self._layers.clear()
+
+    # --- incoming: past KV into the window ----------------------------------------------
+
+    def _post_in(self, jobs: Sequence[PrefillJob], chunks: Sequence[ChunkSpec], layer: int) -> None:
+        slot = self.window.slot(layer)
+        by_peer: dict[str, list[Move]] = defaultdict(list)
+        for job, chunk in zip(jobs, chunks):
+            if chunk.start == 0:
+                continue
+            if job.task.oracle:
+                slot[chunk.offset : chunk.offset + chunk.start].copy_(job.oracle_kv[layer, : chunk.start])
+                continue
+            grant = job.pe if (job.chunks == 0 and job.task.path == "pe") else job.de
+            assert grant is not None, f"request {job.request_id}: no extent holds its past KV"
+            moves = self._moves(grant.slots, layer, 0, chunk.start, chunk.offset)
+            by_peer[grant.reader].extend(moves)
+            nbytes = sum(m[0].nbytes for m in moves)
+            self.counters.cnic_in[job.task.path] += nbytes
+        if not by_peer:
+            self.window.move(layer, SlotEvent.SKIP_LOAD)
+            return
+        self.window.move(layer, SlotEvent.LOAD)
+        for peer, moves in by_peer.items():
+            nbytes = sum(m[0].nbytes for m in moves)
+            self.cnic_in.take(nbytes)
+            self._layers[layer].reads.append(self._post(self.transport.read(peer, moves), nbytes))
+            self._count(layer, peer)
+            self.stats.reads += 1
+            self.stats.bytes_in += nbytes
+
+    def _finish_in(self, layer: int) -> None:
+        if self.window.state(layer) is SlotState.LOADING:
+            self._wait(self._layers[layer].reads)
+            self.window.move(layer, SlotEvent.LOADED)
+
+    # --- outgoing: computed KV to the decode node's extent -------------------------------
+
+    def _post_out(self, jobs: Sequence[PrefillJob], chunks: Sequence[ChunkSpec], layer: int) -> None:
+        slot = self.window.slot(layer)
+        by_peer: dict[str, list[Move]] = defaultdict(list)
+        for job, chunk in zip(jobs, chunks):
+            if job.task.oracle:
+                job.oracle_kv[layer, chunk.start : chunk.end].copy_(slot[chunk.offset + chunk.start : chunk.offset + chunk.end])
+                continue
+            first = 0 if (job.chunks == 0 and job.task.path == "pe") else chunk.start
+            assert job.de is not None, f"request {job.request_id}: no decode-side extent to send to"
+            moves = self._moves(job.de.slots, layer, first, chunk.end, chunk.offset)
+            by_peer[job.de.reader].extend(moves)
+            self.counters.cnic_out[job.task.path] += sum(m[0].nbytes for m in moves)
+        if not by_peer:
+            self.window.move(layer, SlotEvent.DROP)
+            return
+        self.window.move(layer, SlotEvent.SEND)
+        for peer, moves in by_peer.items():
+            nbytes = sum(m[0].nbytes for m in moves)
+            self.cnic_out.take(nbytes)
+            self._layers[layer].writes.append(self._post(self.transport.write(peer, moves), nbytes))
+            self._count(layer, peer)
+            self.stats.writes += 1
+            self.stats.bytes_out += nbytes
+
+    def _finish_out(self, layer: int) -> None:
+        if self.window.state(layer) is SlotState.SENDING:
+            self._wait(self._layers[layer].writes)
+            self.window.move(layer, SlotEvent.SENT)
+        self._layers.pop(layer, None)
+
+    # --- shared -------------------------------------------------------------------------
+
+    def _moves(self, slots: tuple[int, ...], layer: int, start: int, end: int, offset: int) -> list[Move]:
+        """(window region, buffer region) pairs for tokens [start, end) of one request's layer."""
+        moves = []
+        for seg in self.layout.slot_segments(slots, layer, start, end):
+            local = Region(WINDOW_POOL, self.window.token_offset(layer, offset + seg.token), seg.nbytes)
+            moves.append((local, Region(BUFFER_POOL, seg.offset, seg.nbytes)))
+        return moves
+
+    def _post(self, pending: Pending[int], nbytes: int) -> _Posted:
+        self._in_flight += nbytes
+        self.stats.max_in_flight_bytes = max(self.stats.max_in_flight_bytes, self._in_flight)
+        return _Posted(pending, nbytes)
+
+    def _wait(self, posted: list[_Posted]) -> None:
+        for item in posted:
+            item.pending.wait(self.timeout_s)
+            self._in_flight -= item.nbytes
+        posted.clear()
+
+    def _count(self, layer: int, peer: str) -> None:
+        """Transfers of one layer with one peer (reads + writes): the actor calls per layer per
+        source side when the transport needs a call per transfer (gloo)."""
+        per_peer = self._layers[layer].per_peer
+        per_peer[peer] += 1
+        self.stats.max_transfers_per_layer_peer = max(self.stats.max_transfers_per_layer_peer, per_peer[peer])
+
+
+def oracle_kv_for(layout: KVLayout, prompt_tokens: int, hits: torch.Tensor | None) -> torch.Tensor:
+    """Oracle mode's whole-prompt KV [n_layer, prompt_tokens, bytes], hit tokens from the store."""
+    kv = torch.empty((layout.n_layer, prompt_tokens, layout.bytes_per_token_per_layer), dtype=torch.uint8)
+    if hits is not None:
+        n = hits.shape[0] * layout.block_size
+        kv[:, :n] = hits.permute(1, 0, 2, 3).reshape(layout.n_layer, n, layout.bytes_per_token_per_layer)
+    return kv

@@ -1,0 +1,79 @@
+"""The engine cores' ports implemented with Ray actor calls (the actor shells use these)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Sequence
+
+import ray
+
+from dualpath_ray.runtime.leader import ActorDirectory
+from dualpath_ray.runtime.messages import DecodeHandoff, ExtentGrant, PersistedBlock, TurnResult
+
+
+class RefPending:
+    """A Ray call in flight as a `Pending`."""
+
+    def __init__(self, ref: ray.ObjectRef) -> None:
+        self.ref = ref
+        self._ready = False
+
+    def done(self) -> bool:
+        if not self._ready:
+            ready, _ = ray.wait([self.ref], timeout=0, fetch_local=True)
+            self._ready = bool(ready)
+        return self._ready
+
+    def wait(self, timeout_s: float | None = None) -> Any:
+        return ray.get(self.ref, timeout=timeout_s)
+
+
+class RayReaders:
+    """ReaderPort: the `reader/<node>` actors."""
+
+    def __init__(self, directory: ActorDirectory, engine: str) -> None:
+        self.directory = directory
+        self.engine = engine
+
+    def _reader(self, node_id: str) -> Any:
+        return self.directory.get(f"reader/{node_id}")
+
+    def stage(self, node_id: str, owner: str, keys: Sequence[str], total_blocks: int, path: str) -> RefPending:
+        return RefPending(self._reader(node_id).stage.remote(owner, list(keys), total_blocks, path))
+
+    def lease(self, node_id: str, owner: str, n_blocks: int) -> RefPending:
+        return RefPending(self._reader(node_id).lease.remote(owner, n_blocks))
+
+    def free(self, grant: ExtentGrant) -> None:
+        self.directory.get(grant.reader).free.remote(grant.extent_id)
+
+    def persist_extent(self, grant: ExtentGrant, blocks: Sequence[tuple[int, PersistedBlock]]) -> RefPending:
+        return RefPending(self.directory.get(grant.reader).persist_extent.remote(grant.extent_id, list(blocks)))
+
+    def persist_pages(self, node_id: str, owner: str, blocks: Sequence[tuple[int, PersistedBlock]]) -> RefPending:
+        return RefPending(self._reader(node_id).persist_pages.remote(owner, self.engine, list(blocks)))
+
+
+class RayScheduler:
+    """SchedulerPort: the singleton `scheduler` actor."""
+
+    def __init__(self, directory: ActorDirectory) -> None:
+        self.directory = directory
+
+    def complete(self, result: TurnResult) -> None:
+        self.directory.get("scheduler").complete.remote(result)
+
+
+class RayDecodeTargets:
+    """DecodePort: decode engines by name."""
+
+    def __init__(self, directory: ActorDirectory) -> None:
+        self.directory = directory
+
+    def hand_off(self, engine: str, handoff: DecodeHandoff) -> None:
+        self.directory.get(engine).handoff.remote(handoff)
+
+
+class SystemClock:
+    def now(self) -> float:
+        return time.time()

@@ -1,0 +1,56 @@
+"""The decode side's check of a prompt's assembled KV (runtime.verify_kv): every byte of it.
+
+Hit tokens must equal the store's Full Blocks byte for byte. Computed tokens are recomputed here
+in one sequence (`fill_pages`); the prefill engine computed them inside a batch, whose kernels may
+round differently, so they must be byte-equal or equal within float noise (rtol 1e-4, atol 1e-5
+in the model dtype viewed as float).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from dualpath_ray.kv.block_store import BlockStore
+from dualpath_ray.runtime.compute import EngineCompute, page_token_views
+from dualpath_ray.runtime.messages import PrefillTask
+
+RTOL, ATOL = 1e-4, 1e-5
+
+
+@dataclass(frozen=True)
+class KVCheck:
+    bytes_verified: int = 0
+    mismatches: int = 0
+
+
+def _layer_tokens(pages: torch.Tensor, layer: int, table: Sequence[int], start: int, end: int) -> torch.Tensor:
+    return torch.cat(page_token_views(pages, layer, table, start, end))
+
+
+def verify_prompt_kv(
+    compute: EngineCompute, store: BlockStore, task: PrefillTask, pages: torch.Tensor, table: Sequence[int]
+) -> KVCheck:
+    layout = compute.layout
+    prompt = np.asarray(task.request.prompt, dtype=np.int64)
+    n, hit = len(prompt), task.hit_tokens
+    expected = torch.empty((layout.blocks_for(n), *layout.full_block_shape), dtype=torch.uint8, device=pages.device)
+    own = list(range(expected.shape[0]))
+    host = layout.empty_full_block()
+    for block, key in enumerate(task.hit_keys):
+        store.get_into(key, host)
+        expected[block].copy_(host)
+    compute.fill_pages(prompt, hit, n, expected, own)
+    exact = close = True
+    for layer in range(layout.n_layer):
+        if hit:
+            exact &= torch.equal(_layer_tokens(pages, layer, table, 0, hit), _layer_tokens(expected, layer, own, 0, hit))
+        got, want = _layer_tokens(pages, layer, table, hit, n), _layer_tokens(expected, layer, own, hit, n)
+        if not torch.equal(got, want):
+            close &= torch.allclose(
+                layout.bytes_as_kv(got).float(), layout.bytes_as_kv(want).float(), rtol=RTOL, atol=ATOL
+            )
+    return KVCheck(bytes_verified=n * layout.bytes_per_token, mismatches=int(not exact) + int(not close))

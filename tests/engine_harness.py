@@ -1,0 +1,137 @@
+"""A 1P1D engine pair in one process: real cores, readers, store, pools and compute; fake ports.
+
+`EngineHarness` builds one prefill core on node p0 and one decode core on node d0 (one engine
+each), both nodes' ReaderCores over one local-directory store, and a FakeTransport per engine
+over a shared Fabric. `serve` schedules requests the way the scheduler would (hit lookup in a
+prefix index that leaves one token to compute, a page reservation, the task) and steps both cores
+until every result is in; persisted blocks enter the index when a result arrives, as in the
+Scheduler actor.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from dualpath_ray.config import DualPathConfig
+from dualpath_ray.kv.index import PrefixIndex, namespace_for
+from dualpath_ray.kv.layout import KVLayout
+from dualpath_ray.kv.paged import PagedKVPool
+from dualpath_ray.kv.store import open_store
+from dualpath_ray.kv.window import LayerWindow
+from dualpath_ray.model.profile import attention_predictor
+from dualpath_ray.runtime.compute import EngineCompute
+from dualpath_ray.runtime.decode_core import HBM_POOL, DecodeCore, DecodePorts, DecodeSettings
+from dualpath_ray.runtime.emulation import make_compute, make_link
+from dualpath_ray.runtime.messages import DecodeReservation, PrefillTask, RequestSpec, SamplingParams, TurnResult
+from dualpath_ray.runtime.prefill_core import PrefillCore, PrefillPorts, PrefillSettings
+from dualpath_ray.runtime.prefill_pipeline import WINDOW_POOL
+from dualpath_ray.runtime.reader import ReaderCore
+from tests.fakes import Collector, DirectHandoff, Fabric, FakeClock, FakeReaders, FakeTransport
+
+PE, DE = "prefill/p0/g0", "decode/d0/g0"
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: Sequence[int]
+    path: str = "pe"
+    max_new_tokens: int = 4
+
+
+class EngineHarness:
+    def __init__(
+        self, cfg: DualPathConfig, root: Path, *, lazy: bool = False, slow_writes_s: float = 0.0,
+        compute: EngineCompute | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.layout = KVLayout.from_model(cfg.model, cfg.store.block_size)
+        self.store = open_store(cfg.store, self.layout, root=root)
+        self.namespace = namespace_for(cfg.model.model_id, cfg.model.weight_version)
+        self.index = PrefixIndex(cfg.store.block_size)
+        self.fabric = Fabric()
+        cores = {node: ReaderCore(cfg, node, str(root)) for node in ("p0", "d0")}
+        self.readers = FakeReaders(cores, self.fabric, slow_writes_s)
+        self.collector = Collector(on_result=self._index_blocks)
+        self.handoff = DirectHandoff(readers=self.readers)
+        self.clock = FakeClock()
+        device = torch.device("cpu")
+        self.compute = compute or make_compute(cfg, self.layout, device)
+        self.pe_transport = FakeTransport(self.fabric, PE, lazy=lazy)
+        self.de_transport = FakeTransport(self.fabric, DE)
+        self.window = LayerWindow(cfg.cluster.prefill_hbm_tokens, self.layout)
+        self.fabric.register(PE, WINDOW_POOL, self.window.tensor)
+        self.prefill = PrefillCore(
+            PrefillSettings(PE, "p0", "reader/p0", cfg.scheduler.compute_quota_ms, cfg.runtime.transfer_timeout_s),
+            self.layout, self.compute, self.window, attention_predictor(cfg),
+            PrefillPorts(self.readers, self.pe_transport, self.collector, self.handoff, self.clock),
+            self.store, self._links("pe"),
+        )
+        self.pages = PagedKVPool(cfg.cluster.hbm_tokens_per_engine // self.layout.block_size, self.layout)
+        self.fabric.register(DE, HBM_POOL, self.pages.tensor)
+        self.decode = DecodeCore(
+            DecodeSettings(DE, "d0", cfg.model.max_context, cfg.runtime.max_persists_in_flight,
+                           cfg.runtime.transfer_timeout_s, cfg.runtime.verify_kv),
+            self.layout, self.compute, self.pages,
+            DecodePorts(self.readers, self.de_transport, self.collector, self.clock), self.store, self._links("de"),
+        )
+        self.handoff.cores[DE] = self.decode
+
+    def _links(self, name: str) -> tuple[Any, Any]:
+        return (make_link(self.cfg, f"cnic-in/{name}", self.cfg.cluster.cnic_gbps),
+                make_link(self.cfg, f"cnic-out/{name}", self.cfg.cluster.cnic_gbps))
+
+    def _index_blocks(self, result: TurnResult) -> None:
+        if result.error is not None:
+            # As the Scheduler actor does: a request that failed before decode holds a reservation.
+            self.decode.cancel(result.request_id)
+        for block in result.persisted:
+            assert self.store.contains(block.key), f"{result.request_id}: block {block.key} reported before it was stored"
+            self.index.insert_block(block.key, block.parent)
+
+    # --- scheduling, as the Scheduler actor does it ---------------------------------------
+
+    def task(self, request: Request, oracle: bool = False) -> PrefillTask:
+        prompt = np.asarray(request.prompt, dtype=np.int64)
+        hit = self.index.match(prompt, self.namespace)
+        usable = min(hit.hit_blocks, (len(prompt) - 1) // self.layout.block_size)
+        spec = RequestSpec(request.request_id, 0, prompt, SamplingParams(max_new_tokens=request.max_new_tokens),
+                           self.namespace, self.clock.now())
+        pages = self.layout.blocks_for(len(prompt) + request.max_new_tokens)
+        self.decode.accept([DecodeReservation(request.request_id, 0, pages * self.layout.block_size, DE)])
+        return PrefillTask(spec, tuple(hit.keys[:usable]), usable * self.layout.block_size, request.path,
+                           oracle, PE, "p0", DE, "d0")
+
+    def serve(self, requests: Sequence[Request], oracle: bool = False, timeout_s: float = 60.0) -> list[TurnResult]:
+        """Run requests to completion (all submitted at once); results in request order."""
+        first = len(self.collector.results)
+        self.prefill.accept([self.task(r, oracle) for r in requests])
+        deadline = time.monotonic() + timeout_s
+        while len(self.collector.results) - first < len(requests):
+            progressed = self.prefill.step() | self.decode.step()
+            if not progressed:
+                time.sleep(0.0005)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"only {len(self.collector.results) - first} of {len(requests)} requests finished")
+        by_id = {r.request_id: r for r in self.collector.results[first:]}
+        return [by_id[r.request_id] for r in requests]
+
+    def assert_idle(self) -> None:
+        """Every buffer slot and page is free again and nothing is left in either core."""
+        for node, core in self.readers.cores.items():
+            counts = core.pool.check_integrity()
+            assert counts.free == counts.capacity, f"reader {node}: buffer slots still leased ({counts})"
+            assert core.read_q() == 0, f"reader {node}: read queue not empty"
+        pages = self.pages.check_integrity()
+        assert pages.free == pages.capacity and pages.reserved == 0, f"decode pages still held ({pages})"
+        assert not self.prefill.jobs and not self.decode.jobs, "no request may linger in a core"
+        assert self.window.all_free(), "every window slot is free between batches"
+
+    def close(self) -> None:
+        self.readers.close()

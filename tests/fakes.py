@@ -1,0 +1,233 @@
+"""In-process fakes of the engine cores' ports, so a whole request's life runs in one process.
+
+- `Fabric`: every endpoint's registered pools by name; `FakeTransport` moves bytes between them
+  with the same Region/Move contract as the real transports (bounds checked), optionally failing
+  or holding transfers until released (to prove the pipeline overlaps and waits correctly).
+- `FakeReaders`: the real `ReaderCore` of each node (real store, real buffer pool, real SNIC
+  accounting), called synchronously or on a thread (`slow_writes_s` delays every persist).
+- `Collector`: the scheduler port, keeping every TurnResult; `DirectHandoff`: the decode port,
+  handing straight to in-process DecodeCores.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+from dualpath_ray.runtime.messages import DecodeHandoff, ExtentGrant, PersistedBlock, TurnResult
+from dualpath_ray.runtime.ports import Failed, Ready
+from dualpath_ray.runtime.reader import BUFFER_POOL, HBM_POOL, ReaderCore
+from dualpath_ray.runtime.transport import Move, Region, RegionError
+
+
+class Fabric:
+    """Registered pools of every endpoint: endpoint -> pool name -> uint8 byte view."""
+
+    def __init__(self) -> None:
+        self.pools: dict[str, dict[str, torch.Tensor]] = {}
+
+    def register(self, endpoint: str, name: str, tensor: torch.Tensor) -> None:
+        self.pools.setdefault(endpoint, {})[name] = tensor.view(-1).view(torch.uint8)
+
+    def view(self, endpoint: str, region: Region) -> torch.Tensor:
+        pool = self.pools.get(endpoint, {}).get(region.pool)
+        if pool is None:
+            raise RegionError(f"{endpoint} has no pool {region.pool!r}")
+        if region.offset < 0 or region.offset + region.nbytes > pool.numel():
+            raise RegionError(f"{region} is outside {endpoint}'s pool of {pool.numel()} bytes")
+        return pool[region.offset : region.offset + region.nbytes]
+
+
+class FakeTransfer:
+    """A move that happens at once, or (lazy) only when someone waits for it: polls report it
+    still in flight, so a test sees exactly which waits the caller's critical path contains."""
+
+    def __init__(self, run: Callable[[], int], lazy: bool) -> None:
+        self._run = run
+        self._result: int | None = None
+        self._error: BaseException | None = None
+        self._moved = False
+        self.waited = False
+        if not lazy:
+            self._move()
+
+    def _move(self) -> None:
+        if self._moved:
+            return
+        self._moved = True
+        try:
+            self._result = self._run()
+        except BaseException as exc:  # noqa: BLE001 - surfaced by done()/wait()
+            self._error = exc
+
+    def done(self) -> bool:
+        if self._error is not None:
+            raise self._error
+        return self._moved
+
+    def wait(self, timeout_s: float | None = None) -> int:
+        self.waited = True
+        self._move()
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None
+        return self._result
+
+
+@dataclass
+class FakeTransport:
+    """TransportPort of one endpoint over a Fabric."""
+
+    fabric: Fabric
+    endpoint: str
+    lazy: bool = False
+    fail_reads: int = 0
+    fail_writes: int = 0
+    log: list[tuple[str, str, int]] = field(default_factory=list)
+    events: list[str] | None = None
+
+    def read(self, peer: str, moves: Sequence[Move]) -> FakeTransfer:
+        return self._move("read", peer, moves)
+
+    def write(self, peer: str, moves: Sequence[Move]) -> FakeTransfer:
+        return self._move("write", peer, moves)
+
+    def _move(self, op: str, peer: str, moves: Sequence[Move]) -> FakeTransfer:
+        nbytes = sum(local.nbytes for local, _ in moves)
+        self.log.append((op, peer, nbytes))
+        if self.events is not None:
+            self.events.append(f"post {op} {peer}")
+        failing = (op == "read" and self.fail_reads > 0) or (op == "write" and self.fail_writes > 0)
+        if failing:
+            if op == "read":
+                self.fail_reads -= 1
+            else:
+                self.fail_writes -= 1
+
+        def run() -> int:
+            if failing:
+                raise RuntimeError(f"injected {op} failure towards {peer}")
+            for local, remote in moves:
+                if local.nbytes != remote.nbytes:
+                    raise RegionError(f"{local} and {remote} differ in size")
+                mine, theirs = self.fabric.view(self.endpoint, local), self.fabric.view(peer, remote)
+                (mine if op == "read" else theirs).copy_(theirs if op == "read" else mine)
+            return nbytes
+
+        return FakeTransfer(run, self.lazy)
+
+
+class FakeReaders:
+    """ReaderPort over real ReaderCores (one per node) sharing one store root."""
+
+    def __init__(self, cores: dict[str, ReaderCore], fabric: Fabric, slow_writes_s: float = 0.0) -> None:
+        self.cores = cores
+        self.fabric = fabric
+        self.slow_writes_s = slow_writes_s
+        self.fail_stage = 0
+        self.calls: list[str] = []
+        self.engines_by_owner: dict[str, str] = {}
+        self._pool = ThreadPoolExecutor(max_workers=4)
+        for node, core in cores.items():
+            fabric.register(f"reader/{node}", BUFFER_POOL, core.pool.buffer)
+
+    def stage(self, node_id: str, owner: str, keys: Sequence[str], total_blocks: int, path: str) -> Any:
+        self.calls.append("stage")
+        if self.fail_stage:
+            self.fail_stage -= 1
+            return Failed(RuntimeError(f"injected read failure on {node_id}"))
+        core = self.cores[node_id]
+        return Ready(core.grant(core.read_blocks(owner, keys, total_blocks, path), f"reader/{node_id}"))
+
+    def lease(self, node_id: str, owner: str, n_blocks: int) -> Any:
+        self.calls.append("lease")
+        core = self.cores[node_id]
+        return Ready(core.grant(core.lease(owner, n_blocks), f"reader/{node_id}"))
+
+    def free(self, grant: ExtentGrant) -> None:
+        self.calls.append("free")
+        self.cores[grant.node_id].free(grant.extent_id)
+
+    def persist_extent(self, grant: ExtentGrant, blocks: Sequence[tuple[int, PersistedBlock]]) -> Any:
+        self.calls.append("persist_extent")
+        return _FuturePending(self._pool.submit(self._slow, self.cores[grant.node_id].write_extent, grant.extent_id, list(blocks)))
+
+    def persist_pages(self, node_id: str, owner: str, blocks: Sequence[tuple[int, PersistedBlock]]) -> Any:
+        """Like the actor: lease slots, copy the engine's pages in (D2H), write, free."""
+        self.calls.append("persist_pages")
+        core = self.cores[node_id]
+        engine = self.engines_by_owner[owner]
+
+        def run() -> int:
+            extent = core.lease(owner, len(blocks))
+            size = core.layout.full_block_bytes
+            for slot, (page, _) in zip(extent.slots, blocks):
+                source = self.fabric.view(engine, Region(HBM_POOL, page * size, size))
+                core.pool.full_block(slot).view(-1).copy_(source)
+            return core.write_extent(extent.extent_id, [(i, b) for i, (_, b) in enumerate(blocks)])
+
+        return _FuturePending(self._pool.submit(self._slow, run))
+
+    def _slow(self, fn: Callable[..., int], *args: Any) -> int:
+        if self.slow_writes_s:
+            time.sleep(self.slow_writes_s)
+        return fn(*args)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+class _FuturePending:
+    def __init__(self, future: Future[int]) -> None:
+        self.future = future
+
+    def done(self) -> bool:
+        if self.future.done():
+            self.future.result()
+            return True
+        return False
+
+    def wait(self, timeout_s: float | None = None) -> int:
+        return self.future.result(timeout_s)
+
+
+@dataclass
+class Collector:
+    """SchedulerPort: every reported result, optionally checked as it arrives."""
+
+    results: list[TurnResult] = field(default_factory=list)
+    on_result: Callable[[TurnResult], None] | None = None
+
+    def complete(self, result: TurnResult) -> None:
+        if self.on_result is not None:
+            self.on_result(result)
+        self.results.append(result)
+
+
+@dataclass
+class DirectHandoff:
+    """DecodePort: hands off to in-process decode cores by engine name, or just records."""
+
+    cores: dict[str, Any] = field(default_factory=dict)
+    readers: FakeReaders | None = None
+    handoffs: list[DecodeHandoff] = field(default_factory=list)
+
+    def hand_off(self, engine: str, handoff: DecodeHandoff) -> None:
+        self.handoffs.append(handoff)
+        if self.readers is not None:
+            self.readers.engines_by_owner[handoff.task.request.owner] = engine
+        if engine in self.cores:
+            self.cores[engine].hand_off(handoff)
+
+
+class FakeClock:
+    def __init__(self, start: float = 1000.0) -> None:
+        self.value = start
+
+    def now(self) -> float:
+        self.value += 0.001
+        return self.value

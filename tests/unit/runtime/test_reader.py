@@ -1,0 +1,89 @@
+"""ReaderCore without Ray: read queue and SNIC accounting per verified block, failed reads, writes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from dualpath_ray.config import DualPathConfig
+from dualpath_ray.kv.index import block_keys, namespace_for
+from dualpath_ray.kv.store import BlockNotFoundError
+from dualpath_ray.runtime.messages import PersistedBlock
+from dualpath_ray.runtime.reader import ReaderCore
+
+
+def reader_config(tmp_path: Path) -> DualPathConfig:
+    cfg = DualPathConfig()
+    return cfg.model_copy(
+        update={
+            "cluster": cfg.cluster.model_copy(update={"buffer_blocks_per_node": 8}),
+            "emulation": cfg.emulation.model_copy(update={"enabled": False}),
+            "store": cfg.store.model_copy(update={"root": str(tmp_path)}),
+        }
+    )
+
+
+def test_reader_read_queue_drops_per_verified_block(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    core = ReaderCore(reader_config(tmp_path), "n0", str(tmp_path))
+    layout = core.layout
+    keys = block_keys(list(range(4 * layout.block_size)), layout.block_size, namespace_for("reader", 0))
+    for i, key in enumerate(keys):
+        core.store.put(key, torch.full(layout.full_block_shape, i + 1, dtype=torch.uint8))
+    seen: list[tuple[int, int, int]] = []
+    inner = core.store.get_many_into
+
+    def recording(keys, outs, before_read=None, on_verified=None):  # type: ignore[no-untyped-def]
+        def verified(i: int) -> None:
+            on_verified(i)
+            seen.append((i, core.read_q(), core.counters.snic_read["pe"]))
+
+        inner(keys, outs, before_read=before_read, on_verified=verified)
+
+    monkeypatch.setattr(core.store, "get_many_into", recording)
+    extent = core.read_blocks("r1", keys, 6, "pe")
+    expected = [(i, (3 - i) * layout.block_size, (i + 1) * layout.full_block_bytes) for i in range(4)]
+    assert seen == expected, "each verified block must leave the read queue and enter the SNIC counter at once"
+    assert core.read_q() == 0, "the read queue must be exactly empty after the read"
+    assert core.snic.bytes_total == 4 * layout.full_block_bytes, "the SNIC link must be charged once per block"
+    for i in range(4):
+        assert int(core.pool.full_block(extent.slots[i])[0, 0, 0]) == i + 1, f"hit block {i} must land in slot {i}"
+    core.free(extent.extent_id)
+    core.store.close()
+
+
+def test_reader_failed_read_frees_the_extent_and_empties_the_queue(tmp_path: Path) -> None:
+    core = ReaderCore(reader_config(tmp_path), "n0", str(tmp_path))
+    layout = core.layout
+    keys = block_keys(list(range(4 * layout.block_size)), layout.block_size, namespace_for("reader", 1))
+    for i, key in enumerate(keys[:2]):
+        core.store.put(key, torch.full(layout.full_block_shape, i + 1, dtype=torch.uint8))
+    free_before = core.pool.check_integrity().free
+    with pytest.raises(BlockNotFoundError, match=keys[2]):
+        core.read_blocks("r1", keys, 4, "de")
+    assert core.read_q() == 0, "a failed read must leave no tokens in the read queue"
+    assert core.counters.snic_read["de"] == 2 * layout.full_block_bytes, "only the verified blocks are counted"
+    assert core.pool.check_integrity().free == free_before, "a failed read must free the extent it leased"
+    core.store.close()
+
+
+def test_write_extent_stores_its_blocks_and_frees_the_extent_even_on_failure(tmp_path: Path) -> None:
+    core = ReaderCore(reader_config(tmp_path), "n0", str(tmp_path))
+    layout = core.layout
+    keys = block_keys(list(range(2 * layout.block_size)), layout.block_size, namespace_for("reader", 2))
+    extent = core.lease("r1", 3)
+    for i in range(2):
+        core.pool.full_block(extent.slots[i]).fill_(i + 5)
+    blocks = [(0, PersistedBlock(keys[0], None)), (1, PersistedBlock(keys[1], keys[0]))]
+    assert core.write_extent(extent.extent_id, blocks) == 2, "both blocks are new in the store"
+    assert core.counters.snic_write == 2 * layout.full_block_bytes, "each written block is charged to the SNIC"
+    out = layout.empty_full_block()
+    core.store.get_into(keys[1], out)
+    assert bool((out == 6).all()), "the stored bytes are the extent slot's"
+    assert core.pool.check_integrity().free == core.pool.capacity, "the extent is freed after its writes"
+    bad = core.lease("r2", 1)
+    with pytest.raises(ValueError, match="invalid block key"):
+        core.write_extent(bad.extent_id, [(0, PersistedBlock("not-a-key", None))])
+    assert core.pool.check_integrity().free == core.pool.capacity, "a failed write still frees its extent"
+    core.store.close()
