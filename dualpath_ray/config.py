@@ -7,11 +7,12 @@ bad field (`cluster.snic_gbps`) and what is allowed there.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
 
 
 class ConfigError(ValueError):
@@ -22,8 +23,64 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
 
 
+ROPE_SCALING_TYPES = ("llama3", "linear")
+_LLAMA3_ROPE_FIELDS = ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+class RopeScaling(_Section):
+    """RoPE frequency scaling of a long-context checkpoint (Hugging Face `rope_scaling`).
+
+    `llama3` is Llama 3.1's per-frequency scaling: wavelengths shorter than
+    original_max_position_embeddings / high_freq_factor keep their frequency, those longer than
+    original_max_position_embeddings / low_freq_factor are divided by `factor`, and the band in
+    between blends the two. `linear` divides every frequency (equivalently every position) by
+    `factor`. Other types (yarn, dynamic, longrope, ...) are not implemented, and are an error
+    rather than silently computing a different model.
+    """
+
+    rope_type: str = Field(description="llama3 or linear.")
+    factor: float = Field(gt=0, description="How much longer the context is than in pre-training.")
+    low_freq_factor: float | None = Field(None, gt=0, description="llama3 only.")
+    high_freq_factor: float | None = Field(None, gt=0, description="llama3 only.")
+    original_max_position_embeddings: int | None = Field(
+        None, ge=1, description="llama3 only: the pre-training context length."
+    )
+
+    @field_validator("rope_type")
+    @classmethod
+    def _supported_type(cls, rope_type: str) -> str:
+        if rope_type not in ROPE_SCALING_TYPES:
+            raise ValueError(
+                f"rope_type {rope_type!r} is not supported; supported: {', '.join(ROPE_SCALING_TYPES)} "
+                "(a checkpoint that needs another scaling cannot run on this model)"
+            )
+        return rope_type
+
+    @model_validator(mode="after")
+    def _fields_of_the_type(self) -> RopeScaling:
+        given = [name for name in _LLAMA3_ROPE_FIELDS if getattr(self, name) is not None]
+        if self.rope_type == "llama3":
+            missing = [name for name in _LLAMA3_ROPE_FIELDS if name not in given]
+            if missing:
+                raise ValueError(f"rope_type llama3 needs {', '.join(missing)}")
+            assert self.low_freq_factor is not None and self.high_freq_factor is not None
+            if self.high_freq_factor <= self.low_freq_factor:
+                # The blend divides by their difference, and the bands would be inverted.
+                raise ValueError(
+                    f"high_freq_factor ({self.high_freq_factor}) must be > low_freq_factor "
+                    f"({self.low_freq_factor})"
+                )
+        elif given:
+            raise ValueError(f"rope_type {self.rope_type} takes only factor; remove {', '.join(given)}")
+        return self
+
+
 class ModelConfig(_Section):
-    """The decoder whose KV is stored and moved (a small Llama/Qwen2-style model by default)."""
+    """The decoder whose KV is stored and moved (a small Llama/Qwen2-style model by default).
+
+    With `weights_dir` holding a Hugging Face config.json, `load_config` fills the fields the
+    YAML leaves out from it and rejects those that disagree with it.
+    """
 
     model_id: str = Field("dualpath-tiny", min_length=1, description="Namespace of every block key.")
     vocab_size: int = Field(512, ge=2, description="Token ids are in [0, vocab_size).")
@@ -34,6 +91,9 @@ class ModelConfig(_Section):
     head_dim: int = Field(16, ge=2, description="Per-head dimension; must be even for RoPE.")
     intermediate_size: int = Field(128, ge=1, description="SwiGLU hidden width.")
     rope_theta: float = Field(10000.0, gt=0)
+    rope_scaling: RopeScaling | None = Field(
+        None, description="RoPE scaling of long-context checkpoints (llama3 or linear); None = plain RoPE."
+    )
     rms_norm_eps: float = Field(1e-6, gt=0)
     max_context: int = Field(4096, ge=1, description="Longest prompt + output in tokens.")
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
@@ -201,4 +261,66 @@ def load_config(path: str | Path | None = None) -> DualPathConfig:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from None
-    return parse_config(data, source=str(path))
+    return parse_config(_with_checkpoint_model_fields(data, path), source=str(path))
+
+
+# Fields the YAML may set differently from config.json: the compute dtype (weights are
+# converted on load), and a shorter context than the checkpoint supports.
+_CHOSEN_FIELDS = ("dtype",)
+_BOUNDED_FIELDS = ("max_context",)
+
+
+def _with_checkpoint_model_fields(data: Any, source: Path) -> Any:
+    """`data` with the model fields the YAML leaves out read from `weights_dir`/config.json.
+
+    A field the YAML gives that disagrees with config.json is a ConfigError naming both values:
+    the checkpoint's architecture is a fact, and running it with another one would compute a
+    different model without any error.
+    """
+    model = data.get("model") if isinstance(data, dict) else None
+    if not isinstance(model, dict) or model.get("weights_dir") is None:
+        return data
+    hf_path = Path(str(model["weights_dir"])) / "config.json"
+    if not hf_path.is_file():
+        return data
+    # Imported here: weights.py imports ModelConfig from this module, and loading a config
+    # without a checkpoint should not import torch.
+    from dualpath_ray.model.weights import WeightsError, model_fields_from_hf_config
+
+    try:
+        from_hf = model_fields_from_hf_config(hf_path.parent)
+    except WeightsError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+    conflicts = [
+        line
+        for name, value in from_hf.items()
+        if name in model and (line := _disagreement(name, model[name], value, hf_path))
+    ]
+    if conflicts:
+        raise ConfigError(f"{source}: the YAML disagrees with the checkpoint\n  " + "\n  ".join(conflicts))
+    return {**data, "model": {**from_hf, **model}}
+
+
+def _disagreement(name: str, ours: Any, theirs: Any, hf_path: Path) -> str | None:
+    """The error line when the YAML's `ours` and config.json's `theirs` differ, else None."""
+    if name in _CHOSEN_FIELDS:
+        return None
+    # Compare validated values, so YAML 1e-6 (a string to YAML 1.1) equals JSON 1e-06.
+    adapter: TypeAdapter[Any] = TypeAdapter(ModelConfig.model_fields[name].annotation)
+    try:
+        theirs_value = adapter.validate_python(theirs)
+    except ValidationError:
+        theirs_value = theirs  # not runnable here; only an identical YAML value agrees with it
+    try:
+        ours_value = adapter.validate_python(ours)
+    except ValidationError:
+        return None  # parse_config reports the YAML's invalid value by its path
+    if name in _BOUNDED_FIELDS:
+        if ours_value <= theirs_value:
+            return None
+        return f"model.{name}: YAML says {ours!r}, above the {theirs!r} that {hf_path} allows"
+    if isinstance(ours_value, float) and isinstance(theirs_value, float):
+        agree = math.isclose(ours_value, theirs_value, rel_tol=1e-9)
+    else:
+        agree = ours_value == theirs_value
+    return None if agree else f"model.{name}: YAML says {ours!r}, {hf_path} says {theirs!r}"

@@ -1,9 +1,13 @@
 """A small Llama/Qwen2-style decoder with a layerwise API (RMSNorm, RoPE, GQA, SwiGLU).
 
-The prefill and decode engines drive the model one layer at a time: `forward_layer` takes the
-hidden states of the new tokens and that layer's cached KV of the P tokens before them, and
-returns the new hidden states and the layer's KV of the new tokens only. Full prefill, decode
-steps and generation are built on it, so the engines and the reference path share one kernel.
+The engines drive the model one layer at a time, over a whole batch:
+- `forward_layer_spans` (prefill): the new tokens of several sequences packed in one batch, each
+  attending to its own KV span in the engine's layer window, where this layer's new KV is written;
+- `forward_layer_paged` (decode): one new token per sequence, its KV written into the engine's
+  pages and attention over each sequence's pages through its block table;
+- `forward_layer` (one sequence, KV passed in and returned): the reference path that `prefill`,
+  `decode_step` and `generate` are built on.
+All three share the same projection, RoPE, attention (model/attention.py) and MLP code.
 
 KV of one layer is token-major `[T, 2, n_kv_head, head_dim]` (K after RoPE, then V), contiguous
 and in the model dtype: exactly what `KVLayout.kv_as_bytes` reinterprets as bytes. Module names
@@ -14,7 +18,8 @@ Random weights come from a private `torch.Generator(cfg.seed)`, never the global
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -23,6 +28,10 @@ from torch import nn
 
 from dualpath_ray.config import ModelConfig
 from dualpath_ray.kv.layout import torch_dtype
+from dualpath_ray.model.attention import paged_attention, sequence_attention, span_attention, write_paged
+from dualpath_ray.model.modules import Backbone, DecoderLayer, Linear
+from dualpath_ray.model.rope import apply_rope, rope_cos_sin, rope_inv_freq
+from dualpath_ray.model.sampling import sample_token
 from dualpath_ray.model.weights import (
     Architecture,
     WeightsError,
@@ -30,6 +39,8 @@ from dualpath_ray.model.weights import (
     read_checkpoint,
     validate_checkpoint,
 )
+
+__all__ = ["DecodeOutput", "DecoderModel", "GenerateOutput", "PrefillOutput", "sample_token"]
 
 
 class PrefillOutput(NamedTuple):
@@ -46,90 +57,6 @@ class GenerateOutput(NamedTuple):
     token_ids: list[int]  # generated tokens
     log_probs: list[float]  # log-probability of each generated token where it was chosen
     kv: list[torch.Tensor]  # per layer, prompt + generated tokens except the last one
-
-
-class _Linear(nn.Module):
-    """y = x W^T (+ b); parameters start uninitialised so construction touches no RNG."""
-
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype):
-        super().__init__()
-        self.in_features = in_features
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
-        self.bias = (
-            nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
-
-
-class _Embedding(nn.Module):
-    def __init__(self, vocab: int, width: int, dtype: torch.dtype):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(vocab, width, dtype=dtype), requires_grad=False)
-
-
-class _RMSNorm(nn.Module):
-    def __init__(self, width: int, eps: float, dtype: torch.dtype):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.empty(width, dtype=dtype), requires_grad=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32 whatever the model dtype, as the reference implementations do.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
-
-
-class _Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, bias: bool, dtype: torch.dtype):
-        super().__init__()
-        q_width, kv_width = cfg.n_head * cfg.head_dim, cfg.n_kv_head * cfg.head_dim
-        self.q_proj = _Linear(cfg.hidden_size, q_width, bias, dtype)
-        self.k_proj = _Linear(cfg.hidden_size, kv_width, bias, dtype)
-        self.v_proj = _Linear(cfg.hidden_size, kv_width, bias, dtype)
-        self.o_proj = _Linear(q_width, cfg.hidden_size, False, dtype)
-
-
-class _MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
-        super().__init__()
-        self.gate_proj = _Linear(cfg.hidden_size, cfg.intermediate_size, False, dtype)
-        self.up_proj = _Linear(cfg.hidden_size, cfg.intermediate_size, False, dtype)
-        self.down_proj = _Linear(cfg.intermediate_size, cfg.hidden_size, False, dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class _Layer(nn.Module):
-    def __init__(self, cfg: ModelConfig, bias: bool, dtype: torch.dtype):
-        super().__init__()
-        self.self_attn = _Attention(cfg, bias, dtype)
-        self.mlp = _MLP(cfg, dtype)
-        self.input_layernorm = _RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.post_attention_layernorm = _RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-
-
-class _Backbone(nn.Module):
-    def __init__(self, cfg: ModelConfig, bias: bool, dtype: torch.dtype):
-        super().__init__()
-        self.embed_tokens = _Embedding(cfg.vocab_size, cfg.hidden_size, dtype)
-        self.layers = nn.ModuleList(_Layer(cfg, bias, dtype) for _ in range(cfg.n_layer))
-        self.norm = _RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def _causal_mask(new_tokens: int, past_tokens: int, device: torch.device) -> torch.Tensor:
-    """[T, P+T] bool, True = may attend: every cached token, and new tokens up to itself."""
-    past = torch.ones(new_tokens, past_tokens, dtype=torch.bool, device=device)
-    own = torch.ones(new_tokens, new_tokens, dtype=torch.bool, device=device).tril()
-    return torch.cat((past, own), dim=1)
 
 
 class DecoderModel(nn.Module):
@@ -151,16 +78,13 @@ class DecoderModel(nn.Module):
                 raise WeightsError(f"model.weights_dir: the checkpoint is {found}, not the requested {arch}")
             arch = found
         self.arch = arch or Architecture(attention_bias=False, tie_word_embeddings=False)
-        self.model = _Backbone(cfg, self.arch.attention_bias, self.dtype)
+        self.model = Backbone(cfg, self.arch.attention_bias, self.dtype)
         self.lm_head = (
             None
             if self.arch.tie_word_embeddings
-            else _Linear(cfg.hidden_size, cfg.vocab_size, False, self.dtype)
+            else Linear(cfg.hidden_size, cfg.vocab_size, False, self.dtype)
         )
-        inv_freq = 1.0 / cfg.rope_theta ** (
-            torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim
-        )
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         if checkpoint is None:
             self._init_random()
         else:
@@ -186,10 +110,23 @@ class DecoderModel(nn.Module):
             param.copy_(values.to(self.dtype))
 
     @torch.no_grad()
-    def _load(self, checkpoint: dict[str, torch.Tensor]) -> None:
+    def _load(self, checkpoint: Mapping[str, torch.Tensor]) -> None:
         validate_checkpoint(checkpoint, self.cfg, self.arch)
         for name, param in self.named_parameters():
-            param.copy_(checkpoint[name].to(self.dtype))
+            param.copy_(checkpoint[name].to(device=param.device, dtype=self.dtype))
+
+    def load_weights(self, source: str | Path | Mapping[str, torch.Tensor]) -> Architecture:
+        """New weights in place: a checkpoint directory or a state dict by checkpoint name.
+
+        Everything is validated before the first copy, so a bad source leaves the old weights;
+        the source must be the same variant (attention bias, tied lm_head) as this model.
+        """
+        checkpoint = read_checkpoint(source) if isinstance(source, (str, Path)) else source
+        found = detect_architecture(set(checkpoint))
+        if found != self.arch:
+            raise WeightsError(f"update_weights: the new weights are {found}, this model is {self.arch}")
+        self._load(checkpoint)
+        return found
 
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
         """Parameters by Hugging Face checkpoint name (a tied lm_head is absent), for export."""
@@ -230,27 +167,80 @@ class DecoderModel(nn.Module):
         (normally P..P+T-1) only set their RoPE angles. Returns the new hidden states [T, hidden]
         and this layer's KV of the new tokens [T, 2, n_kv_head, head_dim] (contiguous).
         """
+        block = self._block(layer)
+        self._check_layer_inputs(hidden, positions, past_kv)
+        q, new_kv = self._project(block, hidden, positions)
+        all_kv = new_kv if past_kv is None else torch.cat((past_kv, new_kv), dim=0)
+        return self._finish(block, hidden, sequence_attention(q, all_kv)), new_kv
+
+    @torch.inference_mode()
+    def forward_layer_spans(
+        self,
+        layer: int,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        spans: Sequence[torch.Tensor],
+        new_counts: Sequence[int],
+    ) -> torch.Tensor:
+        """One layer over the packed new tokens of several sequences (prefill of a batch).
+
+        hidden [T, hidden] holds sequence i's new_counts[i] tokens in order, positions [T] their
+        RoPE positions. spans[i] [P_i + N_i, 2, n_kv_head, head_dim] is a view of the engine's
+        window: rows [0, P_i) hold the cached KV, rows [P_i, P_i + N_i) receive the new KV here.
+        One projection and MLP over all T rows; attention per sequence over its span, in place.
+        """
+        block = self._block(layer)
+        if len(spans) != len(new_counts) or sum(new_counts) != hidden.shape[0]:
+            raise ValueError(f"{len(spans)} spans for {len(new_counts)} sequences of {sum(new_counts)} tokens "
+                             f"but hidden has {hidden.shape[0]} rows")
+        q, new_kv = self._project(block, hidden, positions)
+        return self._finish(block, hidden, span_attention(q, new_kv, spans, new_counts))
+
+    @torch.inference_mode()
+    def forward_layer_paged(
+        self,
+        layer: int,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        pool_layer: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        bounds: tuple[int, int] | None = None,
+    ) -> torch.Tensor:
+        """One layer of a decode step: one new token per sequence, its KV kept in pages.
+
+        hidden [B, hidden], positions [B] (the new tokens' positions, context_lens - 1);
+        pool_layer [n_pages, block_size, 2, n_kv_head, head_dim] (a strided view of the pages);
+        block_tables [B, max_blocks] int64 page ids (padding entries any valid page);
+        context_lens [B] tokens including the new one. `bounds` = (min, max) of context_lens
+        when the caller knows them, to save a device sync. Writes the new KV into its page,
+        then attends over each sequence's pages. Returns the new hidden [B, hidden].
+        """
+        block = self._block(layer)
+        q, new_kv = self._project(block, hidden, positions)
+        write_paged(pool_layer, block_tables, context_lens, new_kv)
+        shortest, longest = bounds if bounds is not None else (int(context_lens.min()), int(context_lens.max()))
+        return self._finish(block, hidden, paged_attention(q, pool_layer, block_tables, context_lens, shortest, longest))
+
+    def _block(self, layer: int) -> DecoderLayer:
         if not 0 <= layer < self.n_layer:
             raise IndexError(f"layer {layer} outside [0, {self.n_layer})")
-        tokens = hidden.shape[0]
-        self._check_layer_inputs(hidden, positions, past_kv)
-        block = self.model.layers[layer]
-        attn = block.self_attn
+        return self.model.layers[layer]
+
+    def _project(self, block: DecoderLayer, hidden: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Queries [T, n_head, d] and new KV [T, 2, n_kv_head, d] (K after RoPE, then V)."""
+        cfg, attn, tokens = self.cfg, block.self_attn, hidden.shape[0]
         x = block.input_layernorm(hidden)
-        cfg = self.cfg
         q = attn.q_proj(x).view(tokens, cfg.n_head, cfg.head_dim)
         k = attn.k_proj(x).view(tokens, cfg.n_kv_head, cfg.head_dim)
         v = attn.v_proj(x).view(tokens, cfg.n_kv_head, cfg.head_dim)
-        cos, sin = self._rope(positions)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
-        new_kv = torch.stack((k, v), dim=1).contiguous()
-        all_kv = new_kv if past_kv is None else torch.cat((past_kv, new_kv), dim=0)
-        past_tokens = all_kv.shape[0] - tokens
-        out = self._attention(q, all_kv[:, 0], all_kv[:, 1], _causal_mask(tokens, past_tokens, hidden.device))
-        hidden = hidden + attn.o_proj(out)
-        hidden = hidden + block.mlp(block.post_attention_layernorm(hidden))
-        return hidden, new_kv
+        cos, sin = rope_cos_sin(positions, self.inv_freq, self.dtype)
+        return apply_rope(q, cos, sin), torch.stack((apply_rope(k, cos, sin), v), dim=1)
+
+    @staticmethod
+    def _finish(block: DecoderLayer, hidden: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        hidden = hidden + block.self_attn.o_proj(attended)
+        return hidden + block.mlp(block.post_attention_layernorm(hidden))
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -280,24 +270,6 @@ class DecoderModel(nn.Module):
             raise ValueError(
                 f"{past_tokens} cached + {hidden.shape[0]} new tokens exceed model.max_context={cfg.max_context}"
             )
-
-    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin of shape [T, 1, head_dim], broadcasting over heads."""
-        angles = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
-        angles = torch.cat((angles, angles), dim=-1)[:, None, :]
-        return angles.cos().to(self.dtype), angles.sin().to(self.dtype)
-
-    def _attention(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
-    ) -> torch.Tensor:
-        """q [T, n_head, d], k/v [S, n_kv_head, d], mask [T, S] -> [T, n_head * d]."""
-        group = self.cfg.n_head // self.cfg.n_kv_head
-        k = k.repeat_interleave(group, dim=1)
-        v = v.repeat_interleave(group, dim=1)
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask
-        )
-        return out.transpose(0, 1).reshape(q.shape[0], -1)
 
     # Whole-model conveniences built on forward_layer -------------------------------------------
 
@@ -406,32 +378,4 @@ class DecoderModel(nn.Module):
             raise ValueError(f"past_kv layers cover different token counts: {sorted(lengths)}")
         return lengths.pop()
 
-
-def sample_token(
-    logits: torch.Tensor,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    generator: torch.Generator | None = None,
-) -> tuple[int, float]:
-    """Choose a token from [vocab] logits; temperature 0 is greedy (argmax, lowest id on ties).
-
-    Returns the token and its log-probability under softmax(logits / temperature) (raw logits
-    when greedy), before top-p truncation: the policy's log-prob an RL trainer expects.
-    """
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-    logits = logits.float()
-    if temperature == 0.0:
-        token = int(torch.argmax(logits))
-        return token, float(torch.log_softmax(logits, dim=-1)[token])
-    log_probs = torch.log_softmax(logits / temperature, dim=-1)
-    probs = log_probs.exp()
-    sorted_probs, order = probs.sort(descending=True)
-    # Keep the smallest head of the sorted distribution whose mass reaches top_p.
-    keep = (sorted_probs.cumsum(0) - sorted_probs) < top_p
-    kept = torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs))
-    token = int(order[torch.multinomial(kept / kept.sum(), 1, generator=generator)])
-    return token, float(log_probs[token])
 
