@@ -23,11 +23,11 @@ from typing import Any
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
-import ray  # noqa: E402
-import torch  # noqa: E402
-from ray.cluster_utils import Cluster  # noqa: E402
+import ray
+import torch
+from ray.cluster_utils import Cluster
 
-from dualpath_ray.runtime.transport import (  # noqa: E402
+from dualpath_ray.runtime.transport import (
     Region,
     TransportEndpoint,
     endpoint_actor_options,
@@ -155,7 +155,8 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     args = parser.parse_args()
     cluster = Cluster(
-        initialize_head=True, head_node_args=dict(num_cpus=1, include_dashboard=False, object_store_memory=80 << 20)
+        initialize_head=True,
+        head_node_args={"num_cpus": 1, "include_dashboard": False, "object_store_memory": 80 << 20},
     )
     report: dict[str, Any] = {"reps": args.reps, "split_bytes": args.split_bytes, "cpus": os.cpu_count()}
     try:

@@ -312,7 +312,9 @@ class Transport(ABC):
             raise RegionError(f"register {name!r}: pool must be a non-empty contiguous tensor")
         with self._lock:
             if self._state is not TransportState.REGISTERING:
-                raise TransportError(f"register {name!r}: {self.endpoint_name} is {self._state.value}; register before seal()")
+                raise TransportError(
+                    f"register {name!r}: {self.endpoint_name} is {self._state.value}; register before seal()"
+                )
             if name in self._pools:
                 raise RegionError(f"register: pool name {name!r} is already registered; names are unique")
             self._register_backend(name, pool)
@@ -339,7 +341,7 @@ class Transport(ABC):
         """The Region of a contiguous view into the local pool `pool` (data_ptr arithmetic)."""
         base = self._pools.get(pool)
         if base is None:
-            raise RegionError(f"region_of: {pool!r} is not a pool of {self.endpoint_name}; its pools are {sorted(self._pools)}")
+            raise RegionError(f"region_of: {pool!r} is not a pool of {self.endpoint_name} ({sorted(self._pools)})")
         if not isinstance(view, torch.Tensor) or view.device != base.device:
             raise RegionError(f"region_of {pool!r}: view must be a tensor on {base.device}")
         if not view.is_contiguous():
@@ -419,7 +421,7 @@ class Transport(ABC):
         if not isinstance(info, EndpointInfo) or info.endpoint != peer:
             raise TransportError(f"{peer} answered the info request with {info!r}; is it a TransportEndpoint?")
         if info.kind != self.kind:
-            raise TransportError(f"{peer} uses the {info.kind} transport, {self.endpoint_name} {self.kind}; use one kind")
+            raise TransportError(f"{peer} uses the {info.kind} transport, {self.endpoint_name} {self.kind}; use one")
         with self._lock:
             return self._peers.setdefault(peer, _Peer(info, {p.name: p for p in info.pools}))
 
@@ -434,14 +436,19 @@ class Transport(ABC):
             try:
                 handle = ray.get_actor(peer, namespace=self.namespace)
             except ValueError as exc:
-                raise PeerDiedError(f"endpoint {peer!r} not found in namespace {self.namespace!r} (dead or never started)") from exc
+                raise PeerDiedError(
+                    f"endpoint {peer!r} not found in namespace {self.namespace!r} (dead or never started)"
+                ) from exc
             with self._lock:
                 handle = self._actors.setdefault(peer, handle)
         self._counters.add(peer_calls=1)
         try:
             return handle.transport_serve.remote(request)
         except AssertionError as exc:
-            raise TransportError(f"{peer} has no {TRANSPORT_GROUP!r} concurrency group; declare its class with @ray.remote(**endpoint_actor_options())") from exc
+            raise TransportError(
+                f"{peer} has no {TRANSPORT_GROUP!r} concurrency group; declare its class with "
+                "@ray.remote(**endpoint_actor_options())"
+            ) from exc
 
     def _reply(self, peer: str, ref: Any, timeout_s: float) -> object:
         """The result of a request to the peer; any failure is a TransportError."""
@@ -506,7 +513,7 @@ class Transport(ABC):
             TransportState.REGISTERING: "; call seal() after registering its pools",
             TransportState.CLOSED: "; it was closed",
         }.get(state, self._state_hint())
-        raise TransportError(f"{where}: {self.kind} transport of {self.endpoint_name} is {state.value}, needs ready{hint}")
+        raise TransportError(f"{where}: the {self.kind} transport of {self.endpoint_name} is {state.value}{hint}")
 
     def serve(self, request: object) -> object:
         """What TransportEndpoint.transport_serve runs on the passive side."""
@@ -584,7 +591,10 @@ def make_transport(
     ucx_net_devices: str | None = None,
 ) -> Transport:
     """Build this process's transport; UCX knobs are applied to the process environment first."""
-    from dualpath_ray.runtime.transport_nixl import apply_ucx_environment, ucx_environment
+    from dualpath_ray.runtime.transport_nixl import (
+        apply_ucx_environment,
+        ucx_environment,
+    )
 
     if kind not in TRANSPORT_KINDS:
         raise TransportError(f"runtime.transport: unknown kind {kind!r}; use one of {TRANSPORT_KINDS}")
@@ -593,7 +603,9 @@ def make_transport(
     if timeout_s <= 0:
         raise TransportError(f"timeout_s must be > 0 (got {timeout_s})")
     apply_ucx_environment(
-        ucx_environment(service_level=service_level, traffic_class=traffic_class, tls=ucx_tls, net_devices=ucx_net_devices)
+        ucx_environment(
+            service_level=service_level, traffic_class=traffic_class, tls=ucx_tls, net_devices=ucx_net_devices
+        )
     )
     if kind == "nixl":
         from dualpath_ray.runtime.transport_nixl import NixlTransport

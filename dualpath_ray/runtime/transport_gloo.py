@@ -215,7 +215,10 @@ class GlooTransfer(Transfer):
         if outcome.error is not None:  # the peer's ops failed: ours may still complete into our regions
             raise self._fail(f"{self.peer}: {outcome.error}", abort=True, broken=True)
 
-    def _fail(self, why: str, *, abort: bool, cls: type[TransportError] = TransportError, broken: bool = False) -> TransportError:
+    def _fail(
+        self, why: str, *, abort: bool, cls: type[TransportError] = TransportError, broken: bool = False
+    ) -> TransportError:
+        """Park the ops (and mark the pair broken), abort the world if bytes may still land; the error."""
         self._transport._park(self._works, self._world, self._rank(), broken)
         self._works = []
         if abort:
@@ -223,10 +226,9 @@ class GlooTransfer(Transfer):
         return cls(f"gloo {self.op} with {self.peer}: {why}")
 
     def _abort(self, reason: str) -> TransportError:
-        if not self._answered:
-            reason = f"{self.peer} did not answer within {self._transport.timeout_s}s ({reason})"
-        error = self._fail(f"{reason}; this endpoint's world was aborted", abort=True)
-        return error
+        # Only an unanswered transfer can time out: once answered, _poll finishes or raises.
+        why = f"{self.peer} did not answer in time ({reason}); this endpoint's world was aborted"
+        return self._fail(why, abort=True)
 
     def _rank(self) -> int:
         return self._world.ranks[self.peer]
@@ -251,7 +253,9 @@ class GlooTransport(Transport):
 
     def _register_backend(self, name: str, pool: torch.Tensor) -> None:
         if pool.device.type != "cpu":
-            raise RegionError(f"register {name!r}: the pool is on {pool.device}; gloo moves host memory; use nixl on GPU nodes")
+            raise RegionError(
+                f"register {name!r}: the pool is on {pool.device}; gloo moves host memory; use nixl on GPU nodes"
+            )
 
     def _seal_backend(self) -> object:
         return None
@@ -358,7 +362,8 @@ class GlooTransport(Transport):
 
     def _serve_host_store(self, request: HostStoreRequest) -> StoreAddress:
         host = ray.util.get_node_ip_address()
-        store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=request.timeout_s))
+        timeout = timedelta(seconds=request.timeout_s)
+        store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
         with self._lock:
             self._master_store = (request.world_id, store)
         return StoreAddress(host, store.port)
@@ -368,10 +373,10 @@ class GlooTransport(Transport):
             raise TransportError(f"join: {self.endpoint_name} is still registering; seal() it first")
         next_state(self._state, TransportState.READY)  # a closed endpoint refuses before any socket opens
         if request.endpoints[request.rank] != self.endpoint_name:
-            raise TransportError(f"join: rank {request.rank} is {request.endpoints[request.rank]}, not {self.endpoint_name}")
+            raise TransportError(f"join: rank {request.rank} is {request.endpoints[request.rank]!r}, not this endpoint")
         timeout = timedelta(seconds=request.timeout_s)
         store = self._rendezvous_store(request, timeout)
-        options = dist.ProcessGroupGloo._Options()
+        options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
         options._timeout = timeout
         options._devices = [dist.ProcessGroupGloo.create_device(hostname=ray.util.get_node_ip_address())]
         prefixed = dist.PrefixStore(f"dualpath/{request.world_id}", store)
@@ -425,10 +430,11 @@ def form_gloo_world(endpoints: Sequence[Any], *, timeout_s: float = 60.0) -> Glo
 
 
 def _world_names(infos: Sequence[object]) -> tuple[str, ...]:
+    names = []
     for index, info in enumerate(infos):
         if not isinstance(info, EndpointInfo) or info.kind != "gloo":
             raise TransportError(f"setup_gloo_world: endpoints[{index}] is not a gloo endpoint ({info!r})")
-    names = tuple(info.endpoint for info in infos)  # type: ignore[union-attr]
+        names.append(info.endpoint)
     if len(set(names)) != len(names):
         raise TransportError(f"setup_gloo_world: endpoint names are not unique: {names}")
-    return names
+    return tuple(names)

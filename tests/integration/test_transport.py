@@ -18,12 +18,12 @@ from tests.helpers import ray_test_env
 
 ray_test_env()
 
-import pytest  # noqa: E402
-import ray  # noqa: E402
-import torch  # noqa: E402
-from ray.cluster_utils import Cluster  # noqa: E402
+import pytest
+import ray
+import torch
+from ray.cluster_utils import Cluster
 
-from dualpath_ray.runtime.transport import (  # noqa: E402
+from dualpath_ray.runtime.transport import (
     TRANSPORT_GROUP,
     PeerDiedError,
     Region,
@@ -42,7 +42,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 def _nixl_import_error() -> str | None:
     try:
         import nixl._api  # noqa: F401
-    except Exception as exc:  # a broken install counts as missing, whatever it raises
+    except Exception as exc:  # noqa: BLE001 - a broken install counts as missing, whatever it raises
         return f"`import nixl` fails ({type(exc).__name__}: {exc}); install the nixl extra"
     return None
 
@@ -127,7 +127,7 @@ class Endpoints:
 def cluster() -> Iterator[Cluster]:
     started = Cluster(
         initialize_head=True,
-        head_node_args=dict(num_cpus=1, include_dashboard=False, object_store_memory=80 << 20),
+        head_node_args={"num_cpus": 1, "include_dashboard": False, "object_store_memory": 80 << 20},
     )
     try:
         for index in (1, 2):
@@ -178,7 +178,8 @@ def test_read_fills_non_contiguous_regions_with_identical_bytes(endpoints: Endpo
     untouched = ray.get(b.slot_bytes.remote(neighbours))
     moved = ray.get(b.move.remote("read", "reader/n1", moves(local, remote)))
     assert moved == 2 * SLOT_BYTES, "wait() returns the bytes the transfer moved"
-    assert ray.get(b.slot_bytes.remote(local)) == ray.get(a.slot_bytes.remote(remote)), "local regions hold the peer's bytes"
+    landed = ray.get(b.slot_bytes.remote(local))
+    assert landed == ray.get(a.slot_bytes.remote(remote)), "local regions hold the peer's bytes"
     assert ray.get(b.slot_bytes.remote(neighbours)) == untouched, "bytes next to the regions are untouched"
 
 

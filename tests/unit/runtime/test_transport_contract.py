@@ -27,7 +27,12 @@ from dualpath_ray.runtime.transport import (
     next_state,
 )
 from dualpath_ray.runtime.transport_gloo import _MAX_TAG, _TAG_RANGES, _TagCounter
-from dualpath_ray.runtime.transport_nixl import apply_ucx_environment, descriptor_groups, nixl_pool, ucx_environment
+from dualpath_ray.runtime.transport_nixl import (
+    apply_ucx_environment,
+    descriptor_groups,
+    nixl_pool,
+    ucx_environment,
+)
 
 POOLS = {"hbm": PoolInfo("hbm", 1024, "cpu"), "window": PoolInfo("window", 256, "cpu")}
 
@@ -174,13 +179,16 @@ def test_self_moves_copy_bytes_and_count() -> None:
     source = transport.region_of("window", window[0])
     first, second = transport.region_of("hbm", hbm[1, 0]), transport.region_of("hbm", hbm[1, 1])
     halves = [Region("window", 0, 8), Region("window", 8, 8)]
-    read = transport.read(me, [(Region("hbm", first.offset, 8), halves[0]), (Region("hbm", first.offset + 8, 8), halves[1])])
+    pairs = [(Region("hbm", first.offset, 8), halves[0]), (Region("hbm", first.offset + 8, 8), halves[1])]
+    read = transport.read(me, pairs)
     assert read.done() and read.wait() == 16, "a self-read completes at once and reports its bytes"
     assert torch.equal(transport.view(Region("hbm", first.offset, 16)), window[0]), "a self-read copies remote -> local"
     transport.write(me, [(source, Region("hbm", second.offset, 16))]).wait()
-    assert torch.equal(transport.view(Region("hbm", second.offset, 16)), window[0]), "a self-write copies local -> remote"
+    written = transport.view(Region("hbm", second.offset, 16))
+    assert torch.equal(written, window[0]), "a self-write copies local -> remote"
     transport.read(me, [(Region("window", 4, 8), Region("window", 0, 8))]).wait()
-    assert window[0].tolist() == [0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7, 12, 13, 14, 15], "overlapping copies read the old bytes"
+    expected = [0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7, 12, 13, 14, 15]
+    assert window[0].tolist() == expected, "an overlapping copy reads the bytes as they were before it"
     assert transport.stats() == TransportStats(posted=3, descriptors=3, bytes_read=24, bytes_written=16), (
         "stats count posted transfers, coalesced descriptors and completed bytes; no peer calls"
     )
