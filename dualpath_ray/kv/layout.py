@@ -15,6 +15,7 @@ from typing import NamedTuple
 import torch
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_ITEMSIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -60,7 +61,7 @@ class KVLayout:
 
     @property
     def itemsize(self) -> int:
-        return torch.empty((), dtype=self.torch_dtype).element_size()
+        return _ITEMSIZES[self.dtype]
 
     @property
     def bytes_per_token_per_layer(self) -> int:

@@ -29,7 +29,7 @@ class DecodeEngine(EngineBase):
             self.id.engine_id, self.id.node_id, cfg.model.max_context, cfg.runtime.max_persists_in_flight,
             cfg.runtime.transfer_timeout_s, cfg.runtime.verify_kv,
         )
-        ports = DecodePorts(RayReaders(self.directory, self.id.engine_id), self.transport, RayScheduler(self.directory), SystemClock())
+        ports = DecodePorts(RayReaders(self.directory, self.id.engine_id, self.wake), self.transport, RayScheduler(self.directory), SystemClock())
         return DecodeCore(settings, self.layout, self.compute, pages, ports, self.store, self.links)
 
     @ray.method(concurrency_group="control")
@@ -39,6 +39,7 @@ class DecodeEngine(EngineBase):
     @ray.method(concurrency_group="io")
     def handoff(self, handoff: DecodeHandoff) -> None:
         self.core.hand_off(handoff)
+        self.wake.set()
 
     @ray.method(concurrency_group="control")
     def page_integrity(self) -> tuple[int, int, int, int]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import enum
 import logging
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -131,6 +132,7 @@ class DecodeStats:
     persist_waits: int = 0
     finished: int = 0
     failures: int = 0
+    compute_s: float = 0.0  # inside the model's decode steps
 
 
 class DecodeCore:
@@ -370,7 +372,9 @@ class DecodeCore:
                 for job in batch
             ]
             params = [job.handoff.task.request.sampling for job in batch]  # type: ignore[union-attr]
+            started = time.perf_counter()
             sampled = self.compute.decode_step(seqs, self.pages.tensor, params)
+            self.stats.compute_s += time.perf_counter() - started
         except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, not the engine
             LOG.exception("%s: decode step of %d failed", self.settings.engine_id, len(batch))
             for job in batch:

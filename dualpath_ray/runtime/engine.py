@@ -26,7 +26,9 @@ from dualpath_ray.runtime.transport import TransportEndpoint, make_transport
 from dualpath_ray.scheduling import EngineLoad
 
 LOG = logging.getLogger("dualpath_ray.engine")
-IDLE_WAIT_S = 0.001
+# An idle worker sleeps until woken (new work, a reply) or this long, whichever is first; the
+# bound covers what nothing signals (transport transfers are polled).
+IDLE_WAIT_S = 0.002
 
 
 @dataclass
@@ -77,6 +79,7 @@ class EngineBase(TransportEndpoint):
         self.directory = ActorDirectory(cfg.runtime.namespace)
         self.store = open_store(cfg.store, self.layout, root=store_root)
         self.weight_version = cfg.model.weight_version
+        self.wake = threading.Event()
         self.core = self._build_core()
         self.transport.seal()
         self.compute_lock = threading.Lock()
@@ -86,8 +89,13 @@ class EngineBase(TransportEndpoint):
         if identity.members and identity.members[0] == identity.engine_id:
             self.leader = GroupLeader(
                 self.role, identity.node_id, identity.members, identity.reader, self.directory,
-                identity.engine_id, self.core.load, self.core.accept, cfg.scheduler.fetch_interval_ms / 1000.0,
+                identity.engine_id, self.core.load, self._accept_local, cfg.scheduler.fetch_interval_ms / 1000.0,
+                cfg.scheduler.fetch_wait_ms / 1000.0,
             )
+
+    def _accept_local(self, items: list[Any]) -> None:
+        self.core.accept(items)
+        self.wake.set()
 
     def _build_core(self) -> Any:
         raise NotImplementedError
@@ -105,7 +113,8 @@ class EngineBase(TransportEndpoint):
                 with self.compute_lock:
                     busy = self.core.step()
                 if not busy:
-                    self.stopped.wait(IDLE_WAIT_S)
+                    self.wake.wait(IDLE_WAIT_S)
+                    self.wake.clear()
         except BaseException as exc:  # noqa: BLE001 - reported by health(), its requests failed
             LOG.exception("%s: worker loop died", self.id.engine_id)
             self.error = exc
@@ -116,6 +125,7 @@ class EngineBase(TransportEndpoint):
     @ray.method(concurrency_group="control")
     def stop(self) -> None:
         self.stopped.set()
+        self.wake.set()
         if self.leader is not None:
             self.leader.stopped.set()
 
@@ -126,6 +136,7 @@ class EngineBase(TransportEndpoint):
     @ray.method(concurrency_group="control")
     def accept(self, items: list[Any]) -> None:
         self.core.accept(items)
+        self.wake.set()
 
     @ray.method(concurrency_group="control")
     def health(self) -> str | None:

@@ -45,6 +45,7 @@ class GroupLeader:
         local_load: Callable[[], EngineLoad],
         local_accept: Callable[[list[Any]], None],
         interval_s: float,
+        wait_s: float = 0.0,
     ) -> None:
         self.role = role
         self.node_id = node_id
@@ -55,12 +56,15 @@ class GroupLeader:
         self.local_load = local_load
         self.local_accept = local_accept
         self.interval_s = interval_s
+        self.wait_s = wait_s
         self.stopped = threading.Event()
         self.error: BaseException | None = None
 
     def run(self) -> None:
         try:
             while not self.stopped.is_set():
+                # The scheduler holds an empty fetch up to wait_s until new work may exist, so
+                # an idle group does not poll; interval_s only spaces pulls that found nothing.
                 if not self.pull_once():
                     self.stopped.wait(self.interval_s)
         except BaseException as exc:  # noqa: BLE001 - surfaced through the engine's health()
@@ -79,10 +83,10 @@ class GroupLeader:
         scheduler = self.directory.get("scheduler")
         report = self.report()
         if self.role == "prefill":
-            work = ray.get(scheduler.fetch_prefill.remote(report))
+            work = ray.get(scheduler.fetch_prefill.remote(report, self.wait_s))
             by_engine = _group_by(work, lambda task: task.prefill_engine)
         else:
-            work = ray.get(scheduler.fetch_decode.remote(report))
+            work = ray.get(scheduler.fetch_decode.remote(report, self.wait_s))
             by_engine = _group_by(work, lambda reservation: reservation.decode_engine)
         pending = []
         for engine, items in by_engine.items():

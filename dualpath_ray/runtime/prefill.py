@@ -30,7 +30,7 @@ class PrefillEngine(EngineBase):
             cfg.runtime.transfer_timeout_s,
         )
         ports = PrefillPorts(
-            RayReaders(self.directory, self.id.engine_id), self.transport, RayScheduler(self.directory),
+            RayReaders(self.directory, self.id.engine_id, self.wake), self.transport, RayScheduler(self.directory),
             RayDecodeTargets(self.directory), SystemClock(),
         )
         return PrefillCore(

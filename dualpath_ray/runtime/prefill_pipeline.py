@@ -18,6 +18,7 @@ filled from the store at staging; loads and sends are local copies.
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Sequence
@@ -51,6 +52,9 @@ class PipelineStats:
     max_in_flight_bytes: int = 0
     max_transfers_per_layer_peer: int = 0  # reads + writes of one layer with one reader
     window_layers_held_max: int = 0
+    compute_s: float = 0.0  # inside the model's layers
+    wait_in_s: float = 0.0  # the critical path waiting for past KV to land
+    wait_out_s: float = 0.0  # waiting for a slot's KV to leave before it is loaded again
 
     def transfers_per_layer(self) -> float:
         return (self.reads + self.writes) / self.layers if self.layers else 0.0
@@ -97,7 +101,9 @@ class LayerPipeline:
             self._post_in(jobs, chunks, 1)
         for layer in range(n_layer):
             self._finish_in(layer)
+            started = time.perf_counter()
             compute(layer)
+            self.stats.compute_s += time.perf_counter() - started
             self.window.move(layer, SlotEvent.COMPUTE)
             self._post_out(jobs, chunks, layer)
             if layer + 2 < n_layer:
@@ -151,7 +157,9 @@ class LayerPipeline:
 
     def _finish_in(self, layer: int) -> None:
         if self.window.state(layer) is SlotState.LOADING:
+            started = time.perf_counter()
             self._wait(self._layers[layer].reads)
+            self.stats.wait_in_s += time.perf_counter() - started
             self.window.move(layer, SlotEvent.LOADED)
 
     # --- outgoing: computed KV to the decode node's extent -------------------------------
@@ -182,7 +190,9 @@ class LayerPipeline:
 
     def _finish_out(self, layer: int) -> None:
         if self.window.state(layer) is SlotState.SENDING:
+            started = time.perf_counter()
             self._wait(self._layers[layer].writes)
+            self.stats.wait_out_s += time.perf_counter() - started
             self.window.move(layer, SlotEvent.SENT)
         self._layers.pop(layer, None)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import concurrent.futures
+import threading
 import time
 from typing import Any, Sequence
 
@@ -12,46 +14,53 @@ from dualpath_ray.runtime.messages import DecodeHandoff, ExtentGrant, PersistedB
 
 
 class RefPending:
-    """A Ray call in flight as a `Pending`."""
+    """A Ray call in flight as a `Pending`. Ray resolves the reply's future on its own thread,
+    so polling is a flag check (no RPC), and `wake` tells the engine's worker to look again."""
 
-    def __init__(self, ref: ray.ObjectRef) -> None:
+    def __init__(self, ref: ray.ObjectRef, wake: threading.Event | None = None) -> None:
         self.ref = ref
-        self._ready = False
+        self._future = ref.future()
+        if wake is not None:
+            self._future.add_done_callback(lambda _: wake.set())
 
     def done(self) -> bool:
-        if not self._ready:
-            ready, _ = ray.wait([self.ref], timeout=0, fetch_local=True)
-            self._ready = bool(ready)
-        return self._ready
+        if not self._future.done():
+            return False
+        self._future.result()
+        return True
 
     def wait(self, timeout_s: float | None = None) -> Any:
-        return ray.get(self.ref, timeout=timeout_s)
+        try:
+            return self._future.result(timeout_s)
+        except concurrent.futures.TimeoutError:
+            raise ray.exceptions.GetTimeoutError(f"no reply from {self.ref} within {timeout_s}s") from None
 
 
 class RayReaders:
     """ReaderPort: the `reader/<node>` actors."""
 
-    def __init__(self, directory: ActorDirectory, engine: str) -> None:
+    def __init__(self, directory: ActorDirectory, engine: str, wake: threading.Event | None = None) -> None:
         self.directory = directory
         self.engine = engine
+        self.wake = wake
 
     def _reader(self, node_id: str) -> Any:
         return self.directory.get(f"reader/{node_id}")
 
     def stage(self, node_id: str, owner: str, keys: Sequence[str], total_blocks: int, path: str) -> RefPending:
-        return RefPending(self._reader(node_id).stage.remote(owner, list(keys), total_blocks, path))
+        return RefPending(self._reader(node_id).stage.remote(owner, list(keys), total_blocks, path), self.wake)
 
     def lease(self, node_id: str, owner: str, n_blocks: int) -> RefPending:
-        return RefPending(self._reader(node_id).lease.remote(owner, n_blocks))
+        return RefPending(self._reader(node_id).lease.remote(owner, n_blocks), self.wake)
 
     def free(self, grant: ExtentGrant) -> None:
         self.directory.get(grant.reader).free.remote(grant.extent_id)
 
     def persist_extent(self, grant: ExtentGrant, blocks: Sequence[tuple[int, PersistedBlock]]) -> RefPending:
-        return RefPending(self.directory.get(grant.reader).persist_extent.remote(grant.extent_id, list(blocks)))
+        return RefPending(self.directory.get(grant.reader).persist_extent.remote(grant.extent_id, list(blocks)), self.wake)
 
     def persist_pages(self, node_id: str, owner: str, blocks: Sequence[tuple[int, PersistedBlock]]) -> RefPending:
-        return RefPending(self._reader(node_id).persist_pages.remote(owner, self.engine, list(blocks)))
+        return RefPending(self._reader(node_id).persist_pages.remote(owner, self.engine, list(blocks)), self.wake)
 
 
 class RayScheduler:

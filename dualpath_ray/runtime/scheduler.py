@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 import ray
 
@@ -99,6 +100,10 @@ class SchedulerCore:
         self.dispatcher.finish(result.request_id, failed=result.error is not None)
         return entry.decode_engine if result.error is not None and entry.decode_engine else None
 
+    def decode_waiting(self) -> bool:
+        """Whether any request still waits for a decode engine (global or a group's queue)."""
+        return bool(self.dispatcher.decode_global) or any(self.dispatcher.decode_private.values())
+
     def reset_prefix_cache(self) -> None:
         self.index.clear()
 
@@ -111,6 +116,11 @@ class Scheduler:
         self.core = SchedulerCore(cfg, store_root, mode)
         self.pending: dict[str, asyncio.Future[TurnResult]] = {}
         self.started_at = time.time()
+        # Set when a role may have new work: leaders waiting in a fetch wake at once instead of
+        # polling (decode: a request arrived or one finished and freed HBM; prefill: a request
+        # got its decode engine, or one finished and lightened an engine).
+        self.new_work = {"decode": asyncio.Event(), "prefill": asyncio.Event()}
+        self.calls: dict[str, int] = {"generate": 0, "complete": 0, "fetch_decode": 0, "fetch_prefill": 0, "empty_waits": 0}
 
     async def ready(self) -> bool:
         return True
@@ -118,6 +128,7 @@ class Scheduler:
     async def generate(self, spec: RequestSpec) -> TurnResult:
         if spec.request_id in self.pending:
             raise ValueError(f"request id {spec.request_id!r} is already in flight; ids must be unique")
+        self.calls["generate"] += 1
         future: asyncio.Future[TurnResult] = asyncio.get_running_loop().create_future()
         self.pending[spec.request_id] = future
         try:
@@ -125,21 +136,53 @@ class Scheduler:
         except Exception:
             self.pending.pop(spec.request_id)
             raise
+        self.new_work["decode"].set()
         return await future
 
-    async def fetch_decode(self, report: GroupReport) -> list[DecodeReservation]:
-        return self.core.fetch_decode(report)
+    async def fetch_decode(self, report: GroupReport, wait_s: float = 0.0) -> list[DecodeReservation]:
+        """A decode group's pull; with nothing to place, waits up to wait_s for new work."""
+        placed = await self._fetch("decode", lambda: self.core.fetch_decode(report), wait_s)
+        if placed:
+            self.new_work["prefill"].set()
+        return placed
 
-    async def fetch_prefill(self, report: GroupReport) -> list[PrefillTask]:
-        return self.core.fetch_prefill(report)
+    async def fetch_prefill(self, report: GroupReport, wait_s: float = 0.0) -> list[PrefillTask]:
+        """A prefill group's pull; with nothing to assign, waits up to wait_s for new work.
+
+        The report was taken before the wait; meanwhile its engines can only have finished work
+        (no one else assigns to them), so deciding on it after the wait is conservative."""
+        return await self._fetch("prefill", lambda: self.core.fetch_prefill(report), wait_s)
+
+    async def _fetch(self, role: str, fetch: Any, wait_s: float) -> list[Any]:
+        self.calls[f"fetch_{role}"] += 1
+        work = fetch()
+        if work or wait_s <= 0:
+            return work
+        event = self.new_work[role]
+        event.clear()
+        self.calls["empty_waits"] += 1
+        try:
+            await asyncio.wait_for(event.wait(), wait_s)
+        except asyncio.TimeoutError:
+            return []
+        return fetch()
 
     async def complete(self, result: TurnResult) -> None:
+        self.calls["complete"] += 1
         holder = self.core.finish(result)
         if holder is not None:
             ray.get_actor(holder, namespace=self.core.cfg.runtime.namespace).cancel.remote(result.request_id)
         future = self.pending.pop(result.request_id, None)
         if future is not None and not future.done():
             future.set_result(result)
+        # A finished turn frees its decode engine's HBM, which matters only to requests still
+        # waiting for a decode engine; prefill engines were lightened at handoff already.
+        if self.core.decode_waiting():
+            self.new_work["decode"].set()
+
+    async def call_counts(self) -> dict[str, int]:
+        """How often each entry point ran (pulls, empty pulls that waited, turns)."""
+        return dict(self.calls)
 
     async def reset_prefix_cache(self) -> None:
         self.core.reset_prefix_cache()

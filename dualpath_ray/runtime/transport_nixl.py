@@ -104,7 +104,12 @@ def apply_ucx_environment(env: dict[str, str]) -> None:
     os.environ.update(env)
 
 
+# How often the background thread progresses the UCX worker (a few % of a core when idle).
+PROGRESS_INTERVAL_S = 0.001
+
+
 @dataclass(frozen=True)
+
 class NixlPool:
     """Where one registered pool lives in its process, as NIXL descriptors address it."""
 
@@ -146,6 +151,9 @@ def descriptor_groups(
 
 
 def _load_nixl() -> tuple[Any, Any]:
+    # nixl logs every agent's creation at INFO; Ray forwards actor output to the driver's
+    # stdout, where it would break `--json` output. NIXL_LOG_LEVEL set by the user still wins.
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     try:
         from nixl._api import nixl_agent, nixl_agent_config
     except Exception as exc:  # a broken install counts as missing, whatever it raises
@@ -204,7 +212,12 @@ class NixlTransport(Transport):
         self._agent_lock = threading.Lock()
         self.agent_name = f"{endpoint_name}#{self.incarnation}"
         try:
-            self._agent = agent_cls(self.agent_name, config_cls(enable_prog_thread=True, backends=["UCX"]))
+            # No NIXL progress thread: nixl 1.5's Python API starts it with a zero delay, so it
+            # spins a whole core per process (measured: 2.97 CPU-s per 3 s idle), which on a
+            # node of several engines and a reader starves the compute. Our own thread drives
+            # the UCX worker every PROGRESS_INTERVAL_S instead (a passive peer must progress to
+            # answer connection set-up); initiators also progress whenever they poll a transfer.
+            self._agent = agent_cls(self.agent_name, config_cls(enable_prog_thread=False, backends=["UCX"]))
         except Exception as exc:
             raise TransportError(f"creating the NIXL agent {self.agent_name} failed: {exc}") from exc
         if "UCX" not in self._agent.backends:
@@ -212,6 +225,16 @@ class NixlTransport(Transport):
         self._registrations: list[Any] = []
         self._local: dict[str, NixlPool] = {}
         self._remote_agents: dict[str, Any] = {}  # peer agent name -> name add_remote_agent returned
+        self._progress_stop = threading.Event()
+        threading.Thread(target=self._progress, name=f"nixl-progress-{endpoint_name}", daemon=True).start()
+
+    def _progress(self) -> None:
+        """Drive the agent's UCX worker (get_new_notifs progresses it) until the transport closes."""
+        while not self._progress_stop.wait(PROGRESS_INTERVAL_S):
+            try:
+                self._agent_call(self._agent.get_new_notifs)
+            except Exception:  # noqa: BLE001 - a failing progress call must not kill the thread
+                continue
 
     def _agent_call(self, method: Callable[..., Any], *args: Any) -> Any:
         with self._agent_lock:
@@ -293,6 +316,7 @@ class NixlTransport(Transport):
                     pass
 
     def _close_backend(self) -> None:
+        self._progress_stop.set()
         with self._agent_lock:
             registrations, self._registrations = self._registrations, []
             for registration in registrations:
