@@ -40,7 +40,10 @@ class ReaderCore:
         self.layout = KVLayout.from_model(cfg.model, cfg.store.block_size)
         self.store = open_store(cfg.store, self.layout, root=store_root)
         self.pool = BufferPool(cfg.cluster.buffer_blocks_per_node, self.layout, pin=cfg.cluster.pin_host_buffers)
-        self.snic = make_link(cfg, f"snic/{node_id}", cfg.cluster.snic_gbps)
+        # A NIC is full duplex: persists (NIC transmit) never slow hit-KV reads (NIC receive),
+        # as the paper counts CNIC read and write separately. cluster.snic_gbps is per direction.
+        self.snic_read = make_link(cfg, f"snic-read/{node_id}", cfg.cluster.snic_gbps)
+        self.snic_write = make_link(cfg, f"snic-write/{node_id}", cfg.cluster.snic_gbps)
         self.lease_timeout_s = cfg.runtime.transfer_timeout_s * 2
         self.counters = NodeCounters()
         self._read_q_tokens = 0
@@ -94,7 +97,7 @@ class ReaderCore:
             self._read_q_tokens += pending
 
         def before_read(_: int) -> None:
-            self.snic.take(block_bytes)
+            self.snic_read.take(block_bytes)
 
         def on_verified(_: int) -> None:
             nonlocal pending
@@ -122,7 +125,7 @@ class ReaderCore:
 
     def write_block(self, block: PersistedBlock, data: torch.Tensor) -> bool:
         """Persist one Full Block (already in this node's buffer) through the SNIC."""
-        self.snic.take(self.layout.full_block_bytes)
+        self.snic_write.take(self.layout.full_block_bytes)
         written = self.store.put(block.key, data, parent=block.parent)
         with self._cond:
             self.counters.snic_write += self.layout.full_block_bytes

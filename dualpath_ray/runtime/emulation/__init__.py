@@ -1,7 +1,7 @@
 """Emulated hardware: the one place that knows whether NICs and GPU time are real.
 
 Two things are emulated on a machine without the paper's hardware:
-- NIC bandwidth (links.py): a token bucket per node SNIC and per engine CNIC direction;
+- NIC bandwidth (links.py): a token bucket per direction of each node SNIC and engine CNIC;
 - engine compute (profile_compute.py): the fitted latency model's time, with stamped KV
   (stamps.py) so that every byte the decode side assembles can still be checked.
 `make_link` and `make_compute` pick the real or emulated implementation from the config; the

@@ -1,7 +1,7 @@
 """Emulated NIC bandwidth: a token bucket per NIC direction, and an exact byte counter.
 
-A node's SNIC is one bucket (reads and writes share it); each engine's CNIC has one bucket per
-direction, since a NIC is full duplex. With emulation off, `Link.take` only counts and returns at
+Every NIC is full duplex, so each has one bucket per direction: a node's SNIC one for hit-KV
+reads and one for persists, each engine's CNIC one in and one out. With emulation off, `Link.take` only counts and returns at
 once: the real hardware sets the pace.
 """
 

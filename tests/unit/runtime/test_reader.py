@@ -46,7 +46,7 @@ def test_reader_read_queue_drops_per_verified_block(tmp_path: Path, monkeypatch:
     expected = [(i, (3 - i) * layout.block_size, (i + 1) * layout.full_block_bytes) for i in range(4)]
     assert seen == expected, "each verified block must leave the read queue and enter the SNIC counter at once"
     assert core.read_q() == 0, "the read queue must be exactly empty after the read"
-    assert core.snic.bytes_total == 4 * layout.full_block_bytes, "the SNIC link must be charged once per block"
+    assert core.snic_read.bytes_total == 4 * layout.full_block_bytes, "the SNIC read direction is charged once per block"
     for i in range(4):
         assert int(core.pool.full_block(extent.slots[i])[0, 0, 0]) == i + 1, f"hit block {i} must land in slot {i}"
     core.free(extent.extent_id)
@@ -78,6 +78,8 @@ def test_write_extent_stores_its_blocks_and_frees_the_extent_even_on_failure(tmp
     blocks = [(0, PersistedBlock(keys[0], None)), (1, PersistedBlock(keys[1], keys[0]))]
     assert core.write_extent(extent.extent_id, blocks) == 2, "both blocks are new in the store"
     assert core.counters.snic_write == 2 * layout.full_block_bytes, "each written block is charged to the SNIC"
+    assert core.snic_write.bytes_total == 2 * layout.full_block_bytes, "persists take the SNIC's write direction"
+    assert core.snic_read.bytes_total == 0, "persists never take read bandwidth (the NIC is full duplex)"
     out = layout.empty_full_block()
     core.store.get_into(keys[1], out)
     assert bool((out == 6).all()), "the stored bytes are the extent slot's"
