@@ -120,7 +120,9 @@ class ClusterConfig(_Section):
     prefill_nodes: int = Field(1, ge=1)
     decode_nodes: int = Field(1, ge=1)
     gpus_per_node: int = Field(2, ge=1, description="g: engines per node, one per GPU.")
-    snic_gbps: float = Field(400.0, gt=0, description="Per-node storage NIC, Gbit/s (shared by reads and writes).")
+    snic_gbps: float = Field(
+        400.0, gt=0, description="Per-node storage NIC, Gbit/s in each direction (reads and persists do not share it)."
+    )
     cnic_gbps: float = Field(400.0, gt=0, description="Per-GPU compute NIC, Gbit/s.")
     dram_gbs: float = Field(500.0, gt=0, description="Per-node DRAM bandwidth, GB/s.")
     hbm_tokens_per_engine: int = Field(
@@ -158,7 +160,10 @@ class SchedulerConfig(_Section):
     beta_seconds: float = Field(5.0, gt=0, description="beta = tokens one GPU prefills in this many seconds.")
     compute_quota_ms: float = Field(300.0, gt=0, description="Per-batch predicted attention time.")
     z_margin: float = Field(1.05, ge=1.0, description="Z margin of the in-group decode assignment.")
-    fetch_interval_ms: float = Field(5.0, gt=0, description="How often an idle group leader pulls.")
+    fetch_interval_ms: float = Field(1.0, gt=0, description="Pause of a group leader after a pull that found nothing.")
+    fetch_wait_ms: float = Field(
+        50.0, ge=0, description="How long the scheduler holds an empty pull, waking it as soon as work may exist."
+    )
 
 
 class EmulationConfig(_Section):
@@ -178,7 +183,12 @@ class RuntimeConfig(_Section):
     """How the runtime runs a workload."""
 
     mode: Literal["dualpath", "basic", "oracle"] = "dualpath"
-    transport: Literal["nixl", "gloo"] = Field("nixl", description="KV transport between nodes.")
+    transport: Literal["auto", "nixl", "gloo"] = Field(
+        "auto",
+        description="KV transport between nodes: nixl (RDMA-capable, the nixl package), gloo (TCP "
+        "fallback), or auto = nixl when the nixl package is importable where the config is loaded, "
+        "else gloo. The loaded config always holds the resolved kind.",
+    )
     namespace: str = Field("dualpath", min_length=1, description="Ray namespace of all actors.")
     max_new_tokens: int = Field(16, ge=1, description="Default generation length per turn.")
     placement_timeout_s: float = Field(
@@ -187,6 +197,16 @@ class RuntimeConfig(_Section):
     verify_kv: bool = Field(
         False, description="Decode engines check every assembled KV byte (tests; costs a recompute)."
     )
+    @field_validator("transport")
+    @classmethod
+    def _resolve_auto_transport(cls, kind: str) -> str:
+        # Resolved once on the driver so every actor of a cluster gets the same concrete kind.
+        if kind != "auto":
+            return kind
+        import importlib.util
+
+        return "nixl" if importlib.util.find_spec("nixl") is not None else "gloo"
+
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="Where engines compute: auto = the GPU Ray gave the actor, else the CPU."
     )

@@ -21,14 +21,15 @@ from dualpath_ray.local_demo import LOGIT_RTOL, LocalDemoResult, run_local_demo
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "demo",
-        help="run a 3-turn conversation with KV reuse and check it against recomputation",
+        help="Basic vs DualPath on an embedded 1P1D Ray cluster (--local: one conversation, no Ray)",
         description=__doc__,
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     parser.add_argument("--config", type=Path, default=None, help="YAML config (default: embedded defaults)")
     parser.add_argument("--local", action="store_true", help="single process, no Ray")
     parser.add_argument("--agents", type=int, default=8, help="trajectories (Ray demo)")
-    parser.add_argument("--turns", type=int, default=5, help="turns per trajectory (Ray demo)")
+    parser.add_argument("--turns", type=int, default=10, help="turns per trajectory (Ray demo)")
+    parser.add_argument("--first-tokens", type=int, default=1536, help="first prompt length (Ray demo)")
     parser.add_argument(
         "--store-root",
         type=Path,
@@ -85,11 +86,11 @@ def run_ray_demo(args: argparse.Namespace) -> int:
     from dualpath_ray.demo import demo_config, demo_trajectories, format_report
     from dualpath_ray.demo import run_demo as run_cluster_demo
 
-    if args.agents < 1 or args.turns < 1:
-        print("dualpath demo: --agents and --turns must be >= 1", file=sys.stderr)
+    if args.agents < 1 or args.turns < 1 or args.first_tokens < 1:
+        print("dualpath demo: --agents, --turns and --first-tokens must be >= 1", file=sys.stderr)
         return 2
     cfg = load_config(args.config) if args.config else demo_config()
-    trajectories = demo_trajectories(args.agents, args.turns, vocab=cfg.model.vocab_size)
+    trajectories = demo_trajectories(args.agents, args.turns, first=args.first_tokens, vocab=cfg.model.vocab_size)
     report = run_cluster_demo(cfg, trajectories)
     return emit(args.json, report.to_json(), format_report(report), report.outputs_match,
                 "modes produced different outputs")

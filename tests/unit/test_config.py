@@ -80,3 +80,17 @@ def test_overrides_are_validated_like_a_file():
         DualPathConfig().with_overrides(cluster={"decode_nodes": 0})
     with pytest.raises(ConfigError, match="unknown section"):
         DualPathConfig().with_overrides(clusters={})
+
+
+def test_auto_transport_resolves_once_to_a_concrete_kind():
+    import importlib.util
+
+    expected = "nixl" if importlib.util.find_spec("nixl") is not None else "gloo"
+    cfg = parse_config({"runtime": {"transport": "auto"}}, source="<t>")
+    assert cfg.runtime.transport == expected, "auto means nixl where it is importable, else gloo"
+    assert DualPathConfig().runtime.transport == expected, "the default is auto"
+    assert parse_config({"runtime": {"transport": "gloo"}}, source="<t>").runtime.transport == "gloo", (
+        "an explicit kind is kept"
+    )
+    with pytest.raises(ConfigError, match="runtime.transport"):
+        parse_config({"runtime": {"transport": "tcp"}}, source="<t>")
