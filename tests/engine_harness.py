@@ -48,7 +48,7 @@ class Request:
 class EngineHarness:
     def __init__(
         self, cfg: DualPathConfig, root: Path, *, lazy: bool = False, slow_writes_s: float = 0.0,
-        compute: EngineCompute | None = None,
+        compute: EngineCompute | None = None, device: str = "cpu",
     ) -> None:
         self.cfg = cfg
         self.layout = KVLayout.from_model(cfg.model, cfg.store.block_size)
@@ -61,11 +61,11 @@ class EngineHarness:
         self.collector = Collector(on_result=self._index_blocks)
         self.handoff = DirectHandoff(readers=self.readers)
         self.clock = FakeClock()
-        device = torch.device("cpu")
-        self.compute = compute or make_compute(cfg, self.layout, device)
+        self.device = torch.device(device)
+        self.compute = compute or make_compute(cfg, self.layout, self.device)
         self.pe_transport = FakeTransport(self.fabric, PE, lazy=lazy)
         self.de_transport = FakeTransport(self.fabric, DE)
-        self.window = LayerWindow(cfg.cluster.prefill_hbm_tokens, self.layout)
+        self.window = LayerWindow(cfg.cluster.prefill_hbm_tokens, self.layout, self.device)
         self.fabric.register(PE, WINDOW_POOL, self.window.tensor)
         self.prefill = PrefillCore(
             PrefillSettings(PE, "p0", "reader/p0", cfg.scheduler.compute_quota_ms, cfg.runtime.transfer_timeout_s),
@@ -73,7 +73,7 @@ class EngineHarness:
             PrefillPorts(self.readers, self.pe_transport, self.collector, self.handoff, self.clock),
             self.store, self._links("pe"),
         )
-        self.pages = PagedKVPool(cfg.cluster.hbm_tokens_per_engine // self.layout.block_size, self.layout)
+        self.pages = PagedKVPool(cfg.cluster.hbm_tokens_per_engine // self.layout.block_size, self.layout, self.device)
         self.fabric.register(DE, HBM_POOL, self.pages.tensor)
         self.decode = DecodeCore(
             DecodeSettings(DE, "d0", cfg.model.max_context, cfg.runtime.max_persists_in_flight,
