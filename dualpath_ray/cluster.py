@@ -11,6 +11,7 @@ import asyncio
 import os
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -60,6 +61,50 @@ def _embedded_env() -> None:
     os.environ.setdefault("RAY_rdt_fetch_fail_timeout_milliseconds", "30000")
 
 
+class DeploymentConflictError(RuntimeError):
+    """Actors of another deployment are alive in this deployment's namespace."""
+
+
+def _remove_leftover_groups(namespace: str) -> None:
+    """Placement groups of a deployment its driver forgot (one that crashed takes its own along)."""
+    from ray.util.placement_group import get_placement_group, remove_placement_group
+
+    for info in ray.util.placement_group_table().values():
+        if info.get("name", "").startswith(f"{namespace}-") and info.get("state") != "REMOVED":
+            try:
+                remove_placement_group(get_placement_group(info["name"]))
+            except ValueError:
+                continue  # removed meanwhile
+
+
+def clear_leftover_actors(namespace: str, replace: bool) -> None:
+    """Refuse (or, asked to, kill) named actors already alive in `namespace`."""
+    alive = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == namespace]
+    if replace:
+        _remove_leftover_groups(namespace)
+    if not alive:
+        return
+    if not replace:
+        shown = ", ".join(sorted(alive)[:6]) + (" ..." if len(alive) > 6 else "")
+        raise DeploymentConflictError(
+            f"namespace {namespace!r} already has {len(alive)} actors of another deployment ({shown}), "
+            "e.g. a detached scheduler left by a driver that crashed; reusing them would serve this run "
+            "with their config, mode and store. Pass replace_existing=True (CLI: --replace) to kill "
+            "them, or set runtime.namespace to another name"
+        )
+    for name in alive:
+        try:
+            ray.kill(ray.get_actor(name, namespace=namespace), no_restart=True)
+        except ValueError:
+            continue  # it died between the listing and the kill
+    deadline = time.monotonic() + 30.0
+    while time.monotonic() < deadline:
+        if not any(a["namespace"] == namespace for a in ray.util.list_named_actors(all_namespaces=True)):
+            return
+        time.sleep(0.1)
+    raise DeploymentConflictError(f"namespace {namespace!r}: leftover actors did not exit within 30 s")
+
+
 class DualPathCluster:
     def __init__(self, cfg: DualPathConfig, local_cluster: Any | None) -> None:
         self.cfg = cfg
@@ -101,9 +146,16 @@ class DualPathCluster:
             ray.init(address=address, namespace=cfg.runtime.namespace)
         return cls(cfg, None)
 
-    def deploy(self, mode: str | None = None, store_root: str | None = None, cfg: DualPathConfig | None = None) -> Deployment:
+    def deploy(
+        self, mode: str | None = None, store_root: str | None = None, cfg: DualPathConfig | None = None,
+        *, replace_existing: bool = False,
+    ) -> Deployment:
         """Start the scheduler, one reader per node and one engine per GPU; verify placement.
-        `cfg` may replace the configuration for this deployment if its topology is unchanged."""
+        `cfg` may replace the configuration for this deployment if its topology is unchanged.
+
+        Actors of another deployment still alive in the namespace (a crashed driver's detached
+        scheduler, say) are an error naming them, since reusing them would serve this run with
+        their config, mode and store; `replace_existing=True` kills them first."""
         if self.deployment is not None:
             self.teardown()
         if cfg is not None:
@@ -115,9 +167,10 @@ class DualPathCluster:
         root = store_root or (str(cfg.store.root) if cfg.store.root else self._fresh_root())
         ns = cfg.runtime.namespace
         warnings = [w for w in [warn_if_outside_bounds(cfg)] if w]
+        clear_leftover_actors(ns, replace_existing)
         groups = create_role_groups(cfg, cfg.runtime.placement_timeout_s)
         scheduler = Scheduler.options(
-            name="scheduler", namespace=ns, lifetime="detached", get_if_exists=True,
+            name="scheduler", namespace=ns, lifetime="detached",
             resources={HEAD_RESOURCE: 0.01} if self.local_cluster else None,
         ).remote(cfg, root, mode)
         ray.get(scheduler.ready.remote())
@@ -242,7 +295,11 @@ class DualPathCluster:
         d = self.deployment
         if d is None:
             return
-        ray.get([e.stop.remote() for e in d.engines.values()])
+        for engine in d.engines.values():
+            try:
+                ray.get(engine.stop.remote(), timeout=self.cfg.runtime.heartbeat_timeout_s)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                continue  # a dead (or hung) engine is killed below all the same
         extra = [d.server] if d.server is not None else []
         for actor in [*d.engines.values(), *d.readers.values(), d.scheduler, *extra]:
             ray.kill(actor, no_restart=True)

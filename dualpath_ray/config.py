@@ -103,6 +103,14 @@ class ModelConfig(_Section):
     )
     weight_version: int = Field(0, ge=0, description="Policy version; part of every block key.")
 
+    def kv_namespace(self, weight_version: int | None = None) -> str:
+        """Namespace of the block keys these weights write: model id, weight version, and the
+        seed of random weights (a checkpoint's KV does not depend on it)."""
+        from dualpath_ray.kv.index import namespace_for
+
+        version = self.weight_version if weight_version is None else weight_version
+        return namespace_for(self.model_id, version, None if self.weights_dir is not None else self.seed)
+
     @model_validator(mode="after")
     def _heads_divide(self) -> ModelConfig:
         if self.n_head % self.n_kv_head:
@@ -151,6 +159,16 @@ class StoreConfig(_Section):
     )
     root: Path | None = Field(None, description="Directory of local_dir; None = a fresh temporary folder.")
     block_size: int = Field(64, ge=1, description="Tokens per block.")
+    capacity_bytes: int | None = Field(
+        None, ge=1,
+        description="Most bytes of indexed Full Blocks the store keeps; beyond it the least recently "
+        "used blocks are evicted (a later lookup misses them). None = no limit.",
+    )
+    stale_temporary_s: float = Field(
+        600.0, gt=0,
+        description="Each reader deletes, when it starts, temporaries of puts that crashed longer ago than "
+        "this (younger ones may be a put still running on another node of a shared mount).",
+    )
 
 
 class SchedulerConfig(_Section):
@@ -213,6 +231,26 @@ class RuntimeConfig(_Section):
     compute_threads: int = Field(1, ge=1, description="torch CPU threads of each engine on the CPU.")
     transfer_timeout_s: float = Field(
         60.0, gt=0, description="Longest wait for one KV transfer before it fails."
+    )
+    max_attempts: int = Field(
+        3, ge=1, description="Tries of one turn: a retryable failure (a bad or missing hit block, a "
+        "failed transfer, a dead engine or reader) is retried with attempt + 1 until this many.",
+    )
+    kv_failure_policy: Literal["recompute", "fail"] = Field(
+        "recompute",
+        description="A hit block that is missing or fails its checksum: recompute (drop it and the "
+        "blocks after it from the index, delete a corrupt one, retry from the longest valid prefix) "
+        "or fail (the turn ends with error_kind kv_missing / kv_corrupt).",
+    )
+    request_timeout_s: float = Field(
+        900.0, gt=0, description="Longest a turn may take, queueing and retries included; then it "
+        "ends with error_kind timeout instead of waiting on.",
+    )
+    heartbeat_s: float = Field(
+        1.0, gt=0, description="How often the scheduler checks that the engines holding requests are alive."
+    )
+    heartbeat_timeout_s: float = Field(
+        10.0, gt=0, description="An engine that does not answer a heartbeat this long counts as dead."
     )
     max_persists_in_flight: int = Field(
         64, ge=1, description="Full Blocks one decode engine may have on their way to the store."

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from dualpath_ray.config import DualPathConfig
-from dualpath_ray.kv.index import PrefixIndex, block_keys, namespace_for
+from dualpath_ray.kv.index import PrefixIndex, block_keys
 from dualpath_ray.kv.layout import KVLayout
 from dualpath_ray.kv.store import BlockStore, open_store
 from dualpath_ray.model.llama import DecoderModel, sample_token
@@ -217,7 +217,7 @@ def run_local_demo(
             layout=layout,
             store=store,
             index=PrefixIndex.rebuild(store, cfg.store.block_size),
-            namespace=namespace_for(cfg.model.model_id, cfg.model.weight_version),
+            namespace=cfg.model.kv_namespace(),
             max_new_tokens=cfg.runtime.max_new_tokens,
         )
         with torch.inference_mode():

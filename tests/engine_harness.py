@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from dualpath_ray.config import DualPathConfig
-from dualpath_ray.kv.index import PrefixIndex, namespace_for
+from dualpath_ray.kv.index import PrefixIndex
 from dualpath_ray.kv.layout import KVLayout
 from dualpath_ray.kv.paged import PagedKVPool
 from dualpath_ray.kv.store import open_store
@@ -53,7 +53,7 @@ class EngineHarness:
         self.cfg = cfg
         self.layout = KVLayout.from_model(cfg.model, cfg.store.block_size)
         self.store = open_store(cfg.store, self.layout, root=root)
-        self.namespace = namespace_for(cfg.model.model_id, cfg.model.weight_version)
+        self.namespace = cfg.model.kv_namespace()
         self.index = PrefixIndex(cfg.store.block_size)
         self.fabric = Fabric()
         cores = {node: ReaderCore(cfg, node, str(root)) for node in ("p0", "d0")}
@@ -90,7 +90,7 @@ class EngineHarness:
     def _index_blocks(self, result: TurnResult) -> None:
         if result.error is not None:
             # As the Scheduler actor does: a request that failed before decode holds a reservation.
-            self.decode.cancel(result.request_id)
+            self.decode.cancel(f"{result.request_id}#{result.attempt}")
         for block in result.persisted:
             assert self.store.contains(block.key), f"{result.request_id}: block {block.key} reported before it was stored"
             self.index.insert_block(block.key, block.parent)

@@ -19,7 +19,6 @@ import pyarrow.parquet as pq
 
 from dualpath_ray.api.validation import make_spec, validate_prompt
 from dualpath_ray.config import DualPathConfig
-from dualpath_ray.kv.index import namespace_for
 from dualpath_ray.runtime.messages import RequestSpec, SamplingParams, TurnResult
 from dualpath_ray.workload.trace import Trajectory
 
@@ -127,7 +126,7 @@ async def _run_trajectory(
             spec = make_spec(request_id, prompt, SamplingParams(max_new_tokens=turn.gen_len), namespace)
             result: TurnResult = await generate(spec)
             if result.error:
-                raise RuntimeError(result.error)
+                raise TurnFailedError(result)
             rows.append(_rows(trajectory.trajectory_id, index, result))
             served.append(result)
             progress.step()
@@ -137,12 +136,22 @@ async def _run_trajectory(
     return rows, None
 
 
+class TurnFailedError(RuntimeError):
+    """A turn that ended in error after its retries; `kind` is its ErrorKind."""
+
+    def __init__(self, result: TurnResult) -> None:
+        self.kind = result.error_kind
+        self.result = result
+        kind = result.error_kind.value if result.error_kind is not None else "error"
+        super().__init__(f"{kind} (attempt {result.attempt}): {result.error}")
+
+
 async def rollout_async(
     scheduler: Any, cfg: DualPathConfig, trajectories: Sequence[Trajectory], resume: RolloutResult | None = None,
     progress: bool | None = None, weight_version: int | None = None,
 ) -> RolloutResult:
     version = cfg.model.weight_version if weight_version is None else weight_version
-    namespace = namespace_for(cfg.model.model_id, version)
+    namespace = cfg.model.kv_namespace(version)
     previous = _previous_outputs(resume)
     bar = _Progress(sum(len(t.turns) for t in trajectories), progress)
 

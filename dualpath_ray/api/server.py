@@ -15,7 +15,6 @@ import ray
 
 from dualpath_ray.api.validation import RequestError, make_spec, parse_sampling, validate_prompt
 from dualpath_ray.config import DualPathConfig
-from dualpath_ray.kv.index import namespace_for
 from dualpath_ray.runtime.messages import TurnResult
 
 SERVER_NAME = "rollout-server"
@@ -46,7 +45,7 @@ class RolloutServer:
     ) -> TokenOutput:
         sampling = parse_sampling(request_id, sampling_params, self.cfg.runtime.max_new_tokens)
         prompt = validate_prompt(request_id, prompt_ids, sampling.max_new_tokens, self.cfg.model)
-        namespace = namespace_for(self.cfg.model.model_id, self.weight_version)
+        namespace = self.cfg.model.kv_namespace(self.weight_version)
         result: TurnResult = await self.scheduler.generate.remote(make_spec(request_id, prompt, sampling, namespace))
         if result.error:
             raise RuntimeError(f"request {request_id} failed: {result.error}")

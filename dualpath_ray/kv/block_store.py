@@ -127,5 +127,9 @@ class BlockStore(ABC):
     def __contains__(self, key: object) -> bool:
         return isinstance(key, str) and self.contains(key)
 
+    def remove_stale_temporaries(self, max_age_s: float) -> int:
+        """Delete leftovers of puts that crashed over `max_age_s` ago; stores without any: 0."""
+        return 0
+
     def close(self) -> None:
         """Release what the store holds open (threads, handles); reads still work afterwards."""

@@ -14,5 +14,18 @@ class BlockCorruptedError(Exception):
     """A stored block failed verification (header or payload checksum, length, key)."""
 
 
+class BadBlockError(Exception):
+    """A read of hit blocks failed at one block: `key` is missing (`kind` "missing") or failed
+    verification ("corrupt"). Raised by the storage readers so the scheduler can repair exactly
+    that block (drop it and what follows it from the index, delete a corrupt file) and retry."""
+
+    def __init__(self, kind: str, key: str, detail: str) -> None:
+        super().__init__(kind, key, detail)
+        self.kind, self.key, self.detail = kind, key, detail
+
+    def __str__(self) -> str:
+        return f"block {self.key} is {self.kind}: {self.detail}"
+
+
 class IncompatibleBlockError(ValueError):
     """A block was written with another format version or KV layout than this store's."""

@@ -34,16 +34,24 @@ _ROOT_DOMAIN = b"dualpath-ray/block-chain-root/v1\x00"
 _TOKEN_DTYPE = np.dtype("<i8")
 
 
-def namespace_for(model_id: str, weight_version: int) -> str:
-    """The namespace of every block key of one model at one weight version."""
+def namespace_for(model_id: str, weight_version: int, seed: int | None = None) -> str:
+    """The namespace of every block key of one model at one weight version.
+
+    `seed` is the seed of random weights (None for a checkpoint's): two runs of random weights
+    with different seeds compute different KV, so their blocks must never hit each other.
+    """
     if not isinstance(model_id, str) or not model_id:
         raise ValueError(f"model_id must be a non-empty string, got {model_id!r}")
-    if isinstance(weight_version, bool) or not isinstance(weight_version, (int, np.integer)):
-        raise ValueError(f"weight_version must be an int, got {weight_version!r}")
+    for name, value in (("weight_version", weight_version), ("seed", seed)):
+        if value is None and name == "seed":
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise ValueError(f"{name} must be an int, got {value!r}")
     if weight_version < 0:
         raise ValueError(f"weight_version must be >= 0, got {weight_version}")
-    # The version is the last field and has no '@', so (model_id, version) -> namespace is 1:1.
-    return f"{model_id}@w{int(weight_version)}"
+    # The version (and seed) come last, digits only after '@w' (and 's'), so the mapping is 1:1.
+    suffix = "" if seed is None else f"s{int(seed)}"
+    return f"{model_id}@w{int(weight_version)}{suffix}"
 
 
 def _token_array(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
@@ -138,6 +146,13 @@ class PrefixIndex:
 
     def clear(self) -> None:
         self._nodes.clear()
+
+    def keys(self) -> list[str]:
+        return list(self._nodes)
+
+    def is_leaf(self, key: str) -> bool:
+        """Whether no indexed block follows `key` (KeyError if absent)."""
+        return not self._nodes[key].children
 
     def parent_of(self, key: str) -> str | None:
         """The key of the block before `key` (None for a first block); KeyError if absent."""

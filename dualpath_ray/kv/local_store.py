@@ -185,7 +185,7 @@ class LocalDirStore(BlockStore):
             if KEY_PATTERN.fullmatch(key) and self.path_of(key) == path:
                 yield key
 
-    def remove_stale_temporaries(self, max_age_s: float = 3600.0) -> int:
+    def remove_stale_temporaries(self, max_age_s: float = 600.0) -> int:
         """Delete temporaries of puts that crashed over `max_age_s` ago; returns the count.
 
         Younger ones may belong to a put still running on another node of a shared mount.

@@ -33,8 +33,8 @@ class DecodeEngine(EngineBase):
         return DecodeCore(settings, self.layout, self.compute, pages, ports, self.store, self.links)
 
     @ray.method(concurrency_group="control")
-    def cancel(self, request_id: str) -> None:
-        self.core.cancel(request_id)
+    def cancel(self, owner: str) -> None:
+        self.core.cancel(owner)
 
     @ray.method(concurrency_group="io")
     def handoff(self, handoff: DecodeHandoff) -> None:

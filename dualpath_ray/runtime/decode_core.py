@@ -35,7 +35,15 @@ from dualpath_ray.kv.paged import PagedKVPool
 from dualpath_ray.runtime.accounting import NodeCounters
 from dualpath_ray.runtime.compute import DecodeSeq, EngineCompute
 from dualpath_ray.runtime.emulation.links import Link
-from dualpath_ray.runtime.messages import DecodeHandoff, DecodeReservation, PersistedBlock, TurnResult, failed_result
+from dualpath_ray.runtime.failures import KVMismatchError, failure_of
+from dualpath_ray.runtime.messages import (
+    DecodeHandoff,
+    DecodeReservation,
+    ErrorKind,
+    PersistedBlock,
+    TurnResult,
+    failed_result,
+)
 from dualpath_ray.runtime.ports import Clock, Pending, ReaderPort, SchedulerPort, TransportPort
 from dualpath_ray.runtime.transport import Move, Region
 from dualpath_ray.runtime.verify import KVCheck, verify_prompt_kv
@@ -175,16 +183,29 @@ class DecodeCore:
             for r in reservations:
                 owner = f"{r.request_id}#{r.attempt}"
                 self.pages.reserve(owner, self.pages.pages_for(r.tokens))
-                self.jobs[r.request_id] = DecodeJob(r.request_id, owner, r.tokens)
+                # Keyed by owner (request id and attempt): a retry never meets an earlier
+                # attempt's job, and a late cancel of that attempt cannot touch the retry.
+                self.jobs[owner] = DecodeJob(r.request_id, owner, r.tokens)
 
-    def cancel(self, request_id: str) -> None:
-        """Drop the reservation of a request that failed before it reached this engine."""
+    def cancel(self, owner: str) -> None:
+        """Drop the reservation of an attempt ("request#attempt") that failed before it reached
+        this engine; an attempt past its reservation finishes on its own."""
         with self._lock:
-            job = self.jobs.get(request_id)
+            job = self.jobs.get(owner)
             if job is None or job.state is not DecodeState.RESERVED:
                 return
-            del self.jobs[request_id]
+            del self.jobs[owner]
             self.pages.release(job.owner)
+
+    def holds(self) -> dict[str, tuple[int, bool]]:
+        """Each attempt this engine holds: request id -> (attempt, whether its handoff arrived)."""
+        with self._lock:
+            arrived = {h.task.request.owner for h in self._arrived}
+            held = {}
+            for owner, job in self.jobs.items():
+                attempt = int(owner.rsplit("#", 1)[1])
+                held[job.request_id] = (attempt, job.handoff is not None or owner in arrived)
+            return held
 
     def hand_off(self, handoff: DecodeHandoff) -> None:
         with self._lock:
@@ -218,10 +239,12 @@ class DecodeCore:
             arrived, self._arrived = list(self._arrived), deque()
         for handoff in arrived:
             spec = handoff.task.request
-            job = self.jobs.get(spec.request_id)
-            if job is None or job.state is not DecodeState.RESERVED or job.owner != spec.owner:
+            job = self.jobs.get(spec.owner)
+            if job is None or job.state is not DecodeState.RESERVED:
                 LOG.error("%s: handoff of %s without a reservation", self.settings.engine_id, spec.request_id)
-                self._report(failed_result(spec, self.settings.engine_id, "handoff without a reservation"))
+                self._report(failed_result(
+                    spec, self.settings.engine_id, "handoff without a reservation", ErrorKind.PEER_DIED
+                ))
                 if handoff.extent is not None:
                     self.ports.readers.free(handoff.extent)
                 continue
@@ -314,6 +337,12 @@ class DecodeCore:
         if self.settings.verify_kv:
             assert self.store is not None
             job.check = verify_prompt_kv(self.compute, self.store, task, self.pages.tensor, self.pages.table(job.owner))
+            if job.check.mismatches:
+                # Never decode on KV that differs from what the store and a recompute say.
+                raise KVMismatchError(
+                    f"{job.request_id}: assembled prompt KV differs from the store / a recompute "
+                    f"({job.check.mismatches} of hit and computed parts)"
+                )
         job.compute_state = self.compute.decode_state(job.tokens)
         self._persist_prompt(job)
         transition(job, DecodeState.RUNNING)
@@ -518,11 +547,11 @@ class DecodeCore:
         self.stats.failures += 1
         spec = job.handoff.task.request if job.handoff else None
         if spec is not None:
-            self._report(failed_result(spec, self.settings.engine_id, error))
+            self._report(failure_of(spec, self.settings.engine_id, error))
 
     def _forget(self, job: DecodeJob) -> None:
         with self._lock:
-            self.jobs.pop(job.request_id, None)
+            self.jobs.pop(job.owner, None)
             self.pages.release(job.owner)
 
     def _report(self, result: TurnResult) -> None:

@@ -86,11 +86,12 @@ class EngineBase(TransportEndpoint):
         self.stopped = threading.Event()
         self.error: BaseException | None = None
         self.leader: GroupLeader | None = None
-        if identity.members and identity.members[0] == identity.engine_id:
+        if identity.engine_id in identity.members:
+            # Every member runs the group's loop; only the first live one pulls (leader.py).
             self.leader = GroupLeader(
                 self.role, identity.node_id, identity.members, identity.reader, self.directory,
                 identity.engine_id, self.core.load, self._accept_local, cfg.scheduler.fetch_interval_ms / 1000.0,
-                cfg.scheduler.fetch_wait_ms / 1000.0,
+                cfg.scheduler.fetch_wait_ms / 1000.0, cfg.runtime.heartbeat_timeout_s,
             )
 
     def _accept_local(self, items: list[Any]) -> None:
@@ -101,7 +102,7 @@ class EngineBase(TransportEndpoint):
         raise NotImplementedError
 
     def start(self) -> bool:
-        """Start the worker (and, on g0, the group's pull loop) once every actor exists."""
+        """Start the worker and the group's pull loop once every actor exists."""
         start_thread(self._work, f"{self.role}-{self.id.engine_id}")
         if self.leader is not None:
             start_thread(self.leader.run, f"leader-{self.id.engine_id}")
@@ -131,7 +132,18 @@ class EngineBase(TransportEndpoint):
 
     @ray.method(concurrency_group="control")
     def load(self) -> EngineLoad:
+        if self.error is not None:
+            # A dead worker loop must not look like an idle engine, or it would be given work
+            # it never runs; failing here makes leaders and the scheduler's heartbeat drop it.
+            raise RuntimeError(f"{self.id.engine_id}: worker loop died: {self.error!r}")
         return self.core.load()
+
+    @ray.method(concurrency_group="control")
+    def holds(self) -> dict[str, tuple[int, bool]]:
+        """The scheduler's heartbeat: the attempts this engine holds (see the cores' holds);
+        fails like `load` once the worker loop died."""
+        self.load()
+        return self.core.holds()
 
     @ray.method(concurrency_group="control")
     def accept(self, items: list[Any]) -> None:

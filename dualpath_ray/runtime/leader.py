@@ -1,9 +1,14 @@
-"""Engine groups: one group per node, whose first engine (g0) is the leader.
+"""Engine groups: one group per node, whose first live engine is the leader.
 
 The leader pulls work for its whole group: it gathers its members' load reports and its node's
 read queue, calls the scheduler's fetch, and hands each assignment to the engine it names.
 Members answer `load` and take work on their `control` concurrency group, so a member busy
 computing still answers at once.
+
+Every member runs the loop; all but the leader stand by, checking that the members before them
+are alive, so when g0 dies g1 takes over the pulls. A member that does not answer is left out of
+the report (the scheduler's heartbeat fails its requests), and a failed pull is counted and
+retried: one bad item never ends a group's pulls.
 """
 
 from __future__ import annotations
@@ -13,9 +18,15 @@ from collections import defaultdict
 from typing import Any, Callable, Literal
 
 import ray
+import ray.exceptions
 
 from dualpath_ray.runtime.messages import GroupReport
+from dualpath_ray.runtime.transport import PeerDiedError
 from dualpath_ray.scheduling import EngineLoad
+
+
+# How often a standby member checks whether the members before it are still alive.
+STANDBY_S = 0.5
 
 
 class ActorDirectory:
@@ -26,8 +37,12 @@ class ActorDirectory:
         self._handles: dict[str, Any] = {}
 
     def get(self, name: str) -> Any:
+        """The handle of `name`; PeerDiedError when no such actor lives (any more)."""
         if name not in self._handles:
-            self._handles[name] = ray.get_actor(name, namespace=self.namespace)
+            try:
+                self._handles[name] = ray.get_actor(name, namespace=self.namespace)
+            except ValueError as exc:
+                raise PeerDiedError(f"{name}: no live actor of that name in {self.namespace!r} ({exc})") from None
         return self._handles[name]
 
 
@@ -46,6 +61,7 @@ class GroupLeader:
         local_accept: Callable[[list[Any]], None],
         interval_s: float,
         wait_s: float = 0.0,
+        member_timeout_s: float = 10.0,
     ) -> None:
         self.role = role
         self.node_id = node_id
@@ -59,23 +75,59 @@ class GroupLeader:
         self.wait_s = wait_s
         self.stopped = threading.Event()
         self.error: BaseException | None = None
+        self.member_timeout_s = member_timeout_s
+        self.dead: set[str] = set()
+        self.failed_pulls = 0
+        self.last_failure = ""
 
     def run(self) -> None:
         try:
             while not self.stopped.is_set():
+                if not self.leads():
+                    self.stopped.wait(STANDBY_S)
+                    continue
                 # The scheduler holds an empty fetch up to wait_s until new work may exist, so
                 # an idle group does not poll; interval_s only spaces pulls that found nothing.
-                if not self.pull_once():
+                if not self._pull_guarded():
                     self.stopped.wait(self.interval_s)
         except BaseException as exc:  # noqa: BLE001 - surfaced through the engine's health()
             if not self.stopped.is_set():
                 self.error = exc
 
+    def _pull_guarded(self) -> bool:
+        try:
+            return self.pull_once()
+        except Exception as exc:  # noqa: BLE001 - counted; the next pull starts afresh
+            self.failed_pulls += 1
+            self.last_failure = repr(exc)
+            self.stopped.wait(min(1.0, self.interval_s * 2 ** min(self.failed_pulls, 10)))
+            return False
+
+    def leads(self) -> bool:
+        """Whether every member before this one is dead (members never come back)."""
+        for member in self.members[: self.members.index(self.local_name)]:
+            if member not in self.dead and self._answers(member):
+                return False
+        return True
+
+    def _answers(self, member: str) -> bool:
+        try:
+            ray.get(self.directory.get(member).load.remote(), timeout=self.member_timeout_s)
+        except Exception:  # noqa: BLE001 - dead, hung, gone, or its worker loop died
+            self.dead.add(member)
+            return False
+        return True
+
     def report(self) -> GroupReport:
-        others = [m for m in self.members if m != self.local_name]
-        refs = [self.directory.get(m).load.remote() for m in others]
+        others = [m for m in self.members if m != self.local_name and m not in self.dead]
+        refs = {m: self.directory.get(m).load.remote() for m in others}
         read_q_ref = self.directory.get(self.reader).read_q.remote()
-        loads = [self.local_load(), *ray.get(refs)]
+        loads = [self.local_load()]
+        for member, ref in refs.items():
+            try:
+                loads.append(ray.get(ref, timeout=self.member_timeout_s))
+            except Exception:  # noqa: BLE001 - dead, hung, or its worker loop died
+                self.dead.add(member)  # left out: nothing more is placed on it
         return GroupReport(f"{self.role}/{self.node_id}", self.node_id, tuple(loads), ray.get(read_q_ref))
 
     def pull_once(self) -> bool:
@@ -93,9 +145,14 @@ class GroupLeader:
             if engine == self.local_name:
                 self.local_accept(items)
             else:
-                pending.append(self.directory.get(engine).accept.remote(items))
+                pending.append((engine, self.directory.get(engine).accept.remote(items)))
         # Reservations must be in place before the next report, or free HBM is counted twice.
-        ray.get(pending)
+        for engine, ref in pending:
+            try:
+                ray.get(ref, timeout=self.member_timeout_s)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                # Its requests are lost with it; the scheduler's heartbeat fails and retries them.
+                self.dead.add(engine)
         return bool(work)
 
 

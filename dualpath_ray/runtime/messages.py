@@ -7,6 +7,7 @@ run time, so every process (and the simulator) can import it cheaply.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
@@ -16,6 +17,27 @@ if TYPE_CHECKING:
     from dualpath_ray.scheduling.loads import EngineLoad
 
 ReadPath = Literal["pe", "de"]
+
+
+class ErrorKind(str, enum.Enum):
+    """Why a turn failed; the scheduler retries the retryable kinds with attempt + 1."""
+
+    KV_MISSING = "kv_missing"  # a hit block was gone from the store (evicted, deleted)
+    KV_CORRUPT = "kv_corrupt"  # a hit block failed its checksum at read
+    KV_MISMATCH = "kv_mismatch"  # assembled KV differed at the decode side (runtime.verify_kv)
+    TRANSFER = "transfer"  # a KV transfer failed or timed out
+    PEER_DIED = "peer_died"  # an engine or reader this request depended on died
+    TIMEOUT = "timeout"  # runtime.request_timeout_s passed
+    INTERNAL = "internal"  # anything else: a bug, never retried
+
+    @property
+    def retryable(self) -> bool:
+        return self not in (ErrorKind.TIMEOUT, ErrorKind.INTERNAL)
+
+    @property
+    def about_stored_kv(self) -> bool:
+        """A failure of the store's blocks, which runtime.kv_failure_policy governs."""
+        return self in (ErrorKind.KV_MISSING, ErrorKind.KV_CORRUPT)
 
 
 @dataclass(frozen=True)
@@ -123,6 +145,8 @@ class TurnResult:
     kv_mismatches: int = 0
     persisted: tuple[PersistedBlock, ...] = ()
     error: str | None = None
+    error_kind: ErrorKind | None = None
+    bad_keys: tuple[str, ...] = ()  # the stored blocks a KV_MISSING / KV_CORRUPT failure names
 
 
 @dataclass(frozen=True)
@@ -135,10 +159,14 @@ class GroupReport:
     read_q_tokens: int
 
 
-def failed_result(spec: RequestSpec, engine: str, error: BaseException | str) -> TurnResult:
+def failed_result(
+    spec: RequestSpec, engine: str, error: BaseException | str, kind: ErrorKind = ErrorKind.INTERNAL,
+    bad_keys: tuple[str, ...] = (),
+) -> TurnResult:
     """The result of a request an engine could not serve: the caller gets the error, not a hang."""
     return TurnResult(
         request_id=spec.request_id, attempt=spec.attempt, output_tokens=(), log_probs=(),
         stop_reason="error", prompt_tokens=len(spec.prompt), hit_tokens=0, path="pe",
         prefill_engine=engine, decode_engine="", ttft_s=0.0, tpot_s=0.0, error=f"{engine}: {error!r}",
+        error_kind=kind, bad_keys=bad_keys,
     )

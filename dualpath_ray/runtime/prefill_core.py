@@ -35,7 +35,8 @@ from dualpath_ray.kv.window import LayerWindow, span_offsets
 from dualpath_ray.runtime.accounting import NodeCounters
 from dualpath_ray.runtime.compute import ChunkSpec, EngineCompute
 from dualpath_ray.runtime.emulation.links import Link
-from dualpath_ray.runtime.messages import DecodeHandoff, ExtentGrant, PrefillTask, failed_result
+from dualpath_ray.runtime.failures import failure_of
+from dualpath_ray.runtime.messages import DecodeHandoff, ExtentGrant, PrefillTask
 from dualpath_ray.runtime.ports import Clock, DecodePort, Pending, ReaderPort, SchedulerPort, TransportPort
 from dualpath_ray.runtime.prefill_pipeline import LayerPipeline, PipelineStats, oracle_kv_for
 from dualpath_ray.scheduling import EngineLoad, pack_prefill_batch
@@ -154,6 +155,11 @@ class PrefillCore:
         with self._lock:
             tokens = sum(len(job.prompt) for job in self.jobs.values())
             return EngineLoad(self.settings.engine_id, self.settings.node_id, len(self.jobs), tokens)
+
+    def holds(self) -> dict[str, tuple[int, bool]]:
+        """Each request on this engine: request id -> (attempt, False: not handed off yet)."""
+        with self._lock:
+            return {rid: (job.task.request.attempt, False) for rid, job in self.jobs.items()}
 
     def accept(self, tasks: Sequence[PrefillTask]) -> None:
         jobs = [self._stage(task) for task in tasks]
@@ -280,7 +286,11 @@ class PrefillCore:
             self.ports.readers.free(job.pe)
             job.pe = None
         handoff = DecodeHandoff(job.task, job.de, token, log_prob, self.ports.clock.now())
-        self.ports.decode.hand_off(job.task.decode_engine, handoff)
+        try:
+            self.ports.decode.hand_off(job.task.decode_engine, handoff)
+        except Exception as exc:  # noqa: BLE001 - e.g. the decode engine is gone: this request fails, not the engine
+            self._fail(job, exc)
+            return
         self.stats.port_calls += 2
         self.stats.handoffs += 1
         transition(job, PrefillState.HANDED_OFF)
@@ -304,4 +314,4 @@ class PrefillCore:
         self.stats.failures += 1
         with self._lock:
             self.jobs.pop(job.request_id, None)
-        self.ports.scheduler.complete(failed_result(job.task.request, self.settings.engine_id, error))
+        self.ports.scheduler.complete(failure_of(job.task.request, self.settings.engine_id, error))

@@ -20,7 +20,8 @@ import torch
 
 from dualpath_ray.config import DualPathConfig
 from dualpath_ray.kv.layout import KVLayout
-from dualpath_ray.kv.pool import BufferPool, Extent
+from dualpath_ray.kv.pool import BufferPool, Extent, ExtentState
+from dualpath_ray.kv.errors import BadBlockError, BlockCorruptedError, BlockNotFoundError
 from dualpath_ray.kv.store import open_store
 from dualpath_ray.runtime.accounting import NodeCounters
 from dualpath_ray.runtime.emulation import make_link
@@ -39,6 +40,9 @@ class ReaderCore:
         self.node_id = node_id
         self.layout = KVLayout.from_model(cfg.model, cfg.store.block_size)
         self.store = open_store(cfg.store, self.layout, root=store_root)
+        # A writer that crashed between write and publish left a temporary no reader will ever
+        # see (publish is an atomic rename); sweep those once at start so they do not pile up.
+        self.swept_temporaries = self.store.remove_stale_temporaries(cfg.store.stale_temporary_s)
         self.pool = BufferPool(cfg.cluster.buffer_blocks_per_node, self.layout, pin=cfg.cluster.pin_host_buffers)
         # A NIC is full duplex: persists (NIC transmit) never slow hit-KV reads (NIC receive),
         # as the paper counts CNIC read and write separately. cluster.snic_gbps is per direction.
@@ -72,10 +76,26 @@ class ReaderCore:
             return extent
 
     def free(self, extent_id: int) -> None:
+        """Give an extent back. Freeing one already reclaimed is a no-op: extent ids are never
+        reused, so a late free can only name that extent, never another lease."""
         with self._cond:
-            self._extents.pop(extent_id)
+            if self._extents.pop(extent_id, None) is None:
+                return
             self.pool.release(extent_id)
             self._cond.notify_all()
+
+    def reclaim(self, owner: str) -> int:
+        """Free the extents leased to one attempt whose engine died (the scheduler knows it did);
+        returns how many. One in a transfer is left to that transfer's own end."""
+        freed = 0
+        with self._cond:
+            for extent_id, extent in list(self._extents.items()):
+                if extent.owner == owner and self.pool.state_of(extent_id) is ExtentState.LEASED:
+                    del self._extents[extent_id]
+                    self.pool.release(extent_id)
+                    freed += 1
+            self._cond.notify_all()
+        return freed
 
     def grant(self, extent: Extent, reader: str) -> ExtentGrant:
         return ExtentGrant(self.node_id, reader, extent.extent_id, extent.slots)
@@ -93,6 +113,7 @@ class ReaderCore:
         block_bytes = self.layout.full_block_bytes
         block_tokens = self.layout.block_size
         pending = len(keys) * block_tokens
+        verified = 0
         with self._cond:
             self._read_q_tokens += pending
 
@@ -100,7 +121,8 @@ class ReaderCore:
             self.snic_read.take(block_bytes)
 
         def on_verified(_: int) -> None:
-            nonlocal pending
+            nonlocal pending, verified
+            verified += 1
             with self._cond:
                 self.counters.snic_read[path] += block_bytes
                 self._read_q_tokens -= block_tokens
@@ -111,6 +133,12 @@ class ReaderCore:
             try:
                 outs = [self.pool.full_block(slot) for slot in extent.slots[: len(keys)]]
                 self.store.get_many_into(list(keys), outs, before_read=before_read, on_verified=on_verified)
+            except (BlockNotFoundError, BlockCorruptedError) as exc:
+                # The store raises for the first bad block in key order, the one after the
+                # verified ones: name it, so the scheduler repairs that block and no other.
+                self.free(extent.extent_id)
+                kind = "missing" if isinstance(exc, BlockNotFoundError) else "corrupt"
+                raise BadBlockError(kind, keys[verified], str(exc)) from None
             except BaseException:
                 self.free(extent.extent_id)
                 raise
@@ -174,6 +202,10 @@ class StorageReader(TransportEndpoint):
     @ray.method(concurrency_group="ctl")
     def free(self, extent_id: int) -> None:
         self.core.free(extent_id)
+
+    @ray.method(concurrency_group="ctl")
+    def reclaim(self, owner: str) -> int:
+        return self.core.reclaim(owner)
 
     @ray.method(concurrency_group="io")
     def persist_extent(self, extent_id: int, blocks: list[tuple[int, PersistedBlock]]) -> int:

@@ -10,22 +10,27 @@ that result is returned, so the next turn of a trajectory always sees its predec
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from typing import Any
 
 import ray
+import ray.exceptions
 
 from dualpath_ray.config import DualPathConfig
+from dualpath_ray.kv.eviction import LRUEviction
 from dualpath_ray.kv.index import PrefixIndex
 from dualpath_ray.kv.layout import KVLayout
 from dualpath_ray.kv.store import open_store
 from dualpath_ray.model.profile import derive_alpha_beta
 from dualpath_ray.runtime.messages import (
     DecodeReservation,
+    ErrorKind,
     GroupReport,
     PrefillTask,
     RequestSpec,
     TurnResult,
+    failed_result,
 )
 from dualpath_ray.scheduling.dispatcher import Constants, Dispatcher
 
@@ -39,15 +44,19 @@ class SchedulerCore:
         self.layout = KVLayout.from_model(cfg.model, cfg.store.block_size)
         self.store = open_store(cfg.store, self.layout, root=store_root)
         self.index = PrefixIndex.rebuild(self.store, cfg.store.block_size)
+        self.eviction = LRUEviction(self.index, self.store, cfg.store.capacity_bytes, self.layout.full_block_bytes)
         alpha, beta = derive_alpha_beta(cfg, self.layout)
         self.dispatcher = Dispatcher(Constants(alpha, beta, cfg.scheduler.z_margin), mode)  # type: ignore[arg-type]
         self.specs: dict[str, RequestSpec] = {}
         self.hits: dict[str, tuple[tuple[str, ...], int]] = {}
+        self.dead: set[str] = set()
+        self.reading: dict[str, tuple[str, ...]] = {}  # hit keys of each request in flight
 
     def lookup(self, spec: RequestSpec) -> tuple[tuple[str, ...], int]:
         """Hit blocks of a prompt, leaving at least one token to compute (it yields the logits)."""
         hit = self.index.match(spec.prompt, spec.namespace)
         usable = min(hit.hit_blocks, (len(spec.prompt) - 1) // self.layout.block_size)
+        self.eviction.touch(hit.keys[:usable])
         return tuple(hit.keys[:usable]), usable * self.layout.block_size
 
     def submit(self, spec: RequestSpec) -> None:
@@ -59,10 +68,21 @@ class SchedulerCore:
         self.dispatcher.submit(spec.request_id, len(spec.prompt), hit_tokens, decode_tokens)
         self.specs[spec.request_id] = spec
         self.hits[spec.request_id] = (keys, hit_tokens)
+        self.reading[spec.request_id] = keys
+
+    def _live(self, report: GroupReport) -> tuple[Any, ...]:
+        return tuple(e for e in report.engines if e.engine_id not in self.dead)
+
+    def engine_died(self, engine_id: str) -> list[RequestSpec]:
+        """Never place work on `engine_id` again; returns the in-flight requests that depended
+        on it, which the caller fails with PEER_DIED (and so retries)."""
+        self.dead.add(engine_id)
+        self.dispatcher.forget_engine(engine_id)
+        return [self.specs[rid] for rid in self.dispatcher.requests_on(engine_id) if rid in self.specs]
 
     def fetch_decode(self, report: GroupReport) -> list[DecodeReservation]:
         self.dispatcher.report_read_q(report.node_id, report.read_q_tokens)
-        decisions = self.dispatcher.fetch_decode(report.group_id, report.engines)
+        decisions = self.dispatcher.fetch_decode(report.group_id, self._live(report))
         return [
             DecodeReservation(d.request_id, self.specs[d.request_id].attempt, d.tokens, d.decode_engine)
             for d in decisions
@@ -71,7 +91,8 @@ class SchedulerCore:
     def fetch_prefill(self, report: GroupReport) -> list[PrefillTask]:
         self.dispatcher.report_read_q(report.node_id, report.read_q_tokens)
         tasks = []
-        for d in self.dispatcher.fetch_prefill(report.engines):
+        live = self._live(report)
+        for d in self.dispatcher.fetch_prefill(live) if live else []:
             keys, hit_tokens = self.hits.pop(d.request_id)
             tasks.append(
                 PrefillTask(
@@ -88,17 +109,59 @@ class SchedulerCore:
             )
         return tasks
 
+    def is_current(self, result: TurnResult) -> bool:
+        """Whether `result` is of the attempt now in flight (not a late one of an earlier try)."""
+        spec = self.specs.get(result.request_id)
+        return spec is not None and spec.attempt == result.attempt
+
     def finish(self, result: TurnResult) -> str | None:
-        """Record a finished turn; returns the decode engine still holding HBM for a failed one."""
+        """Record a finished turn; returns the decode engine still holding HBM for a failed one.
+        A late result of an earlier attempt only contributes its published blocks."""
         for block in result.persisted:
             self.index.insert_block(block.key, block.parent)
+        self.eviction.touch(block.key for block in result.persisted)
+        if not self.is_current(result):
+            self.eviction.evict(self._keys_in_use())
+            return None
         self.specs.pop(result.request_id, None)
+        self.reading.pop(result.request_id, None)
+        self.eviction.evict(self._keys_in_use())
         self.hits.pop(result.request_id, None)
         entry = self.dispatcher.entries.get(result.request_id)
         if entry is None:
             return None
         self.dispatcher.finish(result.request_id, failed=result.error is not None)
         return entry.decode_engine if result.error is not None and entry.decode_engine else None
+
+    def _keys_in_use(self) -> set[str]:
+        return {key for keys in self.reading.values() for key in keys}
+
+    def abandon(self, request_id: str) -> str | None:
+        """Forget a request whose deadline passed; returns a decode engine holding its HBM."""
+        self.specs.pop(request_id, None)
+        self.reading.pop(request_id, None)
+        self.hits.pop(request_id, None)
+        entry = self.dispatcher.cancel(request_id)
+        return entry.decode_engine if entry is not None and entry.decode_engine else None
+
+    def should_retry(self, result: TurnResult) -> bool:
+        kind = result.error_kind
+        if result.error is None or kind is None or not kind.retryable:
+            return False
+        if kind.about_stored_kv and self.cfg.runtime.kv_failure_policy == "fail":
+            return False
+        return result.attempt + 1 < self.cfg.runtime.max_attempts
+
+    def repair(self, result: TurnResult) -> int:
+        """Before a retry: the blocks a KV failure names (and every block after them) leave the
+        index, so the retry hits only the longest valid prefix and recomputes the rest; a corrupt
+        block is deleted so that the retry's persist republishes it. Returns blocks unindexed."""
+        removed = 0
+        for key in result.bad_keys:
+            removed += self.index.remove(key)
+            if result.error_kind is ErrorKind.KV_CORRUPT:
+                self.store.delete(key)
+        return removed
 
     def decode_waiting(self) -> bool:
         """Whether any request still waits for a decode engine (global or a group's queue)."""
@@ -120,24 +183,121 @@ class Scheduler:
         # polling (decode: a request arrived or one finished and freed HBM; prefill: a request
         # got its decode engine, or one finished and lightened an engine).
         self.new_work = {"decode": asyncio.Event(), "prefill": asyncio.Event()}
-        self.calls: dict[str, int] = {"generate": 0, "complete": 0, "fetch_decode": 0, "fetch_prefill": 0, "empty_waits": 0}
+        self.watchdog: asyncio.Task[None] | None = None
+        self.unheld_since: dict[str, float] = {}
+        self.calls: dict[str, int] = {
+            "generate": 0, "complete": 0, "fetch_decode": 0, "fetch_prefill": 0, "empty_waits": 0,
+            "retries": 0, "timeouts": 0, "stale_results": 0, "unindexed_blocks": 0, "dead_engines": 0,
+            "lost_assignments": 0,
+        }
 
     async def ready(self) -> bool:
+        if self.watchdog is None:
+            self.watchdog = asyncio.get_running_loop().create_task(self._watch())
         return True
 
+    async def _watch(self) -> None:
+        """Heartbeats to the engines that hold requests. A dead one's requests are failed with
+        PEER_DIED (their generate loops retry them elsewhere) and it gets no more work; a request
+        no live engine holds for heartbeat_timeout_s (its assignment died with a group leader in
+        transit) is failed the same way."""
+        runtime = self.core.cfg.runtime
+        while True:
+            await asyncio.sleep(runtime.heartbeat_s)
+            engines = sorted(self.core.dispatcher.engines_in_use() - self.core.dead)
+            answers = await asyncio.gather(*(self._holds(e, runtime.heartbeat_timeout_s) for e in engines))
+            held = {}
+            for engine, answer in zip(engines, answers):
+                if answer is None:
+                    self._engine_died(engine)
+                else:
+                    held[engine] = answer
+            self._fail_lost(held, runtime.heartbeat_timeout_s)
+
+    async def _holds(self, engine: str, timeout_s: float) -> dict[str, tuple[int, bool]] | None:
+        """What `engine` holds, or None when it does not answer (dead, gone, worker loop died)."""
+        try:
+            handle = ray.get_actor(engine, namespace=self.core.cfg.runtime.namespace)
+            return await asyncio.wait_for(asyncio.wrap_future(handle.holds.remote().future()), timeout_s)
+        except Exception:  # noqa: BLE001 - every way of not answering means the same here
+            return None
+
+    def _fail_lost(self, held: dict[str, dict[str, tuple[int, bool]]], grace_s: float) -> None:
+        now = time.monotonic()
+        lost = []
+        for rid, entry in self.core.dispatcher.entries.items():
+            spec = self.core.specs.get(rid)
+            if spec is None or entry.state.value == "waiting_decode":
+                continue
+            at_decode = held.get(entry.decode_engine, {}).get(rid)
+            at_prefill = held.get(entry.prefill_engine, {}).get(rid) if entry.prefill_engine else None
+            delivered = at_decode is not None and at_decode[0] == spec.attempt and (
+                entry.state.value == "waiting_prefill" or at_decode[1]
+                or (at_prefill is not None and at_prefill[0] == spec.attempt)
+            )
+            if delivered:
+                self.unheld_since.pop(rid, None)
+            elif now - self.unheld_since.setdefault(rid, now) >= grace_s:
+                lost.append(spec)
+        for spec in lost:
+            self.unheld_since.pop(spec.request_id, None)
+            self.calls["lost_assignments"] += 1
+            self._complete(failed_result(spec, "scheduler", "no live engine holds this attempt", ErrorKind.PEER_DIED))
+
+    def _engine_died(self, engine: str) -> None:
+        self.calls["dead_engines"] += 1
+        for spec in self.core.engine_died(engine):
+            self._complete(failed_result(spec, engine, f"engine {engine} died", ErrorKind.PEER_DIED))
+            # Extents lent for this attempt may be held by the dead engine: take them back.
+            for node in self.core.dispatcher.read_q:
+                self._tell(f"reader/{node}", "reclaim", spec.owner)
+
+    def _tell(self, actor: str, method: str, *args: Any) -> None:
+        try:
+            getattr(ray.get_actor(actor, namespace=self.core.cfg.runtime.namespace), method).remote(*args)
+        except ValueError:
+            pass  # that actor is gone
+
+    async def mode(self) -> str:
+        """The read-path mode this scheduler was deployed with."""
+        return self.core.mode
+
     async def generate(self, spec: RequestSpec) -> TurnResult:
+        """Serve one turn: its result, or a failed result with an ErrorKind once its retries or
+        its deadline (runtime.request_timeout_s) are used up. Never waits forever."""
         if spec.request_id in self.pending:
             raise ValueError(f"request id {spec.request_id!r} is already in flight; ids must be unique")
         self.calls["generate"] += 1
+        deadline = time.monotonic() + self.core.cfg.runtime.request_timeout_s
+        while True:
+            result = await self._attempt(spec, deadline)
+            if not self.core.should_retry(result):
+                return result
+            self.calls["retries"] += 1
+            self.calls["unindexed_blocks"] += self.core.repair(result)
+            spec = dataclasses.replace(spec, attempt=spec.attempt + 1)
+
+    async def _attempt(self, spec: RequestSpec, deadline: float) -> TurnResult:
         future: asyncio.Future[TurnResult] = asyncio.get_running_loop().create_future()
         self.pending[spec.request_id] = future
         try:
             self.core.submit(spec)
-        except Exception:
-            self.pending.pop(spec.request_id)
-            raise
-        self.new_work["decode"].set()
-        return await future
+            self.new_work["decode"].set()
+            return await asyncio.wait_for(future, max(0.0, deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            self.calls["timeouts"] += 1
+            self._cancel_at(self.core.abandon(spec.request_id), spec.owner)
+            return failed_result(
+                spec, "scheduler", f"no result within runtime.request_timeout_s={self.core.cfg.runtime.request_timeout_s}",
+                ErrorKind.TIMEOUT,
+            )
+        finally:
+            self.pending.pop(spec.request_id, None)
+
+    def _cancel_at(self, engine: str | None, owner: str) -> None:
+        """Drop the HBM reservation of one attempt ("request#attempt") at its decode engine."""
+        if engine is not None:
+            self._tell(engine, "cancel", owner)
 
     async def fetch_decode(self, report: GroupReport, wait_s: float = 0.0) -> list[DecodeReservation]:
         """A decode group's pull; with nothing to place, waits up to wait_s for new work."""
@@ -168,11 +328,17 @@ class Scheduler:
         return fetch()
 
     async def complete(self, result: TurnResult) -> None:
+        self._complete(result)
+
+    def _complete(self, result: TurnResult) -> None:
         self.calls["complete"] += 1
+        current = self.core.is_current(result)
         holder = self.core.finish(result)
-        if holder is not None:
-            ray.get_actor(holder, namespace=self.core.cfg.runtime.namespace).cancel.remote(result.request_id)
-        future = self.pending.pop(result.request_id, None)
+        self._cancel_at(holder, f"{result.request_id}#{result.attempt}")
+        if not current:
+            self.calls["stale_results"] += 1
+            return
+        future = self.pending.get(result.request_id)
         if future is not None and not future.done():
             future.set_result(result)
         # A finished turn frees its decode engine's HBM, which matters only to requests still
@@ -180,9 +346,19 @@ class Scheduler:
         if self.core.decode_waiting():
             self.new_work["decode"].set()
 
+    async def in_flight(self) -> dict[str, dict[str, Any]]:
+        """Each live request: its state, attempt and the engines it holds (for `status` and tests)."""
+        return {
+            rid: {"state": e.state.value, "attempt": self.core.specs[rid].attempt if rid in self.core.specs else None,
+                  "prefill_engine": e.prefill_engine, "decode_engine": e.decode_engine}
+            for rid, e in self.core.dispatcher.entries.items()
+        }
+
     async def call_counts(self) -> dict[str, int]:
-        """How often each entry point ran (pulls, empty pulls that waited, turns)."""
-        return dict(self.calls)
+        """How often each entry point ran (pulls, empty pulls that waited, turns), retries and
+        their causes, and the store's evictions."""
+        return {**self.calls, "evicted_blocks": self.core.eviction.stats.evicted_blocks,
+                "indexed_blocks": len(self.core.index)}
 
     async def reset_prefix_cache(self) -> None:
         self.core.reset_prefix_cache()

@@ -56,6 +56,7 @@ class Entry:
     state: RequestState = RequestState.WAITING_DECODE
     decode_engine: str = ""
     decode_node: str = ""
+    prefill_engine: str = ""
 
 
 def transition(entry: Entry, new: RequestState) -> None:
@@ -114,7 +115,12 @@ class Dispatcher:
 
     def fetch_decode(self, group_id: str, engines: Sequence[EngineLoad]) -> list[DecodeDecision]:
         """A decode group leader pulls: phase 1 drains the global queue to groups, phase 2
-        places this group's private queue on its engines within their free HBM."""
+        places this group's private queue on its engines within their free HBM. A group with
+        no live engines is dropped (its private queue back to the global one)."""
+        if not engines:
+            self.decode_loads.pop(group_id, None)
+            self.decode_global.extendleft(reversed(self.decode_private.pop(group_id, deque())))
+            return []
         self.decode_loads[group_id] = tuple(engines)
         self._engine_node.update({e.engine_id: e.node_id for e in engines})
         self.decode_private.setdefault(group_id, deque())
@@ -155,6 +161,7 @@ class Dispatcher:
             # Until the readers report again, count this request's hits in the chosen queue.
             chosen = pe_node if path == "pe" else entry.decode_node
             self.read_q[chosen] = self.read_q.get(chosen, 0) + entry.hit_tokens
+            entry.prefill_engine = assignment.target
             transition(entry, RequestState.PREFILLING)
             decisions.append(
                 PrefillDecision(entry.request_id, assignment.target, pe_node, entry.decode_engine, entry.decode_node, path)
@@ -166,6 +173,39 @@ class Dispatcher:
     def finish(self, request_id: str, failed: bool = False) -> None:
         entry = self.entries.pop(request_id)
         transition(entry, RequestState.FAILED if failed else RequestState.DONE)
+
+    def cancel(self, request_id: str) -> Entry | None:
+        """Drop a request in any live state (its deadline passed): out of every queue, FAILED."""
+        entry = self.entries.pop(request_id, None)
+        if entry is None:
+            return None
+        for queue in (self.decode_global, self.prefill_queue, *self.decode_private.values()):
+            if request_id in queue:
+                queue.remove(request_id)
+        transition(entry, RequestState.FAILED)
+        return entry
+
+    def engines_in_use(self) -> set[str]:
+        """Engines that hold a live request (its HBM reservation, its prefill)."""
+        used = set()
+        for entry in self.entries.values():
+            used.update(e for e in (entry.decode_engine, entry.prefill_engine) if e)
+        return used
+
+    def requests_on(self, engine_id: str) -> list[str]:
+        """Live requests that depend on `engine_id` (reserved there or prefilling there)."""
+        return [
+            rid for rid, entry in self.entries.items()
+            if engine_id in (entry.decode_engine, entry.prefill_engine)
+        ]
+
+    def forget_engine(self, engine_id: str) -> None:
+        """A dead engine's groups stop receiving requests until their leader reports again
+        (without it); what waited in their private queues goes back to the global queue."""
+        for group, loads in list(self.decode_loads.items()):
+            if any(load.engine_id == engine_id for load in loads):
+                del self.decode_loads[group]
+                self.decode_global.extendleft(reversed(self.decode_private.pop(group, deque())))
 
     def _decode_request(self, request_id: str) -> QueuedRequest:
         return QueuedRequest(request_id, self.entries[request_id].decode_tokens)

@@ -258,3 +258,15 @@ def test_match_is_the_longest_common_full_block_prefix(stored: list[list[int]], 
     assert index.match(probe, NS).hit_blocks == expected, (
         "the hit must be the longest full-block prefix the probe shares with a stored prompt"
     )
+
+
+def test_random_weight_seeds_get_their_own_namespace():
+    from dualpath_ray.config import ModelConfig
+
+    prompt = tokens(2 * BLOCK)
+    a, b = ModelConfig(seed=1), ModelConfig(seed=2)
+    assert not set(block_keys(prompt, BLOCK, a.kv_namespace())) & set(block_keys(prompt, BLOCK, b.kv_namespace())), (
+        "random weights of two seeds compute different KV, so their keys must differ"
+    )
+    assert namespace_for("m", 1, 23) != namespace_for("m", 12, 3), "version and seed must not alias"
+    assert a.kv_namespace(5) == namespace_for(a.model_id, 5, 1), "an explicit version replaces the configured one"

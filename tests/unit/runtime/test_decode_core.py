@@ -88,7 +88,7 @@ def test_a_reservation_beyond_the_free_pages_is_refused(make) -> None:
     with pytest.raises(PagePoolFullError, match="hbm_tokens_per_engine"):
         h.decode.accept([DecodeReservation("more", 0, 2 * BLOCK, DE)])
     assert h.decode.load().free_hbm_tokens == BLOCK, "the load report shows exactly the unreserved pages"
-    h.decode.cancel("big")
+    h.decode.cancel("big#0")
     assert h.decode.load().free_hbm_tokens == capacity_tokens, "a cancelled reservation frees its pages"
     h.assert_idle()
 

@@ -9,7 +9,7 @@ import torch
 
 from dualpath_ray.config import DualPathConfig
 from dualpath_ray.kv.index import block_keys, namespace_for
-from dualpath_ray.kv.store import BlockNotFoundError
+from dualpath_ray.kv.errors import BadBlockError
 from dualpath_ray.runtime.messages import PersistedBlock
 from dualpath_ray.runtime.reader import ReaderCore
 
@@ -60,8 +60,9 @@ def test_reader_failed_read_frees_the_extent_and_empties_the_queue(tmp_path: Pat
     for i, key in enumerate(keys[:2]):
         core.store.put(key, torch.full(layout.full_block_shape, i + 1, dtype=torch.uint8))
     free_before = core.pool.check_integrity().free
-    with pytest.raises(BlockNotFoundError, match=keys[2]):
+    with pytest.raises(BadBlockError) as failed:
         core.read_blocks("r1", keys, 4, "de")
+    assert (failed.value.kind, failed.value.key) == ("missing", keys[2]), "the error names the first bad block"
     assert core.read_q() == 0, "a failed read must leave no tokens in the read queue"
     assert core.counters.snic_read["de"] == 2 * layout.full_block_bytes, "only the verified blocks are counted"
     assert core.pool.check_integrity().free == free_before, "a failed read must free the extent it leased"
@@ -89,3 +90,52 @@ def test_write_extent_stores_its_blocks_and_frees_the_extent_even_on_failure(tmp
         core.write_extent(bad.extent_id, [(0, PersistedBlock("not-a-key", None))])
     assert core.pool.check_integrity().free == core.pool.capacity, "a failed write still frees its extent"
     core.store.close()
+
+
+def test_a_starting_reader_sweeps_temporaries_of_crashed_puts_only_once_they_are_stale(tmp_path: Path) -> None:
+    import os
+    import time
+
+    first = ReaderCore(reader_config(tmp_path), "n0", str(tmp_path))
+    key = block_keys(list(range(first.layout.block_size)), first.layout.block_size, namespace_for("reader", 3))[0]
+    folder = first.store.path_of(key).parent
+    folder.mkdir(parents=True, exist_ok=True)
+    stale, fresh = folder / f".{key}.1.aaaa.tmp", folder / f".{key}.2.bbbb.tmp"
+    for temp in (stale, fresh):
+        temp.write_bytes(b"half a block")
+    old = time.time() - 2 * first.cfg.store.stale_temporary_s
+    os.utime(stale, (old, old))
+    restarted = ReaderCore(reader_config(tmp_path), "n0", str(tmp_path))
+    assert restarted.swept_temporaries == 1, "exactly the stale temporary is swept at start"
+    assert not stale.exists() and fresh.exists(), "a young temporary may be a put still running elsewhere"
+    assert not restarted.store.contains(key), "a temporary never becomes a block"
+
+
+def test_a_corrupt_block_is_named_by_key_and_its_extent_freed(tmp_path: Path) -> None:
+    core = ReaderCore(reader_config(tmp_path), "n0", str(tmp_path))
+    layout = core.layout
+    keys = block_keys(list(range(3 * layout.block_size)), layout.block_size, namespace_for("reader", 4))
+    for i, key in enumerate(keys):
+        core.store.put(key, torch.full(layout.full_block_shape, i + 1, dtype=torch.uint8))
+    path = core.store.path_of(keys[1])
+    raw = bytearray(path.read_bytes())
+    raw[-1] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    free_before = core.pool.check_integrity().free
+    with pytest.raises(BadBlockError) as failed:
+        core.read_blocks("r1", keys, 3, "pe")
+    assert (failed.value.kind, failed.value.key) == ("corrupt", keys[1]), "the flipped payload byte is caught at read"
+    assert core.pool.check_integrity().free == free_before, "the failed read's extent is free again"
+    core.store.close()
+
+
+def test_reclaim_frees_a_dead_attempts_extents_and_a_late_free_is_harmless(tmp_path: Path) -> None:
+    core = ReaderCore(reader_config(tmp_path), "n0", str(tmp_path))
+    dead, alive = core.lease("r1#0", 2), core.lease("r2#0", 3)
+    assert core.reclaim("r1#0") == 1, "the dead attempt's one extent is reclaimed"
+    counts = core.pool.check_integrity()
+    assert counts.leased == 3 and counts.free == counts.capacity - 3, "only the other request's blocks stay leased"
+    core.free(dead.extent_id)  # the late free of the engine that leased it
+    assert core.pool.check_integrity().leased == 3, "a late free of a reclaimed extent frees nothing else"
+    core.free(alive.extent_id)
+    assert core.pool.check_integrity().free == core.pool.capacity, "every slot is free again"

@@ -1,0 +1,88 @@
+"""The store's capacity: least-recently-used eviction that keeps the prefix index true.
+
+The scheduler owns it, next to the index: every lookup touches the blocks it hits, every
+published block is added, and once the indexed blocks exceed `store.capacity_bytes` the least
+recently used *leaf* blocks (nothing indexed follows them) are unindexed first and deleted from
+the store second. Evicting leaves only means a hot prefix is never cut from under its
+descendants, and the hits of requests in flight are kept until they finish. A block deleted
+anyway while a reader was about to read it (another scheduler's store, a user) is a miss for that
+read, which the scheduler turns into a retry that recomputes it (docs/reliability.md).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Collection, Iterable
+
+from dualpath_ray.kv.block_store import BlockStore
+from dualpath_ray.kv.index import PrefixIndex
+
+
+@dataclass
+class EvictionStats:
+    evicted_blocks: int = 0
+    touched_blocks: int = 0
+
+
+class LRUEviction:
+    """LRU order of the indexed blocks and the capacity they must stay within."""
+
+    def __init__(self, index: PrefixIndex, store: BlockStore, capacity_bytes: int | None, block_bytes: int) -> None:
+        if capacity_bytes is not None and capacity_bytes < block_bytes:
+            raise ValueError(
+                f"store.capacity_bytes ({capacity_bytes}) holds no Full Block ({block_bytes} bytes); "
+                "raise it or set it to null (no limit)"
+            )
+        self.index = index
+        self.store = store
+        self.capacity_blocks = None if capacity_bytes is None else capacity_bytes // block_bytes
+        self.stats = EvictionStats()
+        # Oldest first. A rebuilt index has no recency yet: its blocks start in index order.
+        self._order: OrderedDict[str, None] = OrderedDict((key, None) for key in index.keys())
+
+    def touch(self, keys: Iterable[str]) -> None:
+        """These blocks were just hit (or published): most recently used."""
+        for key in keys:
+            if key in self.index:
+                self._order[key] = None
+                self._order.move_to_end(key)
+                self.stats.touched_blocks += 1
+
+    def forget(self, key: str) -> None:
+        self._order.pop(key, None)
+
+    def evict(self, in_use: Collection[str] = ()) -> list[str]:
+        """Unindex and delete LRU leaves until the indexed blocks fit; returns their keys.
+        Blocks `in_use` (hits of requests in flight) are kept, so their reads do not miss."""
+        if self.capacity_blocks is None:
+            return []
+        evicted: list[str] = []
+        if len(self.index) > self.capacity_blocks:
+            self._adopt_untracked()
+        while len(self.index) > self.capacity_blocks:
+            victim = self._oldest_leaf(in_use)
+            if victim is None:
+                break
+            self.index.remove(victim)
+            self._order.pop(victim, None)
+            self.store.delete(victim)
+            evicted.append(victim)
+        self.stats.evicted_blocks += len(evicted)
+        return evicted
+
+    def _adopt_untracked(self) -> None:
+        """Indexed blocks never touched (inserted by someone else) count as the oldest."""
+        untracked = [key for key in self.index.keys() if key not in self._order]
+        for key in reversed(untracked):
+            self._order[key] = None
+            self._order.move_to_end(key, last=False)
+
+    def _oldest_leaf(self, in_use: Collection[str]) -> str | None:
+        for key in list(self._order):
+            if key not in self.index:
+                self._order.pop(key)  # unindexed meanwhile (a repair)
+                continue
+            if key not in in_use and self.index.is_leaf(key):
+                return key
+        return None

@@ -1,0 +1,53 @@
+"""What kind of failure an exception is, wherever it was raised (in this process or, wrapped by
+Ray, in another actor): the engines put the kind and the bad block keys into the failed
+TurnResult, and the scheduler decides from them whether and how to retry."""
+
+from __future__ import annotations
+
+from dualpath_ray.kv.errors import BadBlockError, BlockCorruptedError, BlockNotFoundError
+from dualpath_ray.runtime.messages import ErrorKind, RequestSpec, TurnResult, failed_result
+from dualpath_ray.runtime.transport import PeerDiedError, TransportError
+
+
+class KVMismatchError(RuntimeError):
+    """The decode side's check found assembled KV that differs from the store / a recompute."""
+
+
+def _cause(error: BaseException) -> BaseException:
+    # A RayTaskError is an instance of its cause's class but does not carry its attributes;
+    # the original exception is its `cause`.
+    cause = getattr(error, "cause", None)
+    return cause if isinstance(cause, BaseException) else error
+
+
+def classify(error: BaseException) -> tuple[ErrorKind, tuple[str, ...]]:
+    """The kind of `error` and the stored blocks it names."""
+    cause = _cause(error)
+    if isinstance(cause, BadBlockError):
+        kind = ErrorKind.KV_MISSING if cause.kind == "missing" else ErrorKind.KV_CORRUPT
+        return kind, (cause.key,)
+    if isinstance(cause, BlockNotFoundError):
+        return ErrorKind.KV_MISSING, ()
+    if isinstance(cause, BlockCorruptedError):
+        return ErrorKind.KV_CORRUPT, ()
+    if isinstance(cause, KVMismatchError):
+        return ErrorKind.KV_MISMATCH, ()
+    if isinstance(cause, PeerDiedError) or _is_dead_actor(cause):
+        return ErrorKind.PEER_DIED, ()
+    if isinstance(cause, (TransportError, TimeoutError)):
+        return ErrorKind.TRANSFER, ()
+    return ErrorKind.INTERNAL, ()
+
+
+_DEAD_ACTOR_ERRORS = frozenset({"RayActorError", "ActorDiedError", "ActorUnavailableError"})
+
+
+def _is_dead_actor(error: BaseException) -> bool:
+    # By class name, so the engine cores that classify their failures never import Ray.
+    return any(cls.__name__ in _DEAD_ACTOR_ERRORS for cls in type(error).__mro__)
+
+
+def failure_of(spec: RequestSpec, engine: str, error: BaseException) -> TurnResult:
+    """The failed TurnResult of `spec`, classified."""
+    kind, keys = classify(error)
+    return failed_result(spec, engine, error, kind, keys)

@@ -1,0 +1,47 @@
+"""A store with room for half the working set: the rollout completes with the fault-free
+outputs, evicted blocks are misses (recomputed), and the index never exceeds the capacity."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers import ray_test_env, recompute_outputs, runtime_config, trajectories
+
+ray_test_env()
+
+import ray  # noqa: E402
+
+from dualpath_ray.cluster import DualPathCluster  # noqa: E402
+from dualpath_ray.kv.layout import KVLayout  # noqa: E402
+from dualpath_ray.kv.store import open_store  # noqa: E402
+
+pytestmark = [pytest.mark.integration, pytest.mark.chaos]
+
+
+def test_a_store_at_half_the_working_set_completes_with_identical_outputs():
+    base = runtime_config()
+    layout = KVLayout.from_model(base.model, base.store.block_size)
+    trajs = trajectories(count=8, turns=4)
+    working_set = sum(
+        (sum(len(t.appended) + t.gen_len for t in traj.turns)) // layout.block_size for traj in trajs
+    )
+    capacity_blocks = working_set // 2
+    cfg = base.with_overrides(store={"capacity_bytes": capacity_blocks * layout.full_block_bytes})
+    cluster = DualPathCluster.start(cfg)
+    try:
+        deployment = cluster.deploy("dualpath")
+        result = cluster.rollout(trajs, progress=False)
+        calls = ray.get(deployment.scheduler.call_counts.remote())
+        summary = result.summary()
+        stored = sum(1 for _ in open_store(cfg.store, layout, root=deployment.store_root).keys())
+        print(f"working set {working_set} blocks, capacity {capacity_blocks}: evicted {calls['evicted_blocks']}, "
+              f"indexed {calls['indexed_blocks']}, stored {stored}, retries {calls['retries']}, "
+              f"hit rate {summary['hit_rate']:.3f}")
+        assert not result.failures, f"an evicted block is a miss, never an error: {result.failures}"
+        assert result.outputs() == recompute_outputs(cfg, trajs), "outputs equal the fault-free recompute"
+        assert calls["evicted_blocks"] > 0, "half the working set does not fit: blocks were evicted"
+        assert calls["indexed_blocks"] <= capacity_blocks, "the index stays within the capacity"
+        assert stored <= capacity_blocks, "evicted blocks are deleted from the store too"
+        assert 0 < summary["hit_rate"], "the blocks that fit are still hit"
+    finally:
+        cluster.shutdown()

@@ -1,0 +1,58 @@
+"""The dispatcher's request lifecycle: cancelling a request leaves no trace in any queue."""
+
+from __future__ import annotations
+
+import pytest
+
+from dualpath_ray.scheduling.dispatcher import Constants, Dispatcher, IllegalTransition, RequestState, transition
+from dualpath_ray.scheduling.loads import EngineLoad
+
+DECODE = (EngineLoad("d0/g0", "d0", 0, 0, free_hbm_tokens=10_000),)
+PREFILL = (EngineLoad("p0/g0", "p0", 0, 0),)
+
+
+def queued_everywhere() -> Dispatcher:
+    dispatcher = Dispatcher(Constants(alpha_tokens=4096, beta_tokens=4096))
+    for rid in ("a", "b", "c"):
+        dispatcher.submit(rid, 256, 128, 320)
+    dispatcher.fetch_decode("d0", DECODE)  # all three placed, waiting for a prefill engine
+    return dispatcher
+
+
+@pytest.mark.parametrize("victim", ["a", "b", "c"])
+def test_a_cancelled_request_leaves_every_queue_and_others_proceed(victim: str) -> None:
+    dispatcher = queued_everywhere()
+    dispatcher.submit("late", 256, 0, 320)  # still in the global decode queue
+    entry = dispatcher.cancel(victim)
+    assert entry is not None and entry.state is RequestState.FAILED, "a cancelled request ends FAILED"
+    assert dispatcher.cancel("late") is not None, "a request still waiting for a decode engine cancels too"
+    assert victim not in dispatcher.prefill_queue and "late" not in dispatcher.decode_global, (
+        "no queue keeps a cancelled id (a later fetch would look up a missing entry)"
+    )
+    placed = [d.request_id for d in dispatcher.fetch_prefill(PREFILL)]
+    assert victim not in placed and set(placed) <= {"a", "b", "c"} - {victim}, "only live requests are placed"
+    assert dispatcher.cancel(victim) is None, "cancelling twice is a no-op"
+
+
+def test_terminal_states_have_no_way_out() -> None:
+    dispatcher = queued_everywhere()
+    entry = dispatcher.cancel("a")
+    assert entry is not None
+    with pytest.raises(IllegalTransition):
+        transition(entry, RequestState.PREFILLING)
+
+
+def test_a_dead_engines_requests_are_found_and_its_group_stops_receiving_work() -> None:
+    dispatcher = Dispatcher(Constants(alpha_tokens=4096, beta_tokens=4096))
+    two = (EngineLoad("d0/g0", "d0", 0, 0, free_hbm_tokens=700), EngineLoad("d0/g1", "d0", 0, 0, free_hbm_tokens=700))
+    for rid in ("a", "b", "c", "d", "e"):
+        dispatcher.submit(rid, 256, 0, 320)  # 2 fit per engine: "e" stays in the group's private queue
+    placed = dispatcher.fetch_decode("d0", two)
+    on_g1 = {d.request_id for d in placed if d.decode_engine == "d0/g1"}
+    assert on_g1 and set(dispatcher.requests_on("d0/g1")) == on_g1, "requests reserved on the engine are found"
+    assert dispatcher.engines_in_use() == {"d0/g0", "d0/g1"}, "both engines hold reservations"
+    assert list(dispatcher.decode_private["d0"]) == ["e"], "e waits in the group's private queue"
+    dispatcher.forget_engine("d0/g1")
+    assert "d0" not in dispatcher.decode_loads, "the dead engine's group gets nothing until it reports again"
+    assert list(dispatcher.decode_global) == ["e"], "its private queue goes back to the global queue"
+    assert dispatcher.fetch_decode("d0", ()) == [], "a group whose engines all died places nothing"
