@@ -18,6 +18,15 @@ COMMAND_MODULES = (
 )
 
 
+def user_errors() -> tuple[type[Exception], ...]:
+    from dualpath_ray.api.validation import RequestError
+    from dualpath_ray.cluster import DeploymentConflictError
+    from dualpath_ray.model.weights import WeightsError
+    from dualpath_ray.workload.validate import TraceError
+
+    return ConfigError, TraceError, RequestError, WeightsError, DeploymentConflictError
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dualpath", description=__doc__)
     subparsers = parser.add_subparsers(dest="command", required=True)
@@ -28,9 +37,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    known = user_errors()
     try:
         return int(args.func(args) or 0)
-    except ConfigError as exc:
+    except known as exc:
+        # Bad input is the user's to fix: one line naming the field or file, no traceback.
         print(f"dualpath: {exc}", file=sys.stderr)
         return 2
 

@@ -20,7 +20,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dualpath_ray.commands.run import add_run_arguments, run_trace
-from dualpath_ray.config import ConfigError, load_config
+from dualpath_ray.cli import user_errors
+from dualpath_ray.config import load_config
 
 
 def job_metadata() -> dict[str, object]:
@@ -42,10 +43,12 @@ def main(argv: list[str] | None = None) -> int:
         metadata["trainer_run_id"] = args.trainer_run_id
     try:
         cfg = load_config(args.config)
-    except ConfigError as exc:
+        summary = run_trace(
+            cfg, args.trace, args.mode, args.out, args.summary, args.address, metadata, replace_existing=args.replace
+        )
+    except user_errors() as exc:
         print(f"rollout: {exc}", file=sys.stderr)
         return 2
-    summary = run_trace(cfg, args.trace, args.mode, args.out, args.summary, args.address, metadata)
     print(json.dumps({k: summary[k] for k in ("trajectories", "turns", "failed_trajectories", "jct_s")}))
     return 1 if summary["failed_trajectories"] else 0
 

@@ -25,6 +25,10 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, required=True, help="results Parquet, one row per turn")
     parser.add_argument("--summary", type=Path, default=None, help="summary JSON")
     parser.add_argument("--address", default=None, help="a running Ray cluster ('auto' inside a job)")
+    parser.add_argument(
+        "--replace", action="store_true",
+        help="kill actors another deployment left in runtime.namespace instead of refusing to start",
+    )
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -35,7 +39,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run_trace(
     cfg: DualPathConfig, trace: Path, mode: str | None, out: Path, summary_path: Path | None,
-    address: str | None, metadata: dict[str, Any] | None = None,
+    address: str | None, metadata: dict[str, Any] | None = None, replace_existing: bool = False,
 ) -> dict[str, Any]:
     """Replay a trace and write its results; returns the summary (also written if asked)."""
     from dualpath_ray.cluster import DualPathCluster
@@ -45,7 +49,7 @@ def run_trace(
     out.parent.mkdir(parents=True, exist_ok=True)
     cluster = DualPathCluster.connect(cfg, address) if address else DualPathCluster.start(cfg)
     try:
-        deployment = cluster.deploy(mode)
+        deployment = cluster.deploy(mode, replace_existing=replace_existing)
         result = cluster.rollout(trajectories)
         result.write_parquet(str(out))
         summary = {**result.summary(), "mode": deployment.mode, "warnings": deployment.warnings,
@@ -63,7 +67,7 @@ def run_trace(
 
 def main(args: argparse.Namespace) -> int:
     cfg = load_config(args.config)
-    summary = run_trace(cfg, args.trace, args.mode, args.out, args.summary, args.address)
+    summary = run_trace(cfg, args.trace, args.mode, args.out, args.summary, args.address, replace_existing=args.replace)
     print(json.dumps({k: summary[k] for k in ("trajectories", "turns", "failed_trajectories", "jct_s", "hit_rate")}))
     if summary["failed_trajectories"]:
         print(f"dualpath run: {len(summary['failed_trajectories'])} trajectories failed: {summary['failures']}", file=sys.stderr)
