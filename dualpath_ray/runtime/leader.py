@@ -128,7 +128,11 @@ class GroupLeader:
                 loads.append(ray.get(ref, timeout=self.member_timeout_s))
             except Exception:  # noqa: BLE001 - dead, hung, or its worker loop died
                 self.dead.add(member)  # left out: nothing more is placed on it
-        return GroupReport(f"{self.role}/{self.node_id}", self.node_id, tuple(loads), ray.get(read_q_ref))
+        try:
+            read_q, reader_alive = ray.get(read_q_ref, timeout=self.member_timeout_s), True
+        except Exception:  # noqa: BLE001 - a dead reader is reported; the scheduler routes around it
+            read_q, reader_alive = 0, False
+        return GroupReport(f"{self.role}/{self.node_id}", self.node_id, tuple(loads), read_q, reader_alive)
 
     def pull_once(self) -> bool:
         """One fetch; True when something was assigned."""

@@ -157,6 +157,7 @@ class GroupReport:
     node_id: str
     engines: tuple[EngineLoad, ...]
     read_q_tokens: int
+    reader_alive: bool = True  # False: the node's storage reader did not answer
 
 
 def failed_result(

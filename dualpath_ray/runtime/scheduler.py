@@ -51,6 +51,7 @@ class SchedulerCore:
         self.hits: dict[str, tuple[tuple[str, ...], int]] = {}
         self.dead: set[str] = set()
         self.reading: dict[str, tuple[str, ...]] = {}  # hit keys of each request in flight
+        self.pe_reads: dict[str, str] = {}  # request -> prefill node reading its hits (PE path)
 
     def lookup(self, spec: RequestSpec) -> tuple[tuple[str, ...], int]:
         """Hit blocks of a prompt, leaving at least one token to compute (it yields the logits)."""
@@ -80,6 +81,32 @@ class SchedulerCore:
         self.dispatcher.forget_engine(engine_id)
         return [self.specs[rid] for rid in self.dispatcher.requests_on(engine_id) if rid in self.specs]
 
+    def note_report(self, role: str, report: GroupReport) -> list[RequestSpec]:
+        """Act on a report's dead reader; returns the in-flight requests that must be failed.
+
+        A decode node needs its reader (every request's KV arrives through that node's buffer),
+        so its engines are treated as dead. A prefill node without a reader reads its requests'
+        hits through the DE path in dualpath mode; in basic mode (PE path only) its engines are
+        dropped too."""
+        if report.reader_alive:
+            return []
+        if role == "prefill" and self.mode == "dualpath":
+            if report.node_id in self.dispatcher.no_pe_reads:
+                return []
+            self.dispatcher.no_pe_reads.add(report.node_id)
+            return [spec for rid, spec in self.specs.items()
+                    if (entry := self.dispatcher.entries.get(rid)) is not None
+                    and entry.state.value == "prefilling" and self._reads_pe_on(rid, report.node_id)]
+        failed: list[RequestSpec] = []
+        for engine in report.engines:
+            if engine.engine_id not in self.dead:
+                failed.extend(self.engine_died(engine.engine_id))
+        return failed
+
+    def _reads_pe_on(self, request_id: str, node_id: str) -> bool:
+        entry = self.dispatcher.entries[request_id]
+        return self.pe_reads.get(request_id) == node_id and bool(entry.prefill_engine)
+
     def fetch_decode(self, report: GroupReport) -> list[DecodeReservation]:
         self.dispatcher.report_read_q(report.node_id, report.read_q_tokens)
         decisions = self.dispatcher.fetch_decode(report.group_id, self._live(report))
@@ -94,6 +121,8 @@ class SchedulerCore:
         live = self._live(report)
         for d in self.dispatcher.fetch_prefill(live) if live else []:
             keys, hit_tokens = self.hits.pop(d.request_id)
+            if d.path == "pe" and keys:
+                self.pe_reads[d.request_id] = d.prefill_node
             tasks.append(
                 PrefillTask(
                     request=self.specs[d.request_id],
@@ -125,6 +154,7 @@ class SchedulerCore:
             return None
         self.specs.pop(result.request_id, None)
         self.reading.pop(result.request_id, None)
+        self.pe_reads.pop(result.request_id, None)
         self.eviction.evict(self._keys_in_use())
         self.hits.pop(result.request_id, None)
         entry = self.dispatcher.entries.get(result.request_id)
@@ -140,6 +170,7 @@ class SchedulerCore:
         """Forget a request whose deadline passed; returns a decode engine holding its HBM."""
         self.specs.pop(request_id, None)
         self.reading.pop(request_id, None)
+        self.pe_reads.pop(request_id, None)
         self.hits.pop(request_id, None)
         entry = self.dispatcher.cancel(request_id)
         return entry.decode_engine if entry is not None and entry.decode_engine else None
@@ -185,10 +216,11 @@ class Scheduler:
         self.new_work = {"decode": asyncio.Event(), "prefill": asyncio.Event()}
         self.watchdog: asyncio.Task[None] | None = None
         self.unheld_since: dict[str, float] = {}
+        self.readers_down: set[str] = set()
         self.calls: dict[str, int] = {
             "generate": 0, "complete": 0, "fetch_decode": 0, "fetch_prefill": 0, "empty_waits": 0,
             "retries": 0, "timeouts": 0, "stale_results": 0, "unindexed_blocks": 0, "dead_engines": 0,
-            "lost_assignments": 0,
+            "lost_assignments": 0, "dead_readers": 0,
         }
 
     async def ready(self) -> bool:
@@ -252,6 +284,16 @@ class Scheduler:
             for node in self.core.dispatcher.read_q:
                 self._tell(f"reader/{node}", "reclaim", spec.owner)
 
+    def _note_reader(self, role: str, report: GroupReport) -> None:
+        """A report whose node's reader did not answer: route around the node (see note_report)."""
+        if report.reader_alive:
+            return
+        if report.node_id not in self.readers_down:
+            self.readers_down.add(report.node_id)
+            self.calls["dead_readers"] += 1
+        for spec in self.core.note_report(role, report):
+            self._complete(failed_result(spec, f"reader/{report.node_id}", "storage reader died", ErrorKind.PEER_DIED))
+
     def _tell(self, actor: str, method: str, *args: Any) -> None:
         try:
             getattr(ray.get_actor(actor, namespace=self.core.cfg.runtime.namespace), method).remote(*args)
@@ -301,6 +343,7 @@ class Scheduler:
 
     async def fetch_decode(self, report: GroupReport, wait_s: float = 0.0) -> list[DecodeReservation]:
         """A decode group's pull; with nothing to place, waits up to wait_s for new work."""
+        self._note_reader("decode", report)
         placed = await self._fetch("decode", lambda: self.core.fetch_decode(report), wait_s)
         if placed:
             self.new_work["prefill"].set()
@@ -311,6 +354,7 @@ class Scheduler:
 
         The report was taken before the wait; meanwhile its engines can only have finished work
         (no one else assigns to them), so deciding on it after the wait is conservative."""
+        self._note_reader("prefill", report)
         return await self._fetch("prefill", lambda: self.core.fetch_prefill(report), wait_s)
 
     async def _fetch(self, role: str, fetch: Any, wait_s: float) -> list[Any]:

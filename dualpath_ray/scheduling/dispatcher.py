@@ -103,6 +103,8 @@ class Dispatcher:
         self.decode_loads: dict[str, tuple[EngineLoad, ...]] = {}
         self.read_q: dict[str, int] = {}
         self._engine_node: dict[str, str] = {}
+        # Prefill nodes whose storage reader is down: their requests read through the DE path.
+        self.no_pe_reads: set[str] = set()
 
     def submit(self, request_id: str, prompt_tokens: int, hit_tokens: int, decode_tokens: int) -> None:
         if request_id in self.entries:
@@ -211,6 +213,8 @@ class Dispatcher:
         return QueuedRequest(request_id, self.entries[request_id].decode_tokens)
 
     def _path(self, pe_node: str, de_node: str) -> Literal["pe", "de"]:
+        if pe_node in self.no_pe_reads:
+            return "de"
         if self.mode != "dualpath":
             return "pe"
         return choose_read_path(self.read_q.get(pe_node, 0), self.read_q.get(de_node, 0))

@@ -21,7 +21,12 @@ pytestmark = [pytest.mark.integration, pytest.mark.chaos]
 
 
 def rollout_killing(cluster: DualPathCluster, trajs, victim: str, after_turns: int):
-    """Run the rollout on a thread; kill `victim` once `after_turns` turns have finished."""
+    """Run the rollout on a thread; kill engine `victim` once `after_turns` turns finished."""
+    return rollout_killing_actor(cluster, trajs, cluster.deployment.engines[victim], after_turns)
+
+
+def rollout_killing_actor(cluster: DualPathCluster, trajs, actor, after_turns: int):
+    """Run the rollout on a thread; kill `actor` once `after_turns` turns have finished."""
     box = {}
     worker = threading.Thread(target=lambda: box.setdefault("result", cluster.rollout(trajs, progress=False)))
     scheduler = cluster.deployment.scheduler
@@ -29,7 +34,7 @@ def rollout_killing(cluster: DualPathCluster, trajs, victim: str, after_turns: i
     deadline = time.monotonic() + 120
     while ray.get(scheduler.call_counts.remote())["complete"] < after_turns and time.monotonic() < deadline:
         time.sleep(0.05)
-    ray.kill(cluster.deployment.engines[victim], no_restart=True)
+    ray.kill(actor, no_restart=True)
     killed_at = ray.get(scheduler.call_counts.remote())["complete"]
     worker.join(timeout=300)
     assert not worker.is_alive(), "the rollout finishes (never hangs on a dead engine)"
