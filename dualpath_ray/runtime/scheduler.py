@@ -32,7 +32,7 @@ from dualpath_ray.runtime.messages import (
     TurnResult,
     failed_result,
 )
-from dualpath_ray.scheduling.dispatcher import Constants, Dispatcher
+from dualpath_ray.scheduling.dispatcher import Constants, Dispatcher, RequestState
 
 
 class SchedulerCore:
@@ -96,7 +96,7 @@ class SchedulerCore:
             self.dispatcher.no_pe_reads.add(report.node_id)
             return [spec for rid, spec in self.specs.items()
                     if (entry := self.dispatcher.entries.get(rid)) is not None
-                    and entry.state.value == "prefilling" and self._reads_pe_on(rid, report.node_id)]
+                    and entry.state is RequestState.PREFILLING and self._reads_pe_on(rid, report.node_id)]
         failed: list[RequestSpec] = []
         for engine in report.engines:
             if engine.engine_id not in self.dead:
@@ -259,12 +259,12 @@ class Scheduler:
         lost = []
         for rid, entry in self.core.dispatcher.entries.items():
             spec = self.core.specs.get(rid)
-            if spec is None or entry.state.value == "waiting_decode":
+            if spec is None or entry.state is RequestState.WAITING_DECODE:
                 continue
             at_decode = held.get(entry.decode_engine, {}).get(rid)
             at_prefill = held.get(entry.prefill_engine, {}).get(rid) if entry.prefill_engine else None
             delivered = at_decode is not None and at_decode[0] == spec.attempt and (
-                entry.state.value == "waiting_prefill" or at_decode[1]
+                entry.state is RequestState.WAITING_PREFILL or at_decode[1]
                 or (at_prefill is not None and at_prefill[0] == spec.attempt)
             )
             if delivered:
