@@ -28,7 +28,7 @@ from dualpath_ray.model.profile import attention_predictor
 from dualpath_ray.runtime.compute import EngineCompute
 from dualpath_ray.runtime.decode_core import HBM_POOL, DecodeCore, DecodePorts, DecodeSettings
 from dualpath_ray.runtime.emulation import make_compute, make_link
-from dualpath_ray.runtime.messages import DecodeReservation, PrefillTask, RequestSpec, SamplingParams, TurnResult
+from dualpath_ray.runtime.messages import DecodeReservation, PrefillTask, RequestSpec, SamplingParams, TurnResult, attempt_owner
 from dualpath_ray.runtime.prefill_core import PrefillCore, PrefillPorts, PrefillSettings
 from dualpath_ray.runtime.prefill_pipeline import WINDOW_POOL
 from dualpath_ray.runtime.reader import ReaderCore
@@ -90,7 +90,7 @@ class EngineHarness:
     def _index_blocks(self, result: TurnResult) -> None:
         if result.error is not None:
             # As the Scheduler actor does: a request that failed before decode holds a reservation.
-            self.decode.cancel(f"{result.request_id}#{result.attempt}")
+            self.decode.cancel(attempt_owner(result.request_id, result.attempt))
         for block in result.persisted:
             assert self.store.contains(block.key), f"{result.request_id}: block {block.key} reported before it was stored"
             self.index.insert_block(block.key, block.parent)

@@ -52,15 +52,16 @@ class LRUEviction:
     def forget(self, key: str) -> None:
         self._order.pop(key, None)
 
+    def over_capacity(self) -> bool:
+        return self.capacity_blocks is not None and len(self.index) > self.capacity_blocks
+
     def evict(self, in_use: Collection[str] = ()) -> list[str]:
         """Unindex and delete LRU leaves until the indexed blocks fit; returns their keys.
         Blocks `in_use` (hits of requests in flight) are kept, so their reads do not miss."""
-        if self.capacity_blocks is None:
-            return []
         evicted: list[str] = []
-        if len(self.index) > self.capacity_blocks:
+        if self.over_capacity():
             self._adopt_untracked()
-        while len(self.index) > self.capacity_blocks:
+        while self.over_capacity():
             victim = self._oldest_leaf(in_use)
             if victim is None:
                 break

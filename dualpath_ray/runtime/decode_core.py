@@ -42,6 +42,7 @@ from dualpath_ray.runtime.messages import (
     ErrorKind,
     PersistedBlock,
     TurnResult,
+    attempt_owner,
     failed_result,
 )
 from dualpath_ray.runtime.ports import Clock, Pending, ReaderPort, SchedulerPort, TransportPort
@@ -80,7 +81,7 @@ class DecodeTransitionError(RuntimeError):
 @dataclass
 class DecodeJob:
     request_id: str
-    owner: str
+    attempt: int
     reserved_tokens: int
     state: DecodeState = DecodeState.RESERVED
     handoff: DecodeHandoff | None = None
@@ -97,6 +98,11 @@ class DecodeJob:
     persisted: list[PersistedBlock] = field(default_factory=list)
     stop_reason: str | None = None
     check: KVCheck = field(default_factory=KVCheck)
+
+    @property
+    def owner(self) -> str:
+        """This attempt's name: what owns its pages and its extents."""
+        return attempt_owner(self.request_id, self.attempt)
 
     @property
     def prompt_len(self) -> int:
@@ -181,11 +187,11 @@ class DecodeCore:
     def accept(self, reservations: Sequence[DecodeReservation]) -> None:
         with self._lock:
             for r in reservations:
-                owner = f"{r.request_id}#{r.attempt}"
+                owner = attempt_owner(r.request_id, r.attempt)
                 self.pages.reserve(owner, self.pages.pages_for(r.tokens))
                 # Keyed by owner (request id and attempt): a retry never meets an earlier
                 # attempt's job, and a late cancel of that attempt cannot touch the retry.
-                self.jobs[owner] = DecodeJob(r.request_id, owner, r.tokens)
+                self.jobs[owner] = DecodeJob(r.request_id, r.attempt, r.tokens)
 
     def cancel(self, owner: str) -> None:
         """Drop the reservation of an attempt ("request#attempt") that failed before it reached
@@ -201,11 +207,10 @@ class DecodeCore:
         """Each attempt this engine holds: request id -> (attempt, whether its handoff arrived)."""
         with self._lock:
             arrived = {h.task.request.owner for h in self._arrived}
-            held = {}
-            for owner, job in self.jobs.items():
-                attempt = int(owner.rsplit("#", 1)[1])
-                held[job.request_id] = (attempt, job.handoff is not None or owner in arrived)
-            return held
+            return {
+                job.request_id: (job.attempt, job.handoff is not None or owner in arrived)
+                for owner, job in self.jobs.items()
+            }
 
     def hand_off(self, handoff: DecodeHandoff) -> None:
         with self._lock:

@@ -51,6 +51,11 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
 
 
+def attempt_owner(request_id: str, attempt: int) -> str:
+    """The name of one attempt of a request: what owns its extents, pages and decode job."""
+    return f"{request_id}#{attempt}"
+
+
 @dataclass(frozen=True)
 class RequestSpec:
     """One turn to serve: the whole prompt (cached + new tokens) and how to sample."""
@@ -65,7 +70,7 @@ class RequestSpec:
     @property
     def owner(self) -> str:
         """The lease owner of this attempt's buffer extents."""
-        return f"{self.request_id}#{self.attempt}"
+        return attempt_owner(self.request_id, self.attempt)
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ from dualpath_ray.runtime.messages import (
     PrefillTask,
     RequestSpec,
     TurnResult,
+    attempt_owner,
     failed_result,
 )
 from dualpath_ray.scheduling.dispatcher import Constants, Dispatcher, RequestState
@@ -48,10 +49,9 @@ class SchedulerCore:
         alpha, beta = derive_alpha_beta(cfg, self.layout)
         self.dispatcher = Dispatcher(Constants(alpha, beta, cfg.scheduler.z_margin), mode)  # type: ignore[arg-type]
         self.specs: dict[str, RequestSpec] = {}
+        # Hit keys and tokens of each request in flight, from submit until it finishes.
         self.hits: dict[str, tuple[tuple[str, ...], int]] = {}
         self.dead: set[str] = set()
-        self.reading: dict[str, tuple[str, ...]] = {}  # hit keys of each request in flight
-        self.pe_reads: dict[str, str] = {}  # request -> prefill node reading its hits (PE path)
 
     def lookup(self, spec: RequestSpec) -> tuple[tuple[str, ...], int]:
         """Hit blocks of a prompt, leaving at least one token to compute (it yields the logits)."""
@@ -69,7 +69,6 @@ class SchedulerCore:
         self.dispatcher.submit(spec.request_id, len(spec.prompt), hit_tokens, decode_tokens)
         self.specs[spec.request_id] = spec
         self.hits[spec.request_id] = (keys, hit_tokens)
-        self.reading[spec.request_id] = keys
 
     def _live(self, report: GroupReport) -> tuple[Any, ...]:
         return tuple(e for e in report.engines if e.engine_id not in self.dead)
@@ -94,18 +93,16 @@ class SchedulerCore:
             if report.node_id in self.dispatcher.no_pe_reads:
                 return []
             self.dispatcher.no_pe_reads.add(report.node_id)
-            return [spec for rid, spec in self.specs.items()
-                    if (entry := self.dispatcher.entries.get(rid)) is not None
-                    and entry.state is RequestState.PREFILLING and self._reads_pe_on(rid, report.node_id)]
+            return [
+                self.specs[rid] for rid, entry in self.dispatcher.entries.items()
+                if rid in self.specs and entry.state is RequestState.PREFILLING and entry.path == "pe"
+                and entry.prefill_node == report.node_id and entry.hit_tokens > 0
+            ]
         failed: list[RequestSpec] = []
         for engine in report.engines:
             if engine.engine_id not in self.dead:
                 failed.extend(self.engine_died(engine.engine_id))
         return failed
-
-    def _reads_pe_on(self, request_id: str, node_id: str) -> bool:
-        entry = self.dispatcher.entries[request_id]
-        return self.pe_reads.get(request_id) == node_id and bool(entry.prefill_engine)
 
     def fetch_decode(self, report: GroupReport) -> list[DecodeReservation]:
         self.dispatcher.report_read_q(report.node_id, report.read_q_tokens)
@@ -120,9 +117,7 @@ class SchedulerCore:
         tasks = []
         live = self._live(report)
         for d in self.dispatcher.fetch_prefill(live) if live else []:
-            keys, hit_tokens = self.hits.pop(d.request_id)
-            if d.path == "pe" and keys:
-                self.pe_reads[d.request_id] = d.prefill_node
+            keys, hit_tokens = self.hits[d.request_id]
             tasks.append(
                 PrefillTask(
                     request=self.specs[d.request_id],
@@ -149,14 +144,14 @@ class SchedulerCore:
         for block in result.persisted:
             self.index.insert_block(block.key, block.parent)
         self.eviction.touch(block.key for block in result.persisted)
-        if not self.is_current(result):
+        current = self.is_current(result)
+        if current:
+            self.specs.pop(result.request_id, None)
+            self.hits.pop(result.request_id, None)
+        if self.eviction.over_capacity():
             self.eviction.evict(self._keys_in_use())
+        if not current:
             return None
-        self.specs.pop(result.request_id, None)
-        self.reading.pop(result.request_id, None)
-        self.pe_reads.pop(result.request_id, None)
-        self.eviction.evict(self._keys_in_use())
-        self.hits.pop(result.request_id, None)
         entry = self.dispatcher.entries.get(result.request_id)
         if entry is None:
             return None
@@ -164,13 +159,11 @@ class SchedulerCore:
         return entry.decode_engine if result.error is not None and entry.decode_engine else None
 
     def _keys_in_use(self) -> set[str]:
-        return {key for keys in self.reading.values() for key in keys}
+        return {key for keys, _ in self.hits.values() for key in keys}
 
     def abandon(self, request_id: str) -> str | None:
         """Forget a request whose deadline passed; returns a decode engine holding its HBM."""
         self.specs.pop(request_id, None)
-        self.reading.pop(request_id, None)
-        self.pe_reads.pop(request_id, None)
         self.hits.pop(request_id, None)
         entry = self.dispatcher.cancel(request_id)
         return entry.decode_engine if entry is not None and entry.decode_engine else None
@@ -378,7 +371,7 @@ class Scheduler:
         self.calls["complete"] += 1
         current = self.core.is_current(result)
         holder = self.core.finish(result)
-        self._cancel_at(holder, f"{result.request_id}#{result.attempt}")
+        self._cancel_at(holder, attempt_owner(result.request_id, result.attempt))
         if not current:
             self.calls["stale_results"] += 1
             return

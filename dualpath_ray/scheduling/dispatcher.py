@@ -57,6 +57,8 @@ class Entry:
     decode_engine: str = ""
     decode_node: str = ""
     prefill_engine: str = ""
+    prefill_node: str = ""
+    path: Literal["pe", "de", ""] = ""
 
 
 def transition(entry: Entry, new: RequestState) -> None:
@@ -163,7 +165,7 @@ class Dispatcher:
             # Until the readers report again, count this request's hits in the chosen queue.
             chosen = pe_node if path == "pe" else entry.decode_node
             self.read_q[chosen] = self.read_q.get(chosen, 0) + entry.hit_tokens
-            entry.prefill_engine = assignment.target
+            entry.prefill_engine, entry.prefill_node, entry.path = assignment.target, pe_node, path
             transition(entry, RequestState.PREFILLING)
             decisions.append(
                 PrefillDecision(entry.request_id, assignment.target, pe_node, entry.decode_engine, entry.decode_node, path)

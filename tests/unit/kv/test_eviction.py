@@ -26,9 +26,13 @@ def publish(store: MemoryStore, index: PrefixIndex, first_token: int, blocks: in
     return keys
 
 
-def test_least_recently_used_leaves_go_first_and_the_index_stays_true() -> None:
+def store_within(blocks: int) -> tuple[MemoryStore, PrefixIndex, LRUEviction]:
     store, index = MemoryStore(LAYOUT), PrefixIndex(BLOCK)
-    lru = LRUEviction(index, store, capacity_bytes=4 * LAYOUT.full_block_bytes, block_bytes=LAYOUT.full_block_bytes)
+    return store, index, LRUEviction(index, store, blocks * LAYOUT.full_block_bytes, LAYOUT.full_block_bytes)
+
+
+def test_least_recently_used_leaves_go_first_and_the_index_stays_true() -> None:
+    store, index, lru = store_within(4)
     cold = publish(store, index, 0, 2)
     lru.touch(cold)
     hot = publish(store, index, 100, 2)
@@ -45,8 +49,7 @@ def test_least_recently_used_leaves_go_first_and_the_index_stays_true() -> None:
 
 
 def test_a_hot_prefix_is_never_cut_from_under_its_descendants() -> None:
-    store, index = MemoryStore(LAYOUT), PrefixIndex(BLOCK)
-    lru = LRUEviction(index, store, capacity_bytes=2 * LAYOUT.full_block_bytes, block_bytes=LAYOUT.full_block_bytes)
+    store, index, lru = store_within(2)
     chain = publish(store, index, 0, 3)
     lru.touch(chain[:1])  # the first block is the most recently used, but it has descendants
     assert lru.evict() == [chain[2]], "only the leaf goes, although its parent is newer in LRU order"
@@ -62,8 +65,7 @@ def test_no_capacity_means_no_eviction_and_a_capacity_below_one_block_is_refused
 
 
 def test_hits_of_requests_in_flight_are_not_evicted() -> None:
-    store, index = MemoryStore(LAYOUT), PrefixIndex(BLOCK)
-    lru = LRUEviction(index, store, capacity_bytes=1 * LAYOUT.full_block_bytes, block_bytes=LAYOUT.full_block_bytes)
+    store, index, lru = store_within(1)
     reading = publish(store, index, 0, 1)
     lru.touch(reading)
     newer = publish(store, index, 100, 1)
