@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -129,6 +130,8 @@ class FakeReaders:
         self.fabric = fabric
         self.slow_writes_s = slow_writes_s
         self.fail_stage = 0
+        # While set and not open, leases wait for it on a helper thread (a pool that is full).
+        self.lease_gate: threading.Event | None = None
         self.calls: list[str] = []
         self.engines_by_owner: dict[str, str] = {}
         self._pool = ThreadPoolExecutor(max_workers=4)
@@ -146,6 +149,13 @@ class FakeReaders:
     def lease(self, node_id: str, owner: str, n_blocks: int) -> Any:
         self.calls.append("lease")
         core = self.cores[node_id]
+        gate = self.lease_gate
+        if gate is not None:
+            def gated() -> ExtentGrant:
+                gate.wait()
+                return core.grant(core.lease(owner, n_blocks), f"reader/{node_id}")
+
+            return _FuturePending(self._pool.submit(gated))
         return Ready(core.grant(core.lease(owner, n_blocks), f"reader/{node_id}"))
 
     def free(self, grant: ExtentGrant) -> None:

@@ -147,8 +147,7 @@ class EngineBase(TransportEndpoint):
 
     @ray.method(concurrency_group="control")
     def accept(self, items: list[Any]) -> None:
-        self.core.accept(items)
-        self.wake.set()
+        self._accept_local(items)
 
     @ray.method(concurrency_group="control")
     def health(self) -> str | None:

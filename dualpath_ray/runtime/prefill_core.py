@@ -83,6 +83,10 @@ class PrefillJob:
     def request_id(self) -> str:
         return self.task.request.request_id
 
+    @property
+    def owner(self) -> str:
+        return self.task.request.owner
+
 
 def transition(job: PrefillJob, target: PrefillState) -> None:
     """The one way a prefill job's state changes; an illegal move raises."""
@@ -147,6 +151,7 @@ class PrefillCore:
         self.counters = NodeCounters()
         self.stats = PrefillStats()
         self.jobs: dict[str, PrefillJob] = {}
+        self._orphans: list[Pending[ExtentGrant]] = []
         self._lock = threading.Lock()
 
     # --- what the actor's control thread calls ------------------------------------------
@@ -157,26 +162,39 @@ class PrefillCore:
             return EngineLoad(self.settings.engine_id, self.settings.node_id, len(self.jobs), tokens)
 
     def holds(self) -> dict[str, tuple[int, bool]]:
-        """Each request on this engine: request id -> (attempt, False: not handed off yet)."""
+        """Each request on this engine: request id -> (its newest attempt here, False: not
+        handed off yet). An earlier attempt still finishing is not what the scheduler waits for."""
         with self._lock:
-            return {rid: (job.task.request.attempt, False) for rid, job in self.jobs.items()}
+            held: dict[str, tuple[int, bool]] = {}
+            for job in self.jobs.values():
+                attempt = job.task.request.attempt
+                if job.request_id not in held or held[job.request_id][0] < attempt:
+                    held[job.request_id] = (attempt, False)
+            return held
 
     def accept(self, tasks: Sequence[PrefillTask]) -> None:
-        jobs = [self._stage(task) for task in tasks]
+        """Stage every task. Jobs are keyed by owner (request id and attempt): a retry may land
+        here while its earlier attempt still runs, and each frees only its own extents. A task
+        already here is a duplicate delivery: it is refused before anything is leased for it."""
+        with self._lock:
+            fresh = [t for t in tasks if t.request.owner not in self.jobs]
+        duplicates = [t.request.owner for t in tasks if t not in fresh]
+        jobs = [self._stage(task) for task in fresh]
         with self._lock:
             for job in jobs:
-                if job.request_id in self.jobs:
-                    raise ValueError(f"request {job.request_id} is already on {self.settings.engine_id}")
-                self.jobs[job.request_id] = job
+                self.jobs[job.owner] = job
+        if duplicates:
+            LOG.warning("%s: ignored duplicate deliveries %s", self.settings.engine_id, duplicates)
 
     def busy(self) -> bool:
         with self._lock:
-            return bool(self.jobs)
+            return bool(self.jobs or self._orphans)
 
     # --- what the actor's worker thread calls ---------------------------------------------
 
     def step(self) -> bool:
         """Advance staging and run at most one batch; False when there was nothing to do."""
+        self._reap_orphans()
         self._poll_staging()
         batch = self._next_batch()
         if not batch:
@@ -220,6 +238,29 @@ class PrefillCore:
         self.store.get_many_into(keys, list(blocks))
         return blocks
 
+    def _reap_orphans(self) -> None:
+        """Free the extents of failed requests' staging calls as their replies arrive. A lease
+        may wait for free blocks longer than any bound here, and one granted after its request
+        failed has no other owner: never waiting for it here is what keeps it from leaking."""
+        with self._lock:
+            orphans, self._orphans = self._orphans, []
+        waiting = []
+        for pending in orphans:
+            try:
+                if not pending.done():
+                    waiting.append(pending)
+                    continue
+                grant = pending.wait(0)
+            except Exception:  # noqa: BLE001 - that side never leased anything
+                continue
+            self.ports.readers.free(grant)
+        with self._lock:
+            self._orphans.extend(waiting)
+
+    def orphans(self) -> int:
+        with self._lock:
+            return len(self._orphans)
+
     def _poll_staging(self) -> None:
         with self._lock:
             staging = [j for j in self.jobs.values() if j.state is PrefillState.STAGING]
@@ -242,8 +283,8 @@ class PrefillCore:
             ready = [j for j in self.jobs.values() if j.state is PrefillState.READY]
         if not ready:
             return []
-        queue = [(j.request_id, j.computed, len(j.prompt) - j.computed) for j in ready]
-        by_id = {j.request_id: j for j in ready}
+        queue = [(j.owner, j.computed, len(j.prompt) - j.computed) for j in ready]
+        by_id = {j.owner: j for j in ready}
         packed = pack_prefill_batch(queue, self.predict_ms, self.settings.quota_ms, self.window.capacity_tokens)
         batch = [(by_id[rid], cached, bsz) for rid, cached, bsz in packed]
         for job, _, _ in batch:
@@ -295,17 +336,14 @@ class PrefillCore:
         self.stats.handoffs += 1
         transition(job, PrefillState.HANDED_OFF)
         with self._lock:
-            del self.jobs[job.request_id]
+            del self.jobs[job.owner]
 
     def _fail(self, job: PrefillJob, error: BaseException) -> None:
         """Free what the request holds, report the error, forget it."""
-        for pending in job.staging.values():
-            try:
-                grant = pending.wait(self.settings.transfer_timeout_s)
-            except Exception:  # noqa: BLE001 - that side never leased anything
-                continue
-            self.ports.readers.free(grant)
+        with self._lock:
+            self._orphans.extend(job.staging.values())
         job.staging = {}
+        self._reap_orphans()
         for grant in (job.pe, job.de):
             if grant is not None:
                 self.ports.readers.free(grant)
@@ -313,5 +351,5 @@ class PrefillCore:
         transition(job, PrefillState.FAILED)
         self.stats.failures += 1
         with self._lock:
-            self.jobs.pop(job.request_id, None)
+            self.jobs.pop(job.owner, None)
         self.ports.scheduler.complete(failure_of(job.task.request, self.settings.engine_id, error))

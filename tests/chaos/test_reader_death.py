@@ -41,10 +41,7 @@ def test_a_dead_prefill_reader_is_routed_around_through_the_de_path():
                 break
             time.sleep(0.2)
         print(f"reader/d0 pool (free, leased, in flight, capacity): {pool}")
-        if pool[0] != pool[3]:
-            # Known bug (docs/reliability.md): in some runs one attempt's extent stays leased on
-            # the surviving reader after the prefill reader died. Reported as xfail, not passed.
-            pytest.xfail(f"known extent leak after a reader death: reader/d0 pool {pool}")
+        assert pool[0] == pool[3], f"every slot of the surviving reader's pool is free again: {pool}"
     finally:
         cluster.deployment.readers.pop("reader/p0", None)
         cluster.shutdown()

@@ -3,13 +3,17 @@ layer pipeline's transfers (one per layer and reader, posted ahead of compute)."
 
 from __future__ import annotations
 
+import dataclasses
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from dualpath_ray.config import DualPathConfig, parse_config
-from tests.engine_harness import EngineHarness, Request
+from dualpath_ray.runtime.messages import DecodeReservation
+from tests.engine_harness import DE, EngineHarness, Request
 
 BLOCK = 16
 
@@ -185,6 +189,53 @@ def test_a_failed_read_fails_only_that_request_and_frees_its_extents(harness) ->
     results = h.serve([Request("bad", follow, "pe"), Request("good", tokens(40, 4), "pe")])
     assert results[0].error and "injected read failure" in results[0].error, "the failed read is the request's error"
     assert results[1].error is None, "another request in the same engine is served"
+    h.assert_idle()
+
+
+def test_a_lease_granted_after_its_request_failed_is_freed_not_leaked(harness) -> None:
+    h = harness()
+    context = tokens(100, 1)
+    (turn1,) = h.serve([Request("t1", context, "pe")])
+    gate = threading.Event()
+    h.readers.fail_stage, h.readers.lease_gate = 1, gate
+    (bad,) = h.serve([Request("bad", context + list(turn1.output_tokens), "pe")])
+    assert bad.error and "injected read failure" in bad.error, "the PE read failed while the DE lease still waited"
+    assert h.prefill.orphans() == 1, "the waiting lease is remembered, not waited for in the failure path"
+    gate.set()
+    deadline = time.monotonic() + 10
+    while h.prefill.orphans() and time.monotonic() < deadline:
+        h.prefill.step()
+        time.sleep(0.001)
+    h.readers.lease_gate = None
+    h.assert_idle()
+
+
+def test_a_duplicate_delivery_leases_nothing_and_runs_once(harness) -> None:
+    h = harness()
+    task = h.task(Request("once", tokens(60, 7), "de"))
+    h.prefill.accept([task])
+    h.prefill.accept([task])
+    assert h.readers.calls.count("stage") == 1, "the duplicate delivery staged nothing"
+    deadline = time.monotonic() + 30
+    while not h.collector.results and time.monotonic() < deadline:
+        h.prefill.step() | h.decode.step()
+    assert [r.request_id for r in h.collector.results] == ["once"], "the request ran exactly once"
+    h.assert_idle()
+
+
+def test_two_attempts_of_one_request_coexist_and_each_frees_its_own_extents(harness) -> None:
+    h = harness()
+    prompt = tokens(60, 8)
+    first = h.task(Request("r", prompt, "de"))
+    retry = dataclasses.replace(first, request=dataclasses.replace(first.request, attempt=1))
+    h.decode.accept([DecodeReservation("r", 1, 128, DE)])
+    h.prefill.accept([first, retry])
+    assert h.prefill.holds() == {"r": (1, False)}, "the heartbeat names the newest attempt"
+    deadline = time.monotonic() + 30
+    while len(h.collector.results) < 2 and time.monotonic() < deadline:
+        h.prefill.step() | h.decode.step()
+    attempts = sorted(r.attempt for r in h.collector.results if r.error is None)
+    assert attempts == [0, 1], "both attempts ran to their own results"
     h.assert_idle()
 
 
