@@ -14,6 +14,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
 
+from dualpath_ray.faults.plan import FaultMode, FaultPlan, FaultSite
+
 
 class ConfigError(ValueError):
     """A configuration file or value is invalid; the message names each bad field."""
@@ -215,6 +217,11 @@ class RuntimeConfig(_Section):
     verify_kv: bool = Field(
         False, description="Decode engines check every assembled KV byte (tests; costs a recompute)."
     )
+    kv_digests: bool = Field(
+        True,
+        description="Check per-token digests of KV at every hop (buffer -> prefill window, window -> "
+        "decode buffer -> HBM) before it is used; a damaged transfer is read again once, then fails the attempt.",
+    )
     @field_validator("transport")
     @classmethod
     def _resolve_auto_transport(cls, kind: str) -> str:
@@ -266,6 +273,7 @@ class DualPathConfig(_Section):
     scheduler: SchedulerConfig = SchedulerConfig()
     emulation: EmulationConfig = EmulationConfig()
     runtime: RuntimeConfig = RuntimeConfig()
+    faults: FaultPlan = FaultPlan()
 
     @model_validator(mode="after")
     def _prefill_window_holds_a_prompt(self) -> DualPathConfig:
@@ -274,6 +282,13 @@ class DualPathConfig(_Section):
                 f"cluster.prefill_hbm_tokens ({self.cluster.prefill_hbm_tokens}) must be >= "
                 f"model.max_context ({self.model.max_context}) so that any prompt fits a prefill engine"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _store_faults_need_files(self) -> DualPathConfig:
+        damages_files = any(f.site is FaultSite.STORE_READ and f.mode is FaultMode.CORRUPT for f in self.faults.faults)
+        if damages_files and self.store.backend != "local_dir":
+            raise ValueError("faults: store_read corrupt damages block files; it needs store.backend: local_dir")
         return self
 
     def with_overrides(self, **sections: dict[str, Any]) -> DualPathConfig:
