@@ -18,6 +18,7 @@ from typing import Any, Sequence
 import ray
 
 from dualpath_ray.config import DualPathConfig
+from dualpath_ray.faults.injector import FaultCount, merge_counts
 from dualpath_ray.runtime.decode import DecodeEngine
 from dualpath_ray.runtime.accounting import NodeCounters
 from dualpath_ray.runtime.engine import EngineIdentity
@@ -258,10 +259,50 @@ class DualPathCluster:
         return dict(zip(decode, ray.get([e.page_integrity.remote() for e in decode.values()])))
 
     def engine_stats(self) -> dict[str, dict[str, Any]]:
-        """Each engine's core and transport figures (batches, transfers, bytes in flight, ...)."""
+        """Each live engine's core and transport figures (batches, transfers, bytes in flight,
+        ...); a dead engine is left out."""
         assert self.deployment is not None
-        engines = self.deployment.engines
-        return dict(zip(engines, ray.get([e.engine_stats.remote() for e in engines.values()])))
+        refs = {name: e.engine_stats.remote() for name, e in self.deployment.engines.items()}
+        stats = {}
+        for name, ref in refs.items():
+            try:
+                stats[name] = ray.get(ref, timeout=self.cfg.runtime.heartbeat_timeout_s)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                continue
+        return stats
+
+    def fault_counts(self) -> dict[str, FaultCount]:
+        """The fault plan's counters ("site:mode[:phase]" -> events, injected), summed over every
+        live engine and reader (an actor killed by its plan takes its counts with it)."""
+        assert self.deployment is not None
+        actors = [*self.deployment.engines.values(), *self.deployment.readers.values()]
+        parts = []
+        for actor in actors:
+            try:
+                parts.append(ray.get(actor.fault_counts.remote(), timeout=self.cfg.runtime.heartbeat_timeout_s))
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                continue
+        return merge_counts(parts)
+
+    def integrity_report(self) -> dict[str, int | set[str]]:
+        """What the KV checks caught: digest mismatches (tokens) and second reads at the prefill
+        and decode sides, and the stored blocks the readers damaged (plan) and found corrupt."""
+        assert self.deployment is not None
+        report: dict[str, Any] = {"prefill_mismatches": 0, "prefill_rereads": 0, "decode_mismatches": 0,
+                                  "decode_reloads": 0, "damaged_keys": set(), "corrupt_keys": set()}
+        for name, stats in self.engine_stats().items():
+            core = stats["core"]
+            if name.startswith("prefill/"):
+                report["prefill_mismatches"] += core["pipeline"]["digest_mismatches"]
+                report["prefill_rereads"] += core["pipeline"]["digest_rereads"]
+            else:
+                report["decode_mismatches"] += core["digest_mismatches"]
+                report["decode_reloads"] += core["digest_reloads"]
+        for reader in self.deployment.readers.values():
+            damaged, corrupt = ray.get(reader.integrity_keys.remote())
+            report["damaged_keys"].update(damaged)
+            report["corrupt_keys"].update(corrupt)
+        return report
 
     def update_weights(self, version: int, source: Any) -> int:
         """Swap every engine's weights between rollouts and move later requests to the key

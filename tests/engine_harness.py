@@ -68,7 +68,8 @@ class EngineHarness:
         self.window = LayerWindow(cfg.cluster.prefill_hbm_tokens, self.layout, self.device)
         self.fabric.register(PE, WINDOW_POOL, self.window.tensor)
         self.prefill = PrefillCore(
-            PrefillSettings(PE, "p0", "reader/p0", cfg.scheduler.compute_quota_ms, cfg.runtime.transfer_timeout_s),
+            PrefillSettings(PE, "p0", "reader/p0", cfg.scheduler.compute_quota_ms, cfg.runtime.transfer_timeout_s,
+                            cfg.runtime.kv_digests),
             self.layout, self.compute, self.window, attention_predictor(cfg),
             PrefillPorts(self.readers, self.pe_transport, self.collector, self.handoff, self.clock),
             self.store, self._links("pe"),
@@ -77,7 +78,7 @@ class EngineHarness:
         self.fabric.register(DE, HBM_POOL, self.pages.tensor)
         self.decode = DecodeCore(
             DecodeSettings(DE, "d0", cfg.model.max_context, cfg.runtime.max_persists_in_flight,
-                           cfg.runtime.transfer_timeout_s, cfg.runtime.verify_kv),
+                           cfg.runtime.transfer_timeout_s, cfg.runtime.verify_kv, cfg.runtime.kv_digests),
             self.layout, self.compute, self.pages,
             DecodePorts(self.readers, self.de_transport, self.collector, self.clock), self.store, self._links("de"),
         )

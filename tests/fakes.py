@@ -144,7 +144,7 @@ class FakeReaders:
             self.fail_stage -= 1
             return Failed(RuntimeError(f"injected read failure on {node_id}"))
         core = self.cores[node_id]
-        return Ready(core.grant(core.read_blocks(owner, keys, total_blocks, path), f"reader/{node_id}"))
+        return Ready(core.stage(owner, keys, total_blocks, path, f"reader/{node_id}"))
 
     def lease(self, node_id: str, owner: str, n_blocks: int) -> Any:
         self.calls.append("lease")
@@ -161,6 +161,10 @@ class FakeReaders:
     def free(self, grant: ExtentGrant) -> None:
         self.calls.append("free")
         self.cores[grant.node_id].free(grant.extent_id)
+
+    def reclaim(self, node_id: str, owner: str) -> None:
+        self.calls.append("reclaim")
+        self.cores[node_id].reclaim(owner)
 
     def persist_extent(self, grant: ExtentGrant, blocks: Sequence[tuple[int, PersistedBlock]]) -> Any:
         self.calls.append("persist_extent")

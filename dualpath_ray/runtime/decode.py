@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ray
 
+from dualpath_ray.faults.ports import with_faults
 from dualpath_ray.kv.paged import PagedKVPool
 from dualpath_ray.runtime.decode_core import HBM_POOL, DecodeCore, DecodePorts, DecodeSettings
 from dualpath_ray.runtime.engine import EngineBase
@@ -27,9 +28,13 @@ class DecodeEngine(EngineBase):
         self.transport.register(HBM_POOL, pages.tensor)
         settings = DecodeSettings(
             self.id.engine_id, self.id.node_id, cfg.model.max_context, cfg.runtime.max_persists_in_flight,
-            cfg.runtime.transfer_timeout_s, cfg.runtime.verify_kv,
+            cfg.runtime.transfer_timeout_s, cfg.runtime.verify_kv, cfg.runtime.kv_digests,
         )
-        ports = DecodePorts(RayReaders(self.directory, self.id.engine_id, self.wake), self.transport, RayScheduler(self.directory), SystemClock())
+        ports = DecodePorts(
+            RayReaders(self.directory, self.id.engine_id, self.wake), self.transport, RayScheduler(self.directory), SystemClock()
+        )
+        if self.faults.active:
+            ports = with_faults(ports, self.faults, self.transport.view)
         return DecodeCore(settings, self.layout, self.compute, pages, ports, self.store, self.links)
 
     @ray.method(concurrency_group="control")

@@ -47,7 +47,7 @@ from dualpath_ray.runtime.messages import (
 )
 from dualpath_ray.runtime.ports import Clock, Pending, ReaderPort, SchedulerPort, TransportPort
 from dualpath_ray.runtime.transport import Move, Region
-from dualpath_ray.runtime.verify import KVCheck, verify_prompt_kv
+from dualpath_ray.runtime.verify import KVCheck, landed_mismatches, verify_prompt_kv
 from dualpath_ray.scheduling import EngineLoad
 
 LOG = logging.getLogger("dualpath_ray.decode")
@@ -98,6 +98,7 @@ class DecodeJob:
     persisted: list[PersistedBlock] = field(default_factory=list)
     stop_reason: str | None = None
     check: KVCheck = field(default_factory=KVCheck)
+    bad_tokens: np.ndarray | None = None  # what the first check of the landed KV found wrong
 
     @property
     def owner(self) -> str:
@@ -133,6 +134,7 @@ class DecodeSettings:
     max_persists_in_flight: int
     transfer_timeout_s: float
     verify_kv: bool
+    kv_digests: bool = True
 
 
 @dataclass
@@ -146,6 +148,8 @@ class DecodeStats:
     persist_waits: int = 0
     finished: int = 0
     failures: int = 0
+    digest_mismatches: int = 0  # (layer, token)s of landed prompt KV that differed from its digests
+    digest_reloads: int = 0  # loads done once more after a mismatch, and then right
     compute_s: float = 0.0  # inside the model's decode steps
 
 
@@ -173,6 +177,7 @@ class DecodeCore:
         self.stats = DecodeStats()
         self.jobs: dict[str, DecodeJob] = {}
         self._arrived: deque[DecodeHandoff] = deque()
+        self._early_since: dict[str, float] = {}
         self._lock = threading.Lock()
         self._in_flight = 0
 
@@ -242,9 +247,14 @@ class DecodeCore:
     def _take_handoffs(self) -> bool:
         with self._lock:
             arrived, self._arrived = list(self._arrived), deque()
+        early = []
         for handoff in arrived:
             spec = handoff.task.request
             job = self.jobs.get(spec.owner)
+            if job is None and self._may_still_be_reserved(spec.owner):
+                early.append(handoff)
+                continue
+            self._early_since.pop(spec.owner, None)
             if job is None or job.state is not DecodeState.RESERVED:
                 LOG.error("%s: handoff of %s without a reservation", self.settings.engine_id, spec.request_id)
                 self._report(failed_result(
@@ -258,7 +268,17 @@ class DecodeCore:
                 self._start_load(job)
             except Exception as exc:  # noqa: BLE001 - fail this request, keep serving the others
                 self._fail(job, exc)
-        return bool(arrived)
+        if early:
+            with self._lock:
+                self._arrived.extendleft(reversed(early))
+        return len(early) < len(arrived)
+
+    def _may_still_be_reserved(self, owner: str) -> bool:
+        """A handoff may overtake its reservation (the group leader's accept is one more call
+        than the prefill engine's path): it waits for it up to transfer_timeout_s."""
+        now = time.monotonic()
+        first = self._early_since.setdefault(owner, now)
+        return now - first < self.settings.transfer_timeout_s
 
     def _start_load(self, job: DecodeJob) -> None:
         assert job.handoff is not None
@@ -273,14 +293,18 @@ class DecodeCore:
             self._materialise(job, prompt, table)
             self._start_running(job)
             return
+        self._post_load(job, table, len(prompt))
+        transition(job, DecodeState.LOADING)
+
+    def _post_load(self, job: DecodeJob, table: Sequence[int], tokens: int) -> None:
+        assert job.handoff is not None
         extent = job.handoff.extent
         assert extent is not None, f"request {job.request_id}: a non-oracle handoff names an extent"
-        moves = self._prompt_moves(table, extent.slots, len(prompt))
+        moves = self._prompt_moves(table, extent.slots, tokens)
         nbytes = sum(m[0].nbytes for m in moves)
         self.cnic_in.take(nbytes)
-        self.counters.cnic_in[task.path] += nbytes
+        self.counters.cnic_in[job.handoff.task.path] += nbytes
         job.load = self.ports.transport.read(extent.reader, moves)
-        transition(job, DecodeState.LOADING)
 
     def _prompt_moves(self, table: Sequence[int], slots: Sequence[int], tokens: int) -> list[Move]:
         """Whole Full Blocks page <- slot, and the partial last block layer by layer."""
@@ -330,11 +354,36 @@ class DecodeCore:
             job.load = None
             self.stats.loads += 1
             try:
+                if self._reloading(job):
+                    continue
                 self._start_running(job)
             except Exception as exc:  # noqa: BLE001
                 self._fail(job, exc)
             did = True
         return did
+
+    def _reloading(self, job: DecodeJob) -> bool:
+        """Check the landed prompt KV against the prefill engine's digests. A first mismatch is
+        loaded once more (the copy went wrong); a second means the buffer itself holds bad KV
+        (the transfer into it went wrong): the attempt fails before any decode step."""
+        assert job.handoff is not None
+        digests = job.handoff.digests
+        if not self.settings.kv_digests or digests is None:
+            return False
+        bad = landed_mismatches(self.pages.tensor, self.pages.table(job.owner), digests)
+        seen = job.bad_tokens if job.bad_tokens is not None else np.zeros(0, dtype=np.int64)
+        self.stats.digest_mismatches += len(np.setdiff1d(bad, seen))
+        if not len(bad):
+            self.stats.digest_reloads += int(job.bad_tokens is not None)
+            return False
+        if job.bad_tokens is not None:
+            raise KVMismatchError(
+                f"{job.request_id}: prompt KV in the decode buffer differs from the prefill engine's "
+                f"digests at {len(bad)} (layer, token)s after a second load"
+            )
+        job.bad_tokens = bad
+        self._post_load(job, self.pages.table(job.owner), digests.shape[1])
+        return True
 
     def _start_running(self, job: DecodeJob) -> None:
         assert job.handoff is not None
@@ -545,8 +594,13 @@ class DecodeCore:
                 pass
         self._in_flight -= sum(len(blocks) for _, blocks in job.persists)
         job.persists, job.queued, job.load, job.extent_persist = [], deque(), None, None
-        if job.handoff is not None and job.handoff.extent is not None and job.state in (DecodeState.RESERVED, DecodeState.LOADING):
-            self.ports.readers.free(job.handoff.extent)
+        if job.handoff is not None and job.handoff.extent is not None:
+            if job.state in (DecodeState.RESERVED, DecodeState.LOADING):
+                self.ports.readers.free(job.handoff.extent)
+            else:
+                # Its persist may never have reached the reader (a lost call): reclaim frees the
+                # extent then, and leaves it to the write that is using it otherwise.
+                self.ports.readers.reclaim(job.handoff.extent.node_id, job.owner)
         transition(job, DecodeState.FAILED)
         self._forget(job)
         self.stats.failures += 1

@@ -17,6 +17,8 @@ import ray
 import torch
 
 from dualpath_ray.config import DualPathConfig
+from dualpath_ray.faults.injector import FaultCount, FaultInjector
+from dualpath_ray.faults.plan import FaultSite
 from dualpath_ray.kv.layout import KVLayout
 from dualpath_ray.kv.store import open_store
 from dualpath_ray.runtime.accounting import NodeCounters
@@ -77,6 +79,7 @@ class EngineBase(TransportEndpoint):
             )
         )
         self.directory = ActorDirectory(cfg.runtime.namespace)
+        self.faults = FaultInjector(cfg.faults, identity.engine_id)
         self.store = open_store(cfg.store, self.layout, root=store_root)
         self.weight_version = cfg.model.weight_version
         self.wake = threading.Event()
@@ -92,6 +95,7 @@ class EngineBase(TransportEndpoint):
                 self.role, identity.node_id, identity.members, identity.reader, self.directory,
                 identity.engine_id, self.core.load, self._accept_local, cfg.scheduler.fetch_interval_ms / 1000.0,
                 cfg.scheduler.fetch_wait_ms / 1000.0, cfg.runtime.heartbeat_timeout_s,
+                self.faults if self.faults.active else None,
             )
 
     def _accept_local(self, items: list[Any]) -> None:
@@ -143,7 +147,13 @@ class EngineBase(TransportEndpoint):
         """The scheduler's heartbeat: the attempts this engine holds (see the cores' holds);
         fails like `load` once the worker loop died."""
         self.load()
+        if self.faults.active and self.faults.decide(FaultSite.HEARTBEAT) is not None:
+            raise TimeoutError(f"{self.id.engine_id}: heartbeat dropped by the fault plan")
         return self.core.holds()
+
+    @ray.method(concurrency_group="control")
+    def fault_counts(self) -> dict[str, FaultCount]:
+        return self.faults.counts()
 
     @ray.method(concurrency_group="control")
     def accept(self, items: list[Any]) -> None:

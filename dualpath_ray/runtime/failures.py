@@ -4,6 +4,7 @@ TurnResult, and the scheduler decides from them whether and how to retry."""
 
 from __future__ import annotations
 
+from dualpath_ray.faults.injector import InjectedFault
 from dualpath_ray.kv.errors import BadBlockError, BlockCorruptedError, BlockNotFoundError
 from dualpath_ray.runtime.messages import ErrorKind, RequestSpec, TurnResult, failed_result
 from dualpath_ray.runtime.transport import PeerDiedError, TransportError
@@ -36,7 +37,14 @@ def classify(error: BaseException) -> tuple[ErrorKind, tuple[str, ...]]:
         return ErrorKind.PEER_DIED, ()
     if isinstance(cause, (TransportError, TimeoutError)):
         return ErrorKind.TRANSFER, ()
+    if isinstance(cause, InjectedFault):
+        return _INJECTED_KINDS.get(cause.site, ErrorKind.TRANSFER), ()
+    if isinstance(cause, OSError):
+        return ErrorKind.STORE_IO, ()
     return ErrorKind.INTERNAL, ()
+
+
+_INJECTED_KINDS = {"actor_call": ErrorKind.CALL_FAILED, "store_read": ErrorKind.STORE_IO, "store_publish": ErrorKind.STORE_IO}
 
 
 _DEAD_ACTOR_ERRORS = frozenset({"RayActorError", "ActorDiedError", "ActorUnavailableError"})

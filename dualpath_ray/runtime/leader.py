@@ -20,6 +20,9 @@ from typing import Any, Callable, Literal
 import ray
 import ray.exceptions
 
+from dualpath_ray.faults.injector import FaultInjector, InjectedFault
+from dualpath_ray.faults.plan import CallPhase
+
 from dualpath_ray.runtime.messages import GroupReport
 from dualpath_ray.runtime.transport import PeerDiedError
 from dualpath_ray.scheduling import EngineLoad
@@ -62,6 +65,7 @@ class GroupLeader:
         interval_s: float,
         wait_s: float = 0.0,
         member_timeout_s: float = 10.0,
+        faults: FaultInjector | None = None,
     ) -> None:
         self.role = role
         self.node_id = node_id
@@ -77,6 +81,7 @@ class GroupLeader:
         self.error: BaseException | None = None
         self.member_timeout_s = member_timeout_s
         self.dead: set[str] = set()
+        self.faults = faults
         self.failed_pulls = 0
         self.last_failure = ""
 
@@ -138,17 +143,21 @@ class GroupLeader:
         """One fetch; True when something was assigned."""
         scheduler = self.directory.get("scheduler")
         report = self.report()
+        self._lose("fetch", CallPhase.REQUEST)
         if self.role == "prefill":
             work = ray.get(scheduler.fetch_prefill.remote(report, self.wait_s))
             by_engine = _group_by(work, lambda task: task.prefill_engine)
         else:
             work = ray.get(scheduler.fetch_decode.remote(report, self.wait_s))
             by_engine = _group_by(work, lambda reservation: reservation.decode_engine)
+        # A lost reply loses the assignments with it: the scheduler's heartbeat finds attempts
+        # that no engine holds and retries them.
+        self._lose("fetch", CallPhase.RESPONSE)
         pending = []
         for engine, items in by_engine.items():
             if engine == self.local_name:
                 self.local_accept(items)
-            else:
+            elif not (self.faults and self.faults.fail_call("accept", CallPhase.REQUEST)):
                 pending.append((engine, self.directory.get(engine).accept.remote(items)))
         # Reservations must be in place before the next report, or free HBM is counted twice.
         for engine, ref in pending:
@@ -158,6 +167,11 @@ class GroupLeader:
                 # Its requests are lost with it; the scheduler's heartbeat fails and retries them.
                 self.dead.add(engine)
         return bool(work)
+
+
+    def _lose(self, method: str, phase: CallPhase) -> None:
+        if self.faults is not None and self.faults.fail_call(method, phase):
+            raise InjectedFault("actor_call", f"{method} {phase.value} lost")
 
 
 def _group_by(items: list[Any], key: Callable[[Any], str]) -> dict[str, list[Any]]:

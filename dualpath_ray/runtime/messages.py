@@ -26,6 +26,8 @@ class ErrorKind(str, enum.Enum):
     KV_CORRUPT = "kv_corrupt"  # a hit block failed its checksum at read
     KV_MISMATCH = "kv_mismatch"  # assembled KV differed at the decode side (runtime.verify_kv)
     TRANSFER = "transfer"  # a KV transfer failed or timed out
+    CALL_FAILED = "call_failed"  # an actor call or its reply was lost (the callee is alive)
+    STORE_IO = "store_io"  # the store raised an I/O error (not a bad block)
     PEER_DIED = "peer_died"  # an engine or reader this request depended on died
     TIMEOUT = "timeout"  # runtime.request_timeout_s passed
     INTERNAL = "internal"  # anything else: a bug, never retried
@@ -110,6 +112,9 @@ class ExtentGrant:
     reader: str
     extent_id: int
     slots: tuple[int, ...]
+    # Digests [n_layer, hit tokens] of the hit KV the reader verified into the extent
+    # (runtime.kv_digests; kv/digest.py), which the prefill engine checks what it loads against.
+    digests: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -122,6 +127,9 @@ class DecodeHandoff:
     first_token: int
     first_log_prob: float
     first_token_at: float
+    # Digests [n_layer, prompt tokens] of the prompt's KV as the prefill engine computed (or
+    # checked) it; the decode engine checks its pages against them before decoding.
+    digests: np.ndarray | None = None
 
 
 @dataclass(frozen=True)

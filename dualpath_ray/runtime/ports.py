@@ -65,6 +65,10 @@ class ReaderPort(Protocol):
     def free(self, grant: ExtentGrant) -> None:
         """Give an extent back (no reply awaited)."""
 
+    def reclaim(self, node_id: str, owner: str) -> None:
+        """Free every extent of `owner` (a failed attempt) on the node that no write is using,
+        including one whose lease reply was lost (no reply awaited)."""
+
     def persist_extent(self, grant: ExtentGrant, blocks: Sequence[tuple[int, PersistedBlock]]) -> Pending[int]:
         """Write blocks (index in the extent, key) to the store from the extent, then free it."""
 

@@ -11,6 +11,7 @@ import ray
 from dualpath_ray.kv.window import LayerWindow
 from dualpath_ray.model.profile import attention_predictor
 from dualpath_ray.runtime.engine import EngineBase
+from dualpath_ray.faults.ports import with_faults
 from dualpath_ray.runtime.prefill_core import PrefillCore, PrefillPorts, PrefillSettings
 from dualpath_ray.runtime.prefill_pipeline import WINDOW_POOL
 from dualpath_ray.runtime.ray_ports import RayDecodeTargets, RayReaders, RayScheduler, SystemClock
@@ -27,12 +28,14 @@ class PrefillEngine(EngineBase):
         self.transport.register(WINDOW_POOL, window.tensor)
         settings = PrefillSettings(
             self.id.engine_id, self.id.node_id, self.id.reader, cfg.scheduler.compute_quota_ms,
-            cfg.runtime.transfer_timeout_s,
+            cfg.runtime.transfer_timeout_s, cfg.runtime.kv_digests,
         )
         ports = PrefillPorts(
             RayReaders(self.directory, self.id.engine_id, self.wake), self.transport, RayScheduler(self.directory),
             RayDecodeTargets(self.directory), SystemClock(),
         )
+        if self.faults.active:
+            ports = with_faults(ports, self.faults, self.transport.view)
         return PrefillCore(
             settings, self.layout, self.compute, window, attention_predictor(cfg), ports, self.store, self.links
         )

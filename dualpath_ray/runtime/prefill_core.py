@@ -77,6 +77,9 @@ class PrefillJob:
     pe: ExtentGrant | None = None
     de: ExtentGrant | None = None
     oracle_kv: torch.Tensor | None = None
+    # Digests [n_layer, computed] of the KV of tokens [0, computed) as last verified or computed
+    # (None: runtime.kv_digests is off); the first chunk's come from the reader's grant.
+    digests: np.ndarray | None = None
     chunks: int = 0
 
     @property
@@ -124,6 +127,7 @@ class PrefillSettings:
     reader: str
     quota_ms: float
     transfer_timeout_s: float
+    kv_digests: bool = True
 
 
 class PrefillCore:
@@ -274,7 +278,16 @@ class PrefillCore:
             for side, pending in job.staging.items():
                 setattr(job, side, pending.wait(0))
             job.staging = {}
+            job.digests = self._first_digests(job)
             transition(job, PrefillState.READY)
+
+    def _first_digests(self, job: PrefillJob) -> np.ndarray | None:
+        if not self.settings.kv_digests or job.task.oracle:
+            return None
+        source = job.pe if job.task.path == "pe" else job.de
+        if job.task.hit_tokens == 0:
+            return np.zeros((self.layout.n_layer, 0), dtype=np.int64)
+        return source.digests if source is not None else None
 
     # --- batches ------------------------------------------------------------------------
 
@@ -297,7 +310,7 @@ class PrefillCore:
         jobs = [job for job, _, _ in batch]
         pipeline = LayerPipeline(
             self.layout, self.window, self.ports.transport, self.settings.transfer_timeout_s,
-            self.stats.pipeline, self.counters, (self.cnic_in, self.cnic_out),
+            self.stats.pipeline, self.counters, (self.cnic_in, self.cnic_out), self.settings.kv_digests,
         )
         try:
             state = self.compute.begin_prefill(chunks)
@@ -317,6 +330,7 @@ class PrefillCore:
         for job, chunk in zip(jobs, chunks):
             job.computed = chunk.end
             job.chunks += 1
+            job.digests = pipeline.digests.get(job.owner)
             if chunk.end < len(job.prompt):
                 transition(job, PrefillState.READY)
         for index, token in zip(finished, sampled):
@@ -326,7 +340,7 @@ class PrefillCore:
         if job.pe is not None:
             self.ports.readers.free(job.pe)
             job.pe = None
-        handoff = DecodeHandoff(job.task, job.de, token, log_prob, self.ports.clock.now())
+        handoff = DecodeHandoff(job.task, job.de, token, log_prob, self.ports.clock.now(), job.digests)
         try:
             self.ports.decode.hand_off(job.task.decode_engine, handoff)
         except Exception as exc:  # noqa: BLE001 - e.g. the decode engine is gone: this request fails, not the engine
@@ -348,6 +362,11 @@ class PrefillCore:
             if grant is not None:
                 self.ports.readers.free(grant)
         job.pe = job.de = None
+        if not job.task.oracle:
+            # A staging call whose reply was lost leased an extent no grant names: the readers
+            # free whatever this attempt still holds (nothing else of it is live any more).
+            for node in {self.settings.node_id, job.task.decode_node}:
+                self.ports.readers.reclaim(node, job.owner)
         transition(job, PrefillState.FAILED)
         self.stats.failures += 1
         with self._lock:

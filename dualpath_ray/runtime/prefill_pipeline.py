@@ -23,13 +23,16 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Sequence
 
+import numpy as np
 import torch
 
+from dualpath_ray.kv.digest import mismatched_tokens, window_digests
 from dualpath_ray.kv.layout import KVLayout
 from dualpath_ray.kv.window import LayerWindow, SlotEvent, SlotState
 from dualpath_ray.runtime.accounting import NodeCounters
 from dualpath_ray.runtime.compute import ChunkSpec
 from dualpath_ray.runtime.emulation.links import Link
+from dualpath_ray.runtime.failures import KVMismatchError
 from dualpath_ray.runtime.ports import Pending, TransportPort
 from dualpath_ray.runtime.transport import Move, Region
 
@@ -52,6 +55,8 @@ class PipelineStats:
     max_in_flight_bytes: int = 0
     max_transfers_per_layer_peer: int = 0  # reads + writes of one layer with one reader
     window_layers_held_max: int = 0
+    digest_mismatches: int = 0  # tokens whose loaded past KV differed from its digests
+    digest_rereads: int = 0  # loads read once more after a mismatch, and then right
     compute_s: float = 0.0  # inside the model's layers
     wait_in_s: float = 0.0  # the critical path waiting for past KV to land
     wait_out_s: float = 0.0  # waiting for a slot's KV to leave before it is loaded again
@@ -67,8 +72,19 @@ class _Posted:
 
 
 @dataclass
+class _Check:
+    """One request's past KV loaded into a layer's slot, and how to read it again."""
+
+    job: PrefillJob
+    chunk: ChunkSpec
+    peer: str
+    moves: list[Move]
+
+
+@dataclass
 class _Layer:
     reads: list[_Posted] = field(default_factory=list)
+    checks: list[_Check] = field(default_factory=list)
     writes: list[_Posted] = field(default_factory=list)
     per_peer: dict[str, int] = field(default_factory=lambda: defaultdict(int))
 
@@ -83,8 +99,12 @@ class LayerPipeline:
         stats: PipelineStats,
         counters: NodeCounters,
         links: tuple[Link, Link],
+        check_digests: bool = True,
     ) -> None:
         self.layout = layout
+        self.check_digests = check_digests
+        # Digests [n_layer, chunk end] of each request's KV as this batch leaves it (by owner).
+        self.digests: dict[str, np.ndarray] = {}
         self.window = window
         self.transport = transport
         self.timeout_s = timeout_s
@@ -96,6 +116,11 @@ class LayerPipeline:
 
     def run(self, jobs: Sequence[PrefillJob], chunks: Sequence[ChunkSpec], compute: Callable[[int], None]) -> None:
         n_layer = self.layout.n_layer
+        if self.check_digests:
+            self.digests = {
+                job.owner: np.empty((n_layer, chunk.end), dtype=np.int64)
+                for job, chunk in zip(jobs, chunks) if not job.task.oracle and job.digests is not None
+            }
         self._post_in(jobs, chunks, 0)
         if n_layer > 1:
             self._post_in(jobs, chunks, 1)
@@ -105,6 +130,7 @@ class LayerPipeline:
             compute(layer)
             self.stats.compute_s += time.perf_counter() - started
             self.window.move(layer, SlotEvent.COMPUTE)
+            self._digest_computed(jobs, chunks, layer)
             self._post_out(jobs, chunks, layer)
             if layer + 2 < n_layer:
                 if layer >= 1:
@@ -141,6 +167,8 @@ class LayerPipeline:
             assert grant is not None, f"request {job.request_id}: no extent holds its past KV"
             moves = self._moves(grant.slots, layer, 0, chunk.start, chunk.offset)
             by_peer[grant.reader].extend(moves)
+            if self.check_digests and job.digests is not None:
+                self._layers[layer].checks.append(_Check(job, chunk, grant.reader, moves))
             nbytes = sum(m[0].nbytes for m in moves)
             self.counters.cnic_in[job.task.path] += nbytes
         if not by_peer:
@@ -160,7 +188,41 @@ class LayerPipeline:
             started = time.perf_counter()
             self._wait(self._layers[layer].reads)
             self.stats.wait_in_s += time.perf_counter() - started
+            self._check_loaded(layer)
             self.window.move(layer, SlotEvent.LOADED)
+
+    def _check_loaded(self, layer: int) -> None:
+        """Every request's past KV in this slot against the digests of whoever last verified it
+        (the reader for hits, this engine's previous chunk otherwise). A mismatch is read once
+        more (a transfer that went wrong); if it still differs the batch fails: no request
+        computes on KV it cannot vouch for."""
+        slot = self.window.slot(layer)
+        for check in self._layers[layer].checks:
+            want = check.job.digests[layer, : check.chunk.start]  # type: ignore[index]
+            bad = self._mismatches(slot, check.chunk, want)
+            if not len(bad):
+                continue
+            self.stats.digest_mismatches += len(bad)
+            self.transport.read(check.peer, check.moves).wait(self.timeout_s)
+            again = self._mismatches(slot, check.chunk, want)
+            self.stats.digest_mismatches += len(np.setdiff1d(again, bad))
+            if len(again):
+                raise KVMismatchError(
+                    f"request {check.job.request_id}: layer {layer} past KV from {check.peer} differs from its "
+                    f"digests at {len(again)} tokens after a second read"
+                )
+            self.stats.digest_rereads += 1
+
+    @staticmethod
+    def _mismatches(slot: torch.Tensor, chunk: ChunkSpec, want: np.ndarray) -> np.ndarray:
+        return mismatched_tokens(window_digests(slot[chunk.offset : chunk.offset + chunk.start]), want)
+
+    def _digest_computed(self, jobs: Sequence[PrefillJob], chunks: Sequence[ChunkSpec], layer: int) -> None:
+        """Digests of each request's KV of this layer, hits and new tokens, before it is sent."""
+        slot = self.window.slot(layer)
+        for job, chunk in zip(jobs, chunks):
+            if job.owner in self.digests:
+                self.digests[job.owner][layer] = window_digests(slot[chunk.offset : chunk.offset + chunk.end])
 
     # --- outgoing: computed KV to the decode node's extent -------------------------------
 

@@ -56,6 +56,9 @@ class RayReaders:
     def free(self, grant: ExtentGrant) -> None:
         self.directory.get(grant.reader).free.remote(grant.extent_id)
 
+    def reclaim(self, node_id: str, owner: str) -> None:
+        self._reader(node_id).reclaim.remote(owner)
+
     def persist_extent(self, grant: ExtentGrant, blocks: Sequence[tuple[int, PersistedBlock]]) -> RefPending:
         return RefPending(self.directory.get(grant.reader).persist_extent.remote(grant.extent_id, list(blocks)), self.wake)
 

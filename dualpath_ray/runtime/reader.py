@@ -19,6 +19,10 @@ import ray
 import torch
 
 from dualpath_ray.config import DualPathConfig
+from dualpath_ray.faults.injector import FaultCount, FaultInjector, InjectedFault
+from dualpath_ray.faults.plan import FaultMode, FaultSite
+from dualpath_ray.faults.store import damage_stored_block
+from dualpath_ray.kv.digest import block_digests
 from dualpath_ray.kv.layout import KVLayout
 from dualpath_ray.kv.pool import BufferPool, Extent, ExtentState
 from dualpath_ray.kv.errors import BadBlockError, BlockCorruptedError, BlockNotFoundError
@@ -50,6 +54,11 @@ class ReaderCore:
         self.snic_write = make_link(cfg, f"snic-write/{node_id}", cfg.cluster.snic_gbps)
         self.lease_timeout_s = cfg.runtime.transfer_timeout_s * 2
         self.counters = NodeCounters()
+        self.faults = FaultInjector(cfg.faults, f"reader/{node_id}")
+        # Keys whose stored block this reader damaged (fault plan) and keys it found corrupt:
+        # a chaos test proves every damage was caught by comparing the two.
+        self.damaged_keys: set[str] = set()
+        self.corrupt_keys: set[str] = set()
         self._read_q_tokens = 0
         self._extents: dict[int, Extent] = {}
         self._cond = threading.Condition()
@@ -77,12 +86,26 @@ class ReaderCore:
 
     def free(self, extent_id: int) -> None:
         """Give an extent back. Freeing one already reclaimed is a no-op: extent ids are never
-        reused, so a late free can only name that extent, never another lease."""
+        reused, so a late free can only name that extent, never another lease. One being
+        written to the store is freed by that write when it ends."""
         with self._cond:
-            if self._extents.pop(extent_id, None) is None:
+            if extent_id not in self._extents or self.pool.state_of(extent_id) is ExtentState.IN_FLIGHT:
                 return
+            del self._extents[extent_id]
             self.pool.release(extent_id)
             self._cond.notify_all()
+
+    def begin_write(self, extent_id: int) -> Extent:
+        """The extent is a store write's source from now on: reclaim and free leave it alone."""
+        with self._cond:
+            extent = self._extents[extent_id]
+            self.pool.begin_transfer(extent_id)
+            return extent
+
+    def end_write(self, extent_id: int) -> None:
+        with self._cond:
+            self.pool.end_transfer(extent_id)
+        self.free(extent_id)
 
     def reclaim(self, owner: str) -> int:
         """Free the extents leased to one attempt whose engine died (the scheduler knows it did);
@@ -99,6 +122,15 @@ class ReaderCore:
 
     def grant(self, extent: Extent, reader: str) -> ExtentGrant:
         return ExtentGrant(self.node_id, reader, extent.extent_id, extent.slots)
+
+    def stage(self, owner: str, keys: Sequence[str], total_blocks: int, path: str, reader: str) -> ExtentGrant:
+        """read_blocks, granted with the digests of the verified hit KV (runtime.kv_digests)."""
+        extent = self.read_blocks(owner, keys, total_blocks, path)
+        digests = None
+        if self.cfg.runtime.kv_digests and keys:
+            hits = torch.stack([self.pool.full_block(slot) for slot in extent.slots[: len(keys)]])
+            digests = block_digests(hits, len(keys) * self.layout.block_size)
+        return ExtentGrant(self.node_id, reader, extent.extent_id, extent.slots, digests)
 
     # --- storage I/O --------------------------------------------------------------------
 
@@ -117,7 +149,9 @@ class ReaderCore:
         with self._cond:
             self._read_q_tokens += pending
 
-        def before_read(_: int) -> None:
+        def before_read(index: int) -> None:
+            if self.faults.active:
+                self._store_read_fault(keys[index])
             self.snic_read.take(block_bytes)
 
         def on_verified(_: int) -> None:
@@ -138,6 +172,9 @@ class ReaderCore:
                 # verified ones: name it, so the scheduler repairs that block and no other.
                 self.free(extent.extent_id)
                 kind = "missing" if isinstance(exc, BlockNotFoundError) else "corrupt"
+                if kind == "corrupt":
+                    with self._cond:
+                        self.corrupt_keys.add(keys[verified])
                 raise BadBlockError(kind, keys[verified], str(exc)) from None
             except BaseException:
                 self.free(extent.extent_id)
@@ -147,13 +184,35 @@ class ReaderCore:
             with self._cond:
                 self._read_q_tokens -= pending
 
+    def _store_read_fault(self, key: str) -> None:
+        spec = self.faults.decide(FaultSite.STORE_READ)
+        if spec is None:
+            return
+        if spec.mode is FaultMode.FAIL:
+            raise InjectedFault("store_read", f"I/O error reading block {key}")
+        if damage_stored_block(self.store, key, self.faults.corruption_rng):
+            with self._cond:
+                self.damaged_keys.add(key)
+
     def read_q(self) -> int:
         with self._cond:
             return self._read_q_tokens
 
+    def fault_counts(self) -> dict[str, FaultCount]:
+        return self.faults.counts()
+
+    def integrity_keys(self) -> tuple[list[str], list[str]]:
+        with self._cond:
+            return sorted(self.damaged_keys), sorted(self.corrupt_keys)
+
     def write_block(self, block: PersistedBlock, data: torch.Tensor) -> bool:
         """Persist one Full Block (already in this node's buffer) through the SNIC."""
         self.snic_write.take(self.layout.full_block_bytes)
+        spec = self.faults.decide(FaultSite.STORE_PUBLISH) if self.faults.active else None
+        if spec is not None and spec.mode is FaultMode.FAIL:
+            raise InjectedFault("store_publish", f"I/O error writing block {block.key}")
+        if spec is not None and spec.mode is FaultMode.DROP:
+            return True  # a lost write that claims success: a later read of it is a miss
         written = self.store.put(block.key, data, parent=block.parent)
         with self._cond:
             self.counters.snic_write += self.layout.full_block_bytes
@@ -161,11 +220,11 @@ class ReaderCore:
 
     def write_extent(self, extent_id: int, blocks: Sequence[tuple[int, PersistedBlock]]) -> int:
         """Write blocks (index in the extent, key) from an extent, then free it in any case."""
+        extent = self.begin_write(extent_id)
         try:
-            extent = self._extents[extent_id]
             return sum(self.write_block(block, self.pool.full_block(extent.slots[index])) for index, block in blocks)
         finally:
-            self.free(extent_id)
+            self.end_write(extent_id)
 
 
 # "io" methods may wait for free buffer blocks or the SNIC; freeing runs on "ctl", so a full
@@ -193,7 +252,7 @@ class StorageReader(TransportEndpoint):
 
     @ray.method(concurrency_group="io")
     def stage(self, owner: str, keys: list[str], total_blocks: int, path: str) -> ExtentGrant:
-        return self.core.grant(self.core.read_blocks(owner, keys, total_blocks, path), self.name)
+        return self.core.stage(owner, keys, total_blocks, path, self.name)
 
     @ray.method(concurrency_group="io")
     def lease(self, owner: str, n_blocks: int) -> ExtentGrant:
@@ -216,6 +275,7 @@ class StorageReader(TransportEndpoint):
         """D2H: pull whole pages of a decode engine's HBM into a leased extent, then write them."""
         layout = self.core.layout
         extent = self.core.lease(owner, len(blocks))
+        self.core.begin_write(extent.extent_id)  # reclaim must not free it under the D2H
         moves = [
             (Region(BUFFER_POOL, slot * layout.full_block_bytes, layout.full_block_bytes),
              Region(HBM_POOL, page * layout.full_block_bytes, layout.full_block_bytes))
@@ -223,14 +283,25 @@ class StorageReader(TransportEndpoint):
         ]
         try:
             self.transport.read(engine, moves).wait(self.timeout_s)
-        except BaseException:
-            self.core.free(extent.extent_id)
-            raise
-        return self.core.write_extent(extent.extent_id, [(i, block) for i, (_, block) in enumerate(blocks)])
+            return sum(
+                self.core.write_block(block, self.core.pool.full_block(slot))
+                for slot, (_, block) in zip(extent.slots, blocks)
+            )
+        finally:
+            self.core.end_write(extent.extent_id)
 
     @ray.method(concurrency_group="ctl")
     def read_q(self) -> int:
         return self.core.read_q()
+
+    @ray.method(concurrency_group="ctl")
+    def fault_counts(self) -> dict[str, FaultCount]:
+        return self.core.fault_counts()
+
+    @ray.method(concurrency_group="ctl")
+    def integrity_keys(self) -> tuple[list[str], list[str]]:
+        """(keys this reader damaged by the fault plan, keys it found corrupt at read)."""
+        return self.core.integrity_keys()
 
     @ray.method(concurrency_group="ctl")
     def counters(self) -> NodeCounters:

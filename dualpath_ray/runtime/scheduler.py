@@ -209,6 +209,7 @@ class Scheduler:
         self.new_work = {"decode": asyncio.Event(), "prefill": asyncio.Event()}
         self.watchdog: asyncio.Task[None] | None = None
         self.unheld_since: dict[str, float] = {}
+        self.silent_since: dict[str, float] = {}
         self.readers_down: set[str] = set()
         self.calls: dict[str, int] = {
             "generate": 0, "complete": 0, "fetch_decode": 0, "fetch_prefill": 0, "empty_waits": 0,
@@ -222,38 +223,52 @@ class Scheduler:
         return True
 
     async def _watch(self) -> None:
-        """Heartbeats to the engines that hold requests. A dead one's requests are failed with
-        PEER_DIED (their generate loops retry them elsewhere) and it gets no more work; a request
-        no live engine holds for heartbeat_timeout_s (its assignment died with a group leader in
-        transit) is failed the same way."""
+        """Heartbeats to the engines that hold requests. One that Ray reports dead, or that has
+        not answered for heartbeat_timeout_s (hung, its worker loop died, its answers lost), is
+        dead: its requests are failed with PEER_DIED (their generate loops retry them elsewhere)
+        and it gets no more work. A request no live engine holds for heartbeat_timeout_s (its
+        assignment died in transit with a group leader, or a message was lost) is failed the same
+        way; one on an engine that merely missed a beat waits."""
         runtime = self.core.cfg.runtime
         while True:
             await asyncio.sleep(runtime.heartbeat_s)
             engines = sorted(self.core.dispatcher.engines_in_use() - self.core.dead)
             answers = await asyncio.gather(*(self._holds(e, runtime.heartbeat_timeout_s) for e in engines))
-            held = {}
-            for engine, answer in zip(engines, answers):
-                if answer is None:
-                    self._engine_died(engine)
-                else:
+            held, silent, now = {}, set(), time.monotonic()
+            for engine, (answer, gone) in zip(engines, answers):
+                if answer is not None:
+                    self.silent_since.pop(engine, None)
                     held[engine] = answer
-            self._fail_lost(held, runtime.heartbeat_timeout_s)
+                elif gone or now - self.silent_since.setdefault(engine, now) >= runtime.heartbeat_timeout_s:
+                    self.silent_since.pop(engine, None)
+                    self._engine_died(engine, confirmed=gone)
+                else:
+                    silent.add(engine)
+            self._fail_lost(held, silent, runtime.heartbeat_timeout_s)
 
-    async def _holds(self, engine: str, timeout_s: float) -> dict[str, tuple[int, bool]] | None:
-        """What `engine` holds, or None when it does not answer (dead, gone, worker loop died)."""
+    async def _holds(self, engine: str, timeout_s: float) -> tuple[dict[str, tuple[int, bool]] | None, bool]:
+        """What `engine` holds (None when it does not answer), and whether Ray says it is gone."""
         try:
             handle = ray.get_actor(engine, namespace=self.core.cfg.runtime.namespace)
-            return await asyncio.wait_for(asyncio.wrap_future(handle.holds.remote().future()), timeout_s)
-        except Exception:  # noqa: BLE001 - every way of not answering means the same here
-            return None
+        except ValueError:
+            return None, True
+        try:
+            answer = await asyncio.wait_for(asyncio.wrap_future(handle.holds.remote().future()), timeout_s)
+        except ray.exceptions.RayActorError:
+            return None, True
+        except Exception:  # noqa: BLE001 - hung, its worker loop died, or the answer was lost
+            return None, False
+        return answer, False
 
-    def _fail_lost(self, held: dict[str, dict[str, tuple[int, bool]]], grace_s: float) -> None:
+    def _fail_lost(self, held: dict[str, dict[str, tuple[int, bool]]], silent: set[str], grace_s: float) -> None:
         now = time.monotonic()
         lost = []
         for rid, entry in self.core.dispatcher.entries.items():
             spec = self.core.specs.get(rid)
             if spec is None or entry.state is RequestState.WAITING_DECODE:
                 continue
+            if entry.decode_engine in silent or entry.prefill_engine in silent:
+                continue  # not known either way this round
             at_decode = held.get(entry.decode_engine, {}).get(rid)
             at_prefill = held.get(entry.prefill_engine, {}).get(rid) if entry.prefill_engine else None
             delivered = at_decode is not None and at_decode[0] == spec.attempt and (
@@ -269,13 +284,16 @@ class Scheduler:
             self.calls["lost_assignments"] += 1
             self._complete(failed_result(spec, "scheduler", "no live engine holds this attempt", ErrorKind.PEER_DIED))
 
-    def _engine_died(self, engine: str) -> None:
+    def _engine_died(self, engine: str, confirmed: bool) -> None:
         self.calls["dead_engines"] += 1
         for spec in self.core.engine_died(engine):
             self._complete(failed_result(spec, engine, f"engine {engine} died", ErrorKind.PEER_DIED))
-            # Extents lent for this attempt may be held by the dead engine: take them back.
-            for node in self.core.dispatcher.read_q:
-                self._tell(f"reader/{node}", "reclaim", spec.owner)
+            if confirmed:
+                # Extents lent for this attempt may be held by the dead engine: take them back.
+                # Not from an engine that only stopped answering: it may still move KV into
+                # them, and a slot freed under a transfer would damage its next owner's KV.
+                for node in self.core.dispatcher.read_q:
+                    self._tell(f"reader/{node}", "reclaim", spec.owner)
 
     def _note_reader(self, role: str, report: GroupReport) -> None:
         """A report whose node's reader did not answer: route around the node (see note_report)."""

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from dualpath_ray.kv.block_store import BlockStore
+from dualpath_ray.kv.digest import block_digests, mismatched_tokens
 from dualpath_ray.runtime.compute import EngineCompute, page_token_views
 from dualpath_ray.runtime.messages import PrefillTask
 
@@ -58,3 +59,11 @@ def verify_prompt_kv(
             rtol, atol = TOLERANCES.get(got_kv.dtype, (RTOL, ATOL))
             close &= torch.allclose(got_kv.float(), want_kv.float(), rtol=rtol, atol=atol)
     return KVCheck(bytes_verified=n * layout.bytes_per_token, mismatches=int(not exact) + int(not close))
+
+
+def landed_mismatches(pages: torch.Tensor, table: Sequence[int], digests: np.ndarray) -> np.ndarray:
+    """Flat (layer, token) positions where a prompt's KV in its pages differs from the digests
+    [n_layer, prompt tokens] the prefill engine sent with it (runtime.kv_digests)."""
+    tokens = digests.shape[1]
+    blocks = pages[list(table[: -(-tokens // pages.shape[2])])]
+    return mismatched_tokens(block_digests(blocks, tokens), digests)
