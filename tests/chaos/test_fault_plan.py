@@ -1,0 +1,142 @@
+"""Faults injected by the config's fault plan on a real 1P1D cluster (profile compute, real
+store, transport, readers and actors): corruption on every hop of the KV, transient failures of
+transfers and actor calls, and an engine killed in the middle of a layer transfer. Each run is
+checked against a fault-free run of the same trajectories with the trajectory ledger."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tests.helpers import ray_test_env, trajectories
+from tests.ledger import Ledger
+
+ray_test_env()
+
+import ray  # noqa: E402
+
+from dualpath_ray.cluster import DualPathCluster  # noqa: E402
+from dualpath_ray.config import DualPathConfig, parse_config  # noqa: E402
+
+pytestmark = [pytest.mark.integration, pytest.mark.chaos]
+
+
+def fault_config(*faults: dict, **runtime: object) -> DualPathConfig:
+    return parse_config({
+        "model": {"n_layer": 2, "max_context": 2048},
+        "cluster": {"prefill_nodes": 1, "decode_nodes": 1, "gpus_per_node": 2, "hbm_tokens_per_engine": 16384,
+                    "buffer_blocks_per_node": 512, "cpus_per_node": 1},
+        "store": {"block_size": 64},
+        "emulation": {"enabled": False, "compute": "profile"},
+        "runtime": {"transport": "gloo", "max_attempts": 8, "heartbeat_s": 0.2, "heartbeat_timeout_s": 1.5,
+                    "transfer_timeout_s": 10.0, **runtime},
+        "faults": {"seed": 11, "faults": list(faults)},
+    }, source="<chaos>")
+
+
+def run(cfg: DualPathConfig, trajs, mode: str = "dualpath"):
+    """One rollout on a fresh cluster: (ledger, elapsed s, cluster figures after it)."""
+    cluster = DualPathCluster.start(cfg)
+    try:
+        deployment = cluster.deploy(mode)
+        started = time.monotonic()
+        result = cluster.rollout(trajs, progress=False)
+        elapsed = time.monotonic() - started
+        figures = {
+            "failures": result.failures,
+            "calls": ray.get(deployment.scheduler.call_counts.remote()),
+            "faults": cluster.fault_counts(),
+            "integrity": cluster.integrity_report(),
+            "pools": settled_pools(cluster, cfg.runtime.transfer_timeout_s),
+            "pages": cluster.page_integrity(),
+        }
+        return Ledger.of(result), elapsed, figures
+    finally:
+        cluster.shutdown()
+
+
+def settled_pools(cluster: DualPathCluster, timeout_s: float) -> dict[str, tuple[int, int, int, int]]:
+    """Every reader's pool once nothing is leased, or as it stands after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        pools = cluster.pool_integrity()
+        if all(free == capacity for free, _, _, capacity in pools.values()) or time.monotonic() > deadline:
+            return pools
+        time.sleep(0.2)
+
+
+def assert_clean(ledger: Ledger, reference: Ledger, figures: dict) -> None:
+    calls = figures["calls"]
+    print(f"scheduler: retries {calls['retries']}, lost assignments {calls['lost_assignments']}, dead engines "
+          f"{calls['dead_engines']}, stale results {calls['stale_results']}, timeouts {calls['timeouts']}")
+    diff = ledger.compare(reference)
+    assert not figures["failures"], f"0 failed trajectories: {figures['failures']}"
+    assert diff.clean(), f"0 lost, 0 duplicated, outputs identical to the fault-free run: {diff}"
+    assert all(free == cap for free, _, _, cap in figures["pools"].values()), f"every buffer pool free: {figures['pools']}"
+    assert all(free == cap and reserved == 0 for free, _, reserved, cap in figures["pages"].values()), (
+        f"every decode engine's pages free: {figures['pages']}"
+    )
+
+
+@pytest.fixture(scope="module")
+def reference() -> tuple[list, Ledger, float]:
+    trajs = trajectories(count=200, turns=4, first=150, appended=40, gen=4)
+    ledger, elapsed, figures = run(fault_config(), trajs)
+    assert not figures["failures"], "the fault-free run completes"
+    return trajs, ledger, elapsed
+
+
+def test_corruption_on_every_hop_is_detected_and_never_reaches_attention(reference) -> None:
+    trajs, fault_free, fault_free_s = reference
+    corrupt = {"mode": "corrupt", "probability": 0.02}
+    cfg = fault_config({"site": "store_read", **corrupt}, {"site": "layer_transfer", **corrupt},
+                       {"site": "buffer_to_hbm", **corrupt})
+    ledger, elapsed, figures = run(cfg, trajs)
+    faults, report = figures["faults"], figures["integrity"]
+    transfer_injected = faults["layer_transfer:corrupt"].injected + faults["buffer_to_hbm:corrupt"].injected
+    transfer_detected = report["prefill_mismatches"] + report["decode_mismatches"]
+    print(f"200 x 4 turns, 2% corruption per hop: injected store {len(report['damaged_keys'])} blocks, "
+          f"layer transfers {faults['layer_transfer:corrupt'].injected} of {faults['layer_transfer:corrupt'].events}, "
+          f"buffer->HBM {faults['buffer_to_hbm:corrupt'].injected} of {faults['buffer_to_hbm:corrupt'].events}; "
+          f"detected store {len(report['corrupt_keys'])}, transfers {transfer_detected} "
+          f"(rereads {report['prefill_rereads']}, reloads {report['decode_reloads']}); retries "
+          f"{figures['calls']['retries']}; {elapsed:.1f} s vs {fault_free_s:.1f} s fault-free ({elapsed / fault_free_s:.2f}x)")
+    assert report["damaged_keys"], "some stored blocks were damaged"
+    assert faults["layer_transfer:corrupt"].injected and faults["buffer_to_hbm:corrupt"].injected, "every hop was hit"
+    assert report["corrupt_keys"] == report["damaged_keys"], "every damaged stored block was caught by its checksum"
+    assert_clean(ledger, fault_free, figures)
+    assert transfer_detected == transfer_injected, "every damaged transfer was caught by the digests"
+
+
+def test_transient_faults_on_transfers_and_calls_lose_nothing(reference) -> None:
+    trajs, fault_free, fault_free_s = reference
+    bounded = {"max_count": 3}
+    cfg = fault_config(
+        {"site": "layer_transfer", "mode": "fail", "probability": 0.05},
+        {"site": "actor_call", "mode": "fail", "phase": "request", "probability": 0.25, **bounded},
+        {"site": "actor_call", "mode": "fail", "phase": "response", "probability": 0.5, **bounded},
+        {"site": "store_read", "mode": "fail", "probability": 0.02, **bounded},
+        {"site": "store_publish", "mode": "drop", "probability": 0.02, **bounded},
+        {"site": "buffer_to_hbm", "mode": "fail", "probability": 0.02, **bounded},
+        {"site": "heartbeat", "mode": "drop", "probability": 0.1, **bounded},
+        {"site": "layer_transfer", "mode": "delay", "probability": 0.01, "delay_s": 0.05},
+    )
+    ledger, elapsed, figures = run(cfg, trajs)
+    faults = figures["faults"]
+    print(f"transient faults: { {label: (c.injected, c.events) for label, c in sorted(faults.items())} }; retries "
+          f"{figures['calls']['retries']}, lost assignments {figures['calls']['lost_assignments']}; "
+          f"{elapsed:.1f} s vs {fault_free_s:.1f} s fault-free ({elapsed / fault_free_s:.2f}x)")
+    missed = sorted(label for label, count in faults.items() if count.injected == 0)
+    assert not missed, f"every fault site was hit at least once: {missed} were not"
+    assert_clean(ledger, fault_free, figures)
+
+
+def test_a_prefill_engine_killed_in_the_middle_of_a_layer_transfer(reference) -> None:
+    trajs, fault_free, fault_free_s = reference
+    cfg = fault_config({"site": "layer_transfer", "mode": "kill", "actors": "prefill/p0/g0", "nth": 60})
+    ledger, elapsed, figures = run(cfg, trajs)
+    print(f"prefill/p0/g0 killed at its 60th layer transfer: dead engines {figures['calls']['dead_engines']}, "
+          f"retries {figures['calls']['retries']}; {elapsed:.1f} s vs {fault_free_s:.1f} s ({elapsed / fault_free_s:.2f}x)")
+    assert figures["calls"]["dead_engines"] == 1, "the scheduler saw the engine die"
+    assert_clean(ledger, fault_free, figures)
