@@ -216,10 +216,11 @@ class Collector:
     results: list[TurnResult] = field(default_factory=list)
     on_result: Callable[[TurnResult], None] | None = None
 
-    def complete(self, result: TurnResult) -> None:
+    def complete(self, result: TurnResult) -> Ready[None]:
         if self.on_result is not None:
             self.on_result(result)
         self.results.append(result)
+        return Ready(None)
 
 
 @dataclass
@@ -230,12 +231,13 @@ class DirectHandoff:
     readers: FakeReaders | None = None
     handoffs: list[DecodeHandoff] = field(default_factory=list)
 
-    def hand_off(self, engine: str, handoff: DecodeHandoff) -> None:
+    def hand_off(self, engine: str, handoff: DecodeHandoff) -> Ready[None]:
         self.handoffs.append(handoff)
         if self.readers is not None:
             self.readers.engines_by_owner[handoff.task.request.owner] = engine
         if engine in self.cores:
             self.cores[engine].hand_off(handoff)
+        return Ready(None)
 
 
 class FakeClock:

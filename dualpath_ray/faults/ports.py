@@ -19,7 +19,7 @@ import torch
 from dualpath_ray.faults.injector import FaultInjector, InjectedFault, flip_byte
 from dualpath_ray.faults.plan import CallPhase, FaultMode, FaultSite
 from dualpath_ray.runtime.messages import DecodeHandoff, ExtentGrant, PersistedBlock, TurnResult
-from dualpath_ray.runtime.ports import DecodePort, Failed, Pending, ReaderPort, SchedulerPort, TransportPort
+from dualpath_ray.runtime.ports import DecodePort, Failed, Pending, ReaderPort, Ready, SchedulerPort, TransportPort
 from dualpath_ray.runtime.transport import Move, Region, TransportError
 
 
@@ -85,9 +85,10 @@ class FaultySchedulerPort:
         self.inner = inner
         self.faults = faults
 
-    def complete(self, result: TurnResult) -> None:
-        if not self.faults.fail_call("complete", CallPhase.REQUEST):
-            self.inner.complete(result)
+    def complete(self, result: TurnResult) -> Pending[None]:
+        if self.faults.fail_call("complete", CallPhase.REQUEST):
+            return Ready(None)  # lost on the way: the sender believes it delivered
+        return self.inner.complete(result)
 
 
 class FaultyDecodePort:
@@ -95,10 +96,10 @@ class FaultyDecodePort:
         self.inner = inner
         self.faults = faults
 
-    def hand_off(self, engine: str, handoff: DecodeHandoff) -> None:
+    def hand_off(self, engine: str, handoff: DecodeHandoff) -> Pending[None]:
         if self.faults.fail_call("hand_off", CallPhase.REQUEST):
             raise InjectedFault("actor_call", f"hand_off of {handoff.task.request.owner} to {engine} lost")
-        self.inner.hand_off(engine, handoff)
+        return self.inner.hand_off(engine, handoff)
 
 
 class _Corrupted:

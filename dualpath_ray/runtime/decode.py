@@ -29,6 +29,7 @@ class DecodeEngine(EngineBase):
         settings = DecodeSettings(
             self.id.engine_id, self.id.node_id, cfg.model.max_context, cfg.runtime.max_persists_in_flight,
             cfg.runtime.transfer_timeout_s, cfg.runtime.verify_kv, cfg.runtime.kv_digests,
+            cfg.runtime.request_timeout_s,
         )
         ports = DecodePorts(
             RayReaders(self.directory, self.id.engine_id, self.wake), self.transport, RayScheduler(self.directory), SystemClock()
@@ -36,10 +37,6 @@ class DecodeEngine(EngineBase):
         if self.faults.active:
             ports = with_faults(ports, self.faults, self.transport.view)
         return DecodeCore(settings, self.layout, self.compute, pages, ports, self.store, self.links)
-
-    @ray.method(concurrency_group="control")
-    def cancel(self, owner: str) -> None:
-        self.core.cancel(owner)
 
     @ray.method(concurrency_group="io")
     def handoff(self, handoff: DecodeHandoff) -> None:

@@ -31,8 +31,10 @@ import numpy as np
 from dualpath_ray.kv.block_store import BlockStore
 from dualpath_ray.kv.index import next_block_key
 from dualpath_ray.kv.layout import KVLayout
-from dualpath_ray.kv.paged import PagedKVPool
+from dualpath_ray.kv.paged import PagedKVPool, PagePoolFullError
 from dualpath_ray.runtime.accounting import NodeCounters
+from dualpath_ray.runtime.cancelled import CancelledAttempts
+from dualpath_ray.runtime.outbox import Outbox
 from dualpath_ray.runtime.compute import DecodeSeq, EngineCompute
 from dualpath_ray.runtime.emulation.links import Link
 from dualpath_ray.runtime.failures import KVMismatchError, failure_of
@@ -135,6 +137,7 @@ class DecodeSettings:
     transfer_timeout_s: float
     verify_kv: bool
     kv_digests: bool = True
+    cancel_horizon_s: float = 900.0  # how long a cancel that found nothing is remembered
 
 
 @dataclass
@@ -150,6 +153,7 @@ class DecodeStats:
     failures: int = 0
     digest_mismatches: int = 0  # (layer, token)s of landed prompt KV that differed from its digests
     digest_reloads: int = 0  # loads done once more after a mismatch, and then right
+    cancelled_handoffs: int = 0  # handoffs of attempts the scheduler had cancelled, dropped
     compute_s: float = 0.0  # inside the model's decode steps
 
 
@@ -177,7 +181,10 @@ class DecodeCore:
         self.stats = DecodeStats()
         self.jobs: dict[str, DecodeJob] = {}
         self._arrived: deque[DecodeHandoff] = deque()
+        self._taking: set[str] = set()
         self._early_since: dict[str, float] = {}
+        self._cancelled = CancelledAttempts(settings.cancel_horizon_s, ports.clock)
+        self.outbox = Outbox()  # results not yet delivered to the scheduler
         self._lock = threading.Lock()
         self._in_flight = 0
 
@@ -190,32 +197,58 @@ class DecodeCore:
             return EngineLoad(self.settings.engine_id, self.settings.node_id, len(self.jobs), tokens, free)
 
     def accept(self, reservations: Sequence[DecodeReservation]) -> None:
+        """Reserve HBM for each attempt. One already cancelled (its cancel overtook this call),
+        already here, or that no longer fits is refused alone: the scheduler's heartbeat finds
+        a refused current attempt unheld and retries it."""
         with self._lock:
             for r in reservations:
                 owner = attempt_owner(r.request_id, r.attempt)
-                self.pages.reserve(owner, self.pages.pages_for(r.tokens))
+                if owner in self._cancelled or owner in self.jobs:
+                    continue
+                try:
+                    self.pages.reserve(owner, self.pages.pages_for(r.tokens))
+                except PagePoolFullError as exc:
+                    LOG.warning("%s: reservation refused: %s", self.settings.engine_id, exc)
+                    continue
                 # Keyed by owner (request id and attempt): a retry never meets an earlier
                 # attempt's job, and a late cancel of that attempt cannot touch the retry.
                 self.jobs[owner] = DecodeJob(r.request_id, r.attempt, r.tokens)
 
     def cancel(self, owner: str) -> None:
-        """Drop the reservation of an attempt ("request#attempt") that failed before it reached
-        this engine; an attempt past its reservation finishes on its own."""
+        """Drop the reservation of an attempt ("request#attempt") that failed before its
+        handoff was taken; an attempt past that finishes on its own. The cancel is remembered,
+        so an accept it overtook reserves nothing and a handoff already on its way is dropped."""
         with self._lock:
             job = self.jobs.get(owner)
-            if job is None or job.state is not DecodeState.RESERVED:
+            if job is not None and (job.state is not DecodeState.RESERVED or job.handoff is not None):
                 return
-            del self.jobs[owner]
-            self.pages.release(job.owner)
+            self._cancelled.add(owner)
+            if job is not None:
+                del self.jobs[owner]
+                self.pages.release(job.owner)
+
+    def _arrived_owners(self) -> set[str]:
+        return {h.task.request.owner for h in self._arrived} | self._taking
 
     def holds(self) -> dict[str, tuple[int, bool]]:
-        """Each attempt this engine holds: request id -> (attempt, whether its handoff arrived)."""
+        """Each attempt this engine holds: request id -> (its newest attempt here, whether its
+        handoff arrived). A handoff waiting for its reservation and a result on its way to the
+        scheduler (runtime/outbox.py) count as held and arrived."""
         with self._lock:
-            arrived = {h.task.request.owner for h in self._arrived}
-            return {
-                job.request_id: (job.attempt, job.handoff is not None or owner in arrived)
-                for owner, job in self.jobs.items()
-            }
+            arrived = self._arrived_owners()
+            entries = [(job.request_id, job.attempt, job.handoff is not None or owner in arrived)
+                       for owner, job in self.jobs.items()]
+            entries += [(h.task.request.request_id, h.task.request.attempt, True)
+                        for h in self._arrived if h.task.request.owner not in self.jobs]
+        entries += [(rid, attempt, True) for rid, attempt in self.outbox.attempts()]
+        held: dict[str, tuple[int, bool]] = {}
+        for rid, attempt, handed_off in entries:
+            known = held.get(rid)
+            if known is None or known[0] < attempt:
+                held[rid] = (attempt, handed_off)
+            elif known[0] == attempt:
+                held[rid] = (attempt, known[1] or handed_off)
+        return held
 
     def hand_off(self, handoff: DecodeHandoff) -> None:
         with self._lock:
@@ -223,12 +256,13 @@ class DecodeCore:
 
     def busy(self) -> bool:
         with self._lock:
-            return bool(self.jobs) or bool(self._arrived)
+            return bool(self.jobs) or bool(self._arrived) or bool(len(self.outbox))
 
     # --- the worker thread ----------------------------------------------------------------
 
     def step(self) -> bool:
         """One round: take handoffs, finish loads, one decode step, persists, finished turns."""
+        self.outbox.settle()
         did = self._take_handoffs()
         did |= self._poll_loads()
         did |= self._decode_once()
@@ -247,31 +281,59 @@ class DecodeCore:
     def _take_handoffs(self) -> bool:
         with self._lock:
             arrived, self._arrived = list(self._arrived), deque()
+            # Until each is claimed or dropped, heartbeats still count it as arrived.
+            self._taking = {h.task.request.owner for h in arrived}
         early = []
         for handoff in arrived:
-            spec = handoff.task.request
-            job = self.jobs.get(spec.owner)
-            if job is None and self._may_still_be_reserved(spec.owner):
+            job, verdict = self._claim(handoff)
+            if verdict == "early":
                 early.append(handoff)
                 continue
-            self._early_since.pop(spec.owner, None)
-            if job is None or job.state is not DecodeState.RESERVED:
-                LOG.error("%s: handoff of %s without a reservation", self.settings.engine_id, spec.request_id)
-                self._report(failed_result(
-                    spec, self.settings.engine_id, "handoff without a reservation", ErrorKind.PEER_DIED
-                ))
-                if handoff.extent is not None:
-                    self.ports.readers.free(handoff.extent)
+            self._early_since.pop(handoff.task.request.owner, None)
+            if job is None:
+                self._drop_handoff(handoff, verdict)
                 continue
-            job.handoff = handoff
             try:
                 self._start_load(job)
             except Exception as exc:  # noqa: BLE001 - fail this request, keep serving the others
                 self._fail(job, exc)
-        if early:
-            with self._lock:
-                self._arrived.extendleft(reversed(early))
+        with self._lock:
+            self._arrived.extendleft(reversed(early))
+            self._taking = set()
         return len(early) < len(arrived)
+
+    def _claim(self, handoff: DecodeHandoff) -> tuple[DecodeJob | None, str]:
+        """Bind a handoff to its reservation under the lock, so a cancel cannot release the
+        pages between the check and the load: (job, "claimed"), or (None, why not)."""
+        owner = handoff.task.request.owner
+        with self._lock:
+            job = self.jobs.get(owner)
+            if job is not None and job.state is DecodeState.RESERVED and job.handoff is None:
+                job.handoff = handoff
+                return job, "claimed"
+            if job is None and owner in self._cancelled:
+                return None, "cancelled"
+            if job is not None and job.handoff is not None:
+                return None, "duplicate"
+        if job is None and self._may_still_be_reserved(owner):
+            return None, "early"
+        return None, "unreserved"
+
+    def _drop_handoff(self, handoff: DecodeHandoff, why: str) -> None:
+        """A handoff with no reservation to load into: its buffer extent goes back at once. Only
+        one the scheduler did not cancel needs a result (the scheduler still waits for it)."""
+        spec = handoff.task.request
+        if why == "cancelled":
+            self.stats.cancelled_handoffs += 1
+        elif why == "duplicate":
+            LOG.warning("%s: ignored a second handoff of %s", self.settings.engine_id, spec.owner)
+        else:
+            LOG.error("%s: handoff of %s without a reservation", self.settings.engine_id, spec.request_id)
+            self._report(failed_result(
+                spec, self.settings.engine_id, "handoff without a reservation", ErrorKind.PEER_DIED
+            ))
+        if handoff.extent is not None:
+            self.ports.readers.free(handoff.extent)
 
     def _may_still_be_reserved(self, owner: str) -> bool:
         """A handoff may overtake its reservation (the group leader's accept is one more call
@@ -614,7 +676,8 @@ class DecodeCore:
             self.pages.release(job.owner)
 
     def _report(self, result: TurnResult) -> None:
-        self.ports.scheduler.complete(result)
+        call = self.ports.scheduler.complete(result)
+        self.outbox.sent(attempt_owner(result.request_id, result.attempt), result.request_id, result.attempt, call)
 
     def _jobs_in(self, *states: DecodeState) -> list[DecodeJob]:
         with self._lock:

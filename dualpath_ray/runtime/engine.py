@@ -160,6 +160,12 @@ class EngineBase(TransportEndpoint):
         self._accept_local(items)
 
     @ray.method(concurrency_group="control")
+    def cancel(self, owner: str) -> None:
+        """The scheduler gave up on an attempt ("request#attempt"): drop what it holds here
+        that has not started (see the cores' cancel)."""
+        self.core.cancel(owner)
+
+    @ray.method(concurrency_group="control")
     def health(self) -> str | None:
         errors = [e for e in (self.error, self.leader.error if self.leader else None) if e]
         return repr(errors[0]) if errors else None

@@ -6,9 +6,10 @@ Members answer `load` and take work on their `control` concurrency group, so a m
 computing still answers at once.
 
 Every member runs the loop; all but the leader stand by, checking that the members before them
-are alive, so when g0 dies g1 takes over the pulls. A member that does not answer is left out of
-the report (the scheduler's heartbeat fails its requests), and a failed pull is counted and
-retried: one bad item never ends a group's pulls.
+are alive, so when g0 dies g1 takes over the pulls. A member Ray reports dead (or whose worker
+loop died) is out for good; one that is only slow is left out of the reports it misses and
+replaced as leader after TAKEOVER_MISSES checks in a row. A failed pull is counted and retried:
+one bad item never ends a group's pulls.
 """
 
 from __future__ import annotations
@@ -30,6 +31,10 @@ from dualpath_ray.scheduling import EngineLoad
 
 # How often a standby member checks whether the members before it are still alive.
 STANDBY_S = 0.5
+# Checks in a row a slow (not dead) member may miss before a standby takes over from it: on a
+# loaded host one answer can take longer than member_timeout_s, and two leaders of one group
+# would count its free HBM twice.
+TAKEOVER_MISSES = 3
 
 
 class ActorDirectory:
@@ -81,6 +86,7 @@ class GroupLeader:
         self.error: BaseException | None = None
         self.member_timeout_s = member_timeout_s
         self.dead: set[str] = set()
+        self.misses: dict[str, int] = {}
         self.faults = faults
         self.failed_pulls = 0
         self.last_failure = ""
@@ -116,23 +122,42 @@ class GroupLeader:
         return True
 
     def _answers(self, member: str) -> bool:
+        """Whether `member` is still taken for alive: it answered, or it is only slow and has
+        missed fewer than TAKEOVER_MISSES checks in a row."""
         try:
             ray.get(self.directory.get(member).load.remote(), timeout=self.member_timeout_s)
-        except Exception:  # noqa: BLE001 - dead, hung, gone, or its worker loop died
-            self.dead.add(member)
+        except Exception as exc:  # noqa: BLE001 - dead, hung, gone, or its worker loop died
+            return not self._note_silence(member, exc) and self.misses[member] < TAKEOVER_MISSES
+        self.misses.pop(member, None)
+        return True
+
+    def _note_silence(self, member: str, exc: BaseException) -> bool:
+        """Record an unanswered call; True when it proves `member` dead (gone, or its worker
+        loop died: `load` raises), which is for good. A timeout is a miss, not a death."""
+        if isinstance(exc, ray.exceptions.GetTimeoutError):
+            self.misses[member] = self.misses.get(member, 0) + 1
             return False
+        self.dead.add(member)
         return True
 
     def report(self) -> GroupReport:
+        """The group's loads and read queue. A member that does not answer in time is left out
+        of this report only (nothing is placed on it meanwhile); one proven dead, for good."""
         others = [m for m in self.members if m != self.local_name and m not in self.dead]
-        refs = {m: self.directory.get(m).load.remote() for m in others}
+        refs = {}
+        for member in others:
+            try:
+                refs[member] = self.directory.get(member).load.remote()
+            except PeerDiedError:
+                self.dead.add(member)
         read_q_ref = self.directory.get(self.reader).read_q.remote()
         loads = [self.local_load()]
         for member, ref in refs.items():
             try:
                 loads.append(ray.get(ref, timeout=self.member_timeout_s))
-            except Exception:  # noqa: BLE001 - dead, hung, or its worker loop died
-                self.dead.add(member)  # left out: nothing more is placed on it
+                self.misses.pop(member, None)
+            except Exception as exc:  # noqa: BLE001 - dead, hung, or its worker loop died
+                self._note_silence(member, exc)
         try:
             read_q, reader_alive = ray.get(read_q_ref, timeout=self.member_timeout_s), True
         except Exception:  # noqa: BLE001 - a dead reader is reported; the scheduler routes around it
@@ -160,11 +185,14 @@ class GroupLeader:
             elif not (self.faults and self.faults.fail_call("accept", CallPhase.REQUEST)):
                 pending.append((engine, self.directory.get(engine).accept.remote(items)))
         # Reservations must be in place before the next report, or free HBM is counted twice.
+        # An accept that is only slow stays in flight; one whose engine died loses its requests
+        # with it, and the scheduler's heartbeat fails and retries them.
         for engine, ref in pending:
             try:
                 ray.get(ref, timeout=self.member_timeout_s)
-            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-                # Its requests are lost with it; the scheduler's heartbeat fails and retries them.
+            except ray.exceptions.GetTimeoutError:
+                self.misses[engine] = self.misses.get(engine, 0) + 1
+            except ray.exceptions.RayActorError:
                 self.dead.add(engine)
         return bool(work)
 

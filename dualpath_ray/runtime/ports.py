@@ -87,13 +87,13 @@ class TransportPort(Protocol):
 
 
 class SchedulerPort(Protocol):
-    def complete(self, result: TurnResult) -> None:
-        """Report a finished (or failed) turn."""
+    def complete(self, result: TurnResult) -> Pending[None]:
+        """Report a finished (or failed) turn; done once the scheduler has it."""
 
 
 class DecodePort(Protocol):
-    def hand_off(self, engine: str, handoff: DecodeHandoff) -> None:
-        """Give a prefilled request to its decode engine."""
+    def hand_off(self, engine: str, handoff: DecodeHandoff) -> Pending[None]:
+        """Give a prefilled request to its decode engine; done once the engine has it."""
 
 
 class Clock(Protocol):

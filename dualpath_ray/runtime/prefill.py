@@ -28,7 +28,7 @@ class PrefillEngine(EngineBase):
         self.transport.register(WINDOW_POOL, window.tensor)
         settings = PrefillSettings(
             self.id.engine_id, self.id.node_id, self.id.reader, cfg.scheduler.compute_quota_ms,
-            cfg.runtime.transfer_timeout_s, cfg.runtime.kv_digests,
+            cfg.runtime.transfer_timeout_s, cfg.runtime.kv_digests, cfg.runtime.request_timeout_s,
         )
         ports = PrefillPorts(
             RayReaders(self.directory, self.id.engine_id, self.wake), self.transport, RayScheduler(self.directory),

@@ -37,6 +37,8 @@ from dualpath_ray.runtime.compute import ChunkSpec, EngineCompute
 from dualpath_ray.runtime.emulation.links import Link
 from dualpath_ray.runtime.failures import failure_of
 from dualpath_ray.runtime.messages import DecodeHandoff, ExtentGrant, PrefillTask
+from dualpath_ray.runtime.cancelled import CancelledAttempts
+from dualpath_ray.runtime.outbox import Outbox
 from dualpath_ray.runtime.ports import Clock, DecodePort, Pending, ReaderPort, SchedulerPort, TransportPort
 from dualpath_ray.runtime.prefill_pipeline import LayerPipeline, PipelineStats, oracle_kv_for
 from dualpath_ray.scheduling import EngineLoad, pack_prefill_batch
@@ -115,6 +117,7 @@ class PrefillStats:
     chunks: int = 0
     handoffs: int = 0
     failures: int = 0
+    cancelled: int = 0  # attempts the scheduler cancelled, dropped before their compute
     tokens_computed: int = 0
     port_calls: int = 0
     pipeline: PipelineStats = field(default_factory=PipelineStats)
@@ -128,6 +131,7 @@ class PrefillSettings:
     quota_ms: float
     transfer_timeout_s: float
     kv_digests: bool = True
+    cancel_horizon_s: float = 900.0  # how long a cancel is remembered (see runtime/cancelled.py)
 
 
 class PrefillCore:
@@ -156,6 +160,9 @@ class PrefillCore:
         self.stats = PrefillStats()
         self.jobs: dict[str, PrefillJob] = {}
         self._orphans: list[Pending[ExtentGrant]] = []
+        self._cancelled = CancelledAttempts(settings.cancel_horizon_s, ports.clock)
+        self._to_cancel: list[str] = []
+        self.outbox = Outbox()  # handoffs and failure reports not yet delivered
         self._lock = threading.Lock()
 
     # --- what the actor's control thread calls ------------------------------------------
@@ -170,10 +177,12 @@ class PrefillCore:
         handed off yet). An earlier attempt still finishing is not what the scheduler waits for."""
         with self._lock:
             held: dict[str, tuple[int, bool]] = {}
-            for job in self.jobs.values():
-                attempt = job.task.request.attempt
-                if job.request_id not in held or held[job.request_id][0] < attempt:
-                    held[job.request_id] = (attempt, False)
+            # A handoff or failure report still on its way is held here too (runtime/outbox.py).
+            attempts = [(job.request_id, job.task.request.attempt) for job in self.jobs.values()]
+            attempts += self.outbox.attempts()
+            for rid, attempt in attempts:
+                if rid not in held or held[rid][0] < attempt:
+                    held[rid] = (attempt, False)
             return held
 
     def accept(self, tasks: Sequence[PrefillTask]) -> None:
@@ -181,24 +190,39 @@ class PrefillCore:
         here while its earlier attempt still runs, and each frees only its own extents. A task
         already here is a duplicate delivery: it is refused before anything is leased for it."""
         with self._lock:
-            fresh = [t for t in tasks if t.request.owner not in self.jobs]
-        duplicates = [t.request.owner for t in tasks if t not in fresh]
-        jobs = [self._stage(task) for task in fresh]
-        with self._lock:
-            for job in jobs:
+            fresh = [t for t in tasks if t.request.owner not in self.jobs and t.request.owner not in self._cancelled]
+        refused = [t.request.owner for t in tasks if t not in fresh]
+        for task in fresh:
+            # Each job is held (and heartbeats name it) as soon as it is staged, not after the
+            # whole batch: staging a large batch on a loaded host takes a while.
+            job = self._stage(task)
+            with self._lock:
                 self.jobs[job.owner] = job
-        if duplicates:
-            LOG.warning("%s: ignored duplicate deliveries %s", self.settings.engine_id, duplicates)
+                if job.owner in self._cancelled:  # its cancel came while it was being staged
+                    self._to_cancel.append(job.owner)
+        if refused:
+            LOG.warning("%s: refused deliveries of attempts already here or cancelled: %s",
+                        self.settings.engine_id, refused)
+
+    def cancel(self, owner: str) -> None:
+        """The scheduler gave up on this attempt ("request#attempt"): a job of it that has not
+        started computing is dropped at the next step; an accept still on its way is refused."""
+        with self._lock:
+            self._cancelled.add(owner)
+            if owner in self.jobs:
+                self._to_cancel.append(owner)
 
     def busy(self) -> bool:
         with self._lock:
-            return bool(self.jobs or self._orphans)
+            return bool(self.jobs or self._orphans or len(self.outbox))
 
     # --- what the actor's worker thread calls ---------------------------------------------
 
     def step(self) -> bool:
         """Advance staging and run at most one batch; False when there was nothing to do."""
         self._reap_orphans()
+        self.outbox.settle()
+        self._drop_cancelled()
         self._poll_staging()
         batch = self._next_batch()
         if not batch:
@@ -260,6 +284,18 @@ class PrefillCore:
             self.ports.readers.free(grant)
         with self._lock:
             self._orphans.extend(waiting)
+
+    def _drop_cancelled(self) -> None:
+        """Cancelled jobs still staging or ready free their extents without a result (the
+        scheduler already failed the attempt); one in a batch finishes, and its decode engine
+        drops the handoff."""
+        with self._lock:
+            owners, self._to_cancel = self._to_cancel, []
+            jobs = [self.jobs[o] for o in owners if o in self.jobs]
+        for job in jobs:
+            if job.state in (PrefillState.STAGING, PrefillState.READY):
+                self.stats.cancelled += 1
+                self._fail(job, RuntimeError("cancelled by the scheduler"), report=False)
 
     def orphans(self) -> int:
         with self._lock:
@@ -342,7 +378,7 @@ class PrefillCore:
             job.pe = None
         handoff = DecodeHandoff(job.task, job.de, token, log_prob, self.ports.clock.now(), job.digests)
         try:
-            self.ports.decode.hand_off(job.task.decode_engine, handoff)
+            delivery = self.ports.decode.hand_off(job.task.decode_engine, handoff)
         except Exception as exc:  # noqa: BLE001 - e.g. the decode engine is gone: this request fails, not the engine
             self._fail(job, exc)
             return
@@ -351,9 +387,10 @@ class PrefillCore:
         transition(job, PrefillState.HANDED_OFF)
         with self._lock:
             del self.jobs[job.owner]
+        self.outbox.sent(job.owner, job.request_id, job.task.request.attempt, delivery)
 
-    def _fail(self, job: PrefillJob, error: BaseException) -> None:
-        """Free what the request holds, report the error, forget it."""
+    def _fail(self, job: PrefillJob, error: BaseException, report: bool = True) -> None:
+        """Free what the request holds, report the error (unless cancelled), forget it."""
         with self._lock:
             self._orphans.extend(job.staging.values())
         job.staging = {}
@@ -368,7 +405,9 @@ class PrefillCore:
             for node in {self.settings.node_id, job.task.decode_node}:
                 self.ports.readers.reclaim(node, job.owner)
         transition(job, PrefillState.FAILED)
-        self.stats.failures += 1
         with self._lock:
             self.jobs.pop(job.owner, None)
-        self.ports.scheduler.complete(failure_of(job.task.request, self.settings.engine_id, error))
+        if report:
+            self.stats.failures += 1
+            call = self.ports.scheduler.complete(failure_of(job.task.request, self.settings.engine_id, error))
+            self.outbox.sent(job.owner, job.request_id, job.task.request.attempt, call)

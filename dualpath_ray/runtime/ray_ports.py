@@ -72,8 +72,8 @@ class RayScheduler:
     def __init__(self, directory: ActorDirectory) -> None:
         self.directory = directory
 
-    def complete(self, result: TurnResult) -> None:
-        self.directory.get("scheduler").complete.remote(result)
+    def complete(self, result: TurnResult) -> RefPending:
+        return RefPending(self.directory.get("scheduler").complete.remote(result))
 
 
 class RayDecodeTargets:
@@ -82,8 +82,8 @@ class RayDecodeTargets:
     def __init__(self, directory: ActorDirectory) -> None:
         self.directory = directory
 
-    def hand_off(self, engine: str, handoff: DecodeHandoff) -> None:
-        self.directory.get(engine).handoff.remote(handoff)
+    def hand_off(self, engine: str, handoff: DecodeHandoff) -> RefPending:
+        return RefPending(self.directory.get(engine).handoff.remote(handoff))
 
 
 class SystemClock:

@@ -51,7 +51,9 @@ class SchedulerCore:
         self.specs: dict[str, RequestSpec] = {}
         # Hit keys and tokens of each request in flight, from submit until it finishes.
         self.hits: dict[str, tuple[tuple[str, ...], int]] = {}
-        self.dead: set[str] = set()
+        self.dead: set[str] = set()  # Ray confirmed: gone for good
+        self.presumed_dead: set[str] = set()  # silent past heartbeat_timeout_s; see _live
+        self.readmitted = 0
 
     def lookup(self, spec: RequestSpec) -> tuple[tuple[str, ...], int]:
         """Hit blocks of a prompt, leaving at least one token to compute (it yields the logits)."""
@@ -71,12 +73,24 @@ class SchedulerCore:
         self.hits[spec.request_id] = (keys, hit_tokens)
 
     def _live(self, report: GroupReport) -> tuple[Any, ...]:
-        return tuple(e for e in report.engines if e.engine_id not in self.dead)
+        """The report's engines that may take work. An engine only presumed dead (silent past
+        the heartbeat timeout) that its group leader reached again is readmitted: a loaded host
+        is slow, not dead, and dropping it for good could leave a role with no engine at all.
+        Its earlier attempts were failed already; the heartbeat cancels what they still hold."""
+        for load in report.engines:
+            if load.engine_id in self.presumed_dead:
+                self.presumed_dead.discard(load.engine_id)
+                self.readmitted += 1
+        return tuple(e for e in report.engines if e.engine_id not in self.out_of_service())
 
-    def engine_died(self, engine_id: str) -> list[RequestSpec]:
-        """Never place work on `engine_id` again; returns the in-flight requests that depended
+    def out_of_service(self) -> set[str]:
+        return self.dead | self.presumed_dead
+
+    def engine_died(self, engine_id: str, confirmed: bool = True) -> list[RequestSpec]:
+        """Place no more work on `engine_id` (for good when Ray confirmed the death; until it is
+        reachable again when it was only silent); returns the in-flight requests that depended
         on it, which the caller fails with PEER_DIED (and so retries)."""
-        self.dead.add(engine_id)
+        (self.dead if confirmed else self.presumed_dead).add(engine_id)
         self.dispatcher.forget_engine(engine_id)
         return [self.specs[rid] for rid in self.dispatcher.requests_on(engine_id) if rid in self.specs]
 
@@ -100,7 +114,7 @@ class SchedulerCore:
             ]
         failed: list[RequestSpec] = []
         for engine in report.engines:
-            if engine.engine_id not in self.dead:
+            if engine.engine_id not in self.out_of_service():
                 failed.extend(self.engine_died(engine.engine_id))
         return failed
 
@@ -138,9 +152,10 @@ class SchedulerCore:
         spec = self.specs.get(result.request_id)
         return spec is not None and spec.attempt == result.attempt
 
-    def finish(self, result: TurnResult) -> str | None:
-        """Record a finished turn; returns the decode engine still holding HBM for a failed one.
-        A late result of an earlier attempt only contributes its published blocks."""
+    def finish(self, result: TurnResult) -> tuple[str, ...]:
+        """Record a finished turn; for a failed one, returns the engines that may still hold
+        something of its attempt (its HBM reservation, its queued prefill), other than the one
+        that reported it. A late result of an earlier attempt only contributes its published blocks."""
         for block in result.persisted:
             self.index.insert_block(block.key, block.parent)
         self.eviction.touch(block.key for block in result.persisted)
@@ -151,22 +166,37 @@ class SchedulerCore:
         if self.eviction.over_capacity():
             self.eviction.evict(self._keys_in_use())
         if not current:
-            return None
+            return ()
         entry = self.dispatcher.entries.get(result.request_id)
         if entry is None:
-            return None
+            return ()
         self.dispatcher.finish(result.request_id, failed=result.error is not None)
-        return entry.decode_engine if result.error is not None and entry.decode_engine else None
+        if result.error is None:
+            return ()
+        return tuple(e for e in (entry.decode_engine, entry.prefill_engine) if e and e != result.prefill_engine)
 
     def _keys_in_use(self) -> set[str]:
         return {key for keys, _ in self.hits.values() for key in keys}
 
-    def abandon(self, request_id: str) -> str | None:
-        """Forget a request whose deadline passed; returns a decode engine holding its HBM."""
+    def abandon(self, request_id: str) -> tuple[str, ...]:
+        """Forget a request whose deadline passed; returns the engines that may hold its attempt."""
         self.specs.pop(request_id, None)
         self.hits.pop(request_id, None)
         entry = self.dispatcher.cancel(request_id)
-        return entry.decode_engine if entry is not None and entry.decode_engine else None
+        return tuple(e for e in (entry.decode_engine, entry.prefill_engine) if e) if entry is not None else ()
+
+    def stale_holdings(self, held: dict[str, dict[str, tuple[int, bool]]]) -> list[tuple[str, str]]:
+        """(engine, owner) of each attempt an engine holds that is no longer the one in flight
+        (it finished, failed or was retried) and that has not reached its decode step: a cancel
+        whose call was lost, or an accept that came after its cancel, must not hold HBM or
+        extents for good. One already decoding finishes on its own."""
+        stale = []
+        for engine, holds in held.items():
+            for rid, (attempt, handed_off) in holds.items():
+                spec = self.specs.get(rid)
+                if not handed_off and (spec is None or spec.attempt != attempt):
+                    stale.append((engine, attempt_owner(rid, attempt)))
+        return stale
 
     def should_retry(self, result: TurnResult) -> bool:
         kind = result.error_kind
@@ -209,12 +239,16 @@ class Scheduler:
         self.new_work = {"decode": asyncio.Event(), "prefill": asyncio.Event()}
         self.watchdog: asyncio.Task[None] | None = None
         self.unheld_since: dict[str, float] = {}
+        # Fetches per group so far, and the group and fetch that carried each request's latest
+        # assignment (see _in_delivery).
+        self.fetches: dict[str, int] = {}
+        self.delivering: dict[str, tuple[str, int]] = {}
         self.silent_since: dict[str, float] = {}
         self.readers_down: set[str] = set()
         self.calls: dict[str, int] = {
             "generate": 0, "complete": 0, "fetch_decode": 0, "fetch_prefill": 0, "empty_waits": 0,
             "retries": 0, "timeouts": 0, "stale_results": 0, "unindexed_blocks": 0, "dead_engines": 0,
-            "lost_assignments": 0, "dead_readers": 0,
+            "lost_assignments": 0, "dead_readers": 0, "stale_holdings": 0, "presumed_dead": 0,
         }
 
     async def ready(self) -> bool:
@@ -232,7 +266,7 @@ class Scheduler:
         runtime = self.core.cfg.runtime
         while True:
             await asyncio.sleep(runtime.heartbeat_s)
-            engines = sorted(self.core.dispatcher.engines_in_use() - self.core.dead)
+            engines = sorted(self.core.dispatcher.engines_in_use() - self.core.out_of_service())
             answers = await asyncio.gather(*(self._holds(e, runtime.heartbeat_timeout_s) for e in engines))
             held, silent, now = {}, set(), time.monotonic()
             for engine, (answer, gone) in zip(engines, answers):
@@ -245,6 +279,9 @@ class Scheduler:
                 else:
                     silent.add(engine)
             self._fail_lost(held, silent, runtime.heartbeat_timeout_s)
+            for engine, owner in self.core.stale_holdings(held):
+                self.calls["stale_holdings"] += 1
+                self._tell(engine, "cancel", owner)
 
     async def _holds(self, engine: str, timeout_s: float) -> tuple[dict[str, tuple[int, bool]] | None, bool]:
         """What `engine` holds (None when it does not answer), and whether Ray says it is gone."""
@@ -267,7 +304,7 @@ class Scheduler:
             spec = self.core.specs.get(rid)
             if spec is None or entry.state is RequestState.WAITING_DECODE:
                 continue
-            if entry.decode_engine in silent or entry.prefill_engine in silent:
+            if entry.decode_engine in silent or entry.prefill_engine in silent or self._in_delivery(rid):
                 continue  # not known either way this round
             at_decode = held.get(entry.decode_engine, {}).get(rid)
             at_prefill = held.get(entry.prefill_engine, {}).get(rid) if entry.prefill_engine else None
@@ -286,7 +323,8 @@ class Scheduler:
 
     def _engine_died(self, engine: str, confirmed: bool) -> None:
         self.calls["dead_engines"] += 1
-        for spec in self.core.engine_died(engine):
+        self.calls["presumed_dead"] += not confirmed
+        for spec in self.core.engine_died(engine, confirmed):
             self._complete(failed_result(spec, engine, f"engine {engine} died", ErrorKind.PEER_DIED))
             if confirmed:
                 # Extents lent for this attempt may be held by the dead engine: take them back.
@@ -339,6 +377,7 @@ class Scheduler:
             return await asyncio.wait_for(future, max(0.0, deadline - time.monotonic()))
         except asyncio.TimeoutError:
             self.calls["timeouts"] += 1
+            self.delivering.pop(spec.request_id, None)
             self._cancel_at(self.core.abandon(spec.request_id), spec.owner)
             return failed_result(
                 spec, "scheduler", f"no result within runtime.request_timeout_s={self.core.cfg.runtime.request_timeout_s}",
@@ -347,15 +386,16 @@ class Scheduler:
         finally:
             self.pending.pop(spec.request_id, None)
 
-    def _cancel_at(self, engine: str | None, owner: str) -> None:
-        """Drop the HBM reservation of one attempt ("request#attempt") at its decode engine."""
-        if engine is not None:
+    def _cancel_at(self, engines: tuple[str, ...], owner: str) -> None:
+        """Drop what one attempt ("request#attempt") holds at these engines and has not started
+        (an HBM reservation, a queued prefill); one that already started finishes on its own."""
+        for engine in engines:
             self._tell(engine, "cancel", owner)
 
     async def fetch_decode(self, report: GroupReport, wait_s: float = 0.0) -> list[DecodeReservation]:
         """A decode group's pull; with nothing to place, waits up to wait_s for new work."""
         self._note_reader("decode", report)
-        placed = await self._fetch("decode", lambda: self.core.fetch_decode(report), wait_s)
+        placed = await self._fetch("decode", report.group_id, lambda: self.core.fetch_decode(report), wait_s)
         if placed:
             self.new_work["prefill"].set()
         return placed
@@ -366,21 +406,34 @@ class Scheduler:
         The report was taken before the wait; meanwhile its engines can only have finished work
         (no one else assigns to them), so deciding on it after the wait is conservative."""
         self._note_reader("prefill", report)
-        return await self._fetch("prefill", lambda: self.core.fetch_prefill(report), wait_s)
+        return await self._fetch("prefill", report.group_id, lambda: self.core.fetch_prefill(report), wait_s)
 
-    async def _fetch(self, role: str, fetch: Any, wait_s: float) -> list[Any]:
+    async def _fetch(self, role: str, group: str, fetch: Any, wait_s: float) -> list[Any]:
         self.calls[f"fetch_{role}"] += 1
+        # A leader fetches again only once it has delivered (or given up on) its last answer.
+        self.fetches[group] = self.fetches.get(group, 0) + 1
         work = fetch()
-        if work or wait_s <= 0:
-            return work
-        event = self.new_work[role]
-        event.clear()
-        self.calls["empty_waits"] += 1
-        try:
-            await asyncio.wait_for(event.wait(), wait_s)
-        except asyncio.TimeoutError:
-            return []
-        return fetch()
+        if not work and wait_s > 0:
+            event = self.new_work[role]
+            event.clear()
+            self.calls["empty_waits"] += 1
+            try:
+                await asyncio.wait_for(event.wait(), wait_s)
+            except asyncio.TimeoutError:
+                return []
+            work = fetch()
+        for item in work:
+            rid = item.request_id if role == "decode" else item.request.request_id
+            self.delivering[rid] = (group, self.fetches[group])
+        return work
+
+    def _in_delivery(self, rid: str) -> bool:
+        """Whether the fetch answer that carried this request's latest assignment may still be
+        being delivered: its group's leader has not fetched since. On a loaded host handing a
+        large answer to the members can outlast the heartbeat grace; a lost answer, a dead
+        leader (its standby fetches next) or a dead member all end with a later fetch."""
+        group, seq = self.delivering.get(rid, ("", 0))
+        return bool(group) and self.fetches.get(group, 0) == seq
 
     async def complete(self, result: TurnResult) -> None:
         self._complete(result)
@@ -388,11 +441,12 @@ class Scheduler:
     def _complete(self, result: TurnResult) -> None:
         self.calls["complete"] += 1
         current = self.core.is_current(result)
-        holder = self.core.finish(result)
-        self._cancel_at(holder, attempt_owner(result.request_id, result.attempt))
+        holders = self.core.finish(result)
+        self._cancel_at(holders, attempt_owner(result.request_id, result.attempt))
         if not current:
             self.calls["stale_results"] += 1
             return
+        self.delivering.pop(result.request_id, None)
         future = self.pending.get(result.request_id)
         if future is not None and not future.done():
             future.set_result(result)
@@ -413,7 +467,7 @@ class Scheduler:
         """How often each entry point ran (pulls, empty pulls that waited, turns), retries and
         their causes, and the store's evictions."""
         return {**self.calls, "evicted_blocks": self.core.eviction.stats.evicted_blocks,
-                "indexed_blocks": len(self.core.index)}
+                "indexed_blocks": len(self.core.index), "readmitted": self.core.readmitted}
 
     async def reset_prefix_cache(self) -> None:
         self.core.reset_prefix_cache()

@@ -10,9 +10,9 @@ import pytest
 
 from dualpath_ray.config import DualPathConfig
 from dualpath_ray.kv.index import block_keys
-from dualpath_ray.kv.paged import PagePoolFullError
 from dualpath_ray.runtime.messages import DecodeReservation
 from tests.engine_harness import DE, EngineHarness, Request
+from tests.unit.runtime.test_outbox import Gate
 from tests.unit.runtime.test_prefill_core import BLOCK, config, tokens
 
 
@@ -84,12 +84,25 @@ def test_the_next_turn_hits_every_block_the_previous_reported(make) -> None:
 def test_a_reservation_beyond_the_free_pages_is_refused(make) -> None:
     h = make()
     capacity_tokens = h.pages.capacity * BLOCK
-    h.decode.accept([DecodeReservation("big", 0, capacity_tokens - BLOCK, DE)])
-    with pytest.raises(PagePoolFullError, match="hbm_tokens_per_engine"):
-        h.decode.accept([DecodeReservation("more", 0, 2 * BLOCK, DE)])
-    assert h.decode.load().free_hbm_tokens == BLOCK, "the load report shows exactly the unreserved pages"
+    h.decode.accept([DecodeReservation("big", 0, capacity_tokens - BLOCK, DE),
+                     DecodeReservation("more", 0, 2 * BLOCK, DE), DecodeReservation("fits", 0, BLOCK, DE)])
+    assert set(h.decode.holds()) == {"big", "fits"}, "only the reservation that does not fit is refused"
+    assert h.decode.load().free_hbm_tokens == 0, "the load report shows exactly the unreserved pages"
+    h.decode.cancel("fits#0")
+    assert h.decode.load().free_hbm_tokens == BLOCK, "a cancelled reservation frees its pages"
     h.decode.cancel("big#0")
     assert h.decode.load().free_hbm_tokens == capacity_tokens, "a cancelled reservation frees its pages"
+    h.assert_idle()
+
+
+def test_a_cancel_that_overtakes_its_accept_reserves_nothing(make) -> None:
+    h = make()
+    capacity_tokens = h.pages.capacity * BLOCK
+    h.decode.cancel("late#0")
+    h.decode.accept([DecodeReservation("late", 0, 2 * BLOCK, DE), DecodeReservation("late", 1, 2 * BLOCK, DE)])
+    assert h.decode.holds() == {"late": (1, False)}, "the cancelled attempt is refused; its retry is not"
+    h.decode.cancel("late#1")
+    assert h.decode.load().free_hbm_tokens == capacity_tokens, "nothing of either attempt holds pages"
     h.assert_idle()
 
 
@@ -130,3 +143,23 @@ def test_sixteen_concurrent_first_turns_of_max_context_through_both_paths(make, 
     h.assert_idle()
     stored = np.asarray([h.store.contains(b.key) for r in results for b in r.persisted])
     assert stored.all(), "every reported block is in the store"
+
+
+def test_a_result_on_its_way_to_the_scheduler_is_still_held(make, monkeypatch) -> None:
+    h = make()
+    gates = []
+    deliver = h.collector.complete
+
+    def slow_complete(result):
+        deliver(result)
+        gates.append(Gate())
+        return gates[-1]
+
+    monkeypatch.setattr(h.collector, "complete", slow_complete)
+    (result,) = h.serve([Request("r", tokens(40, 5), "pe", max_new_tokens=3)])
+    h.decode.step()
+    assert h.decode.holds() == {"r": (0, True)}, "the heartbeat names an attempt whose result is not delivered yet"
+    gates[-1].open = True
+    h.decode.step()
+    assert h.decode.holds() == {}, "once delivered, the engine holds nothing of it"
+    h.assert_idle()

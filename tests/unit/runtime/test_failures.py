@@ -13,9 +13,10 @@ from dualpath_ray.config import DualPathConfig
 from dualpath_ray.kv.errors import BadBlockError
 from dualpath_ray.kv.index import block_keys
 from dualpath_ray.runtime.failures import KVMismatchError, classify
-from dualpath_ray.runtime.messages import ErrorKind, RequestSpec, SamplingParams, failed_result
+from dualpath_ray.runtime.messages import ErrorKind, GroupReport, RequestSpec, SamplingParams, failed_result
 from dualpath_ray.runtime.scheduler import SchedulerCore
 from dualpath_ray.runtime.transport import PeerDiedError, TransportError
+from dualpath_ray.scheduling import EngineLoad
 
 
 def core_with_chain(tmp_path: Path, **runtime: object) -> tuple[SchedulerCore, list[str], RequestSpec]:
@@ -84,6 +85,38 @@ def test_a_late_result_of_an_earlier_attempt_never_finishes_the_current_one(tmp_
     assert not core.is_current(late), "attempt 0's result is stale once attempt 1 is queued"
     core.finish(late)
     assert spec.request_id in core.dispatcher.entries, "the current attempt is still queued after a stale result"
-    assert core.abandon(spec.request_id) is None and spec.request_id not in core.dispatcher.entries, (
-        "abandoning (deadline) removes the request; it held no decode engine yet"
+    assert core.abandon(spec.request_id) == () and spec.request_id not in core.dispatcher.entries, (
+        "abandoning (deadline) removes the request; it held no engine yet"
     )
+
+
+def test_attempts_an_engine_still_holds_after_they_ended_are_named_for_cancelling(tmp_path: Path) -> None:
+    core, keys, spec = core_with_chain(tmp_path)
+    retry = RequestSpec(spec.request_id, 1, spec.prompt, spec.sampling, spec.namespace, 0.0)
+    core.submit(retry)
+    held = {
+        "decode/d0/g0": {spec.request_id: (0, False), "gone": (0, False)},
+        "decode/d0/g1": {spec.request_id: (1, False)},
+        "decode/d0/g2": {"finished-and-decoding": (0, True)},
+    }
+    assert sorted(core.stale_holdings(held)) == [
+        ("decode/d0/g0", "gone#0"), ("decode/d0/g0", f"{spec.request_id}#0"),
+    ], "an earlier attempt and an ended request are stale; the current attempt and one decoding are not"
+
+
+def test_a_silent_engine_is_readmitted_when_its_leader_reaches_it_and_a_confirmed_death_is_not(tmp_path: Path) -> None:
+    core, _, spec = core_with_chain(tmp_path)
+    free = 1 << 20
+
+    def report(*engines: str) -> GroupReport:
+        return GroupReport("decode/d0", "d0", tuple(EngineLoad(e, "d0", 0, 0, free) for e in engines), 0)
+
+    core.engine_died("decode/d0/g0", confirmed=False)
+    core.engine_died("decode/d0/g1", confirmed=True)
+    assert core.out_of_service() == {"decode/d0/g0", "decode/d0/g1"}, "neither takes work while out"
+    core.submit(spec)
+    placed = core.fetch_decode(report("decode/d0/g0", "decode/d0/g1"))
+    assert [r.decode_engine for r in placed] == ["decode/d0/g0"], (
+        "the silent engine its leader reached takes work again; the dead one never does"
+    )
+    assert core.out_of_service() == {"decode/d0/g1"} and core.readmitted == 1, "one readmission, counted"

@@ -223,6 +223,24 @@ def test_a_duplicate_delivery_leases_nothing_and_runs_once(harness) -> None:
     h.assert_idle()
 
 
+def test_a_cancelled_attempt_is_dropped_before_compute_and_a_late_accept_refused(harness) -> None:
+    h = harness()
+    queued = h.task(Request("queued", tokens(60, 10), "pe"))
+    h.prefill.accept([queued])
+    h.prefill.cancel(queued.request.owner)
+    late = h.task(Request("late", tokens(60, 11), "de"))
+    h.prefill.cancel(late.request.owner)
+    h.prefill.accept([late])
+    assert h.prefill.holds() == {"queued": (0, False)}, "the accept its cancel overtook holds nothing"
+    for _ in range(50):
+        h.prefill.step() | h.decode.step()
+    assert h.prefill.holds() == {} and h.prefill.stats.cancelled == 1, "the queued attempt was dropped before compute"
+    assert h.collector.results == [], "a cancelled attempt reports nothing: the scheduler already failed it"
+    for owner in ("queued#0", "late#0"):
+        h.decode.cancel(owner)
+    h.assert_idle()
+
+
 def test_two_attempts_of_one_request_coexist_and_each_frees_its_own_extents(harness) -> None:
     h = harness()
     prompt = tokens(60, 8)

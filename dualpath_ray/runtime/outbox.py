@@ -1,0 +1,57 @@
+"""Messages an engine sent about an attempt that their receiver may not have yet.
+
+The scheduler decides that an attempt was lost when no engine names it in a heartbeat for
+heartbeat_timeout_s. Between the moment an engine lets go of an attempt (a prefill engine hands
+it to its decode engine; an engine reports its result) and the moment the receiver has it,
+neither side would name it, and on a loaded host that gap can outlast the grace: a healthy
+attempt would be failed and retried. So an engine keeps each such call here until it is
+delivered, and its heartbeat names the attempt meanwhile.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from dualpath_ray.runtime.ports import Pending
+
+
+class Outbox:
+    """Calls in flight per owner ("request#attempt"), with the request id and attempt they
+    are about; thread-safe (the worker sends, the control thread answers heartbeats)."""
+
+    def __init__(self) -> None:
+        self._calls: dict[str, tuple[str, int, Pending[Any]]] = {}
+        self._lock = threading.Lock()
+        self.undelivered = 0  # calls that failed: their receiver died (or the call was lost)
+
+    def sent(self, owner: str, request_id: str, attempt: int, call: Pending[Any]) -> None:
+        with self._lock:
+            self._calls[owner] = (request_id, attempt, call)
+
+    def settle(self) -> None:
+        """Forget the calls that were delivered or failed. A failed one is the receiver's death
+        (or a lost message): the scheduler's heartbeat or its death detection takes it from
+        there, exactly as if the call had never been made."""
+        with self._lock:
+            calls = list(self._calls.items())
+        finished = []
+        for owner, (_, _, call) in calls:
+            try:
+                if not call.done():
+                    continue
+            except Exception:  # noqa: BLE001 - see the docstring
+                self.undelivered += 1
+            finished.append(owner)
+        with self._lock:
+            for owner in finished:
+                self._calls.pop(owner, None)
+
+    def attempts(self) -> list[tuple[str, int]]:
+        """(request id, attempt) of every call still on its way."""
+        with self._lock:
+            return [(rid, attempt) for rid, attempt, _ in self._calls.values()]
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._calls)
