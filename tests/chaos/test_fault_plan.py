@@ -5,7 +5,11 @@ checked against a fault-free run of the same trajectories with the trajectory le
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
+from contextlib import contextmanager
+from typing import Iterator
 
 import pytest
 
@@ -30,7 +34,7 @@ def fault_config(*faults: dict, **runtime: object) -> DualPathConfig:
         "store": {"block_size": 64},
         "emulation": {"enabled": False, "compute": "profile"},
         "runtime": {"transport": "gloo", "max_attempts": 8, "heartbeat_s": 0.2, "heartbeat_timeout_s": 1.5,
-                    "transfer_timeout_s": 10.0, **runtime},
+                    "transfer_timeout_s": 10.0, "request_timeout_s": 120.0, **runtime},
         "faults": {"seed": 11, "faults": list(faults)},
     }, source="<chaos>")
 
@@ -139,4 +143,28 @@ def test_a_prefill_engine_killed_in_the_middle_of_a_layer_transfer(reference) ->
     print(f"prefill/p0/g0 killed at its 60th layer transfer: dead engines {figures['calls']['dead_engines']}, "
           f"retries {figures['calls']['retries']}; {elapsed:.1f} s vs {fault_free_s:.1f} s ({elapsed / fault_free_s:.2f}x)")
     assert figures["calls"]["dead_engines"] == 1, "the scheduler saw the engine die"
+    assert_clean(ledger, fault_free, figures)
+
+
+@contextmanager
+def busy_host(processes: int = 2) -> Iterator[None]:
+    """Other processes spinning on every core: answers come late, as on a shared node."""
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(processes)]
+    try:
+        yield
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
+
+
+def test_a_loaded_host_is_slow_not_lossy(reference) -> None:
+    trajs, fault_free, fault_free_s = reference
+    with busy_host():
+        ledger, elapsed, figures = run(fault_config(), trajs)
+    calls = figures["calls"]
+    print(f"two cores held busy: retries {calls['retries']}, lost assignments {calls['lost_assignments']}, "
+          f"presumed dead {calls['presumed_dead']}, readmitted {calls['readmitted']}; "
+          f"{elapsed:.1f} s vs {fault_free_s:.1f} s ({elapsed / fault_free_s:.2f}x)")
+    assert calls["presumed_dead"] == calls["readmitted"], "every engine presumed dead while slow was readmitted"
     assert_clean(ledger, fault_free, figures)
