@@ -170,8 +170,10 @@ class DualPathCluster:
         warnings = [w for w in [warn_if_outside_bounds(cfg)] if w]
         clear_leftover_actors(ns, replace_existing)
         groups = create_role_groups(cfg, cfg.runtime.placement_timeout_s)
+        # Restarted by Ray when its process dies, with the calls in flight resent to the new
+        # incarnation, which takes over from the engines (runtime/adoption.py).
         scheduler = Scheduler.options(
-            name="scheduler", namespace=ns, lifetime="detached",
+            name="scheduler", namespace=ns, lifetime="detached", max_restarts=-1, max_task_retries=-1,
             resources={HEAD_RESOURCE: 0.01} if self.local_cluster else None,
         ).remote(cfg, root, mode)
         ray.get(scheduler.ready.remote())

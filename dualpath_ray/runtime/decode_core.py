@@ -42,10 +42,12 @@ from dualpath_ray.runtime.messages import (
     DecodeHandoff,
     DecodeReservation,
     ErrorKind,
+    Holding,
     PersistedBlock,
     TurnResult,
     attempt_owner,
     failed_result,
+    newest_holdings,
 )
 from dualpath_ray.runtime.ports import Clock, Pending, ReaderPort, SchedulerPort, TransportPort
 from dualpath_ray.runtime.transport import Move, Region
@@ -85,6 +87,7 @@ class DecodeJob:
     request_id: str
     attempt: int
     reserved_tokens: int
+    epoch: int = 0
     state: DecodeState = DecodeState.RESERVED
     handoff: DecodeHandoff | None = None
     tokens: list[int] = field(default_factory=list)
@@ -105,7 +108,7 @@ class DecodeJob:
     @property
     def owner(self) -> str:
         """This attempt's name: what owns its pages and its extents."""
-        return attempt_owner(self.request_id, self.attempt)
+        return attempt_owner(self.request_id, self.attempt, self.epoch)
 
     @property
     def prompt_len(self) -> int:
@@ -202,7 +205,7 @@ class DecodeCore:
         a refused current attempt unheld and retries it."""
         with self._lock:
             for r in reservations:
-                owner = attempt_owner(r.request_id, r.attempt)
+                owner = attempt_owner(r.request_id, r.attempt, r.epoch)
                 if owner in self._cancelled or owner in self.jobs:
                     continue
                 try:
@@ -212,7 +215,7 @@ class DecodeCore:
                     continue
                 # Keyed by owner (request id and attempt): a retry never meets an earlier
                 # attempt's job, and a late cancel of that attempt cannot touch the retry.
-                self.jobs[owner] = DecodeJob(r.request_id, r.attempt, r.tokens)
+                self.jobs[owner] = DecodeJob(r.request_id, r.attempt, r.tokens, r.epoch)
 
     def cancel(self, owner: str) -> None:
         """Drop the reservation of an attempt ("request#attempt") that failed before its
@@ -230,25 +233,18 @@ class DecodeCore:
     def _arrived_owners(self) -> set[str]:
         return {h.task.request.owner for h in self._arrived} | self._taking
 
-    def holds(self) -> dict[str, tuple[int, bool]]:
-        """Each attempt this engine holds: request id -> (its newest attempt here, whether its
-        handoff arrived). A handoff waiting for its reservation and a result on its way to the
-        scheduler (runtime/outbox.py) count as held and arrived."""
+    def holds(self) -> dict[str, Holding]:
+        """Each request this engine holds an attempt of: its newest attempt here. A handoff
+        waiting for its reservation and a result on its way to the scheduler
+        (runtime/outbox.py) count as held and handed off."""
         with self._lock:
             arrived = self._arrived_owners()
-            entries = [(job.request_id, job.attempt, job.handoff is not None or owner in arrived)
+            entries = [(job.request_id, Holding(job.attempt, job.handoff is not None or owner in arrived, job.epoch))
                        for owner, job in self.jobs.items()]
-            entries += [(h.task.request.request_id, h.task.request.attempt, True)
+            entries += [(h.task.request.request_id, Holding(h.task.request.attempt, True, h.task.request.epoch))
                         for h in self._arrived if h.task.request.owner not in self.jobs]
-        entries += [(rid, attempt, True) for rid, attempt in self.outbox.attempts()]
-        held: dict[str, tuple[int, bool]] = {}
-        for rid, attempt, handed_off in entries:
-            known = held.get(rid)
-            if known is None or known[0] < attempt:
-                held[rid] = (attempt, handed_off)
-            elif known[0] == attempt:
-                held[rid] = (attempt, known[1] or handed_off)
-        return held
+        entries += self.outbox.holdings()
+        return newest_holdings(entries)
 
     def hand_off(self, handoff: DecodeHandoff) -> None:
         with self._lock:
@@ -633,7 +629,7 @@ class DecodeCore:
             hit_tokens=task.hit_tokens, path=task.path, prefill_engine=task.prefill_engine,
             decode_engine=self.settings.engine_id, ttft_s=job.handoff.first_token_at - spec.submitted_at,
             tpot_s=tpot, kv_bytes_verified=job.check.bytes_verified, kv_mismatches=job.check.mismatches,
-            persisted=tuple(job.persisted),
+            persisted=tuple(job.persisted), epoch=spec.epoch,
         )
         transition(job, DecodeState.DONE)
         self._forget(job)
@@ -677,7 +673,7 @@ class DecodeCore:
 
     def _report(self, result: TurnResult) -> None:
         call = self.ports.scheduler.complete(result)
-        self.outbox.sent(attempt_owner(result.request_id, result.attempt), result.request_id, result.attempt, call)
+        self.outbox.sent(result.owner, result.request_id, Holding(result.attempt, True, result.epoch), call)
 
     def _jobs_in(self, *states: DecodeState) -> list[DecodeJob]:
         with self._lock:

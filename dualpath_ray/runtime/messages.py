@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Iterable, Literal, NamedTuple
 
 import numpy as np
 
@@ -53,9 +53,35 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
 
 
-def attempt_owner(request_id: str, attempt: int) -> str:
-    """The name of one attempt of a request: what owns its extents, pages and decode job."""
-    return f"{request_id}#{attempt}"
+def attempt_owner(request_id: str, attempt: int, epoch: int = 0) -> str:
+    """The name of one attempt of a request: what owns its extents, pages and decode job. A
+    restarted scheduler (a new epoch) numbers attempts from 0 again, so the epoch is part of
+    the name: an attempt of a dead incarnation never shares one with a new attempt."""
+    return f"{request_id}#{attempt}" if not epoch else f"{request_id}#{attempt}@{epoch}"
+
+
+class Holding(NamedTuple):
+    """One attempt an engine holds, as it answers the scheduler's heartbeat."""
+
+    attempt: int
+    handed_off: bool  # its handoff reached the decode engine (or its result is on its way)
+    epoch: int = 0  # the scheduler incarnation that dispatched it
+
+    def newer_than(self, other: Holding) -> bool:
+        return (self.epoch, self.attempt) > (other.epoch, other.attempt)
+
+
+def newest_holdings(entries: Iterable[tuple[str, Holding]]) -> dict[str, Holding]:
+    """Request id -> its newest attempt among `entries`; one attempt seen twice is handed off
+    if either sighting says so."""
+    held: dict[str, Holding] = {}
+    for rid, holding in entries:
+        known = held.get(rid)
+        if known is None or holding.newer_than(known):
+            held[rid] = holding
+        elif not known.newer_than(holding) and holding.handed_off:
+            held[rid] = holding
+    return held
 
 
 @dataclass(frozen=True)
@@ -68,11 +94,12 @@ class RequestSpec:
     sampling: SamplingParams
     namespace: str
     submitted_at: float
+    epoch: int = 0  # set by the scheduler incarnation that dispatches it
 
     @property
     def owner(self) -> str:
         """The lease owner of this attempt's buffer extents."""
-        return attempt_owner(self.request_id, self.attempt)
+        return attempt_owner(self.request_id, self.attempt, self.epoch)
 
 
 @dataclass(frozen=True)
@@ -98,6 +125,7 @@ class DecodeReservation:
     attempt: int
     tokens: int
     decode_engine: str
+    epoch: int = 0
 
 
 @dataclass(frozen=True)
@@ -160,6 +188,11 @@ class TurnResult:
     error: str | None = None
     error_kind: ErrorKind | None = None
     bad_keys: tuple[str, ...] = ()  # the stored blocks a KV_MISSING / KV_CORRUPT failure names
+    epoch: int = 0  # of the scheduler incarnation that dispatched the attempt
+
+    @property
+    def owner(self) -> str:
+        return attempt_owner(self.request_id, self.attempt, self.epoch)
 
 
 @dataclass(frozen=True)
@@ -182,5 +215,5 @@ def failed_result(
         request_id=spec.request_id, attempt=spec.attempt, output_tokens=(), log_probs=(),
         stop_reason="error", prompt_tokens=len(spec.prompt), hit_tokens=0, path="pe",
         prefill_engine=engine, decode_engine="", ttft_s=0.0, tpot_s=0.0, error=f"{engine}: {error!r}",
-        error_kind=kind, bad_keys=bad_keys,
+        error_kind=kind, bad_keys=bad_keys, epoch=spec.epoch,
     )

@@ -13,21 +13,22 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from dualpath_ray.runtime.messages import Holding
 from dualpath_ray.runtime.ports import Pending
 
 
 class Outbox:
-    """Calls in flight per owner ("request#attempt"), with the request id and attempt they
-    are about; thread-safe (the worker sends, the control thread answers heartbeats)."""
+    """Calls in flight per owner ("request#attempt"), with the request id and the holding the
+    heartbeat names meanwhile; thread-safe (the worker sends, the control thread answers)."""
 
     def __init__(self) -> None:
-        self._calls: dict[str, tuple[str, int, Pending[Any]]] = {}
+        self._calls: dict[str, tuple[str, Holding, Pending[Any]]] = {}
         self._lock = threading.Lock()
         self.undelivered = 0  # calls that failed: their receiver died (or the call was lost)
 
-    def sent(self, owner: str, request_id: str, attempt: int, call: Pending[Any]) -> None:
+    def sent(self, owner: str, request_id: str, holding: Holding, call: Pending[Any]) -> None:
         with self._lock:
-            self._calls[owner] = (request_id, attempt, call)
+            self._calls[owner] = (request_id, holding, call)
 
     def settle(self) -> None:
         """Forget the calls that were delivered or failed. A failed one is the receiver's death
@@ -47,10 +48,10 @@ class Outbox:
             for owner in finished:
                 self._calls.pop(owner, None)
 
-    def attempts(self) -> list[tuple[str, int]]:
-        """(request id, attempt) of every call still on its way."""
+    def holdings(self) -> list[tuple[str, Holding]]:
+        """(request id, holding) of every call still on its way."""
         with self._lock:
-            return [(rid, attempt) for rid, attempt, _ in self._calls.values()]
+            return [(rid, holding) for rid, holding, _ in self._calls.values()]
 
     def __len__(self) -> int:
         with self._lock:

@@ -36,8 +36,8 @@ from dualpath_ray.runtime.accounting import NodeCounters
 from dualpath_ray.runtime.compute import ChunkSpec, EngineCompute
 from dualpath_ray.runtime.emulation.links import Link
 from dualpath_ray.runtime.failures import failure_of
-from dualpath_ray.runtime.messages import DecodeHandoff, ExtentGrant, PrefillTask
 from dualpath_ray.runtime.cancelled import CancelledAttempts
+from dualpath_ray.runtime.messages import DecodeHandoff, ExtentGrant, Holding, PrefillTask, RequestSpec, newest_holdings
 from dualpath_ray.runtime.outbox import Outbox
 from dualpath_ray.runtime.ports import Clock, DecodePort, Pending, ReaderPort, SchedulerPort, TransportPort
 from dualpath_ray.runtime.prefill_pipeline import LayerPipeline, PipelineStats, oracle_kv_for
@@ -172,18 +172,17 @@ class PrefillCore:
             tokens = sum(len(job.prompt) for job in self.jobs.values())
             return EngineLoad(self.settings.engine_id, self.settings.node_id, len(self.jobs), tokens)
 
-    def holds(self) -> dict[str, tuple[int, bool]]:
-        """Each request on this engine: request id -> (its newest attempt here, False: not
-        handed off yet). An earlier attempt still finishing is not what the scheduler waits for."""
+    def holds(self) -> dict[str, Holding]:
+        """Each request on this engine: its newest attempt here (not handed off: the decode
+        engine says when it is). An earlier attempt still finishing is not what the scheduler
+        waits for. A handoff or failure report still on its way is held too (runtime/outbox.py)."""
         with self._lock:
-            held: dict[str, tuple[int, bool]] = {}
-            # A handoff or failure report still on its way is held here too (runtime/outbox.py).
-            attempts = [(job.request_id, job.task.request.attempt) for job in self.jobs.values()]
-            attempts += self.outbox.attempts()
-            for rid, attempt in attempts:
-                if rid not in held or held[rid][0] < attempt:
-                    held[rid] = (attempt, False)
-            return held
+            entries = [(job.request_id, self._holding(job.task.request)) for job in self.jobs.values()]
+        return newest_holdings(entries + self.outbox.holdings())
+
+    @staticmethod
+    def _holding(spec: RequestSpec) -> Holding:
+        return Holding(spec.attempt, False, spec.epoch)
 
     def accept(self, tasks: Sequence[PrefillTask]) -> None:
         """Stage every task. Jobs are keyed by owner (request id and attempt): a retry may land
@@ -387,7 +386,7 @@ class PrefillCore:
         transition(job, PrefillState.HANDED_OFF)
         with self._lock:
             del self.jobs[job.owner]
-        self.outbox.sent(job.owner, job.request_id, job.task.request.attempt, delivery)
+        self.outbox.sent(job.owner, job.request_id, self._holding(job.task.request), delivery)
 
     def _fail(self, job: PrefillJob, error: BaseException, report: bool = True) -> None:
         """Free what the request holds, report the error (unless cancelled), forget it."""
@@ -410,4 +409,4 @@ class PrefillCore:
         if report:
             self.stats.failures += 1
             call = self.ports.scheduler.complete(failure_of(job.task.request, self.settings.engine_id, error))
-            self.outbox.sent(job.owner, job.request_id, job.task.request.attempt, call)
+            self.outbox.sent(job.owner, job.request_id, self._holding(job.task.request), call)

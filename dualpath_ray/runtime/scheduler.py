@@ -23,10 +23,12 @@ from dualpath_ray.kv.index import PrefixIndex
 from dualpath_ray.kv.layout import KVLayout
 from dualpath_ray.kv.store import open_store
 from dualpath_ray.model.profile import derive_alpha_beta
+from dualpath_ray.runtime.adoption import Adoptions
 from dualpath_ray.runtime.messages import (
     DecodeReservation,
     ErrorKind,
     GroupReport,
+    Holding,
     PrefillTask,
     RequestSpec,
     TurnResult,
@@ -36,12 +38,18 @@ from dualpath_ray.runtime.messages import (
 from dualpath_ray.scheduling.dispatcher import Constants, Dispatcher, RequestState
 
 
+def is_attempt(holding: Holding | None, spec: RequestSpec | None) -> bool:
+    """Whether an engine's holding is the attempt `spec` now in flight."""
+    return holding is not None and spec is not None and (holding.attempt, holding.epoch) == (spec.attempt, spec.epoch)
+
+
 class SchedulerCore:
     """Scheduler logic without Ray: index lookups, the dispatcher, and pending futures."""
 
-    def __init__(self, cfg: DualPathConfig, store_root: str | None, mode: str) -> None:
+    def __init__(self, cfg: DualPathConfig, store_root: str | None, mode: str, epoch: int = 0) -> None:
         self.cfg = cfg
         self.mode = mode
+        self.epoch = epoch  # this incarnation's; every attempt it dispatches carries it
         self.layout = KVLayout.from_model(cfg.model, cfg.store.block_size)
         self.store = open_store(cfg.store, self.layout, root=store_root)
         self.index = PrefixIndex.rebuild(self.store, cfg.store.block_size)
@@ -122,7 +130,7 @@ class SchedulerCore:
         self.dispatcher.report_read_q(report.node_id, report.read_q_tokens)
         decisions = self.dispatcher.fetch_decode(report.group_id, self._live(report))
         return [
-            DecodeReservation(d.request_id, self.specs[d.request_id].attempt, d.tokens, d.decode_engine)
+            DecodeReservation(d.request_id, self.specs[d.request_id].attempt, d.tokens, d.decode_engine, self.epoch)
             for d in decisions
         ]
 
@@ -150,7 +158,7 @@ class SchedulerCore:
     def is_current(self, result: TurnResult) -> bool:
         """Whether `result` is of the attempt now in flight (not a late one of an earlier try)."""
         spec = self.specs.get(result.request_id)
-        return spec is not None and spec.attempt == result.attempt
+        return spec is not None and spec.attempt == result.attempt and spec.epoch == result.epoch
 
     def finish(self, result: TurnResult) -> tuple[str, ...]:
         """Record a finished turn; for a failed one, returns the engines that may still hold
@@ -185,17 +193,17 @@ class SchedulerCore:
         entry = self.dispatcher.cancel(request_id)
         return tuple(e for e in (entry.decode_engine, entry.prefill_engine) if e) if entry is not None else ()
 
-    def stale_holdings(self, held: dict[str, dict[str, tuple[int, bool]]]) -> list[tuple[str, str]]:
+    def stale_holdings(self, held: dict[str, dict[str, Holding]]) -> list[tuple[str, str]]:
         """(engine, owner) of each attempt an engine holds that is no longer the one in flight
         (it finished, failed or was retried) and that has not reached its decode step: a cancel
         whose call was lost, or an accept that came after its cancel, must not hold HBM or
         extents for good. One already decoding finishes on its own."""
         stale = []
         for engine, holds in held.items():
-            for rid, (attempt, handed_off) in holds.items():
+            for rid, holding in holds.items():
                 spec = self.specs.get(rid)
-                if not handed_off and (spec is None or spec.attempt != attempt):
-                    stale.append((engine, attempt_owner(rid, attempt)))
+                if not holding.handed_off and not is_attempt(holding, spec):
+                    stale.append((engine, attempt_owner(rid, holding.attempt, holding.epoch)))
         return stale
 
     def should_retry(self, result: TurnResult) -> bool:
@@ -230,7 +238,11 @@ class Scheduler:
     """Named, detached singleton; `generate` is awaited by every caller."""
 
     def __init__(self, cfg: DualPathConfig, store_root: str | None, mode: str) -> None:
-        self.core = SchedulerCore(cfg, store_root, mode)
+        # A new epoch per incarnation (Ray restarts this actor with the same arguments).
+        self.core = SchedulerCore(cfg, store_root, mode, epoch=time.time_ns())
+        self.restarted = bool(ray.get_runtime_context().was_current_actor_reconstructed)
+        self.adoptions = Adoptions()
+        self.starting: asyncio.Task[None] | None = None
         self.pending: dict[str, asyncio.Future[TurnResult]] = {}
         self.started_at = time.time()
         # Set when a role may have new work: leaders waiting in a fetch wake at once instead of
@@ -252,9 +264,32 @@ class Scheduler:
         }
 
     async def ready(self) -> bool:
-        if self.watchdog is None:
-            self.watchdog = asyncio.get_running_loop().create_task(self._watch())
+        await self._started()
         return True
+
+    async def _started(self) -> None:
+        """Every entry point awaits this: the watchdog runs, and a restarted incarnation has
+        learnt what the engines hold (runtime/adoption.py) before it serves or dispatches."""
+        if self.starting is None:
+            self.starting = asyncio.get_running_loop().create_task(self._start())
+        await asyncio.shield(self.starting)
+
+    async def _start(self) -> None:
+        if self.restarted:
+            await self._learn_holdings()
+        self.watchdog = asyncio.get_running_loop().create_task(self._watch())
+
+    async def _learn_holdings(self) -> None:
+        namespace = self.core.cfg.runtime.namespace
+        engines = sorted(
+            a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["namespace"] == namespace and a["name"].startswith(("prefill/", "decode/"))
+        )
+        answers = await asyncio.gather(*(self._holds(e, self.core.cfg.runtime.heartbeat_timeout_s) for e in engines))
+        for engine, (holds, _) in zip(engines, answers):
+            for owner in self.adoptions.learn(engine, holds or {}):
+                self._tell(engine, "cancel", owner)
+        self.calls["adoptable"] = len(self.adoptions.holders)
 
     async def _watch(self) -> None:
         """Heartbeats to the engines that hold requests. One that Ray reports dead, or that has
@@ -266,7 +301,8 @@ class Scheduler:
         runtime = self.core.cfg.runtime
         while True:
             await asyncio.sleep(runtime.heartbeat_s)
-            engines = sorted(self.core.dispatcher.engines_in_use() - self.core.out_of_service())
+            in_use = self.core.dispatcher.engines_in_use() | self.adoptions.engines()
+            engines = sorted(in_use - self.core.out_of_service())
             answers = await asyncio.gather(*(self._holds(e, runtime.heartbeat_timeout_s) for e in engines))
             held, silent, now = {}, set(), time.monotonic()
             for engine, (answer, gone) in zip(engines, answers):
@@ -279,11 +315,12 @@ class Scheduler:
                 else:
                     silent.add(engine)
             self._fail_lost(held, silent, runtime.heartbeat_timeout_s)
+            self.adoptions.check(held, silent, now, runtime.heartbeat_timeout_s)
             for engine, owner in self.core.stale_holdings(held):
                 self.calls["stale_holdings"] += 1
                 self._tell(engine, "cancel", owner)
 
-    async def _holds(self, engine: str, timeout_s: float) -> tuple[dict[str, tuple[int, bool]] | None, bool]:
+    async def _holds(self, engine: str, timeout_s: float) -> tuple[dict[str, Holding] | None, bool]:
         """What `engine` holds (None when it does not answer), and whether Ray says it is gone."""
         try:
             handle = ray.get_actor(engine, namespace=self.core.cfg.runtime.namespace)
@@ -297,7 +334,7 @@ class Scheduler:
             return None, False
         return answer, False
 
-    def _fail_lost(self, held: dict[str, dict[str, tuple[int, bool]]], silent: set[str], grace_s: float) -> None:
+    def _fail_lost(self, held: dict[str, dict[str, Holding]], silent: set[str], grace_s: float) -> None:
         now = time.monotonic()
         lost = []
         for rid, entry in self.core.dispatcher.entries.items():
@@ -308,9 +345,8 @@ class Scheduler:
                 continue  # not known either way this round
             at_decode = held.get(entry.decode_engine, {}).get(rid)
             at_prefill = held.get(entry.prefill_engine, {}).get(rid) if entry.prefill_engine else None
-            delivered = at_decode is not None and at_decode[0] == spec.attempt and (
-                entry.state is RequestState.WAITING_PREFILL or at_decode[1]
-                or (at_prefill is not None and at_prefill[0] == spec.attempt)
+            delivered = is_attempt(at_decode, spec) and (
+                entry.state is RequestState.WAITING_PREFILL or at_decode.handed_off or is_attempt(at_prefill, spec)
             )
             if delivered:
                 self.unheld_since.pop(rid, None)
@@ -356,10 +392,15 @@ class Scheduler:
     async def generate(self, spec: RequestSpec) -> TurnResult:
         """Serve one turn: its result, or a failed result with an ErrorKind once its retries or
         its deadline (runtime.request_timeout_s) are used up. Never waits forever."""
-        if spec.request_id in self.pending:
+        await self._started()
+        if spec.request_id in self.pending or spec.request_id in self.adoptions.waiting:
             raise ValueError(f"request id {spec.request_id!r} is already in flight; ids must be unique")
         self.calls["generate"] += 1
         deadline = time.monotonic() + self.core.cfg.runtime.request_timeout_s
+        adopted = await self._adopt(spec.request_id, deadline)
+        if adopted is not None and not self.core.should_retry(adopted):
+            return adopted
+        spec = dataclasses.replace(spec, epoch=self.core.epoch)
         while True:
             result = await self._attempt(spec, deadline)
             if not self.core.should_retry(result):
@@ -367,6 +408,19 @@ class Scheduler:
             self.calls["retries"] += 1
             self.calls["unindexed_blocks"] += self.core.repair(result)
             spec = dataclasses.replace(spec, attempt=spec.attempt + 1)
+
+    async def _adopt(self, request_id: str, deadline: float) -> TurnResult | None:
+        """The result of a dead incarnation's attempt that an engine still holds (None: there
+        is none, or it was dropped; the request is then dispatched afresh)."""
+        result = self.adoptions.claim(request_id)
+        if result is not None or request_id not in self.adoptions.holders:
+            return result
+        try:
+            return await asyncio.wait_for(self.adoptions.wait_for(request_id), max(0.0, deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            return None
+        finally:
+            self.adoptions.forget(request_id)
 
     async def _attempt(self, spec: RequestSpec, deadline: float) -> TurnResult:
         future: asyncio.Future[TurnResult] = asyncio.get_running_loop().create_future()
@@ -394,6 +448,7 @@ class Scheduler:
 
     async def fetch_decode(self, report: GroupReport, wait_s: float = 0.0) -> list[DecodeReservation]:
         """A decode group's pull; with nothing to place, waits up to wait_s for new work."""
+        await self._started()
         self._note_reader("decode", report)
         placed = await self._fetch("decode", report.group_id, lambda: self.core.fetch_decode(report), wait_s)
         if placed:
@@ -405,6 +460,7 @@ class Scheduler:
 
         The report was taken before the wait; meanwhile its engines can only have finished work
         (no one else assigns to them), so deciding on it after the wait is conservative."""
+        await self._started()
         self._note_reader("prefill", report)
         return await self._fetch("prefill", report.group_id, lambda: self.core.fetch_prefill(report), wait_s)
 
@@ -436,14 +492,18 @@ class Scheduler:
         return bool(group) and self.fetches.get(group, 0) == seq
 
     async def complete(self, result: TurnResult) -> None:
+        await self._started()
         self._complete(result)
 
     def _complete(self, result: TurnResult) -> None:
         self.calls["complete"] += 1
         current = self.core.is_current(result)
         holders = self.core.finish(result)
-        self._cancel_at(holders, attempt_owner(result.request_id, result.attempt))
+        self._cancel_at(holders, result.owner)
         if not current:
+            if result.epoch != self.core.epoch and self.adoptions.deliver(result):
+                self.calls["adopted"] = self.adoptions.adopted
+                return
             self.calls["stale_results"] += 1
             return
         self.delivering.pop(result.request_id, None)
@@ -467,7 +527,9 @@ class Scheduler:
         """How often each entry point ran (pulls, empty pulls that waited, turns), retries and
         their causes, and the store's evictions."""
         return {**self.calls, "evicted_blocks": self.core.eviction.stats.evicted_blocks,
-                "indexed_blocks": len(self.core.index), "readmitted": self.core.readmitted}
+                "indexed_blocks": len(self.core.index), "readmitted": self.core.readmitted,
+                "adopted": self.adoptions.adopted, "adoptions_dropped": self.adoptions.dropped,
+                "restarted": int(self.restarted)}
 
     async def reset_prefix_cache(self) -> None:
         self.core.reset_prefix_cache()

@@ -5,11 +5,13 @@ checked against a fault-free run of the same trajectories with the trajectory le
 
 from __future__ import annotations
 
+import random
 import subprocess
 import sys
+import threading
 import time
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 import pytest
 
@@ -39,14 +41,20 @@ def fault_config(*faults: dict, **runtime: object) -> DualPathConfig:
     }, source="<chaos>")
 
 
-def run(cfg: DualPathConfig, trajs, mode: str = "dualpath"):
-    """One rollout on a fresh cluster: (ledger, elapsed s, cluster figures after it)."""
+def run(cfg: DualPathConfig, trajs, mode: str = "dualpath", during: Callable[[Any], None] | None = None):
+    """One rollout on a fresh cluster: (ledger, elapsed s, cluster figures after it).
+    `during(deployment)` runs on a thread alongside the rollout (a chaos monkey)."""
     cluster = DualPathCluster.start(cfg)
     try:
         deployment = cluster.deploy(mode)
+        monkey = threading.Thread(target=during, args=(deployment,), daemon=True) if during else None
         started = time.monotonic()
+        if monkey is not None:
+            monkey.start()
         result = cluster.rollout(trajs, progress=False)
         elapsed = time.monotonic() - started
+        if monkey is not None:
+            monkey.join(timeout=60)
         figures = {
             "failures": result.failures,
             "calls": ray.get(deployment.scheduler.call_counts.remote()),
@@ -167,4 +175,25 @@ def test_a_loaded_host_is_slow_not_lossy(reference) -> None:
           f"presumed dead {calls['presumed_dead']}, readmitted {calls['readmitted']}; "
           f"{elapsed:.1f} s vs {fault_free_s:.1f} s ({elapsed / fault_free_s:.2f}x)")
     assert calls["presumed_dead"] == calls["readmitted"], "every engine presumed dead while slow was readmitted"
+    assert_clean(ledger, fault_free, figures)
+
+
+def test_the_scheduler_killed_three_times_loses_nothing(reference) -> None:
+    trajs, fault_free, fault_free_s = reference
+    kills: list[float] = []
+    chance = random.Random(23)
+
+    def kill_scheduler_three_times(deployment) -> None:
+        started = time.monotonic()
+        for _ in range(3):
+            time.sleep(chance.uniform(0.5, 2.0))
+            kills.append(round(time.monotonic() - started, 2))
+            ray.kill(deployment.scheduler, no_restart=False)
+            ray.get(deployment.scheduler.ready.remote(), timeout=120)
+
+    ledger, elapsed, figures = run(fault_config(), trajs, during=kill_scheduler_three_times)
+    calls = figures["calls"]
+    print(f"scheduler killed at {kills} s into the rollout: the last incarnation adopted {calls['adopted']} turns from engines, "
+          f"dropped {calls['adoptions_dropped']}; {elapsed:.1f} s vs {fault_free_s:.1f} s ({elapsed / fault_free_s:.2f}x)")
+    assert len(kills) == 3 and calls["restarted"] == 1, "the scheduler was killed three times and restarted by Ray"
     assert_clean(ledger, fault_free, figures)

@@ -10,7 +10,7 @@ import pytest
 
 from dualpath_ray.config import DualPathConfig
 from dualpath_ray.kv.index import block_keys
-from dualpath_ray.runtime.messages import DecodeReservation
+from dualpath_ray.runtime.messages import DecodeReservation, Holding
 from tests.engine_harness import DE, EngineHarness, Request
 from tests.unit.runtime.test_outbox import Gate
 from tests.unit.runtime.test_prefill_core import BLOCK, config, tokens
@@ -100,7 +100,7 @@ def test_a_cancel_that_overtakes_its_accept_reserves_nothing(make) -> None:
     capacity_tokens = h.pages.capacity * BLOCK
     h.decode.cancel("late#0")
     h.decode.accept([DecodeReservation("late", 0, 2 * BLOCK, DE), DecodeReservation("late", 1, 2 * BLOCK, DE)])
-    assert h.decode.holds() == {"late": (1, False)}, "the cancelled attempt is refused; its retry is not"
+    assert h.decode.holds() == {"late": Holding(1, False)}, "the cancelled attempt is refused; its retry is not"
     h.decode.cancel("late#1")
     assert h.decode.load().free_hbm_tokens == capacity_tokens, "nothing of either attempt holds pages"
     h.assert_idle()
@@ -158,7 +158,7 @@ def test_a_result_on_its_way_to_the_scheduler_is_still_held(make, monkeypatch) -
     monkeypatch.setattr(h.collector, "complete", slow_complete)
     (result,) = h.serve([Request("r", tokens(40, 5), "pe", max_new_tokens=3)])
     h.decode.step()
-    assert h.decode.holds() == {"r": (0, True)}, "the heartbeat names an attempt whose result is not delivered yet"
+    assert h.decode.holds() == {"r": Holding(0, True)}, "the heartbeat names an attempt whose result is not delivered yet"
     gates[-1].open = True
     h.decode.step()
     assert h.decode.holds() == {}, "once delivered, the engine holds nothing of it"

@@ -13,7 +13,7 @@ from dualpath_ray.config import DualPathConfig
 from dualpath_ray.kv.errors import BadBlockError
 from dualpath_ray.kv.index import block_keys
 from dualpath_ray.runtime.failures import KVMismatchError, classify
-from dualpath_ray.runtime.messages import ErrorKind, GroupReport, RequestSpec, SamplingParams, failed_result
+from dualpath_ray.runtime.messages import ErrorKind, GroupReport, Holding, RequestSpec, SamplingParams, failed_result
 from dualpath_ray.runtime.scheduler import SchedulerCore
 from dualpath_ray.runtime.transport import PeerDiedError, TransportError
 from dualpath_ray.scheduling import EngineLoad
@@ -95,13 +95,13 @@ def test_attempts_an_engine_still_holds_after_they_ended_are_named_for_cancellin
     retry = RequestSpec(spec.request_id, 1, spec.prompt, spec.sampling, spec.namespace, 0.0)
     core.submit(retry)
     held = {
-        "decode/d0/g0": {spec.request_id: (0, False), "gone": (0, False)},
-        "decode/d0/g1": {spec.request_id: (1, False)},
-        "decode/d0/g2": {"finished-and-decoding": (0, True)},
+        "decode/d0/g0": {spec.request_id: Holding(0, False), "gone": Holding(0, False)},
+        "decode/d0/g1": {spec.request_id: Holding(1, False), "old-epoch": Holding(1, False, epoch=7)},
+        "decode/d0/g2": {"finished-and-decoding": Holding(0, True)},
     }
     assert sorted(core.stale_holdings(held)) == [
-        ("decode/d0/g0", "gone#0"), ("decode/d0/g0", f"{spec.request_id}#0"),
-    ], "an earlier attempt and an ended request are stale; the current attempt and one decoding are not"
+        ("decode/d0/g0", "gone#0"), ("decode/d0/g0", f"{spec.request_id}#0"), ("decode/d0/g1", "old-epoch#1@7"),
+    ], "an earlier attempt, an ended request and a dead incarnation's attempt are stale; the current one and one decoding are not"
 
 
 def test_a_silent_engine_is_readmitted_when_its_leader_reaches_it_and_a_confirmed_death_is_not(tmp_path: Path) -> None:

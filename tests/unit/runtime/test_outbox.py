@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import pytest
 
 from dualpath_ray.runtime.cancelled import CancelledAttempts
+from dualpath_ray.runtime.messages import Holding
 from dualpath_ray.runtime.outbox import Outbox
 from dualpath_ray.runtime.ports import Failed, Ready
 
@@ -36,15 +37,15 @@ class StepClock:
 def test_a_call_is_named_until_delivered_and_a_failed_one_is_counted_and_forgotten() -> None:
     outbox = Outbox()
     gate = Gate()
-    outbox.sent("a#0", "a", 0, gate)
-    outbox.sent("b#1", "b", 1, Failed(RuntimeError("receiver died")))
-    outbox.sent("c#0", "c", 0, Ready(None))
+    outbox.sent("a#0", "a", Holding(0, True), gate)
+    outbox.sent("b#1", "b", Holding(1, True), Failed(RuntimeError("receiver died")))
+    outbox.sent("c#0", "c", Holding(0, True), Ready(None))
     outbox.settle()
-    assert outbox.attempts() == [("a", 0)], "only the undelivered call is still named"
+    assert outbox.holdings() == [("a", Holding(0, True))], "only the undelivered call is still named"
     assert outbox.undelivered == 1, "the failed call is counted"
     gate.open = True
     outbox.settle()
-    assert outbox.attempts() == [] and len(outbox) == 0, "a delivered call is forgotten"
+    assert outbox.holdings() == [] and len(outbox) == 0, "a delivered call is forgotten"
 
 
 def test_cancels_are_remembered_for_the_horizon_only() -> None:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from dualpath_ray.config import DualPathConfig, parse_config
-from dualpath_ray.runtime.messages import DecodeReservation
+from dualpath_ray.runtime.messages import DecodeReservation, Holding
 from tests.engine_harness import DE, EngineHarness, Request
 
 BLOCK = 16
@@ -231,7 +231,7 @@ def test_a_cancelled_attempt_is_dropped_before_compute_and_a_late_accept_refused
     late = h.task(Request("late", tokens(60, 11), "de"))
     h.prefill.cancel(late.request.owner)
     h.prefill.accept([late])
-    assert h.prefill.holds() == {"queued": (0, False)}, "the accept its cancel overtook holds nothing"
+    assert h.prefill.holds() == {"queued": Holding(0, False)}, "the accept its cancel overtook holds nothing"
     for _ in range(50):
         h.prefill.step() | h.decode.step()
     assert h.prefill.holds() == {} and h.prefill.stats.cancelled == 1, "the queued attempt was dropped before compute"
@@ -248,7 +248,7 @@ def test_two_attempts_of_one_request_coexist_and_each_frees_its_own_extents(harn
     retry = dataclasses.replace(first, request=dataclasses.replace(first.request, attempt=1))
     h.decode.accept([DecodeReservation("r", 1, 128, DE)])
     h.prefill.accept([first, retry])
-    assert h.prefill.holds() == {"r": (1, False)}, "the heartbeat names the newest attempt"
+    assert h.prefill.holds() == {"r": Holding(1, False)}, "the heartbeat names the newest attempt"
     deadline = time.monotonic() + 30
     while len(h.collector.results) < 2 and time.monotonic() < deadline:
         h.prefill.step() | h.decode.step()
