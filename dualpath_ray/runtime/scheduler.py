@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+import warnings
 from typing import Any
 
 import ray
@@ -240,7 +241,9 @@ class Scheduler:
     def __init__(self, cfg: DualPathConfig, store_root: str | None, mode: str) -> None:
         # A new epoch per incarnation (Ray restarts this actor with the same arguments).
         self.core = SchedulerCore(cfg, store_root, mode, epoch=time.time_ns())
-        self.restarted = bool(ray.get_runtime_context().was_current_actor_reconstructed)
+        with warnings.catch_warnings():  # Ray's property reads a deprecated attribute inside
+            warnings.simplefilter("ignore", DeprecationWarning)
+            self.restarted = bool(ray.get_runtime_context().was_current_actor_reconstructed)
         self.adoptions = Adoptions()
         self.starting: asyncio.Task[None] | None = None
         self.pending: dict[str, asyncio.Future[TurnResult]] = {}

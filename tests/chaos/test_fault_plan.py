@@ -63,9 +63,27 @@ def run(cfg: DualPathConfig, trajs, mode: str = "dualpath", during: Callable[[An
             "pools": settled_pools(cluster, cfg.runtime.transfer_timeout_s),
             "pages": cluster.page_integrity(),
         }
+        cluster.teardown()
+        figures["resources"] = settled_resources(timeout_s=30.0)
         return Ledger.of(result), elapsed, figures
     finally:
         cluster.shutdown()
+
+
+def schedulable(resources: dict[str, float]) -> dict[str, float]:
+    """CPUs, GPUs and custom resources (the memory figures move on their own)."""
+    return {k: v for k, v in resources.items() if k not in ("memory", "object_store_memory")}
+
+
+def settled_resources(timeout_s: float) -> tuple[dict[str, float], dict[str, float]]:
+    """(the cluster's resources, those free) once a torn-down deployment gave every one back,
+    or as they stand after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        total, free = schedulable(ray.cluster_resources()), schedulable(ray.available_resources())
+        if total == free or time.monotonic() > deadline:
+            return total, free
+        time.sleep(0.2)
 
 
 def settled_pools(cluster: DualPathCluster, timeout_s: float) -> dict[str, tuple[int, int, int, int]]:
@@ -86,6 +104,8 @@ def assert_clean(ledger: Ledger, reference: Ledger, figures: dict) -> None:
     assert not figures["failures"], f"0 failed trajectories: {figures['failures']}"
     assert diff.clean(), f"0 lost, 0 duplicated, outputs identical to the fault-free run: {diff}"
     assert all(free == cap for free, _, _, cap in figures["pools"].values()), f"every buffer pool free: {figures['pools']}"
+    total, free = figures["resources"]
+    assert total == free, f"every Ray resource is free again after teardown: {total} vs {free}"
     assert all(free == cap and reserved == 0 for free, _, reserved, cap in figures["pages"].values()), (
         f"every decode engine's pages free: {figures['pages']}"
     )
