@@ -37,6 +37,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=main)
 
 
+def fault_figures(cluster: Any) -> dict[str, Any]:
+    """Under a fault plan: what was injected (site:mode -> [injected, events]) and what the KV
+    checks caught, so a chaos run shows its faults next to its outcome."""
+    report = cluster.integrity_report()
+    return {
+        "injected": {label: [count.injected, count.events] for label, count in sorted(cluster.fault_counts().items())},
+        "detected": {k: (len(v) if isinstance(v, set) else v) for k, v in report.items()},
+    }
+
+
 def run_trace(
     cfg: DualPathConfig, trace: Path, mode: str | None, out: Path, summary_path: Path | None,
     address: str | None, metadata: dict[str, Any] | None = None, replace_existing: bool = False,
@@ -54,6 +64,8 @@ def run_trace(
         result.write_parquet(str(out))
         summary = {**result.summary(), "mode": deployment.mode, "warnings": deployment.warnings,
                    "metadata": metadata or {}, "results": str(out)}
+        if cfg.faults.faults:
+            summary["faults"] = fault_figures(cluster)
     finally:
         if address:
             cluster.teardown()
