@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from dualpath_ray.runtime.messages import Holding, TurnResult, attempt_owner
+from dualpath_ray.runtime.messages import Holding, TurnResult
 
 
 @dataclass
@@ -43,7 +43,7 @@ class Adoptions:
         for rid, holding in holds.items():
             self.holders.setdefault(rid, set()).add(engine)
             if not holding.handed_off:
-                cancel.append(attempt_owner(rid, holding.attempt, holding.epoch))
+                cancel.append(holding.owner(rid))
         return cancel
 
     def engines(self) -> set[str]:
@@ -68,13 +68,8 @@ class Adoptions:
         rid = result.request_id
         if rid not in self.holders:
             return False
-        del self.holders[rid]
-        self.unheld_since.pop(rid, None)
         self.adopted += 1
-        future = self.waiting.pop(rid, None)
-        if future is not None and not future.done():
-            future.set_result(result)
-        else:
+        if not self._settle(rid, result):
             self.unclaimed[rid] = result
         return True
 
@@ -90,13 +85,19 @@ class Adoptions:
             elif now - self.unheld_since.setdefault(rid, now) >= grace_s:
                 dropped.append(rid)
         for rid in dropped:
-            del self.holders[rid]
-            self.unheld_since.pop(rid, None)
             self.dropped += 1
-            future = self.waiting.pop(rid, None)
-            if future is not None and not future.done():
-                future.set_result(None)
+            self._settle(rid, None)
         return dropped
+
+    def _settle(self, rid: str, outcome: TurnResult | None) -> bool:
+        """`rid` is adoptable no more: its waiting caller (if any) gets `outcome`; whether there was one."""
+        del self.holders[rid]
+        self.unheld_since.pop(rid, None)
+        future = self.waiting.pop(rid, None)
+        if future is None or future.done():
+            return False
+        future.set_result(outcome)
+        return True
 
     def forget(self, request_id: str) -> None:
         """The caller gave up (its deadline passed)."""

@@ -241,7 +241,7 @@ class DecodeCore:
             arrived = self._arrived_owners()
             entries = [(job.request_id, Holding(job.attempt, job.handoff is not None or owner in arrived, job.epoch))
                        for owner, job in self.jobs.items()]
-            entries += [(h.task.request.request_id, Holding(h.task.request.attempt, True, h.task.request.epoch))
+            entries += [(h.task.request_id, Holding.of(h.task.request, True))
                         for h in self._arrived if h.task.request.owner not in self.jobs]
         entries += self.outbox.holdings()
         return newest_holdings(entries)
@@ -673,7 +673,7 @@ class DecodeCore:
 
     def _report(self, result: TurnResult) -> None:
         call = self.ports.scheduler.complete(result)
-        self.outbox.sent(result.owner, result.request_id, Holding(result.attempt, True, result.epoch), call)
+        self.outbox.sent(result.owner, result.request_id, Holding.of(result, True), call)
 
     def _jobs_in(self, *states: DecodeState) -> list[DecodeJob]:
         with self._lock:

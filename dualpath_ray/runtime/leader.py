@@ -190,10 +190,8 @@ class GroupLeader:
         for engine, ref in pending:
             try:
                 ray.get(ref, timeout=self.member_timeout_s)
-            except ray.exceptions.GetTimeoutError:
-                self.misses[engine] = self.misses.get(engine, 0) + 1
-            except ray.exceptions.RayActorError:
-                self.dead.add(engine)
+            except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError) as exc:
+                self._note_silence(engine, exc)
         return bool(work)
 
 

@@ -67,6 +67,14 @@ class Holding(NamedTuple):
     handed_off: bool  # its handoff reached the decode engine (or its result is on its way)
     epoch: int = 0  # the scheduler incarnation that dispatched it
 
+    @classmethod
+    def of(cls, attempt: RequestSpec | TurnResult, handed_off: bool) -> Holding:
+        """The holding of the attempt a request spec or a turn result is of."""
+        return cls(attempt.attempt, handed_off, attempt.epoch)
+
+    def owner(self, request_id: str) -> str:
+        return attempt_owner(request_id, self.attempt, self.epoch)
+
     def newer_than(self, other: Holding) -> bool:
         return (self.epoch, self.attempt) > (other.epoch, other.attempt)
 
@@ -115,6 +123,10 @@ class PrefillTask:
     prefill_node: str
     decode_engine: str
     decode_node: str
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ from dualpath_ray.runtime.compute import ChunkSpec, EngineCompute
 from dualpath_ray.runtime.emulation.links import Link
 from dualpath_ray.runtime.failures import failure_of
 from dualpath_ray.runtime.cancelled import CancelledAttempts
-from dualpath_ray.runtime.messages import DecodeHandoff, ExtentGrant, Holding, PrefillTask, RequestSpec, newest_holdings
+from dualpath_ray.runtime.messages import DecodeHandoff, ExtentGrant, Holding, PrefillTask, newest_holdings
 from dualpath_ray.runtime.outbox import Outbox
 from dualpath_ray.runtime.ports import Clock, DecodePort, Pending, ReaderPort, SchedulerPort, TransportPort
 from dualpath_ray.runtime.prefill_pipeline import LayerPipeline, PipelineStats, oracle_kv_for
@@ -177,20 +177,18 @@ class PrefillCore:
         engine says when it is). An earlier attempt still finishing is not what the scheduler
         waits for. A handoff or failure report still on its way is held too (runtime/outbox.py)."""
         with self._lock:
-            entries = [(job.request_id, self._holding(job.task.request)) for job in self.jobs.values()]
+            entries = [(job.request_id, Holding.of(job.task.request, False)) for job in self.jobs.values()]
         return newest_holdings(entries + self.outbox.holdings())
-
-    @staticmethod
-    def _holding(spec: RequestSpec) -> Holding:
-        return Holding(spec.attempt, False, spec.epoch)
 
     def accept(self, tasks: Sequence[PrefillTask]) -> None:
         """Stage every task. Jobs are keyed by owner (request id and attempt): a retry may land
         here while its earlier attempt still runs, and each frees only its own extents. A task
         already here is a duplicate delivery: it is refused before anything is leased for it."""
+        fresh, refused = [], []
         with self._lock:
-            fresh = [t for t in tasks if t.request.owner not in self.jobs and t.request.owner not in self._cancelled]
-        refused = [t.request.owner for t in tasks if t not in fresh]
+            for t in tasks:
+                owner = t.request.owner
+                (refused if owner in self.jobs or owner in self._cancelled else fresh).append(t)
         for task in fresh:
             # Each job is held (and heartbeats name it) as soon as it is staged, not after the
             # whole batch: staging a large batch on a loaded host takes a while.
@@ -201,7 +199,7 @@ class PrefillCore:
                     self._to_cancel.append(job.owner)
         if refused:
             LOG.warning("%s: refused deliveries of attempts already here or cancelled: %s",
-                        self.settings.engine_id, refused)
+                        self.settings.engine_id, [t.request.owner for t in refused])
 
     def cancel(self, owner: str) -> None:
         """The scheduler gave up on this attempt ("request#attempt"): a job of it that has not
@@ -386,7 +384,7 @@ class PrefillCore:
         transition(job, PrefillState.HANDED_OFF)
         with self._lock:
             del self.jobs[job.owner]
-        self.outbox.sent(job.owner, job.request_id, self._holding(job.task.request), delivery)
+        self.outbox.sent(job.owner, job.request_id, Holding.of(job.task.request, False), delivery)
 
     def _fail(self, job: PrefillJob, error: BaseException, report: bool = True) -> None:
         """Free what the request holds, report the error (unless cancelled), forget it."""
@@ -409,4 +407,4 @@ class PrefillCore:
         if report:
             self.stats.failures += 1
             call = self.ports.scheduler.complete(failure_of(job.task.request, self.settings.engine_id, error))
-            self.outbox.sent(job.owner, job.request_id, self._holding(job.task.request), call)
+            self.outbox.sent(job.owner, job.request_id, Holding.of(job.task.request, False), call)

@@ -33,7 +33,6 @@ from dualpath_ray.runtime.messages import (
     PrefillTask,
     RequestSpec,
     TurnResult,
-    attempt_owner,
     failed_result,
 )
 from dualpath_ray.scheduling.dispatcher import Constants, Dispatcher, RequestState
@@ -204,7 +203,7 @@ class SchedulerCore:
             for rid, holding in holds.items():
                 spec = self.specs.get(rid)
                 if not holding.handed_off and not is_attempt(holding, spec):
-                    stale.append((engine, attempt_owner(rid, holding.attempt, holding.epoch)))
+                    stale.append((engine, holding.owner(rid)))
         return stale
 
     def should_retry(self, result: TurnResult) -> bool:
@@ -482,8 +481,7 @@ class Scheduler:
                 return []
             work = fetch()
         for item in work:
-            rid = item.request_id if role == "decode" else item.request.request_id
-            self.delivering[rid] = (group, self.fetches[group])
+            self.delivering[item.request_id] = (group, self.fetches[group])
         return work
 
     def _in_delivery(self, rid: str) -> bool:
