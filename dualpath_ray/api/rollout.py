@@ -19,6 +19,7 @@ import pyarrow.parquet as pq
 
 from dualpath_ray.api.validation import make_spec, validate_prompt
 from dualpath_ray.config import DualPathConfig
+from dualpath_ray.metrics import TRAJECTORY_JCT_SECONDS, MetricSink, RayMetrics
 from dualpath_ray.runtime.messages import RequestSpec, SamplingParams, TurnResult
 from dualpath_ray.workload.trace import Trajectory
 
@@ -106,7 +107,7 @@ class _Progress:
 
 async def _run_trajectory(
     generate: Any, cfg: DualPathConfig, namespace: str, trajectory: Trajectory, done: list[dict[str, Any]],
-    started: float, progress: _Progress, served: list[TurnResult],
+    started: float, progress: _Progress, served: list[TurnResult], metrics: MetricSink,
 ) -> tuple[list[dict[str, Any]], str | None]:
     rows = list(done)
     context: list[int] = []
@@ -132,8 +133,15 @@ async def _run_trajectory(
             progress.step()
             context = context + list(result.output_tokens)
     except Exception as exc:  # noqa: BLE001 - one trajectory's failure must not stop the others
+        _observe_jct(metrics, started + trajectory.arrival_s, "failed")
         return rows, f"{type(exc).__name__}: {exc}"
+    _observe_jct(metrics, started + trajectory.arrival_s, "ok")
     return rows, None
+
+
+def _observe_jct(metrics: MetricSink, arrived: float, outcome: str) -> None:
+    """A trajectory's completion time, from its arrival (monotonic) to now."""
+    metrics.observe(TRAJECTORY_JCT_SECONDS, time.monotonic() - arrived, {"outcome": outcome})
 
 
 class TurnFailedError(RuntimeError):
@@ -159,10 +167,13 @@ async def rollout_async(
         return await scheduler.generate.remote(spec)
 
     served: dict[str, list[TurnResult]] = {t.trajectory_id: [] for t in trajectories}
+    metrics = RayMetrics(cfg.runtime.metrics)
     started = time.monotonic()
     outcomes = await asyncio.gather(
         *(
-            _run_trajectory(generate, cfg, namespace, t, previous.get(t.trajectory_id, []), started, bar, served[t.trajectory_id])
+            _run_trajectory(
+                generate, cfg, namespace, t, previous.get(t.trajectory_id, []), started, bar, served[t.trajectory_id], metrics
+            )
             for t in trajectories
         )
     )
