@@ -1,0 +1,1 @@
+"""Watching a running cluster: the Grafana dashboard's panels, Prometheus, `dualpath status`."""
