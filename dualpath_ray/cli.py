@@ -15,16 +15,20 @@ COMMAND_MODULES = (
     "dualpath_ray.commands.profile",
     "dualpath_ray.commands.trace",
     "dualpath_ray.commands.run",
+    "dualpath_ray.commands.cluster",
+    "dualpath_ray.commands.status",
 )
 
 
 def user_errors() -> tuple[type[Exception], ...]:
     from dualpath_ray.api.validation import RequestError
     from dualpath_ray.cluster import DeploymentConflictError
+    from dualpath_ray.commands.status import StatusError
+    from dualpath_ray.local_cluster import LocalClusterError
     from dualpath_ray.model.weights import WeightsError
     from dualpath_ray.workload.validate import TraceError
 
-    return ConfigError, TraceError, RequestError, WeightsError, DeploymentConflictError
+    return ConfigError, TraceError, RequestError, WeightsError, DeploymentConflictError, LocalClusterError, StatusError
 
 
 def build_parser() -> argparse.ArgumentParser:
