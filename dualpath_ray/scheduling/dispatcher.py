@@ -175,19 +175,40 @@ class Dispatcher:
         return decisions
 
     def finish(self, request_id: str, failed: bool = False) -> None:
+        """The request is done, or failed in any live state (its engine died while it waited
+        for a prefill engine, say): it leaves every queue, so a retry under the same id is
+        queued afresh and never meets a stale copy of itself."""
         entry = self.entries.pop(request_id)
         transition(entry, RequestState.FAILED if failed else RequestState.DONE)
+        if entry.state is RequestState.FAILED:
+            self._dequeue(request_id)
 
     def cancel(self, request_id: str) -> Entry | None:
         """Drop a request in any live state (its deadline passed): out of every queue, FAILED."""
         entry = self.entries.pop(request_id, None)
         if entry is None:
             return None
+        self._dequeue(request_id)
+        transition(entry, RequestState.FAILED)
+        return entry
+
+    def _dequeue(self, request_id: str) -> None:
         for queue in (self.decode_global, self.prefill_queue, *self.decode_private.values()):
             if request_id in queue:
                 queue.remove(request_id)
-        transition(entry, RequestState.FAILED)
-        return entry
+
+    def check_integrity(self) -> None:
+        """Every queued id is a live request in the state its queue holds, queued once; every
+        waiting request is in exactly one queue. Raises AssertionError naming what is wrong."""
+        decode_queued = [*self.decode_global, *(rid for q in self.decode_private.values() for rid in q)]
+        for name, ids, state in (("decode", decode_queued, RequestState.WAITING_DECODE),
+                                 ("prefill", list(self.prefill_queue), RequestState.WAITING_PREFILL)):
+            duplicated = sorted({rid for rid in ids if ids.count(rid) > 1})
+            assert not duplicated, f"{name} queues hold {duplicated} more than once"
+            wrong = sorted(rid for rid in ids if rid not in self.entries or self.entries[rid].state is not state)
+            assert not wrong, f"{name} queues hold {wrong}, which are not live requests in {state.value}"
+            waiting = sorted(rid for rid, e in self.entries.items() if e.state is state and rid not in ids)
+            assert not waiting, f"{waiting} are {state.value} but in no {name} queue"
 
     def engines_in_use(self) -> set[str]:
         """Engines that hold a live request (its HBM reservation, its prefill)."""

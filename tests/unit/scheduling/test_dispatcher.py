@@ -56,3 +56,40 @@ def test_a_dead_engines_requests_are_found_and_its_group_stops_receiving_work() 
     assert "d0" not in dispatcher.decode_loads, "the dead engine's group gets nothing until it reports again"
     assert list(dispatcher.decode_global) == ["e"], "its private queue goes back to the global queue"
     assert dispatcher.fetch_decode("d0", ()) == [], "a group whose engines all died places nothing"
+
+
+@pytest.mark.parametrize("stage", ["waiting_decode", "waiting_prefill", "prefilling"])
+def test_a_request_failed_while_waiting_is_retried_under_its_id_without_a_stale_copy(stage: str) -> None:
+    """A request fails in any live state (its decode engine died while it waited for a prefill
+    engine, say) and is resubmitted under the same id: no queue may keep the failed copy, or
+    the next fetch meets it in the wrong state and every later prefill pull fails."""
+    dispatcher = Dispatcher(Constants(alpha_tokens=4096, beta_tokens=4096))
+    for rid in ("a", "b"):
+        dispatcher.submit(rid, 256, 128, 320)
+    if stage != "waiting_decode":
+        dispatcher.fetch_decode("d0", DECODE)
+    if stage == "prefilling":
+        dispatcher.fetch_prefill(PREFILL[:1])
+        assert dispatcher.entries["a"].state is RequestState.PREFILLING
+    dispatcher.check_integrity()
+    dispatcher.finish("a", failed=True)
+    dispatcher.check_integrity()
+    dispatcher.submit("a", 256, 128, 320)
+    dispatcher.check_integrity()
+    dispatcher.fetch_decode("d0", DECODE)
+    dispatcher.check_integrity()
+    placed = [d.request_id for d in dispatcher.fetch_prefill(PREFILL)]
+    dispatcher.check_integrity()
+    assert placed.count("a") == 1, f"the retry is placed exactly once: {placed}"
+    assert all(e.state is RequestState.PREFILLING for e in dispatcher.entries.values()), "both requests are prefilling"
+
+
+def test_the_integrity_check_catches_a_stale_queued_id() -> None:
+    dispatcher = queued_everywhere()
+    dispatcher.prefill_queue.append("a")
+    with pytest.raises(AssertionError, match="more than once"):
+        dispatcher.check_integrity()
+    dispatcher.prefill_queue.pop()
+    dispatcher.entries.pop("b")
+    with pytest.raises(AssertionError, match="not live requests"):
+        dispatcher.check_integrity()
