@@ -19,6 +19,7 @@ import ray
 
 from dualpath_ray.config import DualPathConfig
 from dualpath_ray.faults.injector import FaultCount, merge_counts
+from dualpath_ray.observability.job_metadata import driver_job_config
 from dualpath_ray.runtime.decode import DecodeEngine
 from dualpath_ray.runtime.accounting import NodeCounters
 from dualpath_ray.runtime.engine import EngineIdentity
@@ -136,7 +137,8 @@ class DualPathCluster:
                 object_store_memory=80 << 20,
             )
         local.wait_for_nodes()
-        ray.init(address=local.address, namespace=cfg.runtime.namespace, log_to_driver=True)
+        ray.init(address=local.address, namespace=cfg.runtime.namespace, log_to_driver=True,
+                 job_config=driver_job_config(cfg))
         return cls(cfg, local)
 
     @classmethod
@@ -144,7 +146,7 @@ class DualPathCluster:
         """Use a running cluster whose nodes carry the role labels and slot resources."""
         _embedded_env()
         if not ray.is_initialized():
-            ray.init(address=address, namespace=cfg.runtime.namespace)
+            ray.init(address=address, namespace=cfg.runtime.namespace, job_config=driver_job_config(cfg))
         return cls(cfg, None)
 
     def deploy(
@@ -179,16 +181,19 @@ class DualPathCluster:
         ray.get(scheduler.ready.remote())
         readers: dict[str, Any] = {}
         engines: dict[str, Any] = {}
+        restarts = cfg.runtime.max_actor_restarts
         for spec in self.nodes:
             group = groups[spec.role]
-            readers[spec.reader_name] = StorageReader.options(**reader_options(group, spec, ns)).remote(
+            readers[spec.reader_name] = StorageReader.options(**reader_options(group, spec, ns, restarts)).remote(
                 cfg, spec.node_id, root, spec.reader_name
             )
             actor_cls = PrefillEngine if spec.role == "prefill" else DecodeEngine
             members = spec.engine_names()
             for gpu, name in enumerate(members):
                 identity = EngineIdentity(name, spec.node_id, gpu, members, spec.reader_name)
-                engines[name] = actor_cls.options(**engine_options(group, spec, name, ns)).remote(cfg, identity, root)
+                engines[name] = actor_cls.options(**engine_options(group, spec, name, ns, restarts)).remote(
+                    cfg, identity, root
+                )
         actors = {**readers, **engines}
         where = dict(zip(actors, ray.get([a.node_labels.remote() for a in actors.values()])))
         placement = verify_placement(groups, self.nodes, {n: labels["ray.io/node-id"] for n, labels in where.items()})

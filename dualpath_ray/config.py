@@ -262,6 +262,17 @@ class RuntimeConfig(_Section):
     max_persists_in_flight: int = Field(
         64, ge=1, description="Full Blocks one decode engine may have on their way to the store."
     )
+    max_actor_restarts: int = Field(
+        3, ge=0, description="How often Ray restarts a dead engine or storage reader (per actor). A "
+        "restarted one rejoins with a new incarnation: what its dead incarnation held is failed and "
+        "retried, and it takes work again. 0: a dead engine or reader is left out for good.",
+    )
+    metrics: bool = Field(
+        True, description="Export the dualpath_* Ray metrics (docs/metrics.md) from every actor and driver."
+    )
+    metrics_interval_s: float = Field(
+        1.0, gt=0, description="How often each actor turns its byte counters and loads into Ray metrics."
+    )
 
 
 class DualPathConfig(_Section):

@@ -52,9 +52,14 @@ def fault_label(spec: FaultSpec) -> str:
 class FaultInjector:
     """Thread-safe; `decide` is the only entry point of the sites."""
 
-    def __init__(self, plan: FaultPlan, actor: str) -> None:
+    def __init__(self, plan: FaultPlan, actor: str, restarted: bool = False) -> None:
         self.actor = actor
-        self._specs = [spec for spec in plan.faults if spec.applies_to(actor)]
+        # A kill ends an actor's first incarnation only: Ray's restart is the recovery from it,
+        # and killing every incarnation at its n-th event would only use the restarts up.
+        self._specs = [
+            spec for spec in plan.faults
+            if spec.applies_to(actor) and not (restarted and spec.mode is FaultMode.KILL)
+        ]
         self._rngs = [random.Random(zlib.crc32(f"{plan.seed}/{actor}/{i}".encode())) for i in range(len(self._specs))]
         self._counts = [FaultCount() for _ in self._specs]
         # Where a corrupt fault flips its byte: a stream of its own, so it does not shift decisions.

@@ -22,8 +22,11 @@ from dualpath_ray.faults.plan import FaultSite
 from dualpath_ray.kv.layout import KVLayout
 from dualpath_ray.kv.store import open_store
 from dualpath_ray.runtime.accounting import NodeCounters
+from dualpath_ray.runtime.actor_metrics import EngineMetrics
 from dualpath_ray.runtime.emulation import make_compute, make_link
 from dualpath_ray.runtime.leader import ActorDirectory, GroupLeader, start_thread
+from dualpath_ray.runtime.messages import EngineHoldings, LoadReport
+from dualpath_ray.runtime.restarts import rejoin_transport, was_restarted
 from dualpath_ray.runtime.transport import TransportEndpoint, make_transport
 from dualpath_ray.scheduling import EngineLoad
 
@@ -78,25 +81,33 @@ class EngineBase(TransportEndpoint):
                 timeout_s=cfg.runtime.transfer_timeout_s,
             )
         )
+        self.incarnation = self.transport.incarnation
+        self.restarted = was_restarted()
         self.directory = ActorDirectory(cfg.runtime.namespace)
-        self.faults = FaultInjector(cfg.faults, identity.engine_id)
+        self.faults = FaultInjector(cfg.faults, identity.engine_id, self.restarted)
         self.store = open_store(cfg.store, self.layout, root=store_root)
         self.weight_version = cfg.model.weight_version
         self.wake = threading.Event()
         self.core = self._build_core()
         self.transport.seal()
+        self.metrics = EngineMetrics.start(cfg, identity.engine_id, identity.node_id, self.role, self.core)
         self.compute_lock = threading.Lock()
         self.stopped = threading.Event()
         self.error: BaseException | None = None
+        self.started = False
         self.leader: GroupLeader | None = None
         if identity.engine_id in identity.members:
             # Every member runs the group's loop; only the first live one pulls (leader.py).
             self.leader = GroupLeader(
                 self.role, identity.node_id, identity.members, identity.reader, self.directory,
-                identity.engine_id, self.core.load, self._accept_local, cfg.scheduler.fetch_interval_ms / 1000.0,
+                identity.engine_id, self._load_report, self._accept_local, cfg.scheduler.fetch_interval_ms / 1000.0,
                 cfg.scheduler.fetch_wait_ms / 1000.0, cfg.runtime.heartbeat_timeout_s,
                 self.faults if self.faults.active else None,
             )
+        if self.restarted:
+            # No driver calls start() on a restarted incarnation: it rejoins the transport and
+            # starts itself once this __init__ has returned (the rejoin needs this actor to serve).
+            start_thread(self._restart, f"restart-{identity.engine_id}")
 
     def _accept_local(self, items: list[Any]) -> None:
         self.core.accept(items)
@@ -106,11 +117,24 @@ class EngineBase(TransportEndpoint):
         raise NotImplementedError
 
     def start(self) -> bool:
-        """Start the worker and the group's pull loop once every actor exists."""
+        """Start the worker and the group's pull loop once every actor exists (once)."""
+        with self.compute_lock:
+            if self.started:
+                return True
+            self.started = True
         start_thread(self._work, f"{self.role}-{self.id.engine_id}")
         if self.leader is not None:
             start_thread(self.leader.run, f"leader-{self.id.engine_id}")
         return True
+
+    def _restart(self) -> None:
+        scheduler = lambda: ray.get(self.directory.get("scheduler").reform_transport.remote(self.id.engine_id))  # noqa: E731
+        if not rejoin_transport(self.transport, scheduler, self.cfg.runtime.request_timeout_s):
+            LOG.error("%s: restarted, but its transport is still not ready; starting anyway", self.id.engine_id)
+        self.start()
+
+    def _load_report(self) -> LoadReport:
+        return LoadReport(self.incarnation, self.core.load())
 
     def _work(self) -> None:
         try:
@@ -131,6 +155,7 @@ class EngineBase(TransportEndpoint):
     def stop(self) -> None:
         self.stopped.set()
         self.wake.set()
+        self.metrics.close()  # export what was counted up to now
         if self.leader is not None:
             self.leader.stopped.set()
 
@@ -143,13 +168,19 @@ class EngineBase(TransportEndpoint):
         return self.core.load()
 
     @ray.method(concurrency_group="control")
-    def holds(self) -> dict[str, tuple[int, bool]]:
-        """The scheduler's heartbeat: the attempts this engine holds (see the cores' holds);
-        fails like `load` once the worker loop died."""
+    def load_report(self) -> LoadReport:
+        """`load` with this process's incarnation, for the group leader's report."""
+        self.load()
+        return self._load_report()
+
+    @ray.method(concurrency_group="control")
+    def holds(self) -> EngineHoldings:
+        """The scheduler's heartbeat: the attempts this engine holds (see the cores' holds) and
+        which incarnation holds them; fails like `load` once the worker loop died."""
         self.load()
         if self.faults.active and self.faults.decide(FaultSite.HEARTBEAT) is not None:
             raise TimeoutError(f"{self.id.engine_id}: heartbeat dropped by the fault plan")
-        return self.core.holds()
+        return EngineHoldings(self.incarnation, self.core.holds())
 
     @ray.method(concurrency_group="control")
     def fault_counts(self) -> dict[str, FaultCount]:
@@ -179,7 +210,10 @@ class EngineBase(TransportEndpoint):
         """The core's figures and the transport's, for benchmarks and `dualpath status`."""
         from dataclasses import asdict
 
-        return {"core": asdict(self.core.stats), "transport": asdict(self.transport.stats()), "device": str(self.device)}
+        leader = self.leader
+        pulls = {"failed_pulls": leader.failed_pulls, "last_failure": leader.last_failure} if leader else {}
+        return {"core": asdict(self.core.stats), "transport": asdict(self.transport.stats()), "device": str(self.device),
+                "incarnation": self.incarnation, "leader": pulls}
 
     @ray.method(concurrency_group="control")
     def node_labels(self) -> dict[str, str]:

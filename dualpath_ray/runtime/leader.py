@@ -24,9 +24,9 @@ import ray.exceptions
 from dualpath_ray.faults.injector import FaultInjector, InjectedFault
 from dualpath_ray.faults.plan import CallPhase
 
-from dualpath_ray.runtime.messages import GroupReport
+from dualpath_ray.runtime.messages import GroupReport, LoadReport, PeerState
+from dualpath_ray.runtime.restarts import peer_state_of
 from dualpath_ray.runtime.transport import PeerDiedError
-from dualpath_ray.scheduling import EngineLoad
 
 
 # How often a standby member checks whether the members before it are still alive.
@@ -65,7 +65,7 @@ class GroupLeader:
         reader: str,
         directory: ActorDirectory,
         local_name: str,
-        local_load: Callable[[], EngineLoad],
+        local_load: Callable[[], LoadReport],
         local_accept: Callable[[list[Any]], None],
         interval_s: float,
         wait_s: float = 0.0,
@@ -115,7 +115,7 @@ class GroupLeader:
             return False
 
     def leads(self) -> bool:
-        """Whether every member before this one is dead (members never come back)."""
+        """Whether every member before this one is dead for good, or silent too long."""
         for member in self.members[: self.members.index(self.local_name)]:
             if member not in self.dead and self._answers(member):
                 return False
@@ -132,37 +132,45 @@ class GroupLeader:
         return True
 
     def _note_silence(self, member: str, exc: BaseException) -> bool:
-        """Record an unanswered call; True when it proves `member` dead (gone, or its worker
-        loop died: `load` raises), which is for good. A timeout is a miss, not a death."""
-        if isinstance(exc, ray.exceptions.GetTimeoutError):
+        """Record an unanswered call; True when it proves `member` dead (gone with no restart
+        left, or its worker loop died: `load` raises), which is for good. A timeout, or Ray
+        restarting the member, is a miss, not a death: a restarted member answers again."""
+        if peer_state_of(exc) is not PeerState.DEAD:
             self.misses[member] = self.misses.get(member, 0) + 1
             return False
         self.dead.add(member)
         return True
 
     def report(self) -> GroupReport:
-        """The group's loads and read queue. A member that does not answer in time is left out
-        of this report only (nothing is placed on it meanwhile); one proven dead, for good."""
+        """The group's loads, read queue and incarnations. A member that does not answer in time
+        is left out of this report only (nothing is placed on it meanwhile); one proven dead,
+        for good."""
         others = [m for m in self.members if m != self.local_name and m not in self.dead]
         refs = {}
         for member in others:
             try:
-                refs[member] = self.directory.get(member).load.remote()
+                refs[member] = self.directory.get(member).load_report.remote()
             except PeerDiedError:
                 self.dead.add(member)
-        read_q_ref = self.directory.get(self.reader).read_q.remote()
-        loads = [self.local_load()]
+        read_q_ref = self.directory.get(self.reader).queue_report.remote()
+        answers = [(self.local_name, self.local_load())]
         for member, ref in refs.items():
             try:
-                loads.append(ray.get(ref, timeout=self.member_timeout_s))
+                answers.append((member, ray.get(ref, timeout=self.member_timeout_s)))
                 self.misses.pop(member, None)
-            except Exception as exc:  # noqa: BLE001 - dead, hung, or its worker loop died
+            except Exception as exc:  # noqa: BLE001 - dead, hung, restarting, or its worker loop died
                 self._note_silence(member, exc)
+        incarnations = [(member, answer.incarnation) for member, answer in answers]
         try:
-            read_q, reader_alive = ray.get(read_q_ref, timeout=self.member_timeout_s), True
-        except Exception:  # noqa: BLE001 - a dead reader is reported; the scheduler routes around it
-            read_q, reader_alive = 0, False
-        return GroupReport(f"{self.role}/{self.node_id}", self.node_id, tuple(loads), read_q, reader_alive)
+            reader_incarnation, read_q = ray.get(read_q_ref, timeout=self.member_timeout_s)
+            reader_state = PeerState.ALIVE
+            incarnations.append((self.reader, reader_incarnation))
+        except Exception as exc:  # noqa: BLE001 - reported; the scheduler routes around the reader
+            read_q, reader_state = 0, peer_state_of(exc)
+        return GroupReport(
+            f"{self.role}/{self.node_id}", self.node_id, tuple(answer.load for _, answer in answers), read_q,
+            reader_state, tuple(incarnations),
+        )
 
     def pull_once(self) -> bool:
         """One fetch; True when something was assigned."""

@@ -42,6 +42,15 @@ class ErrorKind(str, enum.Enum):
         return self in (ErrorKind.KV_MISSING, ErrorKind.KV_CORRUPT)
 
 
+class PeerState(str, enum.Enum):
+    """What the last call to an engine or reader said about it."""
+
+    ALIVE = "alive"
+    SILENT = "silent"  # did not answer in time: slow or hung, may answer again
+    RESTARTING = "restarting"  # Ray is restarting it: its incarnation's state is gone
+    DEAD = "dead"  # gone for good (no restarts left), or it refuses work (its worker loop died)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling; temperature 0 is greedy. Sampling is seeded by (seed, position)."""
@@ -155,6 +164,9 @@ class ExtentGrant:
     # Digests [n_layer, hit tokens] of the hit KV the reader verified into the extent
     # (runtime.kv_digests; kv/digest.py), which the prefill engine checks what it loads against.
     digests: np.ndarray | None = None
+    # Extent ids are per reader process: a restarted reader ignores frees and writes that name
+    # an extent of its dead incarnation (they could otherwise name a new lease with the same id).
+    incarnation: str = ""
 
 
 @dataclass(frozen=True)
@@ -215,7 +227,28 @@ class GroupReport:
     node_id: str
     engines: tuple[EngineLoad, ...]
     read_q_tokens: int
-    reader_alive: bool = True  # False: the node's storage reader did not answer
+    reader_state: PeerState = PeerState.ALIVE
+    # (engine or reader name, its incarnation) of every member that answered: a new one means
+    # that actor restarted and its old incarnation's attempts are gone.
+    incarnations: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def reader_alive(self) -> bool:
+        return self.reader_state is PeerState.ALIVE
+
+
+class LoadReport(NamedTuple):
+    """An engine's answer to its group leader: its load and which process gave it."""
+
+    incarnation: str
+    load: EngineLoad
+
+
+class EngineHoldings(NamedTuple):
+    """An engine's answer to the scheduler's heartbeat."""
+
+    incarnation: str
+    held: dict[str, Holding]
 
 
 def failed_result(

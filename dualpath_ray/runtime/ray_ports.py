@@ -54,13 +54,14 @@ class RayReaders:
         return RefPending(self._reader(node_id).lease.remote(owner, n_blocks), self.wake)
 
     def free(self, grant: ExtentGrant) -> None:
-        self.directory.get(grant.reader).free.remote(grant.extent_id)
+        self.directory.get(grant.reader).free.remote(grant.extent_id, grant.incarnation)
 
     def reclaim(self, node_id: str, owner: str) -> None:
         self._reader(node_id).reclaim.remote(owner)
 
     def persist_extent(self, grant: ExtentGrant, blocks: Sequence[tuple[int, PersistedBlock]]) -> RefPending:
-        return RefPending(self.directory.get(grant.reader).persist_extent.remote(grant.extent_id, list(blocks)), self.wake)
+        reader = self.directory.get(grant.reader)
+        return RefPending(reader.persist_extent.remote(grant.extent_id, list(blocks), grant.incarnation), self.wake)
 
     def persist_pages(self, node_id: str, owner: str, blocks: Sequence[tuple[int, PersistedBlock]]) -> RefPending:
         return RefPending(self._reader(node_id).persist_pages.remote(owner, self.engine, list(blocks)), self.wake)

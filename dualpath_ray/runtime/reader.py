@@ -28,9 +28,18 @@ from dualpath_ray.kv.pool import BufferPool, Extent, ExtentState
 from dualpath_ray.kv.errors import BadBlockError, BlockCorruptedError, BlockNotFoundError
 from dualpath_ray.kv.store import open_store
 from dualpath_ray.runtime.accounting import NodeCounters
+from dualpath_ray.runtime.actor_metrics import ReaderMetrics
 from dualpath_ray.runtime.emulation import make_link
+from dualpath_ray.runtime.leader import ActorDirectory, start_thread
 from dualpath_ray.runtime.messages import ExtentGrant, PersistedBlock
-from dualpath_ray.runtime.transport import Region, TransportEndpoint, endpoint_actor_options, make_transport
+from dualpath_ray.runtime.restarts import rejoin_transport, was_restarted
+from dualpath_ray.runtime.transport import (
+    PeerDiedError,
+    Region,
+    TransportEndpoint,
+    endpoint_actor_options,
+    make_transport,
+)
 
 BUFFER_POOL = "buffer"
 HBM_POOL = "hbm"
@@ -39,9 +48,12 @@ HBM_POOL = "hbm"
 class ReaderCore:
     """The reader's logic, independent of Ray so the tests and the actor share it."""
 
-    def __init__(self, cfg: DualPathConfig, node_id: str, store_root: str | None) -> None:
+    def __init__(
+        self, cfg: DualPathConfig, node_id: str, store_root: str | None, incarnation: str = "", restarted: bool = False
+    ) -> None:
         self.cfg = cfg
         self.node_id = node_id
+        self.incarnation = incarnation
         self.layout = KVLayout.from_model(cfg.model, cfg.store.block_size)
         self.store = open_store(cfg.store, self.layout, root=store_root)
         # A writer that crashed between write and publish left a temporary no reader will ever
@@ -54,7 +66,7 @@ class ReaderCore:
         self.snic_write = make_link(cfg, f"snic-write/{node_id}", cfg.cluster.snic_gbps)
         self.lease_timeout_s = cfg.runtime.transfer_timeout_s * 2
         self.counters = NodeCounters()
-        self.faults = FaultInjector(cfg.faults, f"reader/{node_id}")
+        self.faults = FaultInjector(cfg.faults, f"reader/{node_id}", restarted)
         # Keys whose stored block this reader damaged (fault plan) and keys it found corrupt:
         # a chaos test proves every damage was caught by comparing the two.
         self.damaged_keys: set[str] = set()
@@ -121,7 +133,7 @@ class ReaderCore:
         return freed
 
     def grant(self, extent: Extent, reader: str) -> ExtentGrant:
-        return ExtentGrant(self.node_id, reader, extent.extent_id, extent.slots)
+        return ExtentGrant(self.node_id, reader, extent.extent_id, extent.slots, incarnation=self.incarnation)
 
     def stage(self, owner: str, keys: Sequence[str], total_blocks: int, path: str, reader: str) -> ExtentGrant:
         """read_blocks, granted with the digests of the verified hit KV (runtime.kv_digests)."""
@@ -130,7 +142,7 @@ class ReaderCore:
         if self.cfg.runtime.kv_digests and keys:
             hits = torch.stack([self.pool.full_block(slot) for slot in extent.slots[: len(keys)]])
             digests = block_digests(hits, len(keys) * self.layout.block_size)
-        return ExtentGrant(self.node_id, reader, extent.extent_id, extent.slots, digests)
+        return ExtentGrant(self.node_id, reader, extent.extent_id, extent.slots, digests, self.incarnation)
 
     # --- storage I/O --------------------------------------------------------------------
 
@@ -236,13 +248,20 @@ class StorageReader(TransportEndpoint):
     def __init__(self, cfg: DualPathConfig, node_id: str, store_root: str | None, endpoint: str) -> None:
         torch.set_num_threads(1)
         self.name = endpoint
-        self.core = ReaderCore(cfg, node_id, store_root)
         self.timeout_s = cfg.runtime.transfer_timeout_s
         self.transport = self.attach_transport(
             make_transport(cfg.runtime.transport, endpoint, namespace=cfg.runtime.namespace, timeout_s=self.timeout_s)
         )
+        self.incarnation = self.transport.incarnation
+        restarted = was_restarted()
+        self.core = ReaderCore(cfg, node_id, store_root, self.incarnation, restarted)
         self.transport.register(BUFFER_POOL, self.core.pool.buffer)
         self.transport.seal()
+        self.metrics = ReaderMetrics.start(cfg, self.core)
+        if restarted:
+            directory = ActorDirectory(cfg.runtime.namespace)
+            reform = lambda: ray.get(directory.get("scheduler").reform_transport.remote(endpoint))  # noqa: E731
+            start_thread(lambda: rejoin_transport(self.transport, reform, cfg.runtime.request_timeout_s), f"rejoin-{endpoint}")
 
     def node_labels(self) -> dict[str, str]:
         return dict(ray.get_runtime_context().get_node_labels())
@@ -250,24 +269,32 @@ class StorageReader(TransportEndpoint):
     def ready(self) -> bool:
         return True
 
+    def _stale(self, incarnation: str) -> bool:
+        """Whether a message names an extent of another (dead) incarnation of this reader."""
+        return bool(incarnation) and incarnation != self.incarnation
+
     @ray.method(concurrency_group="io")
     def stage(self, owner: str, keys: list[str], total_blocks: int, path: str) -> ExtentGrant:
-        return self.core.stage(owner, keys, total_blocks, path, self.name)
+        with self.metrics.kv_load(path, len(keys)):
+            return self.core.stage(owner, keys, total_blocks, path, self.name)
 
     @ray.method(concurrency_group="io")
     def lease(self, owner: str, n_blocks: int) -> ExtentGrant:
         return self.core.grant(self.core.lease(owner, n_blocks), self.name)
 
     @ray.method(concurrency_group="ctl")
-    def free(self, extent_id: int) -> None:
-        self.core.free(extent_id)
+    def free(self, extent_id: int, incarnation: str = "") -> None:
+        if not self._stale(incarnation):
+            self.core.free(extent_id)
 
     @ray.method(concurrency_group="ctl")
     def reclaim(self, owner: str) -> int:
         return self.core.reclaim(owner)
 
     @ray.method(concurrency_group="io")
-    def persist_extent(self, extent_id: int, blocks: list[tuple[int, PersistedBlock]]) -> int:
+    def persist_extent(self, extent_id: int, blocks: list[tuple[int, PersistedBlock]], incarnation: str = "") -> int:
+        if self._stale(incarnation):
+            raise PeerDiedError(f"{self.name} restarted: extent {extent_id} of its dead incarnation is gone")
         return self.core.write_extent(extent_id, blocks)
 
     @ray.method(concurrency_group="io")
@@ -293,6 +320,11 @@ class StorageReader(TransportEndpoint):
     @ray.method(concurrency_group="ctl")
     def read_q(self) -> int:
         return self.core.read_q()
+
+    @ray.method(concurrency_group="ctl")
+    def queue_report(self) -> tuple[str, int]:
+        """(this process's incarnation, read_q): what a group leader reports of its node."""
+        return self.incarnation, self.core.read_q()
 
     @ray.method(concurrency_group="ctl")
     def fault_counts(self) -> dict[str, FaultCount]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-import warnings
+import logging
 from typing import Any
 
 import ray
@@ -24,18 +24,26 @@ from dualpath_ray.kv.index import PrefixIndex
 from dualpath_ray.kv.layout import KVLayout
 from dualpath_ray.kv.store import open_store
 from dualpath_ray.model.profile import derive_alpha_beta
+from dualpath_ray.runtime.actor_metrics import SchedulerMetrics
 from dualpath_ray.runtime.adoption import Adoptions
 from dualpath_ray.runtime.messages import (
     DecodeReservation,
+    EngineHoldings,
     ErrorKind,
     GroupReport,
     Holding,
+    PeerState,
     PrefillTask,
     RequestSpec,
     TurnResult,
     failed_result,
 )
+from dualpath_ray.runtime.restarts import IncarnationTracker, peer_state_of, was_restarted
+from dualpath_ray.runtime.topology import plan_nodes
+from dualpath_ray.runtime.transport import TransportError, setup_gloo_world
 from dualpath_ray.scheduling.dispatcher import Constants, Dispatcher, RequestState
+
+LOG = logging.getLogger("dualpath_ray.scheduler")
 
 
 def is_attempt(holding: Holding | None, spec: RequestSpec | None) -> bool:
@@ -62,6 +70,8 @@ class SchedulerCore:
         self.dead: set[str] = set()  # Ray confirmed: gone for good
         self.presumed_dead: set[str] = set()  # silent past heartbeat_timeout_s; see _live
         self.readmitted = 0
+        self.readers_dead: set[str] = set()  # nodes whose reader is gone for good
+        self.readers_unavailable: set[str] = set()  # nodes whose reader is silent or restarting
 
     def lookup(self, spec: RequestSpec) -> tuple[tuple[str, ...], int]:
         """Hit blocks of a prompt, leaving at least one token to compute (it yields the logits)."""
@@ -94,6 +104,27 @@ class SchedulerCore:
     def out_of_service(self) -> set[str]:
         return self.dead | self.presumed_dead
 
+    def engine_restarted(self, engine_id: str) -> list[RequestSpec]:
+        """`engine_id` runs a new incarnation: the requests that depended on the old one are
+        returned (the caller fails and retries them), and the engine takes work again."""
+        self.dead.discard(engine_id)
+        self.presumed_dead.discard(engine_id)
+        self.dispatcher.forget_engine(engine_id)
+        return [self.specs[rid] for rid in self.dispatcher.requests_on(engine_id) if rid in self.specs]
+
+    def reader_restarted(self, node_id: str) -> list[RequestSpec]:
+        """The reader of `node_id` runs a new incarnation: every extent of the old one is gone,
+        so each request staged or being served through that node's buffer is returned (the
+        caller fails and retries it); the node reads again."""
+        self.readers_unavailable.discard(node_id)
+        self.readers_dead.discard(node_id)  # it answers: whatever took it for dead was wrong
+        self.dispatcher.no_pe_reads.discard(node_id)
+        return [
+            self.specs[rid] for rid, entry in self.dispatcher.entries.items()
+            if rid in self.specs and entry.state is RequestState.PREFILLING
+            and node_id in (entry.prefill_node, entry.decode_node)
+        ]
+
     def engine_died(self, engine_id: str, confirmed: bool = True) -> list[RequestSpec]:
         """Place no more work on `engine_id` (for good when Ray confirmed the death; until it is
         reachable again when it was only silent); returns the in-flight requests that depended
@@ -103,14 +134,29 @@ class SchedulerCore:
         return [self.specs[rid] for rid in self.dispatcher.requests_on(engine_id) if rid in self.specs]
 
     def note_report(self, role: str, report: GroupReport) -> list[RequestSpec]:
-        """Act on a report's dead reader; returns the in-flight requests that must be failed.
+        """Act on the state of a report's reader; returns the in-flight requests that must be
+        failed.
 
-        A decode node needs its reader (every request's KV arrives through that node's buffer),
-        so its engines are treated as dead. A prefill node without a reader reads its requests'
-        hits through the DE path in dualpath mode; in basic mode (PE path only) its engines are
+        A reader that is only silent or restarting is routed around for the time being: a
+        prefill node's hits are read through the DE path (dualpath mode), and a group that
+        cannot work without its reader gets no new work (see takes_work); nothing is failed
+        (a restart shows as a new incarnation, which fails what the old one held). A reader gone
+        for good: a decode node needs it (every request's KV arrives through that node's
+        buffer), so its engines are treated as dead; a prefill node reads its requests' hits
+        through the DE path in dualpath mode, and in basic mode (PE path only) its engines are
         dropped too."""
-        if report.reader_alive:
+        node = report.node_id
+        if report.reader_state is PeerState.ALIVE:
+            if node in self.readers_unavailable and node not in self.readers_dead:
+                self.readers_unavailable.discard(node)
+                self.dispatcher.no_pe_reads.discard(node)
             return []
+        if report.reader_state is not PeerState.DEAD:
+            self.readers_unavailable.add(node)
+            if role == "prefill" and self.mode == "dualpath":
+                self.dispatcher.no_pe_reads.add(node)
+            return []
+        self.readers_dead.add(node)
         if role == "prefill" and self.mode == "dualpath":
             if report.node_id in self.dispatcher.no_pe_reads:
                 return []
@@ -126,8 +172,16 @@ class SchedulerCore:
                 failed.extend(self.engine_died(engine.engine_id))
         return failed
 
+    def takes_work(self, role: str, report: GroupReport) -> bool:
+        """Whether the report's group can be given work now: every decode request's KV (and
+        every basic-mode prefill's hits) goes through the node's reader, so not while it is
+        down; a dualpath prefill group reads through the DE path meanwhile."""
+        return report.reader_alive or (role == "prefill" and self.mode == "dualpath")
+
     def fetch_decode(self, report: GroupReport) -> list[DecodeReservation]:
         self.dispatcher.report_read_q(report.node_id, report.read_q_tokens)
+        if not self.takes_work("decode", report):
+            return []
         decisions = self.dispatcher.fetch_decode(report.group_id, self._live(report))
         return [
             DecodeReservation(d.request_id, self.specs[d.request_id].attempt, d.tokens, d.decode_engine, self.epoch)
@@ -137,7 +191,7 @@ class SchedulerCore:
     def fetch_prefill(self, report: GroupReport) -> list[PrefillTask]:
         self.dispatcher.report_read_q(report.node_id, report.read_q_tokens)
         tasks = []
-        live = self._live(report)
+        live = self._live(report) if self.takes_work("prefill", report) else ()
         for d in self.dispatcher.fetch_prefill(live) if live else []:
             keys, hit_tokens = self.hits[d.request_id]
             tasks.append(
@@ -240,10 +294,14 @@ class Scheduler:
     def __init__(self, cfg: DualPathConfig, store_root: str | None, mode: str) -> None:
         # A new epoch per incarnation (Ray restarts this actor with the same arguments).
         self.core = SchedulerCore(cfg, store_root, mode, epoch=time.time_ns())
-        with warnings.catch_warnings():  # Ray's property reads a deprecated attribute inside
-            warnings.simplefilter("ignore", DeprecationWarning)
-            self.restarted = bool(ray.get_runtime_context().was_current_actor_reconstructed)
+        self.restarted = was_restarted()
         self.adoptions = Adoptions()
+        self.incarnations = IncarnationTracker()
+        # Attempts failed because their engine went silent: their extents are reclaimed only
+        # once the death is certain (Ray reports it, or the engine comes back as a new process).
+        self.unreclaimed: dict[str, list[str]] = {}
+        self.world_lock = asyncio.Lock()
+        self.worlds_formed = 0
         self.starting: asyncio.Task[None] | None = None
         self.pending: dict[str, asyncio.Future[TurnResult]] = {}
         self.started_at = time.time()
@@ -258,12 +316,13 @@ class Scheduler:
         self.fetches: dict[str, int] = {}
         self.delivering: dict[str, tuple[str, int]] = {}
         self.silent_since: dict[str, float] = {}
-        self.readers_down: set[str] = set()
         self.calls: dict[str, int] = {
             "generate": 0, "complete": 0, "fetch_decode": 0, "fetch_prefill": 0, "empty_waits": 0,
             "retries": 0, "timeouts": 0, "stale_results": 0, "unindexed_blocks": 0, "dead_engines": 0,
             "lost_assignments": 0, "dead_readers": 0, "stale_holdings": 0, "presumed_dead": 0,
+            "restarted_engines": 0, "restarted_readers": 0, "reader_unavailable": 0, "worlds_formed": 0,
         }
+        self.metrics = SchedulerMetrics.start(cfg, mode, self.calls)
 
     async def ready(self) -> bool:
         await self._started()
@@ -288,16 +347,18 @@ class Scheduler:
             if a["namespace"] == namespace and a["name"].startswith(("prefill/", "decode/"))
         )
         answers = await asyncio.gather(*(self._holds(e, self.core.cfg.runtime.heartbeat_timeout_s) for e in engines))
-        for engine, (holds, _) in zip(engines, answers):
-            for owner in self.adoptions.learn(engine, holds or {}):
+        for engine, (answer, _) in zip(engines, answers):
+            if answer is not None:
+                self.incarnations.observe(engine, answer.incarnation)
+            for owner in self.adoptions.learn(engine, answer.held if answer is not None else {}):
                 self._tell(engine, "cancel", owner)
         self.calls["adoptable"] = len(self.adoptions.holders)
 
     async def _watch(self) -> None:
-        """Heartbeats to the engines that hold requests. One that Ray reports dead, or that has
-        not answered for heartbeat_timeout_s (hung, its worker loop died, its answers lost), is
-        dead: its requests are failed with PEER_DIED (their generate loops retry them elsewhere)
-        and it gets no more work. A request no live engine holds for heartbeat_timeout_s (its
+        """Heartbeats to the engines that hold requests. One that Ray reports dead or
+        restarting, or that has not answered for heartbeat_timeout_s (hung, its worker loop
+        died, its answers lost), is dead: its requests are failed with PEER_DIED (their generate
+        loops retry them elsewhere) and it gets no more work until it answers again. A request no live engine holds for heartbeat_timeout_s (its
         assignment died in transit with a group leader, or a message was lost) is failed the same
         way; one on an engine that merely missed a beat waits."""
         runtime = self.core.cfg.runtime
@@ -307,11 +368,16 @@ class Scheduler:
             engines = sorted(in_use - self.core.out_of_service())
             answers = await asyncio.gather(*(self._holds(e, runtime.heartbeat_timeout_s) for e in engines))
             held, silent, now = {}, set(), time.monotonic()
-            for engine, (answer, gone) in zip(engines, answers):
+            for engine, (answer, state) in zip(engines, answers):
+                gone = state is PeerState.DEAD
                 if answer is not None:
                     self.silent_since.pop(engine, None)
-                    held[engine] = answer
-                elif gone or now - self.silent_since.setdefault(engine, now) >= runtime.heartbeat_timeout_s:
+                    self._observe(engine, answer.incarnation)
+                    held[engine] = answer.held
+                elif (gone or state is PeerState.RESTARTING
+                      or now - self.silent_since.setdefault(engine, now) >= runtime.heartbeat_timeout_s):
+                    # Ray restarting it means its process died: its attempts are lost, so they are
+                    # retried at once; its extents are reclaimed once the new incarnation shows.
                     self.silent_since.pop(engine, None)
                     self._engine_died(engine, confirmed=gone)
                 else:
@@ -322,19 +388,20 @@ class Scheduler:
                 self.calls["stale_holdings"] += 1
                 self._tell(engine, "cancel", owner)
 
-    async def _holds(self, engine: str, timeout_s: float) -> tuple[dict[str, Holding] | None, bool]:
-        """What `engine` holds (None when it does not answer), and whether Ray says it is gone."""
+    async def _holds(self, engine: str, timeout_s: float) -> tuple[EngineHoldings | None, PeerState]:
+        """What `engine` holds (None when it does not answer), and what its silence says: gone
+        for good (DEAD), restarting, or only silent (hung, its worker loop died, the answer lost)."""
         try:
             handle = ray.get_actor(engine, namespace=self.core.cfg.runtime.namespace)
         except ValueError:
-            return None, True
+            return None, PeerState.DEAD
         try:
             answer = await asyncio.wait_for(asyncio.wrap_future(handle.holds.remote().future()), timeout_s)
-        except ray.exceptions.RayActorError:
-            return None, True
+        except ray.exceptions.RayActorError as exc:
+            return None, peer_state_of(exc)
         except Exception:  # noqa: BLE001 - hung, its worker loop died, or the answer was lost
-            return None, False
-        return answer, False
+            return None, PeerState.SILENT
+        return answer, PeerState.ALIVE
 
     def _fail_lost(self, held: dict[str, dict[str, Holding]], silent: set[str], grace_s: float) -> None:
         now = time.monotonic()
@@ -362,22 +429,77 @@ class Scheduler:
     def _engine_died(self, engine: str, confirmed: bool) -> None:
         self.calls["dead_engines"] += 1
         self.calls["presumed_dead"] += not confirmed
+        owners = []
         for spec in self.core.engine_died(engine, confirmed):
             self._complete(failed_result(spec, engine, f"engine {engine} died", ErrorKind.PEER_DIED))
-            if confirmed:
-                # Extents lent for this attempt may be held by the dead engine: take them back.
-                # Not from an engine that only stopped answering: it may still move KV into
-                # them, and a slot freed under a transfer would damage its next owner's KV.
-                for node in self.core.dispatcher.read_q:
-                    self._tell(f"reader/{node}", "reclaim", spec.owner)
+            owners.append(spec.owner)
+        if confirmed:
+            self._reclaim(owners + self.unreclaimed.pop(engine, []))
+        else:
+            # Not from an engine that only stopped answering: it may still move KV into the
+            # extents, and a slot freed under a transfer would damage its next owner's KV.
+            self.unreclaimed.setdefault(engine, []).extend(owners)
 
-    def _note_reader(self, role: str, report: GroupReport) -> None:
-        """A report whose node's reader did not answer: route around the node (see note_report)."""
-        if report.reader_alive:
+    def _reclaim(self, owners: list[str]) -> None:
+        """Take back the extents lent to these attempts, whose engine is certainly gone."""
+        for owner in owners:
+            for node in self.core.dispatcher.read_q:
+                self._tell(f"reader/{node}", "reclaim", owner)
+
+    def _observe(self, name: str, incarnation: str) -> None:
+        """A new incarnation of an engine or reader proves its old process gone: fail (and so
+        retry) what depended on it, reclaim what its attempts leased, and let it work again."""
+        if not self.incarnations.observe(name, incarnation):
             return
-        if report.node_id not in self.readers_down:
-            self.readers_down.add(report.node_id)
+        if name.startswith("reader/"):
+            node = name.removeprefix("reader/")
+            self.calls["restarted_readers"] += 1
+            for spec in self.core.reader_restarted(node):
+                self._complete(failed_result(spec, name, "storage reader restarted", ErrorKind.PEER_DIED))
+            return
+        self.calls["restarted_engines"] += 1
+        self.silent_since.pop(name, None)
+        owners = []
+        for spec in self.core.engine_restarted(name):
+            self._complete(failed_result(spec, name, f"engine {name} restarted", ErrorKind.PEER_DIED))
+            owners.append(spec.owner)
+        self._reclaim(owners + self.unreclaimed.pop(name, []))
+
+    async def reform_transport(self, requester: str) -> bool:
+        """A restarted gloo endpoint (`requester`) asks for a new world over every engine and
+        reader of the deployment (a gloo world cannot take a new member in place). Requests are
+        served one at a time; one that a world formed after it was asked already covers is
+        answered at once. NIXL needs no world: True."""
+        if self.core.cfg.runtime.transport != "gloo":
+            return True
+        asked_at = self.worlds_formed
+        async with self.world_lock:
+            if self.worlds_formed > asked_at:
+                return True
+            try:
+                await asyncio.to_thread(self._form_world)
+            except (TransportError, ValueError) as exc:
+                LOG.warning("forming a new gloo world for %s failed: %s", requester, exc)
+                return False
+            self.worlds_formed += 1
+            self.calls["worlds_formed"] += 1
+            return True
+
+    def _form_world(self) -> None:
+        namespace = self.core.cfg.runtime.namespace
+        names = [name for spec in plan_nodes(self.core.cfg) for name in (spec.reader_name, *spec.engine_names())]
+        setup_gloo_world([ray.get_actor(name, namespace=namespace) for name in names],
+                         timeout_s=self.core.cfg.runtime.transfer_timeout_s)
+
+    def _note_report(self, role: str, report: GroupReport) -> None:
+        """New incarnations in a report (restarts), then its reader's state: a reader that did
+        not answer is routed around (see note_report)."""
+        for name, incarnation in report.incarnations:
+            self._observe(name, incarnation)
+        if report.reader_state is PeerState.DEAD and report.node_id not in self.core.readers_dead:
             self.calls["dead_readers"] += 1
+        elif report.reader_state in (PeerState.SILENT, PeerState.RESTARTING):
+            self.calls["reader_unavailable"] += 1
         for spec in self.core.note_report(role, report):
             self._complete(failed_result(spec, f"reader/{report.node_id}", "storage reader died", ErrorKind.PEER_DIED))
 
@@ -451,7 +573,7 @@ class Scheduler:
     async def fetch_decode(self, report: GroupReport, wait_s: float = 0.0) -> list[DecodeReservation]:
         """A decode group's pull; with nothing to place, waits up to wait_s for new work."""
         await self._started()
-        self._note_reader("decode", report)
+        self._note_report("decode", report)
         placed = await self._fetch("decode", report.group_id, lambda: self.core.fetch_decode(report), wait_s)
         if placed:
             self.new_work["prefill"].set()
@@ -463,14 +585,14 @@ class Scheduler:
         The report was taken before the wait; meanwhile its engines can only have finished work
         (no one else assigns to them), so deciding on it after the wait is conservative."""
         await self._started()
-        self._note_reader("prefill", report)
+        self._note_report("prefill", report)
         return await self._fetch("prefill", report.group_id, lambda: self.core.fetch_prefill(report), wait_s)
 
     async def _fetch(self, role: str, group: str, fetch: Any, wait_s: float) -> list[Any]:
         self.calls[f"fetch_{role}"] += 1
         # A leader fetches again only once it has delivered (or given up on) its last answer.
         self.fetches[group] = self.fetches.get(group, 0) + 1
-        work = fetch()
+        work = self.metrics.decide(role, fetch)
         if not work and wait_s > 0:
             event = self.new_work[role]
             event.clear()
@@ -479,7 +601,8 @@ class Scheduler:
                 await asyncio.wait_for(event.wait(), wait_s)
             except asyncio.TimeoutError:
                 return []
-            work = fetch()
+            work = self.metrics.decide(role, fetch)
+        self.metrics.placed(role, work)
         for item in work:
             self.delivering[item.request_id] = (group, self.fetches[group])
         return work
@@ -508,6 +631,7 @@ class Scheduler:
             self.calls["stale_results"] += 1
             return
         self.delivering.pop(result.request_id, None)
+        self.metrics.finished(result)
         future = self.pending.get(result.request_id)
         if future is not None and not future.done():
             future.set_result(result)
@@ -524,6 +648,18 @@ class Scheduler:
             for rid, e in self.core.dispatcher.entries.items()
         }
 
+    async def service_view(self) -> dict[str, list[str]]:
+        """Who is out of service and why (for `status` and tests): engines dead for good or
+        presumed dead from silence, nodes whose reader is gone or unavailable, nodes whose hits
+        are read through the DE path instead, and the last incarnation seen of each actor."""
+        core = self.core
+        return {
+            "dead": sorted(core.dead), "presumed_dead": sorted(core.presumed_dead),
+            "readers_dead": sorted(core.readers_dead), "readers_unavailable": sorted(core.readers_unavailable),
+            "no_pe_reads": sorted(core.dispatcher.no_pe_reads),
+            "incarnations": [f"{name}={inc}" for name, inc in sorted(self.incarnations.known.items())],
+        }
+
     async def call_counts(self) -> dict[str, int]:
         """How often each entry point ran (pulls, empty pulls that waited, turns), retries and
         their causes, and the store's evictions."""
@@ -531,6 +667,10 @@ class Scheduler:
                 "indexed_blocks": len(self.core.index), "readmitted": self.core.readmitted,
                 "adopted": self.adoptions.adopted, "adoptions_dropped": self.adoptions.dropped,
                 "restarted": int(self.restarted)}
+
+    async def recent_turns(self) -> list[tuple[float, float, float, str]]:
+        """(finished at, ttft_s, tpot_s, path) of the latest served turns, for `dualpath status`."""
+        return self.metrics.recent_turns()
 
     async def reset_prefix_cache(self) -> None:
         self.core.reset_prefix_cache()

@@ -140,23 +140,32 @@ def verify_placement(
     return placed
 
 
-def engine_options(group: PlacementGroup, spec: NodeSpec, name: str, namespace: str) -> dict[str, Any]:
+def restart_options(max_restarts: int) -> dict[str, Any]:
+    """Ray restarts a dead engine or reader this often. Calls are not retried by Ray
+    (max_task_retries=0): a call in flight at the death fails, and the scheduler retries the
+    attempt it belonged to with attempt + 1, so nothing runs twice on the new incarnation."""
+    return {"max_restarts": max_restarts, "max_task_retries": 0}
+
+
+def engine_options(
+    group: PlacementGroup, spec: NodeSpec, name: str, namespace: str, max_restarts: int = 0
+) -> dict[str, Any]:
     return {
         "name": name,
         "namespace": namespace,
         "num_gpus": 1,
         "num_cpus": 0,
         "scheduling_strategy": in_bundle(group, spec.bundle_index),
-        "max_restarts": 0,
+        **restart_options(max_restarts),
     }
 
 
-def reader_options(group: PlacementGroup, spec: NodeSpec, namespace: str) -> dict[str, Any]:
+def reader_options(group: PlacementGroup, spec: NodeSpec, namespace: str, max_restarts: int = 0) -> dict[str, Any]:
     return {
         "name": spec.reader_name,
         "namespace": namespace,
         "num_cpus": 0,
         "resources": {slot_resource(spec.role): 0.01},
         "scheduling_strategy": in_bundle(group, spec.bundle_index),
-        "max_restarts": 0,
+        **restart_options(max_restarts),
     }

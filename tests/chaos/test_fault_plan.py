@@ -56,6 +56,9 @@ def run(cfg: DualPathConfig, trajs, mode: str = "dualpath", during: Callable[[An
         if monkey is not None:
             monkey.join(timeout=60)
         figures = {
+            "served": served_turns(result),
+            "engines": cluster.engine_stats(),
+            "counters": cluster.counters(),
             "failures": result.failures,
             "calls": ray.get(deployment.scheduler.call_counts.remote()),
             "faults": cluster.fault_counts(),
@@ -68,6 +71,16 @@ def run(cfg: DualPathConfig, trajs, mode: str = "dualpath", during: Callable[[An
         return Ledger.of(result), elapsed, figures
     finally:
         cluster.shutdown()
+
+
+def served_turns(result: Any) -> dict[str, int]:
+    """Engine -> the turns it prefilled or decoded."""
+    served: dict[str, int] = {}
+    for turns in result.turn_results.values():
+        for turn in turns:
+            for engine in (turn.prefill_engine, turn.decode_engine):
+                served[engine] = served.get(engine, 0) + 1
+    return served
 
 
 def schedulable(resources: dict[str, float]) -> dict[str, float]:
@@ -170,7 +183,9 @@ def test_a_prefill_engine_killed_in_the_middle_of_a_layer_transfer(reference) ->
     ledger, elapsed, figures = run(cfg, trajs)
     print(f"prefill/p0/g0 killed at its 60th layer transfer: dead engines {figures['calls']['dead_engines']}, "
           f"retries {figures['calls']['retries']}; {elapsed:.1f} s vs {fault_free_s:.1f} s ({elapsed / fault_free_s:.2f}x)")
-    assert figures["calls"]["dead_engines"] == 1, "the scheduler saw the engine die"
+    calls = figures["calls"]
+    assert calls["dead_engines"] + calls["restarted_engines"] >= 1, "the scheduler saw the engine die"
+    assert calls["restarted_engines"] == 1, "Ray restarted it once (a kill fault ends the first incarnation only)"
     assert_clean(ledger, fault_free, figures)
 
 
@@ -216,4 +231,43 @@ def test_the_scheduler_killed_three_times_loses_nothing(reference) -> None:
     print(f"scheduler killed at {kills} s into the rollout: the last incarnation adopted {calls['adopted']} turns from engines, "
           f"dropped {calls['adoptions_dropped']}; {elapsed:.1f} s vs {fault_free_s:.1f} s ({elapsed / fault_free_s:.2f}x)")
     assert len(kills) == 3 and calls["restarted"] == 1, "the scheduler was killed three times and restarted by Ray"
+    assert_clean(ledger, fault_free, figures)
+
+
+@pytest.mark.parametrize(("victim", "transport"), [
+    ("decode/d0/g1", "gloo"), ("prefill/p0/g0", "gloo"), ("reader/d0", "gloo"), ("reader/p0", "gloo"),
+    pytest.param("decode/d0/g1", "nixl", marks=pytest.mark.nixl),
+    pytest.param("reader/d0", "nixl", marks=pytest.mark.nixl),
+])
+def test_a_killed_engine_or_reader_is_restarted_and_loses_nothing(reference, victim: str, transport: str) -> None:
+    """Ray restarts the killed actor (runtime.max_actor_restarts): what its dead incarnation held
+    is retried, its new incarnation rejoins the transport (a new gloo world; NIXL peers learn its
+    new agent) and takes work again."""
+    if transport == "nixl":
+        pytest.importorskip("nixl", reason="the nixl extra is not installed")
+    trajs, fault_free, fault_free_s = reference
+    killed_at: list[float] = []
+
+    def kill_once(deployment) -> None:
+        started = time.monotonic()
+        time.sleep(random.Random(victim).uniform(0.5, 2.0))
+        killed_at.append(round(time.monotonic() - started, 2))
+        ray.kill({**deployment.engines, **deployment.readers}[victim], no_restart=False)
+
+    ledger, elapsed, figures = run(fault_config(transport=transport), trajs, during=kill_once)
+    calls = figures["calls"]
+    role = "readers" if victim.startswith("reader/") else "engines"
+    print(f"{victim} ({transport}) killed {killed_at} s into the rollout and restarted: restarted {role} "
+          f"{calls[f'restarted_{role}']}, "
+          f"gloo worlds formed again {calls['worlds_formed']}, retries {calls['retries']}; "
+          f"{elapsed:.1f} s vs {fault_free_s:.1f} s fault-free ({elapsed / fault_free_s:.2f}x)")
+    assert killed_at, "the actor was killed during the rollout"
+    assert calls[f"restarted_{role}"] == 1, f"the scheduler saw one new incarnation of {victim}"
+    if role == "engines":
+        stats = figures["engines"][victim]["core"]
+        worked = stats.get("finished", 0) + stats.get("handoffs", 0)
+        assert worked > 0, f"the new incarnation of {victim} served turns after its restart: {stats}"
+    else:
+        node = figures["counters"][victim.removeprefix("reader/")]
+        assert sum(node.snic_read.values()) + node.snic_write > 0, f"the new {victim} read or wrote blocks: {node}"
     assert_clean(ledger, fault_free, figures)
