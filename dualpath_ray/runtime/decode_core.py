@@ -37,7 +37,7 @@ from dualpath_ray.runtime.cancelled import CancelledAttempts
 from dualpath_ray.runtime.outbox import Outbox
 from dualpath_ray.runtime.compute import DecodeSeq, EngineCompute
 from dualpath_ray.runtime.emulation.links import Link
-from dualpath_ray.runtime.failures import KVMismatchError, failure_of
+from dualpath_ray.runtime.failures import KVMismatchError, failure_of, log_failure
 from dualpath_ray.runtime.messages import (
     DecodeHandoff,
     DecodeReservation,
@@ -517,7 +517,7 @@ class DecodeCore:
             sampled = self.compute.decode_step(seqs, self.pages.tensor, params)
             self.stats.compute_s += time.perf_counter() - started
         except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, not the engine
-            LOG.exception("%s: decode step of %d failed", self.settings.engine_id, len(batch))
+            log_failure(LOG, f"{self.settings.engine_id}: decode step of {len(batch)}", exc)
             for job in batch:
                 self._fail(job, exc)
             return True

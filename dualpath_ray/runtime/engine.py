@@ -26,7 +26,7 @@ from dualpath_ray.runtime.actor_metrics import EngineMetrics
 from dualpath_ray.runtime.emulation import make_compute, make_link
 from dualpath_ray.runtime.leader import ActorDirectory, GroupLeader, start_thread
 from dualpath_ray.runtime.messages import EngineHoldings, LoadReport
-from dualpath_ray.runtime.restarts import rejoin_transport, was_restarted
+from dualpath_ray.runtime.restarts import TransportKeeper, was_restarted
 from dualpath_ray.runtime.transport import TransportEndpoint, make_transport
 from dualpath_ray.scheduling import EngineLoad
 
@@ -104,10 +104,11 @@ class EngineBase(TransportEndpoint):
                 cfg.scheduler.fetch_wait_ms / 1000.0, cfg.runtime.heartbeat_timeout_s,
                 self.faults if self.faults.active else None,
             )
+        self.keeper = TransportKeeper(self.transport, cfg.runtime.namespace, cfg.runtime.request_timeout_s)
         if self.restarted:
             # No driver calls start() on a restarted incarnation: it rejoins the transport and
             # starts itself once this __init__ has returned (the rejoin needs this actor to serve).
-            start_thread(self._restart, f"restart-{identity.engine_id}")
+            self.keeper.heal(then=self.start)
 
     def _accept_local(self, items: list[Any]) -> None:
         self.core.accept(items)
@@ -126,12 +127,6 @@ class EngineBase(TransportEndpoint):
         if self.leader is not None:
             start_thread(self.leader.run, f"leader-{self.id.engine_id}")
         return True
-
-    def _restart(self) -> None:
-        scheduler = lambda: ray.get(self.directory.get("scheduler").reform_transport.remote(self.id.engine_id))  # noqa: E731
-        if not rejoin_transport(self.transport, scheduler, self.cfg.runtime.request_timeout_s):
-            LOG.error("%s: restarted, but its transport is still not ready; starting anyway", self.id.engine_id)
-        self.start()
 
     def _load_report(self) -> LoadReport:
         return LoadReport(self.incarnation, self.core.load())

@@ -4,6 +4,8 @@ TurnResult, and the scheduler decides from them whether and how to retry."""
 
 from __future__ import annotations
 
+import logging
+
 from dualpath_ray.faults.injector import InjectedFault
 from dualpath_ray.kv.errors import BadBlockError, BlockCorruptedError, BlockNotFoundError
 from dualpath_ray.runtime.messages import ErrorKind, RequestSpec, TurnResult, failed_result
@@ -59,3 +61,13 @@ def failure_of(spec: RequestSpec, engine: str, error: BaseException) -> TurnResu
     """The failed TurnResult of `spec`, classified."""
     kind, keys = classify(error)
     return failed_result(spec, engine, error, kind, keys)
+
+
+def log_failure(log: logging.Logger, what: str, error: BaseException) -> None:
+    """A failure the scheduler retries (a dead peer, a failed transfer, a bad block) is one
+    warning line; only an unexpected one (INTERNAL: a bug) carries its traceback."""
+    kind, _ = classify(error)
+    if kind is ErrorKind.INTERNAL:
+        log.exception("%s failed", what)
+    else:
+        log.warning("%s failed (%s): %s", what, kind.value, error)

@@ -35,7 +35,7 @@ from dualpath_ray.kv.window import LayerWindow, span_offsets
 from dualpath_ray.runtime.accounting import NodeCounters
 from dualpath_ray.runtime.compute import ChunkSpec, EngineCompute
 from dualpath_ray.runtime.emulation.links import Link
-from dualpath_ray.runtime.failures import failure_of
+from dualpath_ray.runtime.failures import failure_of, log_failure
 from dualpath_ray.runtime.cancelled import CancelledAttempts
 from dualpath_ray.runtime.messages import DecodeHandoff, ExtentGrant, Holding, PrefillTask, newest_holdings
 from dualpath_ray.runtime.outbox import Outbox
@@ -351,7 +351,7 @@ class PrefillCore:
             finished = [i for i, c in enumerate(chunks) if c.end == len(c.prompt)]
             sampled = self.compute.sample_last(state, finished, [jobs[i].task.request.sampling for i in finished])
         except Exception as exc:  # noqa: BLE001 - fail this batch's requests, keep serving the others
-            LOG.exception("%s: batch of %d failed", self.settings.engine_id, len(jobs))
+            log_failure(LOG, f"{self.settings.engine_id}: batch of {len(jobs)}", exc)
             pipeline.drain()
             self.window.reset()
             for job in jobs:

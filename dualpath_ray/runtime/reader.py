@@ -30,9 +30,8 @@ from dualpath_ray.kv.store import open_store
 from dualpath_ray.runtime.accounting import NodeCounters
 from dualpath_ray.runtime.actor_metrics import ReaderMetrics
 from dualpath_ray.runtime.emulation import make_link
-from dualpath_ray.runtime.leader import ActorDirectory, start_thread
 from dualpath_ray.runtime.messages import ExtentGrant, PersistedBlock
-from dualpath_ray.runtime.restarts import rejoin_transport, was_restarted
+from dualpath_ray.runtime.restarts import TransportKeeper, was_restarted
 from dualpath_ray.runtime.transport import (
     PeerDiedError,
     Region,
@@ -258,10 +257,9 @@ class StorageReader(TransportEndpoint):
         self.transport.register(BUFFER_POOL, self.core.pool.buffer)
         self.transport.seal()
         self.metrics = ReaderMetrics.start(cfg, self.core)
+        self.keeper = TransportKeeper(self.transport, cfg.runtime.namespace, cfg.runtime.request_timeout_s)
         if restarted:
-            directory = ActorDirectory(cfg.runtime.namespace)
-            reform = lambda: ray.get(directory.get("scheduler").reform_transport.remote(endpoint))  # noqa: E731
-            start_thread(lambda: rejoin_transport(self.transport, reform, cfg.runtime.request_timeout_s), f"rejoin-{endpoint}")
+            self.keeper.heal()  # a new gloo world once this __init__ returned (the join needs it to serve)
 
     def node_labels(self) -> dict[str, str]:
         return dict(ray.get_runtime_context().get_node_labels())

@@ -14,6 +14,7 @@ and the new incarnation ignores the old one's.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
 import warnings
@@ -88,3 +89,43 @@ def rejoin_transport(transport: Transport, reform: Callable[[], Any], timeout_s:
             LOG.warning("%s: asking for a new gloo world failed, retrying: %s", transport.endpoint_name, exc)
             time.sleep(_REJOIN_POLL_S)
     return True
+
+
+class TransportKeeper:
+    """Keeps an endpoint's transport in a usable world: after a restart, and whenever its gloo
+    world was aborted (a transfer timed out with bytes possibly still landing: BROKEN), it asks
+    the scheduler for a new world, on a thread of its own, one request at a time."""
+
+    def __init__(self, transport: Transport, namespace: str, timeout_s: float) -> None:
+        self.transport = transport
+        self.namespace = namespace
+        self.timeout_s = timeout_s
+        self.heals = 0
+        self._lock = threading.Lock()
+        self._healing = False
+        transport.on_broken = self.heal
+
+    def heal(self, then: Callable[[], Any] | None = None) -> None:
+        """Rejoin in the background, then run `then` (even if the rejoin gave up: the actor must
+        not sit idle for good; its transfers fail and are retried until a world forms)."""
+        with self._lock:
+            if self._healing:
+                return
+            self._healing = True
+            self.heals += 1
+        thread = threading.Thread(target=self._heal, args=(then,), name=f"rejoin-{self.transport.endpoint_name}", daemon=True)
+        thread.start()
+
+    def _heal(self, then: Callable[[], Any] | None) -> None:
+        try:
+            if not rejoin_transport(self.transport, self._reform, self.timeout_s):
+                LOG.error("%s: still not in a transport world after %.0f s", self.transport.endpoint_name, self.timeout_s)
+        finally:
+            with self._lock:
+                self._healing = False
+        if then is not None:
+            then()
+
+    def _reform(self) -> Any:
+        scheduler = ray.get_actor("scheduler", namespace=self.namespace)
+        return ray.get(scheduler.reform_transport.remote(self.transport.endpoint_name), timeout=self.timeout_s)

@@ -648,6 +648,12 @@ class Scheduler:
             for rid, e in self.core.dispatcher.entries.items()
         }
 
+    async def check_integrity(self) -> int:
+        """The dispatcher's queue invariants (raises naming what is wrong); returns the number
+        of requests in flight, which is 0 once every caller has its answer."""
+        self.core.dispatcher.check_integrity()
+        return len(self.core.dispatcher.entries)
+
     async def service_view(self) -> dict[str, list[str]]:
         """Who is out of service and why (for `status` and tests): engines dead for good or
         presumed dead from silence, nodes whose reader is gone or unavailable, nodes whose hits

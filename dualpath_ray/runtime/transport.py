@@ -302,6 +302,9 @@ class Transport(ABC):
         self._peers: dict[str, _Peer] = {}
         self._actors: dict[str, Any] = {}
         self._counters = _Counters()
+        # Called (once per abort) when this endpoint's world becomes unusable (gloo's BROKEN),
+        # so the actor can ask for a new one (runtime/restarts.py TransportKeeper).
+        self.on_broken: Callable[[], None] | None = None
 
     # ---- registration ------------------------------------------------------------------
     def register(self, name: str, pool: torch.Tensor) -> None:

@@ -31,7 +31,7 @@ machine):
 Hence: ops of a failed transfer are parked (kept alive) until the world is replaced, never
 dropped while a send could still match them; when bytes may still land (the peer neither
 answered nor died, or answered that its side failed), the initiator aborts its whole world and
-reports BROKEN until the driver calls `setup_gloo_world` again.
+reports BROKEN until a new world is formed (`on_broken` lets the actor ask the scheduler for one).
 """
 
 from __future__ import annotations
@@ -249,7 +249,7 @@ class GlooTransport(Transport):
         return TransportState.AWAITING_WORLD
 
     def _state_hint(self) -> str:
-        return "; the driver must call setup_gloo_world over all endpoints"
+        return "; a new world must be formed over all endpoints (setup_gloo_world; the scheduler does it on request)"
 
     def _register_backend(self, name: str, pool: torch.Tensor) -> None:
         if pool.device.type != "cpu":
@@ -325,6 +325,8 @@ class GlooTransport(Transport):
                 return
             self._state = next_state(self._state, TransportState.BROKEN)
         world.group.abort()
+        if self.on_broken is not None:
+            self.on_broken()
 
     # ---- passive side ------------------------------------------------------------------
     def _serve_backend(self, request: object) -> object:

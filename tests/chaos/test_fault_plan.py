@@ -61,6 +61,7 @@ def run(cfg: DualPathConfig, trajs, mode: str = "dualpath", during: Callable[[An
             "counters": cluster.counters(),
             "failures": result.failures,
             "calls": ray.get(deployment.scheduler.call_counts.remote()),
+            "in_flight": ray.get(deployment.scheduler.check_integrity.remote()),
             "faults": cluster.fault_counts(),
             "integrity": cluster.integrity_report(),
             "pools": settled_pools(cluster, cfg.runtime.transfer_timeout_s),
@@ -116,6 +117,7 @@ def assert_clean(ledger: Ledger, reference: Ledger, figures: dict) -> None:
     diff = ledger.compare(reference)
     assert not figures["failures"], f"0 failed trajectories: {figures['failures']}"
     assert diff.clean(), f"0 lost, 0 duplicated, outputs identical to the fault-free run: {diff}"
+    assert figures["in_flight"] == 0, "the scheduler's queues are consistent and empty once every turn is answered"
     assert all(free == cap for free, _, _, cap in figures["pools"].values()), f"every buffer pool free: {figures['pools']}"
     total, free = figures["resources"]
     assert total == free, f"every Ray resource is free again after teardown: {total} vs {free}"
