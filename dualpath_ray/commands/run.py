@@ -56,11 +56,16 @@ def run_trace(
     from dualpath_ray.workload.trace import read_trace
 
     trajectories = read_trace(trace, cfg.model.vocab_size)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    # Absolute before joining the cluster: inside a Ray job, joining replaces the job's working
+    # directory (the process's cwd) with a fresh copy at the same path, so relative paths would
+    # resolve into the removed one; anything made in it before is gone too.
+    out = out.absolute()
+    summary_path = summary_path.absolute() if summary_path is not None else None
     cluster = DualPathCluster.connect(cfg, address) if address else DualPathCluster.start(cfg)
     try:
         deployment = cluster.deploy(mode, replace_existing=replace_existing)
         result = cluster.rollout(trajectories)
+        out.parent.mkdir(parents=True, exist_ok=True)
         result.write_parquet(str(out))
         summary = {**result.summary(), "mode": deployment.mode, "warnings": deployment.warnings,
                    "metadata": metadata or {}, "results": str(out)}
