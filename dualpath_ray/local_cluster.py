@@ -7,9 +7,13 @@ them). `ray job submit`, `dualpath run --address`, `dualpath status` and the Ray
 work exactly as on a cluster started with cluster_configs/ray-cluster-launcher.yaml.
 
 Each node is one `ray start --block` process in its own session, so `down` stops exactly this
-cluster's processes (never other Ray instances of the machine, as `ray stop` would). Every node
-exports its metrics on a port chosen here, so a Prometheus (`--prometheus`) scrapes a fixed list
-of endpoints. The state (pids, ports, logs) lives in the state directory.
+cluster's processes (never other Ray instances of the machine, as `ray stop` would). The nodes
+share a Ray temporary directory of their own (default /tmp/dualpath-ray-<port>): Ray resolves
+"the local cluster" (a job's driver, `ray.init("auto")`) through a file in that directory, so
+with Ray's shared /tmp/ray another Ray instance started later on the machine would receive this
+cluster's jobs. Every node exports its metrics on a port chosen here, so a Prometheus
+(`--prometheus`) scrapes a fixed list of endpoints. The state (pids, ports, logs) lives in the
+state directory.
 """
 
 from __future__ import annotations
@@ -53,7 +57,7 @@ class UpOptions:
     port: int = 6379
     dashboard_port: int = 8265
     object_store_mb: int = 200
-    temp_dir: Path | None = None  # Ray's default (/tmp/ray) when None
+    temp_dir: Path | None = None  # /tmp/dualpath-ray-<port> when None (see the module docstring)
     prometheus_port: int | None = None  # start a Prometheus on this port; None: no Prometheus
     scrape_interval_s: float = 5.0
 
@@ -75,6 +79,7 @@ class LocalCluster:
     nodes: list[NodeProcess] = field(default_factory=list)
     prometheus_pid: int | None = None
     prometheus_url: str | None = None
+    ray_temp_dir: str = ""  # the nodes' Ray files: sessions, logs, Ray's generated Grafana config
 
     def save(self) -> None:
         path = Path(self.state_dir) / STATE_FILE
@@ -101,9 +106,8 @@ def free_port() -> int:
 def node_commands(cfg: DualPathConfig, options: UpOptions, ports: dict[str, int]) -> list[tuple[str, str, list[str]]]:
     """(name, role, `ray start` arguments) of the head and of every configured node, in start
     order. `ports` holds the head's agent and client ports and each node's metrics port."""
-    common = ["--block", "--disable-usage-stats", f"--object-store-memory={options.object_store_mb << 20}"]
-    if options.temp_dir is not None:
-        common.append(f"--temp-dir={options.temp_dir}")
+    common = ["--block", "--disable-usage-stats", f"--object-store-memory={options.object_store_mb << 20}",
+              f"--temp-dir={ray_temp_dir(options)}"]
     head = [
         "--head", f"--port={options.port}", f"--dashboard-port={options.dashboard_port}", "--include-dashboard=true",
         f"--dashboard-agent-listen-port={ports['agent']}", f"--ray-client-server-port={ports['client']}",
@@ -118,6 +122,10 @@ def node_commands(cfg: DualPathConfig, options: UpOptions, ports: dict[str, int]
             f"--labels={ROLE_LABEL}={spec.role}", f"--metrics-export-port={ports[spec.node_id]}", *common,
         ]))
     return commands
+
+
+def ray_temp_dir(options: UpOptions) -> Path:
+    return options.temp_dir or Path(f"/tmp/dualpath-ray-{options.port}")
 
 
 def node_env(options: UpOptions) -> dict[str, str]:
@@ -139,12 +147,14 @@ def up(cfg: DualPathConfig, options: UpOptions) -> LocalCluster:
     state_dir = options.state_dir
     state_dir.mkdir(parents=True, exist_ok=True)
     _refuse_running(state_dir)
+    _require_free_ports(options)
     ray_bin = Path(sys.executable).parent / "ray"
     if not ray_bin.exists():
         raise LocalClusterError(f"no `ray` command next to {sys.executable}; install dualpath-ray into this environment")
     ports = {"agent": free_port(), "client": free_port(), "head": free_port()}
     ports.update({spec.node_id: free_port() for spec in plan_nodes(cfg)})
-    cluster = LocalCluster(str(state_dir), f"127.0.0.1:{options.port}", f"http://127.0.0.1:{options.dashboard_port}")
+    cluster = LocalCluster(str(state_dir), f"127.0.0.1:{options.port}", f"http://127.0.0.1:{options.dashboard_port}",
+                           ray_temp_dir=str(ray_temp_dir(options)))
     env = node_env(options)
     try:
         for expected, (name, role, args) in enumerate(node_commands(cfg, options, ports), start=1):
@@ -175,6 +185,18 @@ def _refuse_running(state_dir: Path) -> None:
             f"a local cluster recorded in {state_dir} is still running (Ray at {running.address}); "
             "stop it with `dualpath cluster down` or pass another --state-dir"
         )
+
+
+def _require_free_ports(options: UpOptions) -> None:
+    """A port already taken (another Ray head or dashboard, a Prometheus) is an error before
+    anything starts: a dashboard that cannot bind would leave `up` talking to the other one."""
+    wanted = {"--port": options.port, "--dashboard-port": options.dashboard_port}
+    if options.prometheus_port is not None:
+        wanted["--prometheus-port"] = options.prometheus_port
+    for flag, port in wanted.items():
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                raise LocalClusterError(f"{flag} {port}: the port is in use (another Ray cluster?); pass another {flag}")
 
 
 def _wait_for_nodes(cluster: LocalCluster, count: int, process: subprocess.Popen[bytes], log: Path) -> None:

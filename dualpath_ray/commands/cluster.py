@@ -26,7 +26,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     start.add_argument("--port", type=int, default=6379, help="the head's GCS port (default 6379)")
     start.add_argument("--dashboard-port", type=int, default=8265, help="the Ray dashboard's port (default 8265)")
     start.add_argument("--object-store-mb", type=int, default=200, help="object store per node, MiB (default 200)")
-    start.add_argument("--temp-dir", type=Path, default=None, help="Ray's temporary directory (default /tmp/ray)")
+    start.add_argument("--temp-dir", type=Path, default=None,
+                       help="Ray's temporary directory of the nodes (default /tmp/dualpath-ray-<port>)")
     start.add_argument("--prometheus", action="store_true", help="also start Prometheus (the prometheus binary on PATH)")
     start.add_argument("--prometheus-port", type=int, default=9090, help="Prometheus' port (default 9090)")
     start.add_argument("--scrape-interval", type=float, default=5.0, help="Prometheus scrape interval, s (default 5)")
@@ -70,11 +71,13 @@ def describe(cluster: LocalCluster) -> str:
     lines = [
         f"Local Ray cluster up: {nodes}",
         f"  Ray address      {cluster.address}   (dualpath run/status --address {cluster.address})",
-        f"  Ray dashboard    {cluster.dashboard_url}   (ray job submit --address {cluster.dashboard_url})",
+        f"  Ray dashboard    {cluster.dashboard_url}   (ray job submit finds it; with other Ray clusters on this "
+        f"machine: export RAY_API_SERVER_ADDRESS={cluster.dashboard_url})",
     ]
     if cluster.prometheus_url:
         lines.append(f"  Prometheus       {cluster.prometheus_url}   (dashboards/: Grafana, see the README)")
-    lines += [f"  state and logs   {cluster.state_dir}", "Stop it with: dualpath cluster down"
+    lines += [f"  Ray files        {cluster.ray_temp_dir}   (Grafana config: session_latest/metrics/grafana/)",
+              f"  state and logs   {cluster.state_dir}", "Stop it with: dualpath cluster down"
               + ("" if Path(cluster.state_dir) == DEFAULT_STATE_DIR else f" --state-dir {cluster.state_dir}")]
     return "\n".join(lines)
 

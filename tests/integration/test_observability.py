@@ -5,7 +5,8 @@ and checksum failures happen), then
 
 - every PromQL query of every panel of the committed Grafana dashboard returns data,
 - the SNIC byte counters in Prometheus equal the runtime's exact per-node accounting,
-- `dualpath status --once --json` reports the live deployment.
+- `dualpath status --once --json` reports the live deployment,
+- the README's `ray job submit` line runs on the cluster as written.
 
 Without a `prometheus` binary (.ci/run installs Debian's package) the Prometheus tests skip.
 """
@@ -36,6 +37,7 @@ from dualpath_ray.local_cluster import free_port  # noqa: E402
 from dualpath_ray.metrics import ALL_METRICS, READ_QUEUE_TOKENS, MetricKind  # noqa: E402
 from dualpath_ray.observability.grafana import panel_targets  # noqa: E402
 from dualpath_ray.observability.prometheus import PrometheusServer, find_prometheus  # noqa: E402
+from dualpath_ray.workload.trace import write_trace  # noqa: E402
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
@@ -98,7 +100,7 @@ def observed(tmp_path_factory: pytest.TempPathFactory):
                      lambda: f"missing: {missing_metrics(server)}")
         second = cluster.rollout(trajectories(count=6, turns=4, seed=8), progress=False)
         yield {"cfg": cfg, "cluster": cluster, "info": info, "server": server, "started": started,
-               "results": [first, second], "counters": cluster.counters()}
+               "results": [first, second], "counters": cluster.counters(), "temp_dir": temp_dir, "scratch": state}
     finally:
         if cluster is not None:
             cluster.teardown()
@@ -106,6 +108,17 @@ def observed(tmp_path_factory: pytest.TempPathFactory):
         down = dualpath("cluster", "down", f"--state-dir={state}")
         shutil.rmtree(temp_dir, ignore_errors=True)
         assert down.returncode == 0, f"`dualpath cluster down` failed:\n{down.stderr[-3000:]}"
+
+
+def submit_readme_job(dashboard_url: str, scratch: Path) -> subprocess.CompletedProcess[str]:
+    """The README's `ray job submit` line (relative --out and --summary, which land in the job's
+    working directory on the head), on a small trace."""
+    trace = write_trace(trajectories(count=2, turns=2, seed=5), scratch / "trace.parquet")
+    command = ["ray", "job", "submit", "--working-dir", ".", "--metadata-json", '{"trainer_run_id": "run-42"}', "--",
+               "python", "jobs/rollout.py", "--config", "cluster_configs/local-1p1d.yaml", "--trace", str(trace),
+               "--out", "results/results.parquet", "--summary", "results/summary.json"]
+    env = {**cli_env(), "RAY_API_SERVER_ADDRESS": dashboard_url}  # other Ray instances may run here
+    return subprocess.run(command, check=False, env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
 
 
 def wait_for(check: Any, what: str, detail: Any, timeout_s: float = EXPORT_WAIT_S) -> None:
@@ -231,4 +244,24 @@ def test_the_ray_dashboard_lists_the_driver_job_with_its_dualpath_metadata(obser
     tagged = [job.metadata for job in jobs if job.metadata.get("dualpath.namespace") == cfg.runtime.namespace]
     assert tagged and tagged[0]["dualpath.topology"] == "1P1D x 2 GPUs", (
         f"the driver's job carries its namespace and topology in the Jobs view: {[j.metadata for j in jobs]}"
+    )
+
+
+@pytest.fixture(scope="module")
+def readme_job(observed):
+    """The README's job, once the checks on the live deployment are done: its deployment needs
+    the cluster's GPU slots, and its byte counters would add to the deployment's in Prometheus."""
+    observed["cluster"].teardown()
+    return submit_readme_job(observed["info"]["dashboard_url"], observed["scratch"])
+
+
+def test_the_readmes_job_line_runs_on_a_cluster_up_cluster(observed, readme_job):
+    job = readme_job
+    assert job.returncode == 0, f"the README's ray job submit line succeeds:\n{job.stdout[-3000:]}\n{job.stderr[-3000:]}"
+    working_dirs = observed["temp_dir"] / "session_latest" / "runtime_resources" / "working_dir_files"
+    outputs = list(working_dirs.glob("*/results/results.parquet"))
+    assert len(outputs) == 1, f"its relative --out is written in the job's working directory on the head: {outputs}"
+    summary = json.loads((outputs[0].parent / "summary.json").read_text())
+    assert summary["failed_trajectories"] == [] and summary["metadata"].get("trainer_run_id") == "run-42", (
+        f"every trajectory served, the job's metadata kept: {summary}"
     )

@@ -12,7 +12,16 @@ import pytest
 
 from dualpath_ray.cli import main
 from dualpath_ray.config import parse_config
-from dualpath_ray.local_cluster import LocalCluster, LocalClusterError, NodeProcess, UpOptions, down, node_commands
+from dualpath_ray.local_cluster import (
+    LocalCluster,
+    LocalClusterError,
+    NodeProcess,
+    UpOptions,
+    down,
+    free_port,
+    node_commands,
+    up,
+)
 
 PORTS = {"agent": 1001, "client": 1002, "head": 1003, "p0": 1004, "p1": 1005, "d0": 1006}
 
@@ -33,6 +42,22 @@ def test_ray_start_lines_label_every_node_with_its_role_slot_and_gpus() -> None:
                      f'--resources={{"dualpath_{role}_slot": 1}}', f"--metrics-export-port={PORTS[name]}"):
             assert flag in args, f"{name}'s ray start has {flag}"
     assert all("--temp-dir=/tmp/dp" in args for _, _, args in commands), "every node shares the temp dir"
+    default = node_commands(cfg, UpOptions(port=7000), PORTS)
+    assert all("--temp-dir=/tmp/dualpath-ray-7000" in args for _, _, args in default), (
+        "by default the nodes get a Ray temp dir of their own, so `auto` finds this cluster, not another"
+    )
+
+
+def test_up_refuses_a_port_in_use_before_starting_anything(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(LocalClusterError, match=f"--dashboard-port {port}: the port is in use"):
+            up(parse_config({}), UpOptions(state_dir=tmp_path, port=free_port(), dashboard_port=port))
+    assert not (tmp_path / "cluster.json").exists(), "nothing was started or recorded"
 
 
 def test_state_round_trips_and_down_without_state_is_an_error(tmp_path: Path) -> None:
