@@ -15,6 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
 
 from dualpath_ray.faults.plan import FaultMode, FaultPlan, FaultSite
+from dualpath_ray.scheduling.types import Mode
 
 
 class ConfigError(ValueError):
@@ -202,7 +203,7 @@ class EmulationConfig(_Section):
 class RuntimeConfig(_Section):
     """How the runtime runs a workload."""
 
-    mode: Literal["dualpath", "basic", "oracle"] = "dualpath"
+    mode: Mode = Field(Mode.DUALPATH, description="dualpath (both read paths), basic (the prefill side only) or oracle (no I/O).")
     transport: Literal["auto", "nixl", "gloo"] = Field(
         "auto",
         description="KV transport between nodes: nixl (RDMA-capable, the nixl package), gloo (TCP "

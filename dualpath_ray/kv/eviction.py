@@ -13,10 +13,12 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Collection, Iterable
+from typing import TYPE_CHECKING, Collection, Iterable
 
-from dualpath_ray.kv.block_store import BlockStore
 from dualpath_ray.kv.index import PrefixIndex
+
+if TYPE_CHECKING:
+    from dualpath_ray.kv.block_store import BlockStore
 
 
 @dataclass

@@ -20,7 +20,7 @@ def driver_metadata(cfg: DualPathConfig) -> dict[str, str]:
     return {
         f"{METADATA_PREFIX}namespace": cfg.runtime.namespace,
         f"{METADATA_PREFIX}topology": f"{c.prefill_nodes}P{c.decode_nodes}D x {c.gpus_per_node} GPUs",
-        f"{METADATA_PREFIX}mode": cfg.runtime.mode,
+        f"{METADATA_PREFIX}mode": str(cfg.runtime.mode),
         f"{METADATA_PREFIX}model": f"{cfg.model.model_id}@{cfg.model.weight_version}",
     }
 

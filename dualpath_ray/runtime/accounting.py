@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from dualpath_ray.scheduling.types import ReadPath
+
 from dataclasses import dataclass, field
 
-PATHS = ("pe", "de")
+PATHS = tuple(path.value for path in ReadPath)  # the counters' keys: plain strings
 
 
 @dataclass

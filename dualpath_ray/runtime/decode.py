@@ -15,11 +15,12 @@ from dualpath_ray.runtime.engine import EngineBase
 from dualpath_ray.runtime.messages import DecodeHandoff
 from dualpath_ray.runtime.ray_ports import RayReaders, RayScheduler, SystemClock
 from dualpath_ray.runtime.transport import endpoint_actor_options
+from dualpath_ray.scheduling.types import Role
 
 
 @ray.remote(**endpoint_actor_options(extra_concurrency_groups={"control": 4, "io": 4}))
 class DecodeEngine(EngineBase):
-    role = "decode"
+    role = Role.DECODE
 
     def _build_core(self) -> DecodeCore:
         cfg = self.cfg

@@ -37,6 +37,7 @@ from dualpath_ray.runtime.cancelled import CancelledAttempts
 from dualpath_ray.runtime.outbox import Outbox
 from dualpath_ray.runtime.compute import DecodeSeq, EngineCompute
 from dualpath_ray.runtime.emulation.links import Link
+from dualpath_ray.scheduling.types import StopReason
 from dualpath_ray.runtime.failures import KVMismatchError, failure_of, log_failure
 from dualpath_ray.runtime.messages import (
     DecodeHandoff,
@@ -101,7 +102,7 @@ class DecodeJob:
     queued: deque[tuple[int, PersistedBlock]] = field(default_factory=deque)
     parent_key: str | None = None
     persisted: list[PersistedBlock] = field(default_factory=list)
-    stop_reason: str | None = None
+    stop_reason: StopReason | None = None
     check: KVCheck = field(default_factory=KVCheck)
     bad_tokens: np.ndarray | None = None  # what the first check of the landed KV found wrong
 
@@ -538,15 +539,15 @@ class DecodeCore:
                     job.queued.append((self.pages.table(job.owner)[block], persisted))
         return True
 
-    def _stop_reason(self, job: DecodeJob) -> str | None:
+    def _stop_reason(self, job: DecodeJob) -> StopReason | None:
         sampling = job.handoff.task.request.sampling  # type: ignore[union-attr]
         generated = len(job.tokens) - job.prompt_len
         if generated and job.tokens[-1] in sampling.stop_token_ids:
-            return "stop"
+            return StopReason.STOP
         if generated >= sampling.max_new_tokens:
-            return "length"
+            return StopReason.LENGTH
         if len(job.tokens) >= self.settings.max_context:
-            return "context"
+            return StopReason.CONTEXT
         return None
 
     # --- persistence --------------------------------------------------------------------
@@ -625,7 +626,7 @@ class DecodeCore:
         tpot = (finished - job.handoff.first_token_at) / (len(output) - 1) if len(output) > 1 else 0.0
         result = TurnResult(
             request_id=spec.request_id, attempt=spec.attempt, output_tokens=output,
-            log_probs=tuple(job.log_probs), stop_reason=job.stop_reason or "length", prompt_tokens=job.prompt_len,
+            log_probs=tuple(job.log_probs), stop_reason=job.stop_reason or StopReason.LENGTH, prompt_tokens=job.prompt_len,
             hit_tokens=task.hit_tokens, path=task.path, prefill_engine=task.prefill_engine,
             decode_engine=self.settings.engine_id, ttft_s=job.handoff.first_token_at - spec.submitted_at,
             tpot_s=tpot, kv_bytes_verified=job.check.bytes_verified, kv_mismatches=job.check.mismatches,

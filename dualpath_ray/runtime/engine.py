@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import ray
 import torch
@@ -29,6 +29,7 @@ from dualpath_ray.runtime.messages import EngineHoldings, LoadReport
 from dualpath_ray.runtime.restarts import TransportKeeper, was_restarted
 from dualpath_ray.runtime.transport import TransportEndpoint, make_transport
 from dualpath_ray.scheduling import EngineLoad
+from dualpath_ray.scheduling.types import Role
 
 LOG = logging.getLogger("dualpath_ray.engine")
 # An idle worker sleeps until woken (new work, a reply) or this long, whichever is first; the
@@ -60,7 +61,7 @@ def engine_device(cfg: DualPathConfig) -> torch.device:
 class EngineBase(TransportEndpoint):
     """Base of the engine actor classes; subclasses build `self.core` in `_build_core`."""
 
-    role: Literal["prefill", "decode"]
+    role: Role
 
     def __init__(self, cfg: DualPathConfig, identity: EngineIdentity, store_root: str | None) -> None:
         torch.set_num_threads(cfg.runtime.compute_threads)
@@ -109,6 +110,10 @@ class EngineBase(TransportEndpoint):
             # No driver calls start() on a restarted incarnation: it rejoins the transport and
             # starts itself once this __init__ has returned (the rejoin needs this actor to serve).
             self.keeper.heal(then=self.start)
+
+    def __repr__(self) -> str:
+        # Ray prefixes this actor's log lines with it and shows it as the dashboard's repr name.
+        return getattr(getattr(self, "id", None), "engine_id", type(self).__name__)
 
     def _accept_local(self, items: list[Any]) -> None:
         self.core.accept(items)

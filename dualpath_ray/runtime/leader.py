@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
-from typing import Any, Callable, Literal
+from typing import Any, Callable
 
 import ray
 import ray.exceptions
@@ -26,6 +26,7 @@ from dualpath_ray.faults.plan import CallPhase
 
 from dualpath_ray.runtime.messages import GroupReport, LoadReport, PeerState
 from dualpath_ray.runtime.restarts import peer_state_of
+from dualpath_ray.scheduling.types import Role
 from dualpath_ray.runtime.transport import PeerDiedError
 
 
@@ -59,7 +60,7 @@ class GroupLeader:
 
     def __init__(
         self,
-        role: Literal["prefill", "decode"],
+        role: Role,
         node_id: str,
         members: list[str],
         reader: str,

@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable, Literal, NamedTuple
+from typing import TYPE_CHECKING, Iterable, NamedTuple
 
 import numpy as np
+
+from dualpath_ray.scheduling.types import ReadPath, StopReason
 
 if TYPE_CHECKING:
     from dualpath_ray.scheduling.loads import EngineLoad
 
-ReadPath = Literal["pe", "de"]
 
 
 class ErrorKind(str, enum.Enum):
@@ -198,7 +199,7 @@ class TurnResult:
     attempt: int
     output_tokens: tuple[int, ...]
     log_probs: tuple[float, ...]
-    stop_reason: str
+    stop_reason: StopReason
     prompt_tokens: int
     hit_tokens: int
     path: ReadPath
@@ -258,7 +259,7 @@ def failed_result(
     """The result of a request an engine could not serve: the caller gets the error, not a hang."""
     return TurnResult(
         request_id=spec.request_id, attempt=spec.attempt, output_tokens=(), log_probs=(),
-        stop_reason="error", prompt_tokens=len(spec.prompt), hit_tokens=0, path="pe",
+        stop_reason=StopReason.ERROR, prompt_tokens=len(spec.prompt), hit_tokens=0, path=ReadPath.PE,
         prefill_engine=engine, decode_engine="", ttft_s=0.0, tpot_s=0.0, error=f"{engine}: {error!r}",
         error_kind=kind, bad_keys=bad_keys, epoch=spec.epoch,
     )

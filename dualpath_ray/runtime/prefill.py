@@ -16,11 +16,12 @@ from dualpath_ray.runtime.prefill_core import PrefillCore, PrefillPorts, Prefill
 from dualpath_ray.runtime.prefill_pipeline import WINDOW_POOL
 from dualpath_ray.runtime.ray_ports import RayDecodeTargets, RayReaders, RayScheduler, SystemClock
 from dualpath_ray.runtime.transport import endpoint_actor_options
+from dualpath_ray.scheduling.types import Role
 
 
 @ray.remote(**endpoint_actor_options(extra_concurrency_groups={"control": 4}))
 class PrefillEngine(EngineBase):
-    role = "prefill"
+    role = Role.PREFILL
 
     def _build_core(self) -> PrefillCore:
         cfg = self.cfg

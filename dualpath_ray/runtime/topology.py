@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
@@ -18,8 +18,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from dualpath_ray.analysis import classify_ratio, pd_bounds
 from dualpath_ray.config import DualPathConfig
+from dualpath_ray.scheduling.types import Role
 
-Role = Literal["prefill", "decode"]
 ROLE_LABEL = "dualpath/role"
 HEAD_RESOURCE = "dualpath_head"
 LOG = logging.getLogger("dualpath_ray.topology")
@@ -51,8 +51,8 @@ class NodeSpec:
 def plan_nodes(cfg: DualPathConfig) -> list[NodeSpec]:
     """Logical nodes: p0..p{P-1} for prefill, d0..d{D-1} for decode."""
     g = cfg.cluster.gpus_per_node
-    prefill = [NodeSpec(f"p{i}", "prefill", i, g) for i in range(cfg.cluster.prefill_nodes)]
-    decode = [NodeSpec(f"d{i}", "decode", i, g) for i in range(cfg.cluster.decode_nodes)]
+    prefill = [NodeSpec(f"p{i}", Role.PREFILL, i, g) for i in range(cfg.cluster.prefill_nodes)]
+    decode = [NodeSpec(f"d{i}", Role.DECODE, i, g) for i in range(cfg.cluster.decode_nodes)]
     return prefill + decode
 
 
@@ -77,7 +77,7 @@ def warn_if_outside_bounds(cfg: DualPathConfig) -> str | None:
 def create_role_groups(cfg: DualPathConfig, timeout_s: float = 60.0) -> dict[Role, PlacementGroup]:
     """Reserve one bundle per node of each role; a topology that cannot be met is an error."""
     groups: dict[Role, PlacementGroup] = {}
-    counts: dict[Role, int] = {"prefill": cfg.cluster.prefill_nodes, "decode": cfg.cluster.decode_nodes}
+    counts: dict[Role, int] = {Role.PREFILL: cfg.cluster.prefill_nodes, Role.DECODE: cfg.cluster.decode_nodes}
     for role, count in counts.items():
         bundle = {"GPU": float(cfg.cluster.gpus_per_node), slot_resource(role): 1.0}
         groups[role] = placement_group(

@@ -1,19 +1,19 @@
-"""The scheduler's queues and request lifecycle, around the pure policy functions.
+"""The scheduler's queues around the pure policy functions (paper section 6).
 
-No Ray here: the runtime's Scheduler actor and the simulator both drive a `Dispatcher` with
-load reports and get decisions back. A request first gets a decode engine (its HBM is reserved
-there), then a prefill engine and a read path:
+No Ray here: the runtime's scheduler core and the simulator both drive a `Dispatcher` with load
+reports and get placed `Request` records back (scheduling/requests.py has their lifecycle). A
+request first gets a decode engine (its HBM is reserved there), then a prefill engine and a
+read path:
 
-  submit -> WAITING_DECODE (global decode queue, then a group's private queue)
-         -> WAITING_PREFILL (FIFO prefill queue)  -> PREFILLING -> DONE | FAILED
+  submit -> global decode queue -> a decode group's private queue -> its decode engine
+         -> FIFO prefill queue -> its prefill engine and read path
 """
 
 from __future__ import annotations
 
-import enum
 from collections import deque
 from dataclasses import dataclass
-from typing import Literal, Sequence
+from typing import Sequence
 
 from dualpath_ray.scheduling.loads import EngineLoad, QueuedRequest
 from dualpath_ray.scheduling.policy import (
@@ -22,67 +22,8 @@ from dualpath_ray.scheduling.policy import (
     assign_prefill,
     choose_read_path,
 )
-
-Mode = Literal["dualpath", "basic", "oracle"]
-
-
-class RequestState(enum.Enum):
-    WAITING_DECODE = "waiting_decode"
-    WAITING_PREFILL = "waiting_prefill"
-    PREFILLING = "prefilling"
-    DONE = "done"
-    FAILED = "failed"
-
-
-_LEGAL = {
-    RequestState.WAITING_DECODE: {RequestState.WAITING_PREFILL, RequestState.FAILED},
-    RequestState.WAITING_PREFILL: {RequestState.PREFILLING, RequestState.FAILED},
-    RequestState.PREFILLING: {RequestState.DONE, RequestState.FAILED},
-    RequestState.DONE: set(),
-    RequestState.FAILED: set(),
-}
-
-
-class IllegalTransition(RuntimeError):
-    pass
-
-
-@dataclass
-class Entry:
-    request_id: str
-    prompt_tokens: int
-    hit_tokens: int
-    decode_tokens: int
-    state: RequestState = RequestState.WAITING_DECODE
-    decode_engine: str = ""
-    decode_node: str = ""
-    prefill_engine: str = ""
-    prefill_node: str = ""
-    path: Literal["pe", "de", ""] = ""
-
-
-def transition(entry: Entry, new: RequestState) -> None:
-    """The one way a request's state changes; an illegal move raises."""
-    if new not in _LEGAL[entry.state]:
-        raise IllegalTransition(f"request {entry.request_id}: {entry.state.value} -> {new.value}")
-    entry.state = new
-
-
-@dataclass(frozen=True)
-class DecodeDecision:
-    request_id: str
-    decode_engine: str
-    tokens: int
-
-
-@dataclass(frozen=True)
-class PrefillDecision:
-    request_id: str
-    prefill_engine: str
-    prefill_node: str
-    decode_engine: str
-    decode_node: str
-    path: Literal["pe", "de"]
+from dualpath_ray.scheduling.requests import Request, RequestState, transition
+from dualpath_ray.scheduling.types import Mode, ReadPath
 
 
 @dataclass(frozen=True)
@@ -95,10 +36,10 @@ class Constants:
 class Dispatcher:
     """Waiting queues plus the latest load of every group; decisions come from the policy."""
 
-    def __init__(self, constants: Constants, mode: Mode = "dualpath") -> None:
+    def __init__(self, constants: Constants, mode: Mode = Mode.DUALPATH) -> None:
         self.constants = constants
-        self.mode = mode
-        self.entries: dict[str, Entry] = {}
+        self.mode = Mode(mode)
+        self.requests: dict[str, Request] = {}
         self.decode_global: deque[str] = deque()
         self.decode_private: dict[str, deque[str]] = {}
         self.prefill_queue: deque[str] = deque()
@@ -108,16 +49,19 @@ class Dispatcher:
         # Prefill nodes whose storage reader is down: their requests read through the DE path.
         self.no_pe_reads: set[str] = set()
 
-    def submit(self, request_id: str, prompt_tokens: int, hit_tokens: int, decode_tokens: int) -> None:
-        if request_id in self.entries:
-            raise ValueError(f"request {request_id} is already queued")
-        self.entries[request_id] = Entry(request_id, prompt_tokens, hit_tokens, decode_tokens)
-        self.decode_global.append(request_id)
+    def submit(self, request: Request) -> Request:
+        if request.request_id in self.requests:
+            raise ValueError(f"request {request.request_id} is already queued")
+        if request.state is not RequestState.QUEUED_DECODE:
+            raise ValueError(f"request {request.request_id} is {request.state.value}; only a new request is submitted")
+        self.requests[request.request_id] = request
+        self.decode_global.append(request.request_id)
+        return request
 
     def report_read_q(self, node_id: str, tokens: int) -> None:
         self.read_q[node_id] = tokens
 
-    def fetch_decode(self, group_id: str, engines: Sequence[EngineLoad]) -> list[DecodeDecision]:
+    def fetch_decode(self, group_id: str, engines: Sequence[EngineLoad]) -> list[Request]:
         """A decode group leader pulls: phase 1 drains the global queue to groups, phase 2
         places this group's private queue on its engines within their free HBM. A group with
         no live engines is dropped (its private queue back to the global one)."""
@@ -137,60 +81,64 @@ class Dispatcher:
         placed = assign_decode_in_group(
             [self._decode_request(rid) for rid in private], engines, self.constants.z_margin
         )
-        decisions = []
+        requests = []
         for assignment in placed:
-            entry = self.entries[assignment.request_id]
-            entry.decode_engine = assignment.target
-            entry.decode_node = self._engine_node[assignment.target]
-            transition(entry, RequestState.WAITING_PREFILL)
-            self.prefill_queue.append(entry.request_id)
-            decisions.append(DecodeDecision(entry.request_id, assignment.target, entry.decode_tokens))
-        placed_ids = {d.request_id for d in decisions}
+            request = self.requests[assignment.request_id]
+            request.decode_engine = assignment.target
+            request.decode_node = self._engine_node[assignment.target]
+            transition(request, RequestState.QUEUED_PREFILL)
+            self.prefill_queue.append(request.request_id)
+            requests.append(request)
+        placed_ids = {r.request_id for r in requests}
         self.decode_private[group_id] = deque(rid for rid in private if rid not in placed_ids)
-        return decisions
+        return requests
 
-    def fetch_prefill(self, engines: Sequence[EngineLoad]) -> list[PrefillDecision]:
+    def fetch_prefill(self, engines: Sequence[EngineLoad]) -> list[Request]:
         """A prefill group leader pulls: FIFO assignment to its engines, then the read path."""
         self._engine_node.update({e.engine_id: e.node_id for e in engines})
-        queue = [QueuedRequest(rid, self.entries[rid].prompt_tokens) for rid in self.prefill_queue]
+        queue = [QueuedRequest(rid, self.requests[rid].prompt_tokens) for rid in self.prefill_queue]
         read_q = {e.node_id: self.read_q.get(e.node_id, 0) for e in engines}
         assignments = assign_prefill(
             queue, engines, read_q, self.constants.alpha_tokens, self.constants.beta_tokens
         )
-        decisions = []
+        requests = []
         for assignment in assignments:
-            entry = self.entries[assignment.request_id]
+            request = self.requests[assignment.request_id]
             pe_node = self._engine_node[assignment.target]
-            path = self._path(pe_node, entry.decode_node)
+            path = self._path(pe_node, request.decode_node)
             # Until the readers report again, count this request's hits in the chosen queue.
-            chosen = pe_node if path == "pe" else entry.decode_node
-            self.read_q[chosen] = self.read_q.get(chosen, 0) + entry.hit_tokens
-            entry.prefill_engine, entry.prefill_node, entry.path = assignment.target, pe_node, path
-            transition(entry, RequestState.PREFILLING)
-            decisions.append(
-                PrefillDecision(entry.request_id, assignment.target, pe_node, entry.decode_engine, entry.decode_node, path)
-            )
-        for _ in decisions:
+            chosen = pe_node if path is ReadPath.PE else request.decode_node
+            self.read_q[chosen] = self.read_q.get(chosen, 0) + request.hit_tokens
+            request.prefill_engine, request.prefill_node, request.path = assignment.target, pe_node, path
+            transition(request, RequestState.PREFILLING)
+            requests.append(request)
+        for _ in requests:
             self.prefill_queue.popleft()
-        return decisions
+        return requests
 
-    def finish(self, request_id: str, failed: bool = False) -> None:
+    def handed_off(self, request_id: str) -> bool:
+        """The request's KV reached its decode engine: it no longer depends on its prefill
+        engine. False when it is not prefilling (unknown, or known already)."""
+        request = self.requests.get(request_id)
+        if request is None or request.state is not RequestState.PREFILLING:
+            return False
+        transition(request, RequestState.DECODING)
+        return True
+
+    def finish(self, request_id: str, failed: bool = False) -> Request:
         """The request is done, or failed in any live state (its engine died while it waited
         for a prefill engine, say): it leaves every queue, so a retry under the same id is
         queued afresh and never meets a stale copy of itself."""
-        entry = self.entries.pop(request_id)
-        transition(entry, RequestState.FAILED if failed else RequestState.DONE)
-        if entry.state is RequestState.FAILED:
+        request = self.requests.pop(request_id)
+        transition(request, RequestState.FAILED if failed else RequestState.DONE)
+        if failed:
             self._dequeue(request_id)
+        return request
 
-    def cancel(self, request_id: str) -> Entry | None:
+    def cancel(self, request_id: str) -> Request | None:
         """Drop a request in any live state (its deadline passed): out of every queue, FAILED."""
-        entry = self.entries.pop(request_id, None)
-        if entry is None:
-            return None
-        self._dequeue(request_id)
-        transition(entry, RequestState.FAILED)
-        return entry
+        request = self.requests.get(request_id)
+        return None if request is None else self.finish(request_id, failed=True)
 
     def _dequeue(self, request_id: str) -> None:
         for queue in (self.decode_global, self.prefill_queue, *self.decode_private.values()):
@@ -201,28 +149,25 @@ class Dispatcher:
         """Every queued id is a live request in the state its queue holds, queued once; every
         waiting request is in exactly one queue. Raises AssertionError naming what is wrong."""
         decode_queued = [*self.decode_global, *(rid for q in self.decode_private.values() for rid in q)]
-        for name, ids, state in (("decode", decode_queued, RequestState.WAITING_DECODE),
-                                 ("prefill", list(self.prefill_queue), RequestState.WAITING_PREFILL)):
+        for name, ids, state in (("decode", decode_queued, RequestState.QUEUED_DECODE),
+                                 ("prefill", list(self.prefill_queue), RequestState.QUEUED_PREFILL)):
             duplicated = sorted({rid for rid in ids if ids.count(rid) > 1})
             assert not duplicated, f"{name} queues hold {duplicated} more than once"
-            wrong = sorted(rid for rid in ids if rid not in self.entries or self.entries[rid].state is not state)
+            wrong = sorted(rid for rid in ids if rid not in self.requests or self.requests[rid].state is not state)
             assert not wrong, f"{name} queues hold {wrong}, which are not live requests in {state.value}"
-            waiting = sorted(rid for rid, e in self.entries.items() if e.state is state and rid not in ids)
+            waiting = sorted(rid for rid, r in self.requests.items() if r.state is state and rid not in ids)
             assert not waiting, f"{waiting} are {state.value} but in no {name} queue"
+        dead = sorted(rid for rid, r in self.requests.items() if not r.state.live)
+        assert not dead, f"{dead} are done or failed but still held"
 
     def engines_in_use(self) -> set[str]:
         """Engines that hold a live request (its HBM reservation, its prefill)."""
-        used = set()
-        for entry in self.entries.values():
-            used.update(e for e in (entry.decode_engine, entry.prefill_engine) if e)
-        return used
+        return {engine for request in self.requests.values() for engine in request.engines()}
 
-    def requests_on(self, engine_id: str) -> list[str]:
-        """Live requests that depend on `engine_id` (reserved there or prefilling there)."""
-        return [
-            rid for rid, entry in self.entries.items()
-            if engine_id in (entry.decode_engine, entry.prefill_engine)
-        ]
+    def requests_on(self, engine_id: str) -> list[Request]:
+        """Live requests that depend on `engine_id` (reserved there, or prefilling there and
+        not handed off yet)."""
+        return [request for request in self.requests.values() if engine_id in request.engines()]
 
     def forget_engine(self, engine_id: str) -> None:
         """A dead engine's groups stop receiving requests until their leader reports again
@@ -232,13 +177,16 @@ class Dispatcher:
                 del self.decode_loads[group]
                 self.decode_global.extendleft(reversed(self.decode_private.pop(group, deque())))
 
+    def decode_waiting(self) -> bool:
+        """Whether any request still waits for a decode engine (global or a group's queue)."""
+        return bool(self.decode_global) or any(self.decode_private.values())
+
     def _decode_request(self, request_id: str) -> QueuedRequest:
-        return QueuedRequest(request_id, self.entries[request_id].decode_tokens)
+        return QueuedRequest(request_id, self.requests[request_id].decode_tokens)
 
-    def _path(self, pe_node: str, de_node: str) -> Literal["pe", "de"]:
+    def _path(self, pe_node: str, de_node: str) -> ReadPath:
         if pe_node in self.no_pe_reads:
-            return "de"
-        if self.mode != "dualpath":
-            return "pe"
+            return ReadPath.DE
+        if self.mode is not Mode.DUALPATH:
+            return ReadPath.PE
         return choose_read_path(self.read_q.get(pe_node, 0), self.read_q.get(de_node, 0))
-

@@ -12,9 +12,8 @@ from __future__ import annotations
 import heapq
 from bisect import bisect_left, insort
 from collections.abc import Mapping, Sequence
-from typing import Literal
-
 from dualpath_ray.scheduling.loads import Assignment, EngineLoad, QueuedRequest
+from dualpath_ray.scheduling.types import ReadPath
 
 
 def _require_unique_ids(engines: Sequence[EngineLoad]) -> None:
@@ -184,6 +183,6 @@ def _first_with_room(by_tok: list[tuple[int, int]], free: list[int], need: int) 
     raise AssertionError("no engine has room although the largest free HBM does")
 
 
-def choose_read_path(pe_read_q: int, de_read_q: int) -> Literal["pe", "de"]:
-    """Read a request's hit KV through the node with the shorter storage read queue; a tie -> "pe"."""
-    return "pe" if pe_read_q <= de_read_q else "de"
+def choose_read_path(pe_read_q: int, de_read_q: int) -> ReadPath:
+    """Read a request's hit KV through the node with the shorter storage read queue; a tie -> PE."""
+    return ReadPath.PE if pe_read_q <= de_read_q else ReadPath.DE

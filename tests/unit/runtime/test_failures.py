@@ -12,23 +12,26 @@ import torch
 from dualpath_ray.config import DualPathConfig
 from dualpath_ray.kv.errors import BadBlockError
 from dualpath_ray.kv.index import block_keys
+from dualpath_ray.kv.layout import KVLayout
 from dualpath_ray.runtime.failures import KVMismatchError, classify
 from dualpath_ray.runtime.messages import ErrorKind, GroupReport, Holding, RequestSpec, SamplingParams, failed_result
-from dualpath_ray.runtime.scheduler import SchedulerCore
+from dualpath_ray.runtime.scheduler import build_core
+from dualpath_ray.scheduling.scheduler import SchedulerCore
 from dualpath_ray.runtime.transport import PeerDiedError, TransportError
 from dualpath_ray.scheduling import EngineLoad
 
 
 def core_with_chain(tmp_path: Path, **runtime: object) -> tuple[SchedulerCore, list[str], RequestSpec]:
     cfg = DualPathConfig().with_overrides(store={"root": str(tmp_path)}, runtime=dict(runtime))
-    core = SchedulerCore(cfg, str(tmp_path), "dualpath")
-    size = core.layout.block_size
+    core = build_core(cfg, str(tmp_path), "dualpath")
+    layout = KVLayout.from_model(cfg.model, cfg.store.block_size)
+    size = layout.block_size
     prompt = np.arange(4 * size + 3) % cfg.model.vocab_size
     namespace = cfg.model.kv_namespace()
     keys = block_keys(prompt[: 4 * size], size, namespace)
     parent = None
     for i, key in enumerate(keys):
-        core.store.put(key, torch.full(core.layout.full_block_shape, i, dtype=torch.uint8), parent=parent)
+        core.store.put(key, torch.full(layout.full_block_shape, i, dtype=torch.uint8), parent=parent)
         core.index.insert_block(key, parent)
         parent = key
     spec = RequestSpec("r1", 0, prompt, SamplingParams(max_new_tokens=4), namespace, 0.0)
@@ -53,7 +56,7 @@ def test_every_failure_has_a_kind(error: BaseException, kind: ErrorKind) -> None
 def test_a_corrupt_hit_block_is_unindexed_with_its_successors_deleted_and_retried(tmp_path: Path) -> None:
     core, keys, spec = core_with_chain(tmp_path)
     core.submit(spec)
-    assert core.lookup(spec)[1] == 4 * core.layout.block_size, "before the failure all 4 blocks hit"
+    assert core.lookup(spec)[1] == 4 * core.settings.block_size, "before the failure all 4 blocks hit"
     failed = failed_result(spec, "prefill/p0/g0", "bad", ErrorKind.KV_CORRUPT, (keys[2],))
     assert core.should_retry(failed), "a corrupt block is recomputed under the default policy"
     core.finish(failed)
@@ -62,7 +65,7 @@ def test_a_corrupt_hit_block_is_unindexed_with_its_successors_deleted_and_retrie
     assert core.store.contains(keys[3]), "a valid block after it stays stored (only unindexed)"
     retry = RequestSpec(spec.request_id, 1, spec.prompt, spec.sampling, spec.namespace, 0.0)
     core.submit(retry)
-    assert core.lookup(retry)[1] == 2 * core.layout.block_size, "the retry hits the longest valid prefix"
+    assert core.lookup(retry)[1] == 2 * core.settings.block_size, "the retry hits the longest valid prefix"
 
 
 def test_policy_fail_and_the_attempt_limit_end_retries(tmp_path: Path) -> None:
@@ -84,8 +87,8 @@ def test_a_late_result_of_an_earlier_attempt_never_finishes_the_current_one(tmp_
     late = failed_result(spec, "e", "old", ErrorKind.PEER_DIED)
     assert not core.is_current(late), "attempt 0's result is stale once attempt 1 is queued"
     core.finish(late)
-    assert spec.request_id in core.dispatcher.entries, "the current attempt is still queued after a stale result"
-    assert core.abandon(spec.request_id) == () and spec.request_id not in core.dispatcher.entries, (
+    assert spec.request_id in core.dispatcher.requests, "the current attempt is still queued after a stale result"
+    assert core.abandon(spec.request_id) == () and spec.request_id not in core.dispatcher.requests, (
         "abandoning (deadline) removes the request; it held no engine yet"
     )
 

@@ -15,10 +15,12 @@ from dualpath_ray.faults.plan import FaultPlan, FaultSite
 from dualpath_ray.runtime.messages import GroupReport, PeerState
 from dualpath_ray.runtime.reader import ReaderCore
 from dualpath_ray.runtime.restarts import IncarnationTracker, TransportKeeper, peer_state_of, rejoin_transport
-from dualpath_ray.runtime.scheduler import SchedulerCore
+from dualpath_ray.runtime.scheduler import build_core
+from dualpath_ray.scheduling.scheduler import SchedulerCore
 from dualpath_ray.runtime.transport import PeerDiedError, TransportState
 from dualpath_ray.scheduling import EngineLoad
-from dualpath_ray.scheduling.dispatcher import RequestState
+from dualpath_ray.scheduling.requests import RequestState
+from dualpath_ray.scheduling.types import Role
 from tests.unit.runtime.test_failures import core_with_chain
 
 FREE = 1 << 20
@@ -74,7 +76,7 @@ def test_a_restarted_reader_fails_what_was_staged_through_its_node_only(tmp_path
     core.fetch_decode(decode_report(core))
     assert core.reader_restarted("d0") == [], "a request not yet prefilling holds no extent there"
     (task,) = core.fetch_prefill(prefill_report())
-    assert core.dispatcher.entries[spec.request_id].state is RequestState.PREFILLING
+    assert core.dispatcher.requests[spec.request_id].state is RequestState.PREFILLING
     assert core.reader_restarted("d1") == [], "another node's reader holds nothing of it"
     assert core.reader_restarted(task.decode_node) == [spec], "its extents on the restarted reader are gone"
 
@@ -83,24 +85,24 @@ def test_an_unavailable_reader_is_routed_around_without_failing_anything(tmp_pat
     core, _, spec = core_with_chain(tmp_path)
     core.submit(spec)
     for state in (PeerState.SILENT, PeerState.RESTARTING):
-        assert core.note_report("decode", decode_report(core, state)) == [], f"a {state.value} reader fails nothing"
+        assert core.note_report(Role.DECODE, decode_report(core, state)) == [], f"a {state.value} reader fails nothing"
         assert core.fetch_decode(decode_report(core, state)) == [], (
             f"a decode group whose reader is {state.value} gets no work (its KV would pass through that reader)"
         )
     assert not core.out_of_service(), "no decode engine is taken out for its reader's silence"
-    core.note_report("decode", decode_report(core))
+    core.note_report(Role.DECODE, decode_report(core))
     assert len(core.fetch_decode(decode_report(core))) == 1, "the group takes work again once its reader answers"
-    assert core.note_report("prefill", prefill_report(PeerState.RESTARTING)) == [], "nothing failed"
+    assert core.note_report(Role.PREFILL, prefill_report(PeerState.RESTARTING)) == [], "nothing failed"
     assert core.dispatcher.no_pe_reads == {"p0"}, "meanwhile the prefill node's hits are read through the DE path"
     (task,) = core.fetch_prefill(prefill_report(PeerState.RESTARTING))
     assert task.path == "de", "a dualpath prefill group keeps working, reading through the decode node"
-    core.note_report("prefill", prefill_report())
+    core.note_report(Role.PREFILL, prefill_report())
     assert not core.dispatcher.no_pe_reads, "the PE path is back once the reader answers"
 
 
 def test_basic_mode_gives_a_prefill_group_no_work_while_its_reader_is_unavailable(tmp_path: Path) -> None:
     cfg = DualPathConfig().with_overrides(store={"root": str(tmp_path)})
-    core = SchedulerCore(cfg, str(tmp_path), "basic")
+    core = build_core(cfg, str(tmp_path), "basic")
     _, _, spec = core_with_chain(tmp_path)
     core.submit(spec)
     core.fetch_decode(decode_report(core))

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from dualpath_ray.scheduling.dispatcher import Constants, Dispatcher, IllegalTransition, RequestState, transition
+from dualpath_ray.scheduling.dispatcher import Constants, Dispatcher
+from dualpath_ray.scheduling.requests import IllegalTransition, Request, RequestState, transition
 from dualpath_ray.scheduling.loads import EngineLoad
 
 DECODE = (EngineLoad("d0/g0", "d0", 0, 0, free_hbm_tokens=10_000),)
@@ -14,7 +15,7 @@ PREFILL = (EngineLoad("p0/g0", "p0", 0, 0),)
 def queued_everywhere() -> Dispatcher:
     dispatcher = Dispatcher(Constants(alpha_tokens=4096, beta_tokens=4096))
     for rid in ("a", "b", "c"):
-        dispatcher.submit(rid, 256, 128, 320)
+        dispatcher.submit(Request(rid, 256, 128, 320))
     dispatcher.fetch_decode("d0", DECODE)  # all three placed, waiting for a prefill engine
     return dispatcher
 
@@ -22,7 +23,7 @@ def queued_everywhere() -> Dispatcher:
 @pytest.mark.parametrize("victim", ["a", "b", "c"])
 def test_a_cancelled_request_leaves_every_queue_and_others_proceed(victim: str) -> None:
     dispatcher = queued_everywhere()
-    dispatcher.submit("late", 256, 0, 320)  # still in the global decode queue
+    dispatcher.submit(Request("late", 256, 0, 320))  # still in the global decode queue
     entry = dispatcher.cancel(victim)
     assert entry is not None and entry.state is RequestState.FAILED, "a cancelled request ends FAILED"
     assert dispatcher.cancel("late") is not None, "a request still waiting for a decode engine cancels too"
@@ -46,10 +47,10 @@ def test_a_dead_engines_requests_are_found_and_its_group_stops_receiving_work() 
     dispatcher = Dispatcher(Constants(alpha_tokens=4096, beta_tokens=4096))
     two = (EngineLoad("d0/g0", "d0", 0, 0, free_hbm_tokens=700), EngineLoad("d0/g1", "d0", 0, 0, free_hbm_tokens=700))
     for rid in ("a", "b", "c", "d", "e"):
-        dispatcher.submit(rid, 256, 0, 320)  # 2 fit per engine: "e" stays in the group's private queue
+        dispatcher.submit(Request(rid, 256, 0, 320))  # 2 fit per engine: "e" stays in the group's private queue
     placed = dispatcher.fetch_decode("d0", two)
     on_g1 = {d.request_id for d in placed if d.decode_engine == "d0/g1"}
-    assert on_g1 and set(dispatcher.requests_on("d0/g1")) == on_g1, "requests reserved on the engine are found"
+    assert on_g1 and {r.request_id for r in dispatcher.requests_on("d0/g1")} == on_g1, "requests reserved on the engine are found"
     assert dispatcher.engines_in_use() == {"d0/g0", "d0/g1"}, "both engines hold reservations"
     assert list(dispatcher.decode_private["d0"]) == ["e"], "e waits in the group's private queue"
     dispatcher.forget_engine("d0/g1")
@@ -58,30 +59,30 @@ def test_a_dead_engines_requests_are_found_and_its_group_stops_receiving_work() 
     assert dispatcher.fetch_decode("d0", ()) == [], "a group whose engines all died places nothing"
 
 
-@pytest.mark.parametrize("stage", ["waiting_decode", "waiting_prefill", "prefilling"])
+@pytest.mark.parametrize("stage", ["queued_decode", "queued_prefill", "prefilling"])
 def test_a_request_failed_while_waiting_is_retried_under_its_id_without_a_stale_copy(stage: str) -> None:
     """A request fails in any live state (its decode engine died while it waited for a prefill
     engine, say) and is resubmitted under the same id: no queue may keep the failed copy, or
     the next fetch meets it in the wrong state and every later prefill pull fails."""
     dispatcher = Dispatcher(Constants(alpha_tokens=4096, beta_tokens=4096))
     for rid in ("a", "b"):
-        dispatcher.submit(rid, 256, 128, 320)
-    if stage != "waiting_decode":
+        dispatcher.submit(Request(rid, 256, 128, 320))
+    if stage != "queued_decode":
         dispatcher.fetch_decode("d0", DECODE)
     if stage == "prefilling":
         dispatcher.fetch_prefill(PREFILL[:1])
-        assert dispatcher.entries["a"].state is RequestState.PREFILLING
+        assert dispatcher.requests["a"].state is RequestState.PREFILLING
     dispatcher.check_integrity()
     dispatcher.finish("a", failed=True)
     dispatcher.check_integrity()
-    dispatcher.submit("a", 256, 128, 320)
+    dispatcher.submit(Request("a", 256, 128, 320))
     dispatcher.check_integrity()
     dispatcher.fetch_decode("d0", DECODE)
     dispatcher.check_integrity()
     placed = [d.request_id for d in dispatcher.fetch_prefill(PREFILL)]
     dispatcher.check_integrity()
     assert placed.count("a") == 1, f"the retry is placed exactly once: {placed}"
-    assert all(e.state is RequestState.PREFILLING for e in dispatcher.entries.values()), "both requests are prefilling"
+    assert all(e.state is RequestState.PREFILLING for e in dispatcher.requests.values()), "both requests are prefilling"
 
 
 def test_the_integrity_check_catches_a_stale_queued_id() -> None:
@@ -90,6 +91,6 @@ def test_the_integrity_check_catches_a_stale_queued_id() -> None:
     with pytest.raises(AssertionError, match="more than once"):
         dispatcher.check_integrity()
     dispatcher.prefill_queue.pop()
-    dispatcher.entries.pop("b")
+    dispatcher.requests.pop("b")
     with pytest.raises(AssertionError, match="not live requests"):
         dispatcher.check_integrity()

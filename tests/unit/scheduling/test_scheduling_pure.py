@@ -41,3 +41,14 @@ def test_importing_the_package_does_not_load_ray() -> None:
         [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True
     )
     assert result.stdout.strip() == "", f"importing dualpath_ray.scheduling loaded {result.stdout.strip()}"
+
+
+def test_the_scheduler_core_loads_neither_ray_nor_torch() -> None:
+    """The simulator drives the scheduler core at cluster scale: it must stay light and pure."""
+    probe = (
+        "import sys, dualpath_ray.scheduling.scheduler\n"
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('ray', 'torch'))\n"
+        "print(','.join(heavy))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "", f"the scheduler core pulled in {result.stdout.strip()}"

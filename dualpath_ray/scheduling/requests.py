@@ -1,0 +1,92 @@
+"""One record per request the scheduler holds, and its lifecycle.
+
+submit -> QUEUED_DECODE (global decode queue, then a group's private queue)
+       -> QUEUED_PREFILL (its decode engine reserved HBM; FIFO prefill queue)
+       -> PREFILLING (a prefill engine and a read path are chosen)
+       -> DECODING (the prompt's KV reached the decode engine)
+       -> DONE | FAILED (FAILED from any live state)
+
+`transition` is the only way a state changes; an illegal move raises. The runtime and the
+simulator hold the very same records, so a request's whole state at the scheduler is here.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+from dualpath_ray.scheduling.types import ReadPath
+
+
+class RequestState(enum.Enum):
+    QUEUED_DECODE = "queued_decode"
+    QUEUED_PREFILL = "queued_prefill"
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
+    DONE = "done"
+    FAILED = "failed"
+
+    @property
+    def live(self) -> bool:
+        return self not in (RequestState.DONE, RequestState.FAILED)
+
+
+_LEGAL = {
+    RequestState.QUEUED_DECODE: {RequestState.QUEUED_PREFILL, RequestState.FAILED},
+    RequestState.QUEUED_PREFILL: {RequestState.PREFILLING, RequestState.FAILED},
+    RequestState.PREFILLING: {RequestState.DECODING, RequestState.DONE, RequestState.FAILED},
+    RequestState.DECODING: {RequestState.DONE, RequestState.FAILED},
+    RequestState.DONE: set(),
+    RequestState.FAILED: set(),
+}
+
+
+class IllegalTransition(RuntimeError):
+    pass
+
+
+@dataclass
+class Request:
+    """A request (one attempt of one turn) at the scheduler.
+
+    prompt_tokens: the whole prompt (cached + new); hit_keys / hit_tokens: its stored prefix
+    the scheduler found at submit; decode_tokens: the HBM its decode engine reserves (prompt +
+    max new tokens, in whole pages). `spec` is what the caller submitted (the runtime's
+    RequestSpec), carried to the engines unchanged.
+    """
+
+    request_id: str
+    prompt_tokens: int
+    hit_tokens: int
+    decode_tokens: int
+    hit_keys: tuple[str, ...] = ()
+    spec: Any = None
+    state: RequestState = RequestState.QUEUED_DECODE
+    decode_engine: str = ""
+    decode_node: str = ""
+    prefill_engine: str = ""
+    prefill_node: str = ""
+    path: ReadPath | None = None
+
+    def engines(self) -> tuple[str, ...]:
+        """The engines that hold something of it now: its decode engine (HBM), and its
+        prefill engine until the KV has been handed over."""
+        holders = [self.decode_engine]
+        if self.state is not RequestState.DECODING:
+            holders.append(self.prefill_engine)
+        return tuple(e for e in holders if e)
+
+    def uses_node(self, node_id: str) -> bool:
+        """Whether it holds buffer extents on `node_id` now: staged or being prefilled (both
+        sides' buffers), or decoding (its decode node's reader persists its blocks)."""
+        if self.state is RequestState.PREFILLING:
+            return node_id in (self.prefill_node, self.decode_node)
+        return self.state is RequestState.DECODING and node_id == self.decode_node
+
+
+def transition(request: Request, new: RequestState) -> None:
+    """The one way a request's state changes; an illegal move raises."""
+    if new not in _LEGAL[request.state]:
+        raise IllegalTransition(f"request {request.request_id}: {request.state.value} -> {new.value}")
+    request.state = new

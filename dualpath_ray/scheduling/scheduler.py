@@ -1,0 +1,290 @@
+"""The scheduler core: every decision of the central scheduler, with no Ray and no torch.
+
+It owns one `Request` record per request in flight (scheduling/requests.py), the prefix index
+that finds each prompt's hit blocks (leaving one token to compute), the constants alpha and
+beta, decode and prefill placement and the read path (the dispatcher and the policy), the
+tasks handed to the engines, and which engines and readers may take work. The runtime's
+Scheduler actor (runtime/scheduler.py) is a shell around it that adds futures, heartbeats and
+Ray calls; the cluster simulator (sim/) drives the very same object with simulated reports.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from dualpath_ray.kv.index import PrefixIndex
+from dualpath_ray.runtime.messages import (
+    DecodeReservation,
+    ErrorKind,
+    GroupReport,
+    Holding,
+    PeerState,
+    PrefillTask,
+    RequestSpec,
+    TurnResult,
+)
+from dualpath_ray.scheduling.dispatcher import Constants, Dispatcher
+from dualpath_ray.scheduling.requests import Request, RequestState
+from dualpath_ray.scheduling.types import Mode, ReadPath, Role
+
+if TYPE_CHECKING:
+    from dualpath_ray.config import DualPathConfig
+    from dualpath_ray.kv.eviction import LRUEviction
+
+
+class BlockDeleter(Protocol):
+    def delete(self, key: str) -> bool: ...
+
+
+@dataclass(frozen=True)
+class CoreSettings:
+    mode: Mode
+    block_size: int
+    constants: Constants
+    max_attempts: int = 3
+    kv_failure_policy: str = "recompute"  # or "fail" (runtime.kv_failure_policy)
+    epoch: int = 0  # the scheduler incarnation; every attempt it dispatches carries it
+
+    @classmethod
+    def of(cls, cfg: DualPathConfig, mode: Mode | str, constants: Constants, epoch: int = 0) -> CoreSettings:
+        return cls(Mode(mode), cfg.store.block_size, constants, cfg.runtime.max_attempts,
+                   cfg.runtime.kv_failure_policy, epoch)
+
+
+def is_attempt(holding: Holding | None, spec: RequestSpec | None) -> bool:
+    """Whether an engine's holding is the attempt `spec` now in flight."""
+    return holding is not None and spec is not None and (holding.attempt, holding.epoch) == (spec.attempt, spec.epoch)
+
+
+class SchedulerCore:
+    """The scheduler's state and decisions. `eviction` (the store's capacity) and `store` (to
+    delete a corrupt block before its recompute) are optional: the simulator has neither."""
+
+    def __init__(
+        self, settings: CoreSettings, index: PrefixIndex,
+        eviction: LRUEviction | None = None, store: BlockDeleter | None = None,
+    ) -> None:
+        self.settings = settings
+        self.mode = settings.mode
+        self.epoch = settings.epoch
+        self.index = index
+        self.eviction = eviction
+        self.store = store
+        self.dispatcher = Dispatcher(settings.constants, settings.mode)
+        self.dead: set[str] = set()  # engines gone for good
+        self.presumed_dead: set[str] = set()  # silent past the heartbeat timeout; see _live
+        self.readmitted = 0
+        self.readers_dead: set[str] = set()  # nodes whose reader is gone for good
+        self.readers_unavailable: set[str] = set()  # nodes whose reader is silent or restarting
+
+    @property
+    def requests(self) -> dict[str, Request]:
+        return self.dispatcher.requests
+
+    # --- submit -------------------------------------------------------------------------
+
+    def lookup(self, spec: RequestSpec) -> tuple[tuple[str, ...], int]:
+        """Hit blocks of a prompt, leaving at least one token to compute (it yields the logits)."""
+        size = self.settings.block_size
+        hit = self.index.match(spec.prompt, spec.namespace)
+        usable = min(hit.hit_blocks, (len(spec.prompt) - 1) // size)
+        if self.eviction is not None:
+            self.eviction.touch(hit.keys[:usable])
+        return tuple(hit.keys[:usable]), usable * size
+
+    def submit(self, spec: RequestSpec) -> Request:
+        keys, hit_tokens = self.lookup(spec)
+        # Decode engines hold KV in whole pages of block_size tokens, so a reservation is counted
+        # in pages' tokens; the dispatcher's free-HBM arithmetic then matches the engines' exactly.
+        size = self.settings.block_size
+        pages = -(-(len(spec.prompt) + spec.sampling.max_new_tokens) // size)
+        request = Request(spec.request_id, len(spec.prompt), hit_tokens, pages * size, keys, spec)
+        return self.dispatcher.submit(request)
+
+    # --- placement ----------------------------------------------------------------------
+
+    def fetch_decode(self, report: GroupReport) -> list[DecodeReservation]:
+        self.dispatcher.report_read_q(report.node_id, report.read_q_tokens)
+        if not self.takes_work(Role.DECODE, report):
+            return []
+        return [
+            DecodeReservation(r.request_id, r.spec.attempt, r.decode_tokens, r.decode_engine, self.epoch)
+            for r in self.dispatcher.fetch_decode(report.group_id, self._live(report))
+        ]
+
+    def fetch_prefill(self, report: GroupReport) -> list[PrefillTask]:
+        self.dispatcher.report_read_q(report.node_id, report.read_q_tokens)
+        live = self._live(report) if self.takes_work(Role.PREFILL, report) else ()
+        return [self.task_of(r) for r in self.dispatcher.fetch_prefill(live)] if live else []
+
+    def task_of(self, request: Request) -> PrefillTask:
+        """What the prefill engine is handed for a placed request."""
+        assert request.path is not None, f"request {request.request_id} has no read path yet"
+        return PrefillTask(
+            request=request.spec, hit_keys=request.hit_keys, hit_tokens=request.hit_tokens, path=request.path,
+            oracle=self.mode is Mode.ORACLE, prefill_engine=request.prefill_engine,
+            prefill_node=request.prefill_node, decode_engine=request.decode_engine, decode_node=request.decode_node,
+        )
+
+    def handed_off(self, request_id: str) -> bool:
+        """Its KV reached the decode engine: from now on its prefill engine's death costs it nothing."""
+        return self.dispatcher.handed_off(request_id)
+
+    def takes_work(self, role: Role, report: GroupReport) -> bool:
+        """Whether the report's group can be given work now: every decode request's KV (and
+        every basic-mode prefill's hits) goes through the node's reader, so not while it is
+        down; a dualpath prefill group reads through the DE path meanwhile."""
+        return report.reader_alive or (role is Role.PREFILL and self.mode is Mode.DUALPATH)
+
+    def decode_waiting(self) -> bool:
+        return self.dispatcher.decode_waiting()
+
+    # --- who may take work ----------------------------------------------------------------
+
+    def _live(self, report: GroupReport) -> tuple:
+        """The report's engines that may take work. An engine only presumed dead (silent past
+        the heartbeat timeout) that its group leader reached again is readmitted: a loaded host
+        is slow, not dead, and dropping it for good could leave a role with no engine at all.
+        Its earlier attempts were failed already; the heartbeat cancels what they still hold."""
+        for load in report.engines:
+            if load.engine_id in self.presumed_dead:
+                self.presumed_dead.discard(load.engine_id)
+                self.readmitted += 1
+        return tuple(e for e in report.engines if e.engine_id not in self.out_of_service())
+
+    def out_of_service(self) -> set[str]:
+        return self.dead | self.presumed_dead
+
+    def engine_died(self, engine_id: str, confirmed: bool = True) -> list[RequestSpec]:
+        """Place no more work on `engine_id` (for good when its death is certain; until it is
+        reachable again when it was only silent); returns the in-flight requests that depended
+        on it, which the caller fails with PEER_DIED (and so retries)."""
+        (self.dead if confirmed else self.presumed_dead).add(engine_id)
+        self.dispatcher.forget_engine(engine_id)
+        return [r.spec for r in self.dispatcher.requests_on(engine_id)]
+
+    def engine_restarted(self, engine_id: str) -> list[RequestSpec]:
+        """`engine_id` runs a new incarnation: the requests that depended on the old one are
+        returned (the caller fails and retries them), and the engine takes work again."""
+        self.dead.discard(engine_id)
+        self.presumed_dead.discard(engine_id)
+        self.dispatcher.forget_engine(engine_id)
+        return [r.spec for r in self.dispatcher.requests_on(engine_id)]
+
+    def reader_restarted(self, node_id: str) -> list[RequestSpec]:
+        """The reader of `node_id` runs a new incarnation: every extent of the old one is gone,
+        so each request staged, prefilled or persisting through that node's buffer is returned
+        (the caller fails and retries it); the node reads again."""
+        self.readers_unavailable.discard(node_id)
+        self.readers_dead.discard(node_id)  # it answers: whatever took it for dead was wrong
+        self.dispatcher.no_pe_reads.discard(node_id)
+        return [r.spec for r in self.requests.values() if r.uses_node(node_id)]
+
+    def note_report(self, role: Role, report: GroupReport) -> list[RequestSpec]:
+        """Act on the state of a report's reader; returns the in-flight requests that must be
+        failed.
+
+        A reader that is only silent or restarting is routed around for the time being: a
+        prefill node's hits are read through the DE path (dualpath mode), and a group that
+        cannot work without its reader gets no new work (see takes_work); nothing is failed
+        (a restart shows as a new incarnation, which fails what the old one held). A reader gone
+        for good: a decode node needs it (every request's KV arrives through that node's
+        buffer), so its engines are treated as dead; a prefill node reads its requests' hits
+        through the DE path in dualpath mode, and in basic mode (PE path only) its engines are
+        dropped too."""
+        node = report.node_id
+        dualpath_prefill = role is Role.PREFILL and self.mode is Mode.DUALPATH
+        if report.reader_state is PeerState.ALIVE:
+            if node in self.readers_unavailable and node not in self.readers_dead:
+                self.readers_unavailable.discard(node)
+                self.dispatcher.no_pe_reads.discard(node)
+            return []
+        if report.reader_state is not PeerState.DEAD:
+            self.readers_unavailable.add(node)
+            if dualpath_prefill:
+                self.dispatcher.no_pe_reads.add(node)
+            return []
+        self.readers_dead.add(node)
+        if dualpath_prefill:
+            if node in self.dispatcher.no_pe_reads:
+                return []
+            self.dispatcher.no_pe_reads.add(node)
+            return [
+                r.spec for r in self.requests.values()
+                if r.state is RequestState.PREFILLING and r.path is ReadPath.PE and r.prefill_node == node
+                and r.hit_tokens > 0
+            ]
+        failed: list[RequestSpec] = []
+        for engine in report.engines:
+            if engine.engine_id not in self.out_of_service():
+                failed.extend(self.engine_died(engine.engine_id))
+        return failed
+
+    # --- results ------------------------------------------------------------------------
+
+    def is_current(self, result: TurnResult) -> bool:
+        """Whether `result` is of the attempt now in flight (not a late one of an earlier try)."""
+        request = self.requests.get(result.request_id)
+        spec = request.spec if request is not None else None
+        return spec is not None and spec.attempt == result.attempt and spec.epoch == result.epoch
+
+    def finish(self, result: TurnResult) -> tuple[str, ...]:
+        """Record a finished turn; for a failed one, returns the engines that may still hold
+        something of its attempt (its HBM reservation, its queued prefill), other than the one
+        that reported it. A late result of an earlier attempt only contributes its published blocks."""
+        for block in result.persisted:
+            self.index.insert_block(block.key, block.parent)
+        current = self.is_current(result)
+        request = self.dispatcher.finish(result.request_id, failed=result.error is not None) if current else None
+        if self.eviction is not None:
+            self.eviction.touch(block.key for block in result.persisted)
+            if self.eviction.over_capacity():
+                self.eviction.evict(self.keys_in_use())
+        if request is None or result.error is None:
+            return ()
+        return tuple(e for e in (request.decode_engine, request.prefill_engine) if e and e != result.prefill_engine)
+
+    def keys_in_use(self) -> set[str]:
+        """The hit blocks of every request in flight: eviction keeps them."""
+        return {key for request in self.requests.values() for key in request.hit_keys}
+
+    def abandon(self, request_id: str) -> tuple[str, ...]:
+        """Forget a request whose deadline passed; returns the engines that may hold its attempt."""
+        request = self.dispatcher.cancel(request_id)
+        return tuple(e for e in (request.decode_engine, request.prefill_engine) if e) if request is not None else ()
+
+    def stale_holdings(self, held: dict[str, dict[str, Holding]]) -> list[tuple[str, str]]:
+        """(engine, owner) of each attempt an engine holds that is no longer the one in flight
+        (it finished, failed or was retried) and that has not reached its decode step: a cancel
+        whose call was lost, or an accept that came after its cancel, must not hold HBM or
+        extents for good. One already decoding finishes on its own."""
+        stale = []
+        for engine, holds in held.items():
+            for rid, holding in holds.items():
+                request = self.requests.get(rid)
+                if not holding.handed_off and not is_attempt(holding, request.spec if request else None):
+                    stale.append((engine, holding.owner(rid)))
+        return stale
+
+    def should_retry(self, result: TurnResult) -> bool:
+        kind = result.error_kind
+        if result.error is None or kind is None or not kind.retryable:
+            return False
+        if kind.about_stored_kv and self.settings.kv_failure_policy == "fail":
+            return False
+        return result.attempt + 1 < self.settings.max_attempts
+
+    def repair(self, result: TurnResult) -> int:
+        """Before a retry: the blocks a KV failure names (and every block after them) leave the
+        index, so the retry hits only the longest valid prefix and recomputes the rest; a corrupt
+        block is deleted so that the retry's persist republishes it. Returns blocks unindexed."""
+        removed = 0
+        for key in result.bad_keys:
+            removed += self.index.remove(key)
+            if result.error_kind is ErrorKind.KV_CORRUPT and self.store is not None:
+                self.store.delete(key)
+        return removed
+
+    def reset_prefix_cache(self) -> None:
+        self.index.clear()

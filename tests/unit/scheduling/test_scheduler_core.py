@@ -1,0 +1,128 @@
+"""The pure scheduler core driven by fake load reports, as the runtime and the simulator drive it:
+a request's whole life in one record, hits found in the index with one token left to compute,
+placement and the read path, and what a death fails before and after the KV handoff."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dualpath_ray.kv.index import PrefixIndex, block_keys
+from dualpath_ray.runtime.messages import GroupReport, PersistedBlock, RequestSpec, SamplingParams, TurnResult
+from dualpath_ray.scheduling import EngineLoad
+from dualpath_ray.scheduling.dispatcher import Constants
+from dualpath_ray.scheduling.requests import IllegalTransition, RequestState, transition
+from dualpath_ray.scheduling.scheduler import CoreSettings, SchedulerCore
+from dualpath_ray.scheduling.types import Mode, ReadPath
+
+BLOCK = 16
+NAMESPACE = "model@0"
+
+
+def core(mode: Mode = Mode.DUALPATH, alpha: int = 10_000) -> SchedulerCore:
+    return SchedulerCore(CoreSettings(mode, BLOCK, Constants(alpha, 100_000)), PrefixIndex(BLOCK))
+
+
+def spec(rid: str, tokens: int, attempt: int = 0, seed: int = 0) -> RequestSpec:
+    prompt = np.random.default_rng(seed).integers(0, 512, tokens)
+    return RequestSpec(rid, attempt, prompt, SamplingParams(max_new_tokens=8), NAMESPACE, 0.0)
+
+
+def decode(*engines: tuple[str, int], read_q: int = 0) -> GroupReport:
+    return GroupReport("decode/d0", "d0", tuple(EngineLoad(e, "d0", 0, 0, free) for e, free in engines), read_q)
+
+
+def prefill(*engines: str, read_q: int = 0) -> GroupReport:
+    return GroupReport("prefill/p0", "p0", tuple(EngineLoad(e, "p0", 0, 0) for e in engines), read_q)
+
+
+def result_of(s: RequestSpec, persisted: tuple[PersistedBlock, ...] = (), error: str | None = None) -> TurnResult:
+    return TurnResult(s.request_id, s.attempt, (1,), (0.0,), "length", len(s.prompt), 0, ReadPath.PE,
+                      "prefill/p0/g0", "decode/d0/g0", 0.1, 0.01, persisted=persisted, error=error)
+
+
+def test_a_request_lives_in_one_record_from_submit_to_done() -> None:
+    c = core()
+    s = spec("r", 40)
+    request = c.submit(s)
+    assert request.state is RequestState.QUEUED_DECODE and c.requests["r"] is request, "one record, queued"
+    assert request.decode_tokens == 48, "the reservation is prompt + max new tokens in whole pages (3 x 16)"
+    (reservation,) = c.fetch_decode(decode(("decode/d0/g0", 1000)))
+    assert (reservation.decode_engine, reservation.tokens) == ("decode/d0/g0", 48)
+    assert request.state is RequestState.QUEUED_PREFILL, "a decode engine holds its HBM; it waits for a prefill engine"
+    (task,) = c.fetch_prefill(prefill("prefill/p0/g0"))
+    assert task.request is s and task.decode_engine == "decode/d0/g0", "the task carries the caller's spec"
+    assert request.state is RequestState.PREFILLING and request.prefill_engine == "prefill/p0/g0"
+    assert c.handed_off("r") and request.state is RequestState.DECODING, "the KV handoff moves it to decoding"
+    assert not c.handed_off("r"), "a second sighting of the handoff changes nothing"
+    assert c.finish(result_of(s)) == () and request.state is RequestState.DONE, "done, no engine to cancel at"
+    assert not c.requests, "a finished request leaves the core"
+    c.dispatcher.check_integrity()
+
+
+def test_published_blocks_are_hit_by_the_next_turn_leaving_one_token_to_compute() -> None:
+    c = core()
+    first = spec("t0", 64)
+    keys = block_keys(first.prompt, BLOCK, NAMESPACE)
+    parents = [None, *keys[:-1]]
+    c.submit(first)
+    c.fetch_decode(decode(("decode/d0/g0", 1000)))
+    c.fetch_prefill(prefill("prefill/p0/g0"))
+    c.finish(result_of(first, tuple(PersistedBlock(k, p) for k, p in zip(keys, parents))))
+    again = RequestSpec("t1", 0, first.prompt, first.sampling, NAMESPACE, 0.0)
+    assert c.lookup(again)[1] == 48, "all 64 tokens are stored, but the last block stays to compute the logits"
+    longer = RequestSpec("t2", 0, np.concatenate([first.prompt, [1, 2, 3]]), first.sampling, NAMESPACE, 0.0)
+    assert c.lookup(longer) == (tuple(keys), 64), "a longer prompt hits every stored block"
+
+
+@pytest.mark.parametrize(("mode", "path"), [(Mode.DUALPATH, ReadPath.DE), (Mode.BASIC, ReadPath.PE)])
+def test_the_read_path_follows_the_shorter_read_queue_only_in_dualpath_mode(mode: Mode, path: ReadPath) -> None:
+    c = core(mode)
+    c.submit(spec("r", 40))
+    c.fetch_decode(decode(("decode/d0/g0", 1000), read_q=0))
+    (task,) = c.fetch_prefill(prefill("prefill/p0/g0", read_q=500))
+    assert task.path is path, f"{mode.value}: the prefill node's queue is longer, so {path.value}"
+    assert not task.oracle
+
+
+def test_oracle_tasks_say_so() -> None:
+    c = core(Mode.ORACLE)
+    c.submit(spec("r", 40))
+    c.fetch_decode(decode(("decode/d0/g0", 1000)))
+    (task,) = c.fetch_prefill(prefill("prefill/p0/g0"))
+    assert task.oracle and task.path is ReadPath.PE, "oracle mode reads nothing; the task is marked for in-place KV"
+
+
+def test_a_prefill_engine_death_fails_what_it_prefills_but_not_what_it_handed_off() -> None:
+    c = core()
+    for rid in ("a", "b"):
+        c.submit(spec(rid, 40, seed=ord(rid)))
+    c.fetch_decode(decode(("decode/d0/g0", 1000)))
+    c.fetch_prefill(prefill("prefill/p0/g0"))
+    c.handed_off("a")
+    failed = c.engine_died("prefill/p0/g0")
+    assert [s.request_id for s in failed] == ["b"], "a's KV is at its decode engine already; only b depended on the dead engine"
+    assert [s.request_id for s in c.engine_died("decode/d0/g0")] == ["a", "b"], "both hold HBM on the decode engine"
+
+
+def test_the_lifecycle_rejects_illegal_moves() -> None:
+    c = core()
+    request = c.submit(spec("r", 40))
+    with pytest.raises(IllegalTransition):
+        transition(request, RequestState.DECODING)
+    c.fetch_decode(decode(("decode/d0/g0", 1000)))
+    assert c.abandon("r") == ("decode/d0/g0",), "abandoning names the engine holding its reservation"
+    with pytest.raises(IllegalTransition):
+        transition(request, RequestState.QUEUED_PREFILL)
+
+
+def test_a_failed_attempt_names_the_engines_to_cancel_and_its_retry_is_queued_afresh() -> None:
+    c = core()
+    s = spec("r", 40)
+    c.submit(s)
+    c.fetch_decode(decode(("decode/d0/g0", 1000)))
+    assert c.finish(result_of(s, error="boom")) == ("decode/d0/g0",), "its HBM reservation is to be cancelled"
+    retry = spec("r", 40, attempt=1)
+    c.submit(retry)
+    c.dispatcher.check_integrity()
+    assert c.is_current(result_of(retry)) and not c.is_current(result_of(s)), "only the retry's result counts"
