@@ -56,7 +56,7 @@ TAGS: dict[str, str] = {
     "mode": "the deployment's read-path mode: dualpath, basic or oracle",
     "kind": "why an attempt failed: an ErrorKind value (kv_missing, kv_corrupt, kv_mismatch, transfer, "
     "call_failed, store_io, peer_died, timeout, internal)",
-    "outcome": "ok (every turn served) or failed (a turn failed after its retries)",
+    "outcome": "ok (every turn served), failed (a turn failed after its retries) or aborted (its caller aborted it)",
 }
 
 _SECONDS_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0)
@@ -208,15 +208,15 @@ class RayMetrics:
     def inc(self, spec: MetricSpec, value: float, tags: Tags) -> None:
         """Add `value` (> 0; Ray refuses 0) to a counter."""
         if self.enabled and value > 0:
-            self._metric(spec, MetricKind.COUNTER, tags).inc(value, tags=dict(tags))
+            self._metric(spec, MetricKind.COUNTER, tags).inc(value, tags=_labels(tags))
 
     def set(self, spec: MetricSpec, value: float, tags: Tags) -> None:
         if self.enabled:
-            self._metric(spec, MetricKind.GAUGE, tags).set(value, tags=dict(tags))
+            self._metric(spec, MetricKind.GAUGE, tags).set(value, tags=_labels(tags))
 
     def observe(self, spec: MetricSpec, value: float, tags: Tags) -> None:
         if self.enabled:
-            self._metric(spec, MetricKind.HISTOGRAM, tags).observe(value, tags=dict(tags))
+            self._metric(spec, MetricKind.HISTOGRAM, tags).observe(value, tags=_labels(tags))
 
     def _metric(self, spec: MetricSpec, kind: MetricKind, tags: Tags) -> Any:
         if spec.kind is not kind:
@@ -227,6 +227,11 @@ class RayMetrics:
         if metric is None:
             metric = self._metrics[spec.name] = _create(spec)
         return metric
+
+
+def _labels(tags: Tags) -> dict[str, str]:
+    """Tag values as plain strings (the runtime's names are str enums; Ray wants str)."""
+    return {key: str(value) for key, value in tags.items()}
 
 
 def _create(spec: MetricSpec) -> Any:

@@ -261,6 +261,10 @@ class StorageReader(TransportEndpoint):
         if restarted:
             self.keeper.heal()  # a new gloo world once this __init__ returned (the join needs it to serve)
 
+    def __repr__(self) -> str:
+        # Ray prefixes this actor's log lines with it and shows it as the dashboard's repr name.
+        return getattr(self, "name", type(self).__name__)
+
     def node_labels(self) -> dict[str, str]:
         return dict(ray.get_runtime_context().get_node_labels())
 

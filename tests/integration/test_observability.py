@@ -236,11 +236,18 @@ def test_status_once_json_reports_the_live_deployment(observed):
     assert 0 < latency["ttft_s"]["p50"] <= latency["ttft_s"]["p99"], f"TTFT percentiles are ordered: {latency}"
 
 
-def test_the_ray_dashboard_lists_the_driver_job_with_its_dualpath_metadata(observed):
+def test_the_ray_dashboard_shows_actor_names_and_the_drivers_job_metadata(observed):
     from ray.job_submission import JobSubmissionClient
+    from ray.util.state import list_actors
 
-    cfg = observed["cfg"]
-    jobs = JobSubmissionClient(observed["info"]["dashboard_url"]).list_jobs()
+    cfg, dashboard = observed["cfg"], observed["info"]["dashboard_url"]
+    actors = list_actors(address=dashboard, filters=[("state", "=", "ALIVE")], detail=True, limit=1000)
+    named = {a.name: a.repr_name for a in actors if a.ray_namespace == cfg.runtime.namespace and a.name}
+    engines_and_readers = {n: r for n, r in named.items() if n.startswith(("prefill/", "decode/", "reader/"))}
+    assert len(engines_and_readers) == 6 and all(n == r for n, r in engines_and_readers.items()), (
+        f"engines and readers are named by role and place, and log under that name: {named}"
+    )
+    jobs = JobSubmissionClient(dashboard).list_jobs()
     tagged = [job.metadata for job in jobs if job.metadata.get("dualpath.namespace") == cfg.runtime.namespace]
     assert tagged and tagged[0]["dualpath.topology"] == "1P1D x 2 GPUs", (
         f"the driver's job carries its namespace and topology in the Jobs view: {[j.metadata for j in jobs]}"
