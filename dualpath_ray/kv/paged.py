@@ -178,12 +178,13 @@ class PagedKVPool:
                     self._claim(holder, page, f"request {owner}")
                 allocated += len(entry.pages)
             reserved = sum(entry.reserved for entry in self._owners.values())
+            total = self._reserved  # read under the lock: a concurrent reserve must not look like a disagreement
             counts = PageCounts(len(self._free), allocated, reserved, self.capacity)
         lost = [page for page, who in enumerate(holder) if who is None]
         if lost or counts.free + counts.allocated != self.capacity:
             raise PageIntegrityError(f"pages {lost[:10]} are neither free nor held ({counts})")
-        if reserved != self._reserved or reserved > self.capacity:
-            raise PageIntegrityError(f"reservations {reserved} disagree with the total {self._reserved}")
+        if reserved != total or reserved > self.capacity:
+            raise PageIntegrityError(f"reservations {reserved} disagree with the total {total}")
         return counts
 
     def _state(self, owner: str) -> PageOwnerState | None:
