@@ -15,6 +15,7 @@ COMMAND_MODULES = (
     "dualpath_ray.commands.profile",
     "dualpath_ray.commands.trace",
     "dualpath_ray.commands.run",
+    "dualpath_ray.commands.bench",
     "dualpath_ray.commands.cluster",
     "dualpath_ray.commands.status",
 )
