@@ -227,6 +227,28 @@ class DualPathCluster:
         assert self.deployment is not None
         return asyncio.run(rollout_async(self.deployment.scheduler, self.cfg, trajectories, resume, progress))
 
+    def abort(self, request_id: str) -> bool:
+        """Abort one request in flight (its caller gets stop reason `aborted`; its extents and
+        pages are freed); False when none of that id is in flight."""
+        return bool(ray.get(self._scheduler().abort.remote(request_id)))
+
+    def abort_trajectory(self, trajectory_id: str) -> int:
+        """Abort a trajectory of a running rollout: its turn in flight now and every later one
+        (the rollout lists it in `aborted`; rolling it out again resumes it). Returns the turns
+        that were in flight."""
+        from dualpath_ray.api.rollout import trajectory_prefix
+
+        return int(ray.get(self._scheduler().abort_prefix.remote(trajectory_prefix(trajectory_id))))
+
+    def abort_all(self) -> int:
+        """Abort every request in flight; returns how many."""
+        return int(ray.get(self._scheduler().abort_all.remote()))
+
+    def _scheduler(self) -> Any:
+        if self.deployment is None:
+            raise RuntimeError("no deployment: call deploy() (or rollout()) first")
+        return self.deployment.scheduler
+
     def server(self) -> Any:
         """The named `rollout-server` actor: verl-style `generate`, weight version, cache reset."""
         from dualpath_ray.api import SERVER_NAME, RolloutServer

@@ -26,7 +26,8 @@ from dualpath_ray.kv.store import open_store
 from dualpath_ray.kv.window import LayerWindow
 from dualpath_ray.model.profile import attention_predictor
 from dualpath_ray.runtime.compute import EngineCompute
-from dualpath_ray.runtime.decode_core import HBM_POOL, DecodeCore, DecodePorts, DecodeSettings
+from dualpath_ray.runtime.decode_core import HBM_POOL, DecodeCore
+from dualpath_ray.runtime.decode_job import DecodePorts, DecodeSettings
 from dualpath_ray.runtime.emulation import make_compute, make_link
 from dualpath_ray.runtime.messages import DecodeReservation, PrefillTask, RequestSpec, SamplingParams, TurnResult, attempt_owner
 from dualpath_ray.runtime.prefill_core import PrefillCore, PrefillPorts, PrefillSettings

@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from dualpath_ray.runtime.messages import DecodeHandoff, ExtentGrant, PersistedBlock, TurnResult
+from dualpath_ray.runtime.messages import DecodeHandoff, ExtentGrant, PersistedBlock, TokenChunk, TurnResult
 from dualpath_ray.runtime.ports import Failed, Ready
 from dualpath_ray.runtime.reader import BUFFER_POOL, HBM_POOL, ReaderCore
 from dualpath_ray.runtime.transport import Move, Region, RegionError
@@ -216,11 +216,16 @@ class Collector:
     results: list[TurnResult] = field(default_factory=list)
     on_result: Callable[[TurnResult], None] | None = None
 
+    chunks: list[TokenChunk] = field(default_factory=list)
+
     def complete(self, result: TurnResult) -> Ready[None]:
         if self.on_result is not None:
             self.on_result(result)
         self.results.append(result)
         return Ready(None)
+
+    def stream(self, chunks: list[TokenChunk]) -> None:
+        self.chunks.extend(chunks)
 
 
 @dataclass

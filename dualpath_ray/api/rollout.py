@@ -21,6 +21,7 @@ from dualpath_ray.api.validation import make_spec, validate_prompt
 from dualpath_ray.config import DualPathConfig
 from dualpath_ray.metrics import TRAJECTORY_JCT_SECONDS, MetricSink, RayMetrics
 from dualpath_ray.runtime.messages import RequestSpec, SamplingParams, TurnResult
+from dualpath_ray.scheduling.types import StopReason
 from dualpath_ray.workload.trace import Trajectory
 
 ROLLOUT_SCHEMA = pa.schema(
@@ -42,6 +43,9 @@ class RolloutResult:
     failures: dict[str, str]
     jct_s: float
     turn_results: dict[str, list[TurnResult]] = field(default_factory=dict)
+    # Trajectories whose caller aborted them: their turns before the abort are in `table`, and
+    # `resume=` continues them from the aborted turn.
+    aborted: list[str] = field(default_factory=list)
 
     def outputs(self) -> dict[str, list[tuple[int, ...]]]:
         grouped: dict[str, list[tuple[int, ...]]] = {}
@@ -108,7 +112,8 @@ class _Progress:
 async def _run_trajectory(
     generate: Any, cfg: DualPathConfig, namespace: str, trajectory: Trajectory, done: list[dict[str, Any]],
     started: float, progress: _Progress, served: list[TurnResult], metrics: MetricSink,
-) -> tuple[list[dict[str, Any]], str | None]:
+) -> tuple[list[dict[str, Any]], str | None, bool]:
+    """The trajectory's rows, its error (None when it completed), and whether it was aborted."""
     rows = list(done)
     context: list[int] = []
     try:
@@ -122,10 +127,13 @@ async def _run_trajectory(
                 continue
             if turn.tool_latency_s > 0:
                 await asyncio.sleep(turn.tool_latency_s)
-            request_id = f"{trajectory.trajectory_id}/t{index}"
+            request_id = f"{trajectory_prefix(trajectory.trajectory_id)}t{index}"
             prompt = validate_prompt(request_id, context, turn.gen_len, cfg.model)
             spec = make_spec(request_id, prompt, SamplingParams(max_new_tokens=turn.gen_len), namespace)
             result: TurnResult = await generate(spec)
+            if result.stop_reason is StopReason.ABORTED:
+                _observe_jct(metrics, started + trajectory.arrival_s, "aborted")
+                return rows, None, True
             if result.error:
                 raise TurnFailedError(result)
             rows.append(_rows(trajectory.trajectory_id, index, result))
@@ -134,9 +142,9 @@ async def _run_trajectory(
             context = context + list(result.output_tokens)
     except Exception as exc:  # noqa: BLE001 - one trajectory's failure must not stop the others
         _observe_jct(metrics, started + trajectory.arrival_s, "failed")
-        return rows, f"{type(exc).__name__}: {exc}"
+        return rows, f"{type(exc).__name__}: {exc}", False
     _observe_jct(metrics, started + trajectory.arrival_s, "ok")
-    return rows, None
+    return rows, None, False
 
 
 def _observe_jct(metrics: MetricSink, arrived: float, outcome: str) -> None:
@@ -166,6 +174,8 @@ async def rollout_async(
     async def generate(spec: RequestSpec) -> TurnResult:
         return await scheduler.generate.remote(spec)
 
+    # A trajectory aborted in an earlier rollout runs again when it is rolled out again.
+    await scheduler.clear_aborts.remote([trajectory_prefix(t.trajectory_id) for t in trajectories])
     served: dict[str, list[TurnResult]] = {t.trajectory_id: [] for t in trajectories}
     metrics = RayMetrics(cfg.runtime.metrics)
     started = time.monotonic()
@@ -178,7 +188,13 @@ async def rollout_async(
         )
     )
     bar.close()
-    rows = [row for rs, _ in outcomes for row in rs]
-    failures = {t.trajectory_id: err for t, (_, err) in zip(trajectories, outcomes) if err}
+    rows = [row for rs, _, _ in outcomes for row in rs]
+    failures = {t.trajectory_id: err for t, (_, err, _) in zip(trajectories, outcomes) if err}
+    aborted = [t.trajectory_id for t, (_, _, stopped) in zip(trajectories, outcomes) if stopped]
     table = pa.Table.from_pylist(rows, schema=ROLLOUT_SCHEMA)
-    return RolloutResult(table, failures, time.monotonic() - started, served)
+    return RolloutResult(table, failures, time.monotonic() - started, served, aborted)
+
+
+def trajectory_prefix(trajectory_id: str) -> str:
+    """The request id prefix of a trajectory's turns (they are "<trajectory>/t<turn>")."""
+    return f"{trajectory_id}/"

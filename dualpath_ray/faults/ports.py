@@ -18,7 +18,7 @@ import torch
 
 from dualpath_ray.faults.injector import FaultInjector, InjectedFault, flip_byte
 from dualpath_ray.faults.plan import CallPhase, FaultMode, FaultSite
-from dualpath_ray.runtime.messages import DecodeHandoff, ExtentGrant, PersistedBlock, TurnResult
+from dualpath_ray.runtime.messages import DecodeHandoff, ExtentGrant, PersistedBlock, TokenChunk, TurnResult
 from dualpath_ray.runtime.ports import DecodePort, Failed, Pending, ReaderPort, Ready, SchedulerPort, TransportPort
 from dualpath_ray.runtime.transport import Move, Region, TransportError
 
@@ -89,6 +89,9 @@ class FaultySchedulerPort:
         if self.faults.fail_call("complete", CallPhase.REQUEST):
             return Ready(None)  # lost on the way: the sender believes it delivered
         return self.inner.complete(result)
+
+    def stream(self, chunks: list[TokenChunk]) -> None:
+        self.inner.stream(chunks)  # a lost chunk is made up by the final result (see Scheduler.generate_stream)
 
 
 class FaultyDecodePort:

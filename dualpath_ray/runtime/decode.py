@@ -10,7 +10,8 @@ import ray
 
 from dualpath_ray.faults.ports import with_faults
 from dualpath_ray.kv.paged import PagedKVPool
-from dualpath_ray.runtime.decode_core import HBM_POOL, DecodeCore, DecodePorts, DecodeSettings
+from dualpath_ray.runtime.decode_core import HBM_POOL, DecodeCore
+from dualpath_ray.runtime.decode_job import DecodePorts, DecodeSettings
 from dualpath_ray.runtime.engine import EngineBase
 from dualpath_ray.runtime.messages import DecodeHandoff
 from dualpath_ray.runtime.ray_ports import RayReaders, RayScheduler, SystemClock

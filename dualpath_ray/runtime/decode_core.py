@@ -1,11 +1,10 @@
 """The decode engine's logic, without Ray: reservations, H2D, batched decode, persistence.
 
-A request's life here, one transition function (`transition`):
-RESERVED (pages set aside when the scheduler placed it) -> LOADING (its prompt's KV moves from the
-decode node's buffer extent into its pages: one read of whole Full Blocks) -> RUNNING (decoded in
-one batched step with every other running request) -> FINISHING (its last blocks are on their way
-to the store) -> DONE; or FAILED from any of them. Oracle mode skips LOADING: the prompt's KV is
-materialised in the pages directly (hits from the store, the rest computed here).
+A request's life here (runtime/decode_job.py, one transition function): RESERVED -> LOADING (its
+prompt's KV moves from the decode node's buffer extent into its pages: one read of whole Full
+Blocks) -> RUNNING (decoded in one batched step with every other running request) -> FINISHING
+-> DONE; or FAILED from any of them. Oracle mode skips LOADING: the prompt's KV is materialised
+in the pages directly (hits from the store, the rest computed here).
 
 Persistence has one owner per block: the request that filled it. Prompt blocks that were not hits
 are written by the node's reader straight from the extent (they are already in the buffer), which
@@ -18,13 +17,11 @@ the chain block by block (`next_block_key`), O(n) per request.
 
 from __future__ import annotations
 
-import enum
 import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
 
@@ -34,10 +31,16 @@ from dualpath_ray.kv.layout import KVLayout
 from dualpath_ray.kv.paged import PagedKVPool, PagePoolFullError
 from dualpath_ray.runtime.accounting import NodeCounters
 from dualpath_ray.runtime.cancelled import CancelledAttempts
-from dualpath_ray.runtime.outbox import Outbox
 from dualpath_ray.runtime.compute import DecodeSeq, EngineCompute
+from dualpath_ray.runtime.decode_job import (
+    DecodeJob,
+    DecodePorts,
+    DecodeSettings,
+    DecodeState,
+    DecodeStats,
+    transition,
+)
 from dualpath_ray.runtime.emulation.links import Link
-from dualpath_ray.scheduling.types import StopReason
 from dualpath_ray.runtime.failures import KVMismatchError, failure_of, log_failure
 from dualpath_ray.runtime.messages import (
     DecodeHandoff,
@@ -45,120 +48,21 @@ from dualpath_ray.runtime.messages import (
     ErrorKind,
     Holding,
     PersistedBlock,
+    TokenChunk,
     TurnResult,
     attempt_owner,
     failed_result,
     newest_holdings,
 )
-from dualpath_ray.runtime.ports import Clock, Pending, ReaderPort, SchedulerPort, TransportPort
+from dualpath_ray.runtime.outbox import Outbox
 from dualpath_ray.runtime.transport import Move, Region
-from dualpath_ray.runtime.verify import KVCheck, landed_mismatches, verify_prompt_kv
+from dualpath_ray.runtime.verify import landed_mismatches, verify_prompt_kv
 from dualpath_ray.scheduling import EngineLoad
+from dualpath_ray.scheduling.types import StopReason
 
 LOG = logging.getLogger("dualpath_ray.decode")
 HBM_POOL = "hbm"
 BUFFER_POOL = "buffer"
-
-
-class DecodeState(enum.Enum):
-    RESERVED = "reserved"
-    LOADING = "loading"
-    RUNNING = "running"
-    FINISHING = "finishing"
-    DONE = "done"
-    FAILED = "failed"
-
-
-_MOVES = {
-    DecodeState.RESERVED: {DecodeState.LOADING, DecodeState.RUNNING, DecodeState.FAILED},
-    DecodeState.LOADING: {DecodeState.RUNNING, DecodeState.FAILED},
-    DecodeState.RUNNING: {DecodeState.FINISHING, DecodeState.FAILED},
-    DecodeState.FINISHING: {DecodeState.DONE, DecodeState.FAILED},
-    DecodeState.DONE: set(),
-    DecodeState.FAILED: set(),
-}
-
-
-class DecodeTransitionError(RuntimeError):
-    pass
-
-
-@dataclass
-class DecodeJob:
-    request_id: str
-    attempt: int
-    reserved_tokens: int
-    epoch: int = 0
-    state: DecodeState = DecodeState.RESERVED
-    handoff: DecodeHandoff | None = None
-    tokens: list[int] = field(default_factory=list)
-    log_probs: list[float] = field(default_factory=list)
-    kv_len: int = 0
-    compute_state: Any = None
-    load: Pending[int] | None = None
-    persists: list[tuple[Pending[int], tuple[PersistedBlock, ...]]] = field(default_factory=list)
-    extent_persist: Pending[int] | None = None
-    extent_blocks: tuple[PersistedBlock, ...] = ()
-    queued: deque[tuple[int, PersistedBlock]] = field(default_factory=deque)
-    parent_key: str | None = None
-    persisted: list[PersistedBlock] = field(default_factory=list)
-    stop_reason: StopReason | None = None
-    check: KVCheck = field(default_factory=KVCheck)
-    bad_tokens: np.ndarray | None = None  # what the first check of the landed KV found wrong
-
-    @property
-    def owner(self) -> str:
-        """This attempt's name: what owns its pages and its extents."""
-        return attempt_owner(self.request_id, self.attempt, self.epoch)
-
-    @property
-    def prompt_len(self) -> int:
-        assert self.handoff is not None
-        return len(self.handoff.task.request.prompt)
-
-
-def transition(job: DecodeJob, target: DecodeState) -> None:
-    """The one way a decode job's state changes; an illegal move raises."""
-    if target not in _MOVES[job.state]:
-        raise DecodeTransitionError(f"request {job.request_id}: {job.state.value} -> {target.value}")
-    job.state = target
-
-
-@dataclass(frozen=True)
-class DecodePorts:
-    readers: ReaderPort
-    transport: TransportPort
-    scheduler: SchedulerPort
-    clock: Clock
-
-
-@dataclass(frozen=True)
-class DecodeSettings:
-    engine_id: str
-    node_id: str
-    max_context: int
-    max_persists_in_flight: int
-    transfer_timeout_s: float
-    verify_kv: bool
-    kv_digests: bool = True
-    cancel_horizon_s: float = 900.0  # how long a cancel that found nothing is remembered
-
-
-@dataclass
-class DecodeStats:
-    steps: int = 0
-    tokens: int = 0
-    max_batch: int = 0
-    loads: int = 0
-    persisted_blocks: int = 0
-    max_persists_in_flight: int = 0
-    persist_waits: int = 0
-    finished: int = 0
-    failures: int = 0
-    digest_mismatches: int = 0  # (layer, token)s of landed prompt KV that differed from its digests
-    digest_reloads: int = 0  # loads done once more after a mismatch, and then right
-    cancelled_handoffs: int = 0  # handoffs of attempts the scheduler had cancelled, dropped
-    compute_s: float = 0.0  # inside the model's decode steps
 
 
 class DecodeCore:
@@ -188,6 +92,8 @@ class DecodeCore:
         self._taking: set[str] = set()
         self._early_since: dict[str, float] = {}
         self._cancelled = CancelledAttempts(settings.cancel_horizon_s, ports.clock)
+        self._aborting: set[str] = set()
+        self._streamed: list[TokenChunk] = []  # sampled this step by streamed requests
         self.outbox = Outbox()  # results not yet delivered to the scheduler
         self._lock = threading.Lock()
         self._in_flight = 0
@@ -231,6 +137,32 @@ class DecodeCore:
                 del self.jobs[owner]
                 self.pages.release(job.owner)
 
+    def abort(self, owner: str) -> None:
+        """The caller gave up on this attempt: drop it whatever its state. Nothing more of it is
+        decoded or persisted (blocks already on their way finish), its pages and extent are
+        freed, and it reports nothing (the scheduler answered its caller already). Remembered,
+        so an accept or a handoff still on its way is refused."""
+        with self._lock:
+            self._cancelled.add(owner)
+            job = self.jobs.get(owner)
+            if job is None:
+                return
+            if job.state is DecodeState.RESERVED and job.handoff is None:
+                del self.jobs[owner]
+                self.pages.release(job.owner)
+                self.stats.aborted += 1
+                return
+            self._aborting.add(owner)
+
+    def _drop_aborted(self) -> bool:
+        with self._lock:
+            owners, self._aborting = self._aborting, set()
+            jobs = [self.jobs[o] for o in owners if o in self.jobs]
+        for job in jobs:
+            self.stats.aborted += 1
+            self._fail(job, RuntimeError("aborted by its caller"), report=False)
+        return bool(jobs)
+
     def _arrived_owners(self) -> set[str]:
         return {h.task.request.owner for h in self._arrived} | self._taking
 
@@ -260,11 +192,13 @@ class DecodeCore:
     def step(self) -> bool:
         """One round: take handoffs, finish loads, one decode step, persists, finished turns."""
         self.outbox.settle()
-        did = self._take_handoffs()
+        did = self._drop_aborted()
+        did |= self._take_handoffs()
         did |= self._poll_loads()
         did |= self._decode_once()
         did |= self._advance_persists()
         did |= self._finish_ready()
+        self._flush_stream()
         return did
 
     def fail_all(self, error: BaseException) -> None:
@@ -459,6 +393,7 @@ class DecodeCore:
         job.compute_state = self.compute.decode_state(job.tokens)
         self._persist_prompt(job)
         transition(job, DecodeState.RUNNING)
+        self._stream(job, 0)  # the first token, sampled by the prefill engine
 
     def _persist_prompt(self, job: DecodeJob) -> None:
         """Prompt blocks that were not hits: written from the extent, which is then freed."""
@@ -530,6 +465,7 @@ class DecodeCore:
             job.kv_len += 1
             job.tokens.append(token.token)
             job.log_probs.append(token.log_prob)
+            self._stream(job, len(job.tokens) - job.prompt_len - 1)
             if job.kv_len % size == 0:
                 block = job.kv_len // size - 1
                 persisted = self._next_key(job, block)
@@ -538,6 +474,21 @@ class DecodeCore:
                 else:
                     job.queued.append((self.pages.table(job.owner)[block], persisted))
         return True
+
+    def _stream(self, job: DecodeJob, start: int) -> None:
+        """Queue the output tokens of a streamed request from position `start` on."""
+        spec = job.handoff.task.request  # type: ignore[union-attr]
+        if spec.stream:
+            tokens = tuple(job.tokens[job.prompt_len + start :])
+            self._streamed.append(TokenChunk(spec.request_id, spec.attempt, spec.epoch, start, tokens,
+                                             tuple(job.log_probs[start:])))
+
+    def _flush_stream(self) -> bool:
+        """One call per step carries every streamed request's new tokens."""
+        chunks, self._streamed = self._streamed, []
+        if chunks:
+            self.ports.scheduler.stream(chunks)
+        return bool(chunks)
 
     def _stop_reason(self, job: DecodeJob) -> StopReason | None:
         sampling = job.handoff.task.request.sampling  # type: ignore[union-attr]
@@ -639,9 +590,9 @@ class DecodeCore:
 
     # --- failures and bookkeeping -------------------------------------------------------
 
-    def _fail(self, job: DecodeJob, error: BaseException) -> None:
+    def _fail(self, job: DecodeJob, error: BaseException, report: bool = True) -> None:
         """Wait out the request's transfers (the reader may still read its pages), free all it
-        holds, report the error."""
+        holds, report the error (unless it was aborted: its caller has its answer)."""
         if job.state in (DecodeState.DONE, DecodeState.FAILED):
             return
         for pending in [job.load, job.extent_persist] + [p for p, _ in job.persists]:
@@ -662,9 +613,9 @@ class DecodeCore:
                 self.ports.readers.reclaim(job.handoff.extent.node_id, job.owner)
         transition(job, DecodeState.FAILED)
         self._forget(job)
-        self.stats.failures += 1
         spec = job.handoff.task.request if job.handoff else None
-        if spec is not None:
+        if spec is not None and report:
+            self.stats.failures += 1
             self._report(failure_of(spec, self.settings.engine_id, error))
 
     def _forget(self, job: DecodeJob) -> None:

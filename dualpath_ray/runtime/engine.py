@@ -197,6 +197,12 @@ class EngineBase(TransportEndpoint):
         self.core.cancel(owner)
 
     @ray.method(concurrency_group="control")
+    def abort(self, owner: str) -> None:
+        """The caller aborted this attempt: drop it here even if it started (see the cores' abort)."""
+        self.core.abort(owner)
+        self.wake.set()
+
+    @ray.method(concurrency_group="control")
     def health(self) -> str | None:
         errors = [e for e in (self.error, self.leader.error if self.leader else None) if e]
         return repr(errors[0]) if errors else None

@@ -113,6 +113,7 @@ class RequestSpec:
     namespace: str
     submitted_at: float
     epoch: int = 0  # set by the scheduler incarnation that dispatches it
+    stream: bool = False  # the decode engine sends its tokens as they are sampled (TokenChunk)
 
     @property
     def owner(self) -> str:
@@ -186,6 +187,38 @@ class DecodeHandoff:
 
 
 @dataclass(frozen=True)
+class TokenChunk:
+    """Tokens of a streamed request as its decode engine sampled them: output positions
+    [start, start + len(tokens)) of one attempt. A retry streams from position 0 again; sampling
+    is seeded by (seed, position), so its tokens equal the ones already streamed."""
+
+    request_id: str
+    attempt: int
+    epoch: int
+    start: int
+    tokens: tuple[int, ...]
+    log_probs: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class StreamDelta:
+    """What a streaming caller receives: output positions [start, start + len(tokens))."""
+
+    start: int
+    tokens: tuple[int, ...]
+    log_probs: tuple[float, ...]
+
+    @classmethod
+    def after(cls, chunk: TokenChunk, sent: int) -> StreamDelta | None:
+        """The part of `chunk` past the first `sent` output tokens (None if nothing new, or if
+        it starts past them: a gap the final result fills)."""
+        if chunk.start > sent or chunk.start + len(chunk.tokens) <= sent:
+            return None
+        skip = sent - chunk.start
+        return cls(sent, chunk.tokens[skip:], chunk.log_probs[skip:])
+
+
+@dataclass(frozen=True)
 class PersistedBlock:
     key: str
     parent: str | None
@@ -250,6 +283,15 @@ class EngineHoldings(NamedTuple):
 
     incarnation: str
     held: dict[str, Holding]
+
+
+def aborted_result(spec: RequestSpec) -> TurnResult:
+    """What the caller of an aborted request gets: no output, stop reason ABORTED, no error."""
+    return TurnResult(
+        request_id=spec.request_id, attempt=spec.attempt, output_tokens=(), log_probs=(),
+        stop_reason=StopReason.ABORTED, prompt_tokens=len(spec.prompt), hit_tokens=0, path=ReadPath.PE,
+        prefill_engine="", decode_engine="", ttft_s=0.0, tpot_s=0.0, epoch=spec.epoch,
+    )
 
 
 def failed_result(

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Generic, Protocol, Sequence, TypeVar
 
-from dualpath_ray.runtime.messages import DecodeHandoff, ExtentGrant, PersistedBlock, TurnResult
+from dualpath_ray.runtime.messages import DecodeHandoff, ExtentGrant, PersistedBlock, TokenChunk, TurnResult
 from dualpath_ray.runtime.transport import Move
 
 T = TypeVar("T")
@@ -89,6 +89,9 @@ class TransportPort(Protocol):
 class SchedulerPort(Protocol):
     def complete(self, result: TurnResult) -> Pending[None]:
         """Report a finished (or failed) turn; done once the scheduler has it."""
+
+    def stream(self, chunks: list[TokenChunk]) -> None:
+        """Send the tokens streamed requests sampled in one step (no reply awaited)."""
 
 
 class DecodePort(Protocol):

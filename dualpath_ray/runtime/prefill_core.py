@@ -209,6 +209,12 @@ class PrefillCore:
             if owner in self.jobs:
                 self._to_cancel.append(owner)
 
+    def abort(self, owner: str) -> None:
+        """The caller gave up on this attempt: like a cancel, a job not yet computing is dropped
+        with its extents; one in the running batch hands off, and its decode engine, which got
+        the abort too, drops the handoff and frees its extent."""
+        self.cancel(owner)
+
     def busy(self) -> bool:
         with self._lock:
             return bool(self.jobs or self._orphans or len(self.outbox))

@@ -10,7 +10,7 @@ from typing import Any, Sequence
 import ray
 
 from dualpath_ray.runtime.leader import ActorDirectory
-from dualpath_ray.runtime.messages import DecodeHandoff, ExtentGrant, PersistedBlock, TurnResult
+from dualpath_ray.runtime.messages import DecodeHandoff, ExtentGrant, PersistedBlock, TokenChunk, TurnResult
 
 
 class RefPending:
@@ -75,6 +75,9 @@ class RayScheduler:
 
     def complete(self, result: TurnResult) -> RefPending:
         return RefPending(self.directory.get("scheduler").complete.remote(result))
+
+    def stream(self, chunks: list[TokenChunk]) -> None:
+        self.directory.get("scheduler").stream.remote(chunks)
 
 
 class RayDecodeTargets:

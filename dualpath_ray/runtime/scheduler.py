@@ -13,7 +13,7 @@ import asyncio
 import dataclasses
 import time
 import logging
-from typing import Any
+from typing import Any, AsyncIterator
 
 import ray
 import ray.exceptions
@@ -25,6 +25,7 @@ from dualpath_ray.kv.layout import KVLayout
 from dualpath_ray.kv.store import open_store
 from dualpath_ray.model.profile import derive_alpha_beta
 from dualpath_ray.runtime.actor_metrics import SchedulerMetrics
+from dualpath_ray.runtime.aborts import Aborts
 from dualpath_ray.runtime.adoption import Adoptions
 from dualpath_ray.runtime.messages import (
     DecodeReservation,
@@ -36,6 +37,9 @@ from dualpath_ray.runtime.messages import (
     PrefillTask,
     RequestSpec,
     TurnResult,
+    StreamDelta,
+    TokenChunk,
+    aborted_result,
     failed_result,
 )
 from dualpath_ray.runtime.restarts import IncarnationTracker, peer_state_of, was_restarted
@@ -71,6 +75,8 @@ class Scheduler:
         self.core = build_core(cfg, store_root, mode, epoch=time.time_ns())
         self.restarted = was_restarted()
         self.adoptions = Adoptions()
+        self.aborts = Aborts()
+        self.streams: dict[str, asyncio.Queue[TokenChunk]] = {}  # request id -> its tokens as sampled
         self.incarnations = IncarnationTracker()
         # Attempts failed because their engine went silent: their extents are reclaimed only
         # once the death is certain (Ray reports it, or the engine comes back as a new process).
@@ -298,21 +304,122 @@ class Scheduler:
         """Serve one turn: its result, or a failed result with an ErrorKind once its retries or
         its deadline (runtime.request_timeout_s) are used up. Never waits forever."""
         await self._started()
-        if spec.request_id in self.pending or spec.request_id in self.adoptions.waiting:
+        if spec.request_id in self.aborts.running or spec.request_id in self.adoptions.waiting:
             raise ValueError(f"request id {spec.request_id!r} is already in flight; ids must be unique")
         self.calls["generate"] += 1
+        if not self.aborts.start(spec.request_id):
+            return aborted_result(spec)  # its trajectory was aborted
+        try:
+            return await self._serve(spec)
+        finally:
+            self.aborts.end(spec.request_id)
+
+    async def _serve(self, spec: RequestSpec) -> TurnResult:
         deadline = time.monotonic() + self.cfg.runtime.request_timeout_s
         adopted = await self._adopt(spec.request_id, deadline)
         if adopted is not None and not self.core.should_retry(adopted):
             return adopted
         spec = dataclasses.replace(spec, epoch=self.core.epoch)
-        while True:
+        while not self.aborts.is_aborted(spec.request_id):
             result = await self._attempt(spec, deadline)
-            if not self.core.should_retry(result):
-                return result
+            if not self.core.should_retry(result) or self.aborts.is_aborted(spec.request_id):
+                break
             self.calls["retries"] += 1
             self.calls["unindexed_blocks"] += self.core.repair(result)
             spec = dataclasses.replace(spec, attempt=spec.attempt + 1)
+        return aborted_result(spec) if self.aborts.is_aborted(spec.request_id) else result
+
+    async def generate_stream(self, spec: RequestSpec) -> AsyncIterator[StreamDelta | TurnResult]:
+        """`generate`, streamed (a Ray streaming generator): the output tokens as the decode
+        engine samples them, as StreamDeltas in order with no token twice, then the TurnResult.
+        A retried attempt streams from its first token again; sampling is seeded by (seed,
+        position), so its tokens equal the ones already sent and only new positions go out. A
+        chunk lost on the way is made up from the final result."""
+        queue: asyncio.Queue[TokenChunk] = asyncio.Queue()
+        self.streams[spec.request_id] = queue
+        served = asyncio.ensure_future(self.generate(dataclasses.replace(spec, stream=True)))
+        sent = 0
+        try:
+            while not served.done() or not queue.empty():
+                chunk = await self._next_chunk(queue, served)
+                if chunk is None:
+                    continue
+                delta = StreamDelta.after(chunk, sent)
+                if delta is not None:
+                    sent += len(delta.tokens)
+                    yield delta
+            result = served.result()
+            if len(result.output_tokens) > sent:
+                yield StreamDelta(sent, result.output_tokens[sent:], result.log_probs[sent:])
+            yield result
+        finally:
+            self.streams.pop(spec.request_id, None)
+            if not served.done():
+                served.cancel()
+
+    @staticmethod
+    async def _next_chunk(queue: asyncio.Queue[TokenChunk], served: asyncio.Future[TurnResult]) -> TokenChunk | None:
+        """The next chunk, or None once the request was served (and nothing is queued)."""
+        if not queue.empty():
+            return queue.get_nowait()
+        getter = asyncio.ensure_future(queue.get())
+        await asyncio.wait({getter, served}, return_when=asyncio.FIRST_COMPLETED)
+        if getter.done():
+            return getter.result()
+        getter.cancel()
+        return None
+
+    async def stream(self, chunks: list[TokenChunk]) -> None:
+        """Decode engines' streamed tokens of one step; only the attempt in flight is passed on."""
+        for chunk in chunks:
+            queue = self.streams.get(chunk.request_id)
+            request = self.core.requests.get(chunk.request_id)
+            if queue is not None and request is not None and (request.spec.attempt, request.spec.epoch) == (
+                chunk.attempt, chunk.epoch
+            ):
+                queue.put_nowait(chunk)
+
+    async def abort(self, request_id: str) -> bool:
+        """Stop one request now: its caller gets a result with stop reason `aborted` (no
+        output), every engine holding its attempt drops it even mid-decode (its extents and
+        pages freed, nothing more of it persisted), and it is not retried. False when no
+        request of that id is in flight."""
+        await self._started()
+        return self._abort(request_id)
+
+    async def abort_prefix(self, prefix: str) -> int:
+        """Abort a whole trajectory (its request ids start with `prefix`, e.g. "traj7/"): every
+        turn of it in flight now, and every later one until `clear_aborts([prefix])`. Returns how
+        many were in flight."""
+        await self._started()
+        return sum(self._abort(rid) for rid in self.aborts.abort_prefix(prefix))
+
+    async def abort_all(self) -> int:
+        """Abort every request in flight (later ones run as usual); returns how many."""
+        await self._started()
+        return sum(self._abort(rid) for rid in sorted(self.aborts.running))
+
+    async def clear_aborts(self, prefixes: list[str] | None = None) -> None:
+        """Let the requests of these aborted trajectories (all, with None) run again."""
+        self.aborts.clear(prefixes)
+
+    def _abort(self, request_id: str) -> bool:
+        if not self.aborts.abort(request_id):
+            return False
+        self.calls["aborted"] = self.aborts.count
+        request = self.core.requests.get(request_id)
+        if request is not None:
+            self.delivering.pop(request_id, None)
+            self.unheld_since.pop(request_id, None)
+            for engine in self.core.abandon(request_id):
+                self._tell(engine, "abort", request.spec.owner)
+            future = self.pending.get(request_id)
+            if future is not None and not future.done():
+                future.set_result(aborted_result(request.spec))
+        waiting = self.adoptions.waiting.get(request_id)
+        if waiting is not None and not waiting.done():
+            waiting.set_result(None)  # stop waiting for a dead incarnation's attempt
+        return True
 
     async def _adopt(self, request_id: str, deadline: float) -> TurnResult | None:
         """The result of a dead incarnation's attempt that an engine still holds (None: there

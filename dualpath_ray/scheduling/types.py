@@ -44,6 +44,7 @@ class StopReason(NameEnum):
     STOP = "stop"  # a stop token was sampled
     CONTEXT = "context"  # the model's max_context is full
     ERROR = "error"  # it failed (TurnResult.error_kind says why)
+    ABORTED = "aborted"  # its caller aborted it; it produced nothing
 
 
 READ_PATHS = (ReadPath.PE, ReadPath.DE)

@@ -1,0 +1,96 @@
+"""What RL trainers need from the runtime, on an embedded 1P1D cluster: tokens streamed as they
+are sampled, and aborting a request mid-decode (its caller answered at once, its pages and
+extents freed)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from tests.helpers import ray_test_env, runtime_config
+
+ray_test_env()
+
+import numpy as np  # noqa: E402
+import ray  # noqa: E402
+
+from dualpath_ray.api.validation import make_spec  # noqa: E402
+from dualpath_ray.cluster import DualPathCluster  # noqa: E402
+from dualpath_ray.runtime.messages import SamplingParams, StreamDelta, TurnResult  # noqa: E402
+from dualpath_ray.scheduling.types import StopReason  # noqa: E402
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = DualPathCluster.start(runtime_config(transport="gloo", verify_kv=False))
+    c.deploy("dualpath")
+    yield c
+    c.shutdown()
+
+
+def spec_of(cluster: DualPathCluster, request_id: str, tokens: int, new: int, seed: int = 0):
+    prompt = np.random.default_rng(seed).integers(0, 512, tokens)
+    return make_spec(request_id, prompt, SamplingParams(max_new_tokens=new), cluster.cfg.model.kv_namespace())
+
+
+async def collect_stream(scheduler, spec) -> tuple[list[tuple[float, StreamDelta]], TurnResult]:
+    deltas, result = [], None
+    async for ref in scheduler.generate_stream.remote(spec):
+        item = await ref
+        if isinstance(item, StreamDelta):
+            deltas.append((time.monotonic(), item))
+        else:
+            result = (time.monotonic(), item)
+    assert result is not None, "a stream ends with the turn's result"
+    return deltas, result
+
+
+def test_tokens_stream_as_they_are_sampled_and_add_up_to_the_result(cluster: DualPathCluster) -> None:
+    scheduler = cluster.deployment.scheduler
+    deltas, (done_at, result) = asyncio.run(collect_stream(scheduler, spec_of(cluster, "stream-1", 150, 24)))
+    streamed = [t for _, d in deltas for t in d.tokens]
+    assert result.error is None and len(result.output_tokens) == 24, "the turn is served"
+    assert streamed == list(result.output_tokens), "the deltas, in order, are exactly the output tokens"
+    assert [d.start for _, d in deltas] == [sum(len(x.tokens) for _, x in deltas[:i]) for i in range(len(deltas))], (
+        "every delta starts where the previous one ended: no gap, no token twice"
+    )
+    assert len(deltas) > 1 and deltas[0][0] < done_at, "tokens arrive before the turn finishes (real streaming)"
+    plain = ray.get(scheduler.generate.remote(spec_of(cluster, "stream-2", 150, 24)))
+    assert plain.output_tokens == result.output_tokens, "streaming changes nothing in what is generated"
+
+
+def test_an_abort_mid_decode_answers_the_caller_and_frees_everything(cluster: DualPathCluster) -> None:
+    scheduler = cluster.deployment.scheduler
+
+    async def run() -> tuple[TurnResult, bool, list[StreamDelta]]:
+        got: list[StreamDelta] = []
+        stream = scheduler.generate_stream.remote(spec_of(cluster, "abort-1", 150, 400, seed=3))
+        result = None
+        async for ref in stream:
+            item = await ref
+            if isinstance(item, StreamDelta):
+                got.append(item)
+                if len(got) == 3:
+                    aborted = await scheduler.abort.remote("abort-1")
+            else:
+                result = item
+        return result, aborted, got
+
+    result, aborted, got = asyncio.run(run())
+    assert aborted, "the request was in flight, so the abort took it"
+    assert result.stop_reason is StopReason.ABORTED and result.error is None, "the caller gets 'aborted', not an error"
+    assert sum(len(d.tokens) for d in got) < 400, "decoding stopped long before max_new_tokens"
+    assert not ray.get(scheduler.abort.remote("abort-1")), "aborting a request that is no longer in flight is a no-op"
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        pools, pages = cluster.pool_integrity(), cluster.page_integrity()
+        if all(f == c for f, _, _, c in pools.values()) and all(f == c and r == 0 for f, _, r, c in pages.values()):
+            break
+        time.sleep(0.1)
+    assert all(f == c for f, _, _, c in pools.values()), f"every buffer extent of the aborted request is free: {pools}"
+    assert all(f == c and r == 0 for f, _, r, c in pages.values()), f"its decode pages are free: {pages}"
+    assert ray.get(scheduler.check_integrity.remote()) == 0, "the scheduler holds nothing of it"
