@@ -40,6 +40,7 @@ from dualpath_ray.runtime.topology import (
     warn_if_outside_bounds,
 )
 from dualpath_ray.runtime.transport import setup_gloo_world
+from dualpath_ray.runtime.weight_sync import WeightSender, manifest_of
 from dualpath_ray.workload.trace import Trajectory
 
 
@@ -61,6 +62,11 @@ class Deployment:
 def _embedded_env() -> None:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("RAY_rdt_fetch_fail_timeout_milliseconds", "30000")
+
+
+def _check_version(version: object) -> None:
+    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+        raise ValueError(f"update_weights: version must be an int >= 0 (got {version!r})")
 
 
 class DeploymentConflictError(RuntimeError):
@@ -338,16 +344,49 @@ class DualPathCluster:
         namespace of `version`, so KV of the old weights is never hit. `source`: a safetensors
         checkpoint directory, or a state dict (put once in the object store for all engines)."""
         assert self.deployment is not None
-        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-            raise ValueError(f"update_weights: version must be an int >= 0 (got {version!r})")
+        _check_version(version)
         if not isinstance(source, (str, os.PathLike)):
             source = ray.put(dict(source))
         else:
             source = os.fspath(source)
         ray.get([e.update_weights.remote(version, source) for e in self.deployment.engines.values()])
+        self._use_weight_version(version)
+        return version
+
+    def _use_weight_version(self, version: int) -> None:
         self.cfg = self.cfg.with_overrides(model={"weight_version": version})
-        if self.deployment.server is not None:
+        if self.deployment is not None and self.deployment.server is not None:
             ray.get(self.deployment.server.update_weight_version.remote(version))
+
+    def sleep(self) -> int:
+        """Between rollouts: every engine frees its KV memory and moves its weights off the
+        accelerator (the store and the index are kept); returns the bytes freed."""
+        return int(ray.get(self._scheduler().sleep.remote()))
+
+    def wake_up(self) -> None:
+        ray.get(self._scheduler().wake_up.remote())
+
+    def attach_weight_sender(self, group_name: str = "policy", timeout_s: float = 300.0) -> WeightSender:
+        """This process becomes rank 0 of a weight broadcast group every engine joins (the way
+        a trainer syncs its policy); use it with `update_weights_from_group`."""
+        engines = len(ray.get(self._scheduler().engine_names.remote()))
+        sender = WeightSender.listen(engines + 1, host=ray.util.get_node_ip_address(), group_name=group_name,
+                                     timeout_s=timeout_s)
+        joined = self._scheduler().join_weight_group.remote(sender.host, sender.port, group_name, timeout_s)
+        sender.connect()
+        ray.get(joined)
+        return sender
+
+    def update_weights_from_group(self, sender: WeightSender, version: int, state_dict: Any) -> int:
+        """Broadcast `state_dict` to every engine through the group and make it weight version
+        `version`: later requests use that version's key namespace, so KV of the old weights is
+        never hit."""
+        _check_version(version)
+        manifest = manifest_of(state_dict)
+        received = self._scheduler().update_weights_from_group.remote(version, manifest)
+        sender.send(state_dict, manifest)
+        ray.get(received)
+        self._use_weight_version(version)
         return version
 
     def health(self) -> dict[str, str]:

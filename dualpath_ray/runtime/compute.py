@@ -128,6 +128,14 @@ class EngineCompute(ABC):
         """New weights in place (a safetensors directory or a state dict); a bad source leaves
         the old ones."""
 
+    def offload(self) -> int:
+        """Sleep: move the weights off the accelerator to host memory; returns the accelerator
+        bytes freed (0 where the weights already live in host memory)."""
+        return 0
+
+    def restore(self) -> None:
+        """Wake: the weights back where they compute."""
+
 
 def page_token_views(pages: torch.Tensor, layer: int, table: Sequence[int], start: int, end: int) -> list[torch.Tensor]:
     """[n, bytes] views of tokens [start, end) of one layer, one per page the range touches."""
@@ -214,6 +222,18 @@ class ModelCompute(EngineCompute):
 
     def load_weights(self, source: Any) -> None:
         self.model.load_weights(source)
+
+    def offload(self) -> int:
+        if self.device.type == "cpu":
+            return 0
+        freed = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
+        self.model.to("cpu")
+        self._page_views.clear()
+        torch.cuda.empty_cache()
+        return freed
+
+    def restore(self) -> None:
+        self.model.to(self.device)
 
     # --- byte views ---------------------------------------------------------------------
 

@@ -27,6 +27,7 @@ from dualpath_ray.runtime.emulation import make_compute, make_link
 from dualpath_ray.runtime.leader import ActorDirectory, GroupLeader, start_thread
 from dualpath_ray.runtime.messages import EngineHoldings, LoadReport
 from dualpath_ray.runtime.restarts import TransportKeeper, was_restarted
+from dualpath_ray.runtime.weight_sync import TensorSpec, WeightGroup
 from dualpath_ray.runtime.transport import TransportEndpoint, make_transport
 from dualpath_ray.scheduling import EngineLoad
 from dualpath_ray.scheduling.types import Role
@@ -96,6 +97,8 @@ class EngineBase(TransportEndpoint):
         self.stopped = threading.Event()
         self.error: BaseException | None = None
         self.started = False
+        self.asleep = False
+        self.weight_group: WeightGroup | None = None
         self.leader: GroupLeader | None = None
         if identity.engine_id in identity.members:
             # Every member runs the group's loop; only the first live one pulls (leader.py).
@@ -224,6 +227,55 @@ class EngineBase(TransportEndpoint):
     @ray.method(concurrency_group="control")
     def node_labels(self) -> dict[str, str]:
         return dict(ray.get_runtime_context().get_node_labels())
+
+    @ray.method(concurrency_group="control")
+    def sleep(self) -> int:
+        """Release this engine's memory between rollouts: its KV memory (decode pages, the
+        prefill layer window) is freed and the weights leave the accelerator. Refused while it
+        holds a request. Returns the bytes freed."""
+        with self.compute_lock:  # the worker steps under it: no step is half-way
+            if self.asleep:
+                return 0
+            if self.core.busy():
+                raise RuntimeError(f"{self.id.engine_id}: sleep while requests are in flight; abort them or wait")
+            freed = self.transport.release_memory() + self.compute.offload()
+            self.asleep = True
+        return freed
+
+    @ray.method(concurrency_group="control")
+    def wake_up(self) -> str:
+        """Allocate the KV memory again and bring the weights back; returns the incarnation
+        under which its memory is now addressed (peers fetch it again)."""
+        with self.compute_lock:
+            if self.asleep:
+                self.compute.restore()
+                self.transport.restore_memory()
+                self.incarnation = self.transport.incarnation
+                self.asleep = False
+        return self.incarnation
+
+    @ray.method(concurrency_group="control")
+    def forget_peers(self) -> None:
+        """A peer woke with new memory addresses: fetch every peer's addressing again."""
+        self.transport.forget_peers()
+
+    @ray.method(concurrency_group="control")
+    def join_weight_group(self, host: str, port: int, world_size: int, rank: int, group_name: str, timeout_s: float) -> int:
+        """Join a trainer's weight broadcast group (rank 0 is the trainer); blocks until every
+        member joined. Returns this engine's rank."""
+        self.weight_group = WeightGroup.join(
+            host, port, world_size, rank, group_name, timeout_s, self.device, ray.util.get_node_ip_address()
+        )
+        return rank
+
+    @ray.method(concurrency_group="control")
+    def receive_weights(self, version: int, manifest: list[TensorSpec]) -> int:
+        """Receive the trainer's broadcast of `manifest` (in order) through the joined group and
+        load it as weight version `version`; later requests use that version's key namespace."""
+        if self.weight_group is None:
+            raise RuntimeError(f"{self.id.engine_id}: receive_weights before join_weight_group")
+        state = self.weight_group.receive(manifest)
+        return self.update_weights(version, state)
 
     @ray.method(concurrency_group="control")
     def update_weights(self, version: int, source: Any) -> int:

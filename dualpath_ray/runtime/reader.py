@@ -290,6 +290,11 @@ class StorageReader(TransportEndpoint):
             self.core.free(extent_id)
 
     @ray.method(concurrency_group="ctl")
+    def forget_peers(self) -> None:
+        """An engine woke with new memory addresses: fetch every peer's addressing again."""
+        self.transport.forget_peers()
+
+    @ray.method(concurrency_group="ctl")
     def reclaim(self, owner: str) -> int:
         return self.core.reclaim(owner)
 

@@ -43,8 +43,8 @@ from dualpath_ray.runtime.messages import (
     failed_result,
 )
 from dualpath_ray.runtime.restarts import IncarnationTracker, peer_state_of, was_restarted
-from dualpath_ray.runtime.topology import plan_nodes
-from dualpath_ray.runtime.transport import TransportError, setup_gloo_world
+from dualpath_ray.runtime.control import ClusterControl
+from dualpath_ray.runtime.weight_sync import TensorSpec
 from dualpath_ray.scheduling.dispatcher import Constants
 from dualpath_ray.scheduling.requests import RequestState
 from dualpath_ray.scheduling.scheduler import CoreSettings, SchedulerCore, is_attempt
@@ -81,8 +81,8 @@ class Scheduler:
         # Attempts failed because their engine went silent: their extents are reclaimed only
         # once the death is certain (Ray reports it, or the engine comes back as a new process).
         self.unreclaimed: dict[str, list[str]] = {}
-        self.world_lock = asyncio.Lock()
-        self.worlds_formed = 0
+        self.control = ClusterControl(cfg)
+        self.asleep = False
         self.starting: asyncio.Task[None] | None = None
         self.pending: dict[str, asyncio.Future[TurnResult]] = {}
         self.started_at = time.time()
@@ -253,30 +253,55 @@ class Scheduler:
         self._reclaim(owners + self.unreclaimed.pop(name, []))
 
     async def reform_transport(self, requester: str) -> bool:
-        """A restarted gloo endpoint (`requester`) asks for a new world over every engine and
-        reader of the deployment (a gloo world cannot take a new member in place). Requests are
-        served one at a time; one that a world formed after it was asked already covers is
-        answered at once. NIXL needs no world: True."""
+        """A restarted or broken gloo endpoint (`requester`) asks for a new world over every
+        engine and reader (runtime/control.py). NIXL needs no world: True."""
         if self.cfg.runtime.transport != "gloo":
             return True
-        asked_at = self.worlds_formed
-        async with self.world_lock:
-            if self.worlds_formed > asked_at:
-                return True
-            try:
-                await asyncio.to_thread(self._form_world)
-            except (TransportError, ValueError) as exc:
-                LOG.warning("forming a new gloo world for %s failed: %s", requester, exc)
-                return False
-            self.worlds_formed += 1
-            self.calls["worlds_formed"] += 1
-            return True
+        formed = await self.control.reform_gloo_world(requester)
+        self.calls["worlds_formed"] = self.control.worlds_formed
+        return formed
 
-    def _form_world(self) -> None:
-        namespace = self.cfg.runtime.namespace
-        names = [name for spec in plan_nodes(self.cfg) for name in (spec.reader_name, *spec.engine_names())]
-        setup_gloo_world([ray.get_actor(name, namespace=namespace) for name in names],
-                         timeout_s=self.cfg.runtime.transfer_timeout_s)
+    # --- between rollouts: sleep, wake, weights from a trainer ---------------------------
+
+    async def sleep(self) -> int:
+        """Put every engine to sleep (KV memory freed, weights off the accelerator; the store
+        and the index are kept). Refused while a request is in flight; while asleep, generate
+        is refused with a clear error. Returns the bytes freed."""
+        await self._started()
+        self._require_idle("sleep")
+        self.asleep = True
+        return await self.control.sleep()
+
+    async def wake_up(self) -> None:
+        """Wake every engine (memory allocated again, peers told to fetch its new addressing)."""
+        await self._started()
+        for engine, incarnation in (await self.control.wake_up()).items():
+            self.incarnations.known[engine] = incarnation  # a wake, not a restart: nothing to fail
+        self.asleep = False
+
+    async def join_weight_group(self, host: str, port: int, group_name: str = "policy", timeout_s: float = 300.0) -> int:
+        """Every engine joins a trainer's weight broadcast group (runtime/weight_sync.py) as
+        ranks 1..N; the trainer joins as rank 0 beside this call. Returns the world size."""
+        await self._started()
+        return await self.control.join_weight_group(host, port, group_name, timeout_s)
+
+    async def update_weights_from_group(self, version: int, manifest: list[TensorSpec]) -> int:
+        """Every engine receives the trainer's broadcast of `manifest` (sent beside this call)
+        and loads it as weight version `version`. Refused while a request is in flight."""
+        await self._started()
+        self._require_idle("update_weights_from_group")
+        await self.control.receive_weights(version, manifest)
+        return version
+
+    async def engine_names(self) -> list[str]:
+        return list(self.control.engines)
+
+    def _require_idle(self, what: str) -> None:
+        if self.aborts.running or self.core.requests:
+            raise RuntimeError(
+                f"{what} with {len(self.aborts.running)} requests in flight; call it between rollouts "
+                "(abort_all() first to stop them)"
+            )
 
     def _note_report(self, role: Role, report: GroupReport) -> None:
         """New incarnations in a report (restarts), then its reader's state: a reader that did
@@ -306,6 +331,8 @@ class Scheduler:
         await self._started()
         if spec.request_id in self.aborts.running or spec.request_id in self.adoptions.waiting:
             raise ValueError(f"request id {spec.request_id!r} is already in flight; ids must be unique")
+        if self.asleep:
+            raise RuntimeError("the cluster is asleep: call wake_up() before generating")
         self.calls["generate"] += 1
         if not self.aborts.start(spec.request_id):
             return aborted_result(spec)  # its trajectory was aborted

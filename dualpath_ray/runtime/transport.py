@@ -305,6 +305,7 @@ class Transport(ABC):
         # Called (once per abort) when this endpoint's world becomes unusable (gloo's BROKEN),
         # so the actor can ask for a new one (runtime/restarts.py TransportKeeper).
         self.on_broken: Callable[[], None] | None = None
+        self._released = False  # the pools' memory is freed (the engine sleeps)
 
     # ---- registration ------------------------------------------------------------------
     def register(self, name: str, pool: torch.Tensor) -> None:
@@ -333,6 +334,49 @@ class Transport(ABC):
             pools = tuple(self._pool_infos.values())
             self._info = EndpointInfo(self.endpoint_name, self.incarnation, self.kind, pools, backend)
             self._state = next_state(self._state, self._sealed_state())
+
+    def release_memory(self) -> int:
+        """Free every registered pool's memory (an engine going to sleep): each is deregistered
+        and its storage shrunk to nothing; moves fail until `restore_memory`. The caller makes
+        sure no transfer is in flight. Returns the bytes freed."""
+        with self._lock:
+            if self._released:
+                return 0
+            if self._state in (TransportState.REGISTERING, TransportState.CLOSED):
+                raise TransportError(f"release_memory: {self.endpoint_name} is {self._state.value}")
+            freed = 0
+            for name, pool in self._pools.items():
+                self._deregister_backend(name)
+                freed += pool.untyped_storage().nbytes()
+                pool.untyped_storage().resize_(0)
+            self._released = True
+        if any(p.device.type == "cuda" for p in self._pools.values()):
+            torch.cuda.empty_cache()
+        return freed
+
+    def restore_memory(self) -> None:
+        """Allocate the pools again (zeroed; every tensor viewing them sees the new memory),
+        register them, and publish the new addressing under a new incarnation, so a peer that
+        cached the old one finds out and fetches this one."""
+        with self._lock:
+            if not self._released:
+                return
+            for name, pool in self._pools.items():
+                pool.untyped_storage().resize_(self._pool_infos[name].nbytes)
+                pool.zero_()
+                self._register_backend(name, pool)
+            self.incarnation = uuid.uuid4().hex[:12]
+            assert self._info is not None
+            self._info = EndpointInfo(self.endpoint_name, self.incarnation, self.kind, self._info.pools, self._seal_backend())
+            self._released = False
+
+    def forget_peers(self) -> None:
+        """Drop every cached peer's addressing (a peer woke with new memory): the next move to
+        each fetches it again."""
+        with self._lock:
+            peers = list(self._peers)
+        for peer in peers:
+            self._forget_peer(peer)
 
     def info(self) -> EndpointInfo:
         if self._info is None or self._state is TransportState.CLOSED:
@@ -371,6 +415,8 @@ class Transport(ABC):
 
     def _move(self, op: str, peer: str, moves: Sequence[Move]) -> Transfer:
         where = f"{op} {'from' if op == 'read' else 'to'} {peer}"
+        if self._released:
+            raise TransportError(f"{where}: {self.endpoint_name} released its memory (asleep); wake it first")
         if peer != self.endpoint_name or self._state in (TransportState.REGISTERING, TransportState.CLOSED):
             self._require_ready(where)  # a self-move copies local memory: it needs no gloo world
         if not isinstance(peer, str) or not peer:
@@ -532,6 +578,10 @@ class Transport(ABC):
         return ""
 
     def _forget_backend_peer(self, info: EndpointInfo) -> None:
+        return None
+
+    def _deregister_backend(self, name: str) -> None:
+        """Undo `_register_backend` of pool `name` (its memory is about to be freed)."""
         return None
 
     def _serve_backend(self, request: object) -> object:

@@ -222,7 +222,7 @@ class NixlTransport(Transport):
             raise TransportError(f"creating the NIXL agent {self.agent_name} failed: {exc}") from exc
         if "UCX" not in self._agent.backends:
             raise TransportError(f"NIXL has no UCX plugin here (plugins: {self._agent.get_plugin_list()})")
-        self._registrations: list[Any] = []
+        self._registrations: dict[str, Any] = {}  # pool name -> its NIXL registration
         self._local: dict[str, NixlPool] = {}
         self._remote_agents: dict[str, Any] = {}  # peer agent name -> name add_remote_agent returned
         self._progress_stop = threading.Event()
@@ -245,8 +245,13 @@ class NixlTransport(Transport):
             registration = self._agent_call(self._agent.register_memory, pool)
         except Exception as exc:
             raise TransportError(f"register {name!r}: NIXL register_memory failed: {exc}") from exc
-        self._registrations.append(registration)
+        self._registrations[name] = registration
         self._local[name] = nixl_pool(name, pool)
+
+    def _deregister_backend(self, name: str) -> None:
+        registration = self._registrations.pop(name, None)
+        if registration is not None:
+            self._agent_call(self._agent.deregister_memory, registration)
 
     def _seal_backend(self) -> object:
         metadata = self._agent_call(self._agent.get_agent_metadata)
@@ -318,8 +323,8 @@ class NixlTransport(Transport):
     def _close_backend(self) -> None:
         self._progress_stop.set()
         with self._agent_lock:
-            registrations, self._registrations = self._registrations, []
-            for registration in registrations:
+            registrations, self._registrations = self._registrations, {}
+            for registration in registrations.values():
                 try:
                     self._agent.deregister_memory(registration)
                 except Exception:  # noqa: BLE001, S110 - closing anyway; the agent goes with the process

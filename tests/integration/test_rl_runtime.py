@@ -94,3 +94,34 @@ def test_an_abort_mid_decode_answers_the_caller_and_frees_everything(cluster: Du
     assert all(f == c for f, _, _, c in pools.values()), f"every buffer extent of the aborted request is free: {pools}"
     assert all(f == c and r == 0 for f, _, r, c in pages.values()), f"its decode pages are free: {pages}"
     assert ray.get(scheduler.check_integrity.remote()) == 0, "the scheduler holds nothing of it"
+
+
+def test_sleep_frees_engine_memory_and_wake_restores_it_with_the_store_kept(cluster: DualPathCluster) -> None:
+    scheduler = cluster.deployment.scheduler
+    before = ray.get(scheduler.generate.remote(spec_of(cluster, "sleep-1", 200, 6, seed=11)))
+    freed = cluster.sleep()
+    assert freed > 0, "sleeping frees the engines' KV memory"
+    with pytest.raises(ray.exceptions.RayTaskError, match="asleep"):
+        ray.get(scheduler.generate.remote(spec_of(cluster, "sleep-2", 200, 6, seed=11)))
+    cluster.wake_up()
+    after = ray.get(scheduler.generate.remote(spec_of(cluster, "sleep-3", 200, 6, seed=11)))
+    assert after.error is None and after.output_tokens == before.output_tokens, "the same weights serve after waking"
+    assert after.hit_tokens == 192, "the store and the index were kept: the prompt's 3 full blocks are hits"
+
+
+def test_weights_broadcast_by_a_trainer_change_outputs_and_move_the_key_namespace(cluster: DualPathCluster) -> None:
+    from dualpath_ray.model.llama import DecoderModel
+
+    scheduler = cluster.deployment.scheduler
+    old = ray.get(scheduler.generate.remote(spec_of(cluster, "sync-0", 200, 6, seed=21)))
+    assert old.error is None
+    trained = cluster.cfg.model.model_copy(update={"seed": 4242})
+    state = DecoderModel(trained).state_dict()
+    sender = cluster.attach_weight_sender(group_name="test-policy", timeout_s=60.0)
+    assert cluster.update_weights_from_group(sender, 1, state) == 1
+    new = ray.get(scheduler.generate.remote(spec_of(cluster, "sync-1", 200, 6, seed=21)))
+    prompt = np.random.default_rng(21).integers(0, 512, 200)
+    expected = tuple(DecoderModel(trained).greedy_generate([int(t) for t in prompt], 6).token_ids)
+    assert new.output_tokens == expected, "the engines compute with the broadcast weights"
+    assert new.output_tokens != old.output_tokens, "the outputs changed with the weights"
+    assert new.hit_tokens == 0, "no block of the old weight version is hit under the new one"

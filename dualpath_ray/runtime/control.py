@@ -1,0 +1,95 @@
+"""Calls the Scheduler makes to every engine and reader of its deployment at once: sleep and
+wake between rollouts, the trainer's weight broadcast group, and a new gloo world.
+
+The Scheduler is the one actor every trainer, adapter and restarted endpoint can reach by name,
+so cluster-wide control goes through it; this class keeps that fan-out out of its request path.
+Every call is awaited without blocking the Scheduler's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, Sequence
+
+import ray
+
+from dualpath_ray.config import DualPathConfig
+from dualpath_ray.runtime.topology import plan_nodes
+from dualpath_ray.runtime.transport import TransportError, setup_gloo_world
+from dualpath_ray.runtime.weight_sync import TensorSpec
+
+LOG = logging.getLogger("dualpath_ray.control")
+
+
+class ClusterControl:
+    def __init__(self, cfg: DualPathConfig) -> None:
+        self.cfg = cfg
+        nodes = plan_nodes(cfg)
+        self.engines = [name for spec in nodes for name in spec.engine_names()]
+        self.readers = [spec.reader_name for spec in nodes]
+        self.world_lock = asyncio.Lock()
+        self.worlds_formed = 0
+
+    def _handle(self, name: str) -> Any:
+        return ray.get_actor(name, namespace=self.cfg.runtime.namespace)
+
+    async def call_all(self, names: Sequence[str], method: str, *args: Any) -> list[Any]:
+        """`method(*args)` on every named actor at once; their answers in order."""
+        refs = [getattr(self._handle(name), method).remote(*args) for name in names]
+        return list(await asyncio.gather(*(asyncio.wrap_future(ref.future()) for ref in refs)))
+
+    # --- sleep and wake -----------------------------------------------------------------
+
+    async def sleep(self) -> int:
+        """Every engine releases its KV memory and moves its weights off the accelerator;
+        returns the bytes freed."""
+        return sum(await self.call_all(self.engines, "sleep"))
+
+    async def wake_up(self) -> dict[str, str]:
+        """Every engine allocates its memory again (under a new incarnation of its addressing);
+        then every engine and reader drops the addressing it cached, so its next transfer uses
+        the new one. Returns engine -> its new incarnation."""
+        incarnations = dict(zip(self.engines, await self.call_all(self.engines, "wake_up")))
+        await self.call_all([*self.readers, *self.engines], "forget_peers")
+        return incarnations
+
+    # --- the trainer's weight broadcast group -----------------------------------------
+
+    async def join_weight_group(self, host: str, port: int, group_name: str, timeout_s: float) -> int:
+        """Every engine joins the trainer's group as ranks 1..N (the trainer is rank 0 and joins
+        beside this call); returns the group's world size."""
+        world_size = len(self.engines) + 1
+        await asyncio.gather(*(
+            asyncio.wrap_future(
+                self._handle(name).join_weight_group.remote(host, port, world_size, rank, group_name, timeout_s).future()
+            )
+            for rank, name in enumerate(self.engines, start=1)
+        ))
+        return world_size
+
+    async def receive_weights(self, version: int, manifest: Sequence[TensorSpec]) -> None:
+        """Every engine receives the broadcast the trainer sends beside this call and loads it."""
+        await self.call_all(self.engines, "receive_weights", version, list(manifest))
+
+    # --- gloo worlds --------------------------------------------------------------------
+
+    async def reform_gloo_world(self, requester: str) -> bool:
+        """A new gloo world over every engine and reader (a gloo world cannot take a new member
+        in place), asked for by a restarted or broken endpoint. One at a time; a request that a
+        world formed after it was asked already covers is answered at once."""
+        asked_at = self.worlds_formed
+        async with self.world_lock:
+            if self.worlds_formed > asked_at:
+                return True
+            try:
+                await asyncio.to_thread(self._form_world)
+            except (TransportError, ValueError) as exc:
+                LOG.warning("forming a new gloo world for %s failed: %s", requester, exc)
+                return False
+            self.worlds_formed += 1
+            return True
+
+    def _form_world(self) -> None:
+        handles = [self._handle(name) for name in [*self.readers, *self.engines]]
+        setup_gloo_world(handles, timeout_s=self.cfg.runtime.transfer_timeout_s)
