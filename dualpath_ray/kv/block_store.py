@@ -15,12 +15,18 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from dualpath_ray.kv.errors import BlockCorruptedError, BlockNotFoundError, IncompatibleBlockError
+from dualpath_ray.kv.errors import (
+    BlockCorruptedError,
+    BlockNotFoundError,
+    IncompatibleBlockError,
+)
 from dualpath_ray.kv.keys import KEY_PATTERN, validate_key
 from dualpath_ray.kv.layout import KVLayout
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "KEY_PATTERN", "BlockCorruptedError", "BlockHook", "BlockNotFoundError", "BlockStore",
@@ -41,6 +47,8 @@ def check_batch(layout: KVLayout, keys: Sequence[str], outs: Sequence[torch.Tens
     """Raise ValueError unless keys and outs pair up, every key is valid, every out a host block."""
     if len(keys) != len(outs):
         raise ValueError(f"got {len(keys)} keys but {len(outs)} output blocks: pass one out per key")
+    import torch
+
     for key in keys:
         validate_key(key)
     shape = torch.Size(layout.full_block_shape)

@@ -10,20 +10,23 @@ bytes without a copy.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# torch is imported where tensors are made or checked, not at module load: the scheduler and the
+# simulator use the byte geometry only and must start without it.
 _ITEMSIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def torch_dtype(name: str) -> torch.dtype:
     """The torch dtype of a config dtype name."""
-    try:
-        return _DTYPES[name]
-    except KeyError:
-        raise ValueError(f"unknown dtype {name!r}; allowed: {', '.join(_DTYPES)}") from None
+    import torch
+
+    if name not in _ITEMSIZES:
+        raise ValueError(f"unknown dtype {name!r}; allowed: {', '.join(_ITEMSIZES)}")
+    return getattr(torch, name)
 
 
 class SlotSegment(NamedTuple):
@@ -94,10 +97,14 @@ class KVLayout:
         return -(-tokens // self.block_size)
 
     def empty_full_block(self) -> torch.Tensor:
+        import torch
+
         return torch.empty(self.full_block_shape, dtype=torch.uint8)
 
     def check_full_block(self, block: torch.Tensor) -> None:
         """Raise ValueError unless `block` is a contiguous uint8 Full Block of this layout."""
+        import torch
+
         if block.dtype != torch.uint8 or tuple(block.shape) != self.full_block_shape:
             raise ValueError(
                 f"expected a uint8 Full Block of shape {self.full_block_shape}, "
@@ -137,6 +144,8 @@ class KVLayout:
 
     def kv_as_bytes(self, kv: torch.Tensor) -> torch.Tensor:
         """One layer's KV [T, 2, n_kv_head, head_dim] as [T, bytes_per_token_per_layer] uint8."""
+        import torch
+
         if tuple(kv.shape[1:]) != self.kv_token_shape or kv.dtype != self.torch_dtype:
             raise ValueError(
                 f"expected KV [T, {self.kv_token_shape}] {self.dtype}, got {tuple(kv.shape)} {kv.dtype}"
@@ -145,6 +154,8 @@ class KVLayout:
 
     def bytes_as_kv(self, data: torch.Tensor) -> torch.Tensor:
         """Inverse of kv_as_bytes: [T, bytes] uint8 -> [T, 2, n_kv_head, head_dim] view."""
+        import torch
+
         if data.dtype != torch.uint8 or data.shape[-1] != self.bytes_per_token_per_layer:
             raise ValueError(f"expected [T, {self.bytes_per_token_per_layer}] uint8, got {tuple(data.shape)}")
         tokens = data.shape[0]

@@ -7,8 +7,7 @@ import secrets
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from dualpath_ray.kv.block_format import (
     HEADER_SIZE,
@@ -41,6 +40,10 @@ TEMP_SUFFIX = ".tmp"
 # outweighs the overlap (measured: 64 KiB 0.8x, 256 KiB 1.0x, 512 KiB 1.2x of serial).
 HELPED_BLOCK_BYTES = 512 * 1024
 # A payload read but not yet verified: its bytes, the checksum its header promises, its path.
+
+if TYPE_CHECKING:
+    import torch
+
 _Check = tuple[memoryview, int, str]
 
 
@@ -69,7 +72,7 @@ class LocalDirStore(BlockStore):
         self._root_text = str(self._root)
         self.layout = layout
         self._headers = HeaderVerifier(layout)
-        self._block_shape = torch.Size(layout.full_block_shape)
+        self._block_shape = tuple(layout.full_block_shape)
         self._file_bytes = HEADER_SIZE + layout.full_block_bytes
         self.fsync = fsync
         if read_threads is None:
@@ -211,6 +214,8 @@ class LocalDirStore(BlockStore):
 
     def _read_unverified(self, key: str, out: torch.Tensor) -> _Check:
         """Read header and payload with one readv into `out`; checks the header, not the payload."""
+        import torch
+
         if not (out.dtype is torch.uint8 and out.shape == self._block_shape and out.is_cpu and out.is_contiguous()):
             check_host_block(self.layout, out, "out")
         return self._read_checked_out(key, out)

@@ -9,8 +9,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from dualpath_ray.kv.block_format import BlockHeader, checksum, verify_payload
 from dualpath_ray.kv.block_store import (
@@ -24,6 +23,10 @@ from dualpath_ray.kv.layout import KVLayout
 
 KeyHook = Callable[[str], None]
 
+
+
+if TYPE_CHECKING:
+    import torch
 
 class InjectedPutError(OSError):
     """A put failed on purpose (MemoryStore.fail_next_puts)."""

@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
 
 from dualpath_ray import metrics as m
 from dualpath_ray.config import DualPathConfig
-from dualpath_ray.kv.window import RING_LAYERS
 from dualpath_ray.metrics import MetricSink, RayMetrics
 from dualpath_ray.runtime.accounting import PATHS
 from dualpath_ray.runtime.metrics_export import CounterTotals, PeriodicExport
@@ -124,6 +123,10 @@ class EngineMetrics:
             pages = self.core.pages
             page_bytes = self.core.layout.full_block_bytes
             return (pages.capacity - pages.unreserved_pages) * page_bytes, pages.capacity * page_bytes
+        from dualpath_ray.kv.window import (
+            RING_LAYERS,  # torch: only engine processes import it
+        )
+
         window = self.core.window
         return window.held() * window.slot_bytes, RING_LAYERS * window.slot_bytes
 

@@ -15,9 +15,8 @@ from typing import Any, Sequence
 import ray
 
 from dualpath_ray.config import DualPathConfig
+from dualpath_ray.runtime.messages import TensorSpec
 from dualpath_ray.runtime.topology import plan_nodes
-from dualpath_ray.runtime.transport import TransportError, setup_gloo_world
-from dualpath_ray.runtime.weight_sync import TensorSpec
 
 LOG = logging.getLogger("dualpath_ray.control")
 
@@ -78,6 +77,10 @@ class ClusterControl:
         """A new gloo world over every engine and reader (a gloo world cannot take a new member
         in place), asked for by a restarted or broken endpoint. One at a time; a request that a
         world formed after it was asked already covers is answered at once."""
+        from dualpath_ray.runtime.transport import (
+            TransportError,  # torch: loaded only when a world is needed
+        )
+
         asked_at = self.worlds_formed
         async with self.world_lock:
             if self.worlds_formed > asked_at:
@@ -91,5 +94,7 @@ class ClusterControl:
             return True
 
     def _form_world(self) -> None:
+        from dualpath_ray.runtime.transport import setup_gloo_world
+
         handles = [self._handle(name) for name in [*self.readers, *self.engines]]
         setup_gloo_world(handles, timeout_s=self.cfg.runtime.transfer_timeout_s)

@@ -9,6 +9,7 @@ transport, and answers `load`/`accept` on its control group while the worker com
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,10 +26,11 @@ from dualpath_ray.runtime.accounting import NodeCounters
 from dualpath_ray.runtime.actor_metrics import EngineMetrics
 from dualpath_ray.runtime.emulation import make_compute, make_link
 from dualpath_ray.runtime.leader import ActorDirectory, GroupLeader, start_thread
-from dualpath_ray.runtime.messages import EngineHoldings, LoadReport
+from dualpath_ray.runtime.messages import EngineHoldings, LoadReport, TensorSpec
+from dualpath_ray.runtime.qos import kv_transport_knobs
 from dualpath_ray.runtime.restarts import TransportKeeper, was_restarted
-from dualpath_ray.runtime.weight_sync import TensorSpec, WeightGroup
 from dualpath_ray.runtime.transport import TransportEndpoint, make_transport
+from dualpath_ray.runtime.weight_sync import WeightGroup
 from dualpath_ray.scheduling import EngineLoad
 from dualpath_ray.scheduling.types import Role
 
@@ -80,7 +82,8 @@ class EngineBase(TransportEndpoint):
         self.transport = self.attach_transport(
             make_transport(
                 cfg.runtime.transport, identity.engine_id, namespace=cfg.runtime.namespace,
-                timeout_s=cfg.runtime.transfer_timeout_s,
+                timeout_s=cfg.runtime.transfer_timeout_s, verbs_settings=cfg.verbs,
+                verbs_device=cfg.verbs.device_for(identity.gpu), **kv_transport_knobs(cfg.qos),
             )
         )
         self.incarnation = self.transport.incarnation
@@ -227,6 +230,12 @@ class EngineBase(TransportEndpoint):
     @ray.method(concurrency_group="control")
     def node_labels(self) -> dict[str, str]:
         return dict(ray.get_runtime_context().get_node_labels())
+
+    @ray.method(concurrency_group="control")
+    def env(self, keys: list[str]) -> dict[str, str | None]:
+        """These variables of this process's environment (None: unset), e.g. to check the
+        traffic classes its runtime_env gave it."""
+        return {key: os.environ.get(key) for key in keys}
 
     @ray.method(concurrency_group="control")
     def sleep(self) -> int:

@@ -285,6 +285,15 @@ class EngineHoldings(NamedTuple):
     held: dict[str, Holding]
 
 
+@dataclass(frozen=True)
+class TensorSpec:
+    """One tensor of a trainer's weight broadcast, in manifest order (runtime/weight_sync.py)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # "float32", "bfloat16", ...
+
+
 def aborted_result(spec: RequestSpec) -> TurnResult:
     """What the caller of an aborted request gets: no output, stop reason ABORTED, no error."""
     return TurnResult(

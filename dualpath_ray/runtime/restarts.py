@@ -19,13 +19,15 @@ import time
 import uuid
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import ray
 import ray.exceptions
 
 from dualpath_ray.runtime.messages import PeerState
-from dualpath_ray.runtime.transport import PeerDiedError, Transport, TransportState
+
+if TYPE_CHECKING:
+    from dualpath_ray.runtime.transport import Transport
 
 LOG = logging.getLogger("dualpath_ray.restarts")
 _REJOIN_POLL_S = 0.05
@@ -79,6 +81,11 @@ def rejoin_transport(transport: Transport, reform: Callable[[], Any], timeout_s:
     returns once it formed one or failed to) until its transport is READY; NIXL needs nothing
     (a peer learns the new agent from its incarnation the first time it addresses it). False if
     the transport is still not ready after timeout_s."""
+    from dualpath_ray.runtime.transport import (  # engine side: torch is loaded
+        PeerDiedError,
+        TransportState,
+    )
+
     deadline = time.monotonic() + timeout_s
     while transport.state is not TransportState.READY:
         if time.monotonic() >= deadline:

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import time
 import logging
+import time
 from typing import Any, AsyncIterator
 
 import ray
@@ -24,9 +24,10 @@ from dualpath_ray.kv.index import PrefixIndex
 from dualpath_ray.kv.layout import KVLayout
 from dualpath_ray.kv.store import open_store
 from dualpath_ray.model.profile import derive_alpha_beta
-from dualpath_ray.runtime.actor_metrics import SchedulerMetrics
 from dualpath_ray.runtime.aborts import Aborts
+from dualpath_ray.runtime.actor_metrics import SchedulerMetrics
 from dualpath_ray.runtime.adoption import Adoptions
+from dualpath_ray.runtime.control import ClusterControl
 from dualpath_ray.runtime.messages import (
     DecodeReservation,
     EngineHoldings,
@@ -36,15 +37,18 @@ from dualpath_ray.runtime.messages import (
     PeerState,
     PrefillTask,
     RequestSpec,
-    TurnResult,
     StreamDelta,
+    TensorSpec,
     TokenChunk,
+    TurnResult,
     aborted_result,
     failed_result,
 )
-from dualpath_ray.runtime.restarts import IncarnationTracker, peer_state_of, was_restarted
-from dualpath_ray.runtime.control import ClusterControl
-from dualpath_ray.runtime.weight_sync import TensorSpec
+from dualpath_ray.runtime.restarts import (
+    IncarnationTracker,
+    peer_state_of,
+    was_restarted,
+)
 from dualpath_ray.scheduling.dispatcher import Constants
 from dualpath_ray.scheduling.requests import RequestState
 from dualpath_ray.scheduling.scheduler import CoreSettings, SchedulerCore, is_attempt

@@ -10,27 +10,19 @@ so it coexists with the trainer's own process groups and with the engines' KV tr
 from __future__ import annotations
 
 import socket
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 
+from dualpath_ray.runtime.messages import TensorSpec
+
 _DTYPES = {str(t).removeprefix("torch."): t for t in (torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32)}
 
 
 class WeightSyncError(RuntimeError):
     """The group could not be formed, or what was sent does not match the manifest."""
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """One tensor of a broadcast, in manifest order."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: str  # "float32", "bfloat16", ...
 
 
 def manifest_of(state_dict: Mapping[str, torch.Tensor]) -> list[TensorSpec]:
