@@ -25,6 +25,7 @@ from dualpath_ray.runtime.accounting import NodeCounters
 from dualpath_ray.runtime.engine import EngineIdentity
 from dualpath_ray.runtime.messages import TurnResult
 from dualpath_ray.runtime.prefill import PrefillEngine
+from dualpath_ray.runtime.qos import ActorKind, actor_environment, engine_kind
 from dualpath_ray.runtime.reader import StorageReader
 from dualpath_ray.runtime.scheduler import Scheduler
 from dualpath_ray.runtime.topology import (
@@ -190,14 +191,16 @@ class DualPathCluster:
         restarts = cfg.runtime.max_actor_restarts
         for spec in self.nodes:
             group = groups[spec.role]
-            readers[spec.reader_name] = StorageReader.options(**reader_options(group, spec, ns, restarts)).remote(
+            reader_env = actor_environment(cfg.qos, ActorKind.READER)
+            readers[spec.reader_name] = StorageReader.options(**reader_options(group, spec, ns, restarts, reader_env)).remote(
                 cfg, spec.node_id, root, spec.reader_name
             )
             actor_cls = PrefillEngine if spec.role == "prefill" else DecodeEngine
             members = spec.engine_names()
             for gpu, name in enumerate(members):
                 identity = EngineIdentity(name, spec.node_id, gpu, members, spec.reader_name)
-                engines[name] = actor_cls.options(**engine_options(group, spec, name, ns, restarts)).remote(
+                engine_env = actor_environment(cfg.qos, engine_kind(spec.role))
+                engines[name] = actor_cls.options(**engine_options(group, spec, name, ns, restarts, engine_env)).remote(
                     cfg, identity, root
                 )
         actors = {**readers, **engines}

@@ -9,6 +9,7 @@ STRICT_SPREAD with a label selector, so bundle i is exactly one node of that rol
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -147,8 +148,16 @@ def restart_options(max_restarts: int) -> dict[str, Any]:
     return {"max_restarts": max_restarts, "max_task_retries": 0}
 
 
+def environment_options(env_vars: Mapping[str, str] | None) -> dict[str, Any]:
+    """The actor's process environment (runtime/qos.py's per-role traffic classes) as a Ray
+    runtime_env: set before the process starts, so UCX and NCCL read it when they initialise.
+    Ray merges it with the job's runtime_env, these variables winning."""
+    return {"runtime_env": {"env_vars": dict(env_vars)}} if env_vars else {}
+
+
 def engine_options(
-    group: PlacementGroup, spec: NodeSpec, name: str, namespace: str, max_restarts: int = 0
+    group: PlacementGroup, spec: NodeSpec, name: str, namespace: str, max_restarts: int = 0,
+    env_vars: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     return {
         "name": name,
@@ -157,10 +166,14 @@ def engine_options(
         "num_cpus": 0,
         "scheduling_strategy": in_bundle(group, spec.bundle_index),
         **restart_options(max_restarts),
+        **environment_options(env_vars),
     }
 
 
-def reader_options(group: PlacementGroup, spec: NodeSpec, namespace: str, max_restarts: int = 0) -> dict[str, Any]:
+def reader_options(
+    group: PlacementGroup, spec: NodeSpec, namespace: str, max_restarts: int = 0,
+    env_vars: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
     return {
         "name": spec.reader_name,
         "namespace": namespace,
@@ -168,4 +181,5 @@ def reader_options(group: PlacementGroup, spec: NodeSpec, namespace: str, max_re
         "resources": {slot_resource(spec.role): 0.01},
         "scheduling_strategy": in_bundle(group, spec.bundle_index),
         **restart_options(max_restarts),
+        **environment_options(env_vars),
     }
