@@ -8,8 +8,10 @@ move and return a `Transfer` to poll (`done`) or block on (`wait`). The Ray obje
 carries KV bytes.
 
 Backends: ``nixl`` (transport_nixl.py: one-sided READ/WRITE through the nixl agent, no Ray call
-per transfer) and ``gloo`` (transport_gloo.py: two-sided send/recv over host memory, one Ray call
-per transfer to the passive side; the CPU fallback).
+per transfer), ``gloo`` (transport_gloo.py: two-sided send/recv over host memory, one Ray call
+per transfer to the passive side; the CPU fallback) and ``verbs`` (transport_verbs.py: RC queue
+pairs through pyverbs, one doorbell per batch of RDMA READs/WRITEs, the KV service level on
+every queue pair; needs an RDMA NIC).
 
 Ownership rule: the transport moves bytes, it does not lease them. Whoever names a remote region
 must know by its own protocol (a message from the owner) that the region holds the wanted bytes
@@ -39,7 +41,7 @@ import ray
 import torch
 
 TRANSPORT_GROUP = "transport"
-TRANSPORT_KINDS = ("nixl", "gloo")
+TRANSPORT_KINDS = ("nixl", "gloo", "verbs")
 OPS = ("read", "write")
 _SPIN_S = 0.001  # wait() polls without sleeping this long: NIXL moves of <= 4 MiB finish inside it
 _FIRST_PAUSE_S = 50e-6
@@ -642,8 +644,13 @@ def make_transport(
     traffic_class: int | None = None,
     ucx_tls: str | None = None,
     ucx_net_devices: str | None = None,
+    verbs_settings: Any = None,
+    verbs_device: str | None = None,
 ) -> Transport:
-    """Build this process's transport; UCX knobs are applied to the process environment first."""
+    """Build this process's transport; UCX knobs are applied to the process environment first.
+
+    `verbs` (transport_verbs.py) takes its port settings from `verbs_settings` (a VerbsConfig)
+    and `verbs_device`, and puts service_level / traffic_class into its queue pairs."""
     from dualpath_ray.runtime.transport_nixl import (
         apply_ucx_environment,
         ucx_environment,
@@ -664,6 +671,13 @@ def make_transport(
         from dualpath_ray.runtime.transport_nixl import NixlTransport
 
         return NixlTransport(endpoint_name, namespace, timeout_s)
+    if kind == "verbs":
+        from dualpath_ray.runtime.transport_verbs import make_verbs_transport
+
+        return make_verbs_transport(
+            endpoint_name, namespace, timeout_s, settings=verbs_settings, device=verbs_device,
+            service_level=service_level, traffic_class=traffic_class,
+        )
     from dualpath_ray.runtime.transport_gloo import GlooTransport
 
     return GlooTransport(endpoint_name, namespace, timeout_s)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -27,12 +29,16 @@ from dualpath_ray.runtime.transport import (
     next_state,
 )
 from dualpath_ray.runtime.transport_gloo import _MAX_TAG, _TAG_RANGES, _TagCounter
+from dualpath_ray.runtime.transport_verbs import VerbsTransport
+from dualpath_ray.runtime.verbs_config import VerbsConfig
 from dualpath_ray.runtime.transport_nixl import (
     apply_ucx_environment,
     descriptor_groups,
     nixl_pool,
     ucx_environment,
 )
+
+from tests.fake_verbs import FakeFabric, FakeVerbs
 
 POOLS = {"hbm": PoolInfo("hbm", 1024, "cpu"), "window": PoolInfo("window", 256, "cpu")}
 
@@ -46,6 +52,20 @@ def _sealed_gloo(name: str = "decode/n1/g0") -> tuple[Transport, torch.Tensor, t
     transport.register("window", window)
     transport.seal()
     return transport, hbm, window
+
+
+def _sealed_verbs(name: str = "decode/n1/g0") -> tuple[Transport, torch.Tensor, torch.Tensor]:
+    """The same pools on a verbs transport over the fake verbs layer (tests/fake_verbs.py)."""
+    transport = VerbsTransport(name, "dualpath", 60.0, layer=FakeVerbs(FakeFabric()), settings=VerbsConfig())
+    hbm = torch.arange(64, dtype=torch.float32).reshape(4, 2, 8)
+    window = torch.zeros(3, 16, dtype=torch.uint8)
+    transport.register("hbm", hbm)
+    transport.register("window", window)
+    transport.seal()
+    return transport, hbm, window
+
+
+SEALED = [pytest.param(_sealed_gloo, id="gloo"), pytest.param(_sealed_verbs, id="verbs-fake")]
 
 
 def test_region_checks_name_the_field_and_the_fix() -> None:
@@ -93,8 +113,9 @@ def test_coalescing_merges_runs_contiguous_on_both_sides_only() -> None:
     ], "adjacent moves merge only when local and remote both continue the previous move"
 
 
-def test_region_of_and_view_are_byte_arithmetic_on_the_pool() -> None:
-    transport, hbm, window = _sealed_gloo()
+@pytest.mark.parametrize("sealed", SEALED)
+def test_region_of_and_view_are_byte_arithmetic_on_the_pool(sealed: Callable[..., Any]) -> None:
+    transport, hbm, window = sealed()
     region = transport.region_of("hbm", hbm[2, 1])
     assert region == Region("hbm", (2 * 2 + 1) * 8 * 4, 8 * 4), "offset and size count bytes, whatever the dtype"
     assert torch.equal(transport.view(region), hbm[2, 1].view(torch.uint8)), "view() returns the same bytes"
@@ -172,8 +193,9 @@ def test_state_gates_moves_and_info() -> None:
         transport.write("reader/n1", move)
 
 
-def test_self_moves_copy_bytes_and_count() -> None:
-    transport, hbm, window = _sealed_gloo("prefill/n0/g0")
+@pytest.mark.parametrize("sealed", SEALED)
+def test_self_moves_copy_bytes_and_count(sealed: Callable[..., Any]) -> None:
+    transport, hbm, window = sealed("prefill/n0/g0")
     me = transport.endpoint_name
     window[0] = torch.arange(16, dtype=torch.uint8)
     source = transport.region_of("window", window[0])
