@@ -27,17 +27,19 @@ class DecodeEngine(EngineBase):
         cfg = self.cfg
         n_pages = cfg.cluster.hbm_tokens_per_engine // self.layout.block_size
         pages = PagedKVPool(max(1, n_pages), self.layout, self.device)
-        self.transport.register(HBM_POOL, pages.tensor)
+        self.hbm.register(HBM_POOL, pages.tensor)
         settings = DecodeSettings(
             self.id.engine_id, self.id.node_id, cfg.model.max_context, cfg.runtime.max_persists_in_flight,
             cfg.runtime.transfer_timeout_s, cfg.runtime.verify_kv, cfg.runtime.kv_digests,
             cfg.runtime.request_timeout_s,
         )
+        readers = RayReaders(self.directory, self.id.engine_id, self.wake)
         ports = DecodePorts(
-            RayReaders(self.directory, self.id.engine_id, self.wake), self.transport, RayScheduler(self.directory), SystemClock()
+            self.hbm.readers_port(readers, self.layout.full_block_bytes, HBM_POOL), self.hbm.transport_port(),
+            RayScheduler(self.directory), SystemClock(),
         )
         if self.faults.active:
-            ports = with_faults(ports, self.faults, self.transport.view)
+            ports = with_faults(ports, self.faults, self.hbm.view)
         return DecodeCore(settings, self.layout, self.compute, pages, ports, self.store, self.links)
 
     @ray.method(concurrency_group="io")

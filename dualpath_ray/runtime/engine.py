@@ -27,6 +27,7 @@ from dualpath_ray.runtime.actor_metrics import EngineMetrics
 from dualpath_ray.runtime.emulation import make_compute, make_link
 from dualpath_ray.runtime.leader import ActorDirectory, GroupLeader, start_thread
 from dualpath_ray.runtime.messages import EngineHoldings, LoadReport, TensorSpec
+from dualpath_ray.runtime.hbm_moves import HbmMoves
 from dualpath_ray.runtime.qos import kv_transport_knobs
 from dualpath_ray.runtime.restarts import TransportKeeper, was_restarted
 from dualpath_ray.runtime.transport import TransportEndpoint, make_transport
@@ -93,6 +94,7 @@ class EngineBase(TransportEndpoint):
         self.store = open_store(cfg.store, self.layout, root=store_root)
         self.weight_version = cfg.model.weight_version
         self.wake = threading.Event()
+        self.hbm = HbmMoves(cfg.runtime.hbm_moves, self.transport)
         self.core = self._build_core()
         self.transport.seal()
         self.metrics = EngineMetrics.start(cfg, identity.engine_id, identity.node_id, self.role, self.core)
@@ -225,6 +227,7 @@ class EngineBase(TransportEndpoint):
         leader = self.leader
         pulls = {"failed_pulls": leader.failed_pulls, "last_failure": leader.last_failure} if leader else {}
         return {"core": asdict(self.core.stats), "transport": asdict(self.transport.stats()), "device": str(self.device),
+                "hbm_moves": {"mode": self.hbm.mode, **asdict(self.hbm.stats)},
                 "incarnation": self.incarnation, "leader": pulls}
 
     @ray.method(concurrency_group="control")

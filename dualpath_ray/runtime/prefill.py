@@ -26,17 +26,17 @@ class PrefillEngine(EngineBase):
     def _build_core(self) -> PrefillCore:
         cfg = self.cfg
         window = LayerWindow(cfg.cluster.prefill_hbm_tokens, self.layout, self.device)
-        self.transport.register(WINDOW_POOL, window.tensor)
+        self.hbm.register(WINDOW_POOL, window.tensor)
         settings = PrefillSettings(
             self.id.engine_id, self.id.node_id, self.id.reader, cfg.scheduler.compute_quota_ms,
             cfg.runtime.transfer_timeout_s, cfg.runtime.kv_digests, cfg.runtime.request_timeout_s,
         )
         ports = PrefillPorts(
-            RayReaders(self.directory, self.id.engine_id, self.wake), self.transport, RayScheduler(self.directory),
-            RayDecodeTargets(self.directory), SystemClock(),
+            RayReaders(self.directory, self.id.engine_id, self.wake), self.hbm.transport_port(),
+            RayScheduler(self.directory), RayDecodeTargets(self.directory), SystemClock(),
         )
         if self.faults.active:
-            ports = with_faults(ports, self.faults, self.transport.view)
+            ports = with_faults(ports, self.faults, self.hbm.view)
         return PrefillCore(
             settings, self.layout, self.compute, window, attention_predictor(cfg), ports, self.store, self.links
         )

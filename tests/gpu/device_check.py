@@ -2,7 +2,9 @@
 
 An embedded 1P1D cluster whose two nodes share the machine's GPU (each offers Ray one), the
 model and every engine pool on CUDA in bfloat16, real rates (no emulation). The same agent
-trajectories go through basic and dualpath; it checks that
+trajectories go through basic and dualpath with layer blocks moved into and out of HBM by the
+transport (runtime.hbm_moves: transport, GPU memory registered), then dualpath with CUDA copies of
+a pinned host mirror (cuda_copy); it checks that
 - the decode side received every hit KV byte exactly and the computed KV within bf16 rounding
   (runtime.verify_kv recomputes each prompt's KV there),
 - each generated token's log-prob equals a single-sequence recompute of the whole conversation on
@@ -31,9 +33,15 @@ from dualpath_ray.workload.trace import Trajectory  # noqa: E402
 
 # bf16 log-probs of a batched forward and a single-sequence one differ by rounding only.
 LOGPROB_ATOL = 0.1
+# (label, runtime.hbm_moves, mode) of each run on the one cluster.
+RUNS = (
+    ("basic", "transport", "basic"),
+    ("dualpath", "transport", "dualpath"),
+    ("dualpath+cuda_copy", "cuda_copy", "dualpath"),
+)
 
 
-def device_config(n_layer: int) -> DualPathConfig:
+def device_config(n_layer: int, hbm_moves: str = "transport") -> DualPathConfig:
     return parse_config(
         {
             "model": {"n_layer": n_layer, "max_context": 8192, "dtype": "bfloat16"},
@@ -41,7 +49,7 @@ def device_config(n_layer: int) -> DualPathConfig:
                         "hbm_tokens_per_engine": 65536, "prefill_hbm_tokens": 65536,
                         "buffer_blocks_per_node": 1024, "cpus_per_node": 2},
             "emulation": {"enabled": False},
-            "runtime": {"device": "cuda", "verify_kv": True},
+            "runtime": {"device": "cuda", "verify_kv": True, "hbm_moves": hbm_moves},
         },
         source="<device_check>",
     )
@@ -84,8 +92,15 @@ def run(args: argparse.Namespace) -> int:
     failures: list[str] = []
     cluster = DualPathCluster.start(cfg)
     try:
-        for mode in ("basic", "dualpath"):
-            cluster.deploy(mode)
+        # Both ways into and out of HBM (runtime.hbm_moves): every mode through the transport
+        # (GPU memory registered, the CNIC-centric rule), and dualpath with CUDA copies of a
+        # pinned host mirror; all must generate the same tokens.
+        for label, hbm_moves, mode in RUNS:
+            if hbm_moves == "transport" and cfg.runtime.transport == "gloo":
+                failures.append(f"{label}: hbm_moves transport needs nixl or verbs (gloo cannot register GPU "
+                                "memory); install the nixl extra")
+                continue
+            cluster.deploy(mode, cfg=device_config(args.layers, hbm_moves))
             started = time.monotonic()
             results = cluster.run_trajectories(trajectories)
             elapsed = time.monotonic() - started
@@ -96,21 +111,24 @@ def run(args: argparse.Namespace) -> int:
             verified = sum(r.kv_bytes_verified for r in turns)
             stats = cluster.engine_stats()
             devices = sorted({s["device"] for s in stats.values()})
-            print(f"{mode}: {len(turns)} turns in {elapsed:.2f} s on {devices}; prefill "
+            copied = sum(s["hbm_moves"]["h2d_bytes"] + s["hbm_moves"]["d2h_bytes"] for s in stats.values())
+            print(f"{label}: {len(turns)} turns in {elapsed:.2f} s on {devices}; CUDA-copied {copied / 1e6:.1f} MB; prefill "
                   f"{computed / elapsed:.0f} computed tokens/s, decode {generated / elapsed:.0f} tokens/s; "
                   f"KV verified {verified / 1e6:.1f} MB, mismatches {mismatched}")
             if mismatched:
-                failures.append(f"{mode}: {mismatched} prompts' KV differed at the decode side")
+                failures.append(f"{label}: {mismatched} prompts' KV differed at the decode side")
             if any(not d.startswith("cuda") for d in devices):
-                failures.append(f"{mode}: engines computed on {devices}, not the GPU")
-            outputs[mode] = {t: [r.output_tokens for r in rs] for t, rs in results.items()}
+                failures.append(f"{label}: engines computed on {devices}, not the GPU")
+            if (copied > 0) != (hbm_moves == "cuda_copy"):
+                failures.append(f"{label}: {copied} bytes went through CUDA copies; expected them only with cuda_copy")
+            outputs[label] = {t: [r.output_tokens for r in rs] for t, rs in results.items()}
         model = DecoderModel(cfg.model).to("cuda")
         errors = logprob_errors(model, trajectories, results)
         print(f"log-prob vs recompute: max |diff| {max(errors):.4f} over {len(errors)} turns (tolerance {LOGPROB_ATOL})")
         if max(errors) > LOGPROB_ATOL:
             failures.append(f"log-probs differ from a recompute by {max(errors):.4f} > {LOGPROB_ATOL}")
-        if outputs["basic"] != outputs["dualpath"]:
-            failures.append("basic and dualpath generated different tokens")
+        if len({repr(tokens) for tokens in outputs.values()}) > 1:
+            failures.append(f"the runs {sorted(outputs)} did not all generate the same tokens")
     finally:
         cluster.shutdown()
     for failure in failures:

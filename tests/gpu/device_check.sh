@@ -13,4 +13,4 @@ timeout 180 "$PYTHON" -m pytest -q -m gpu tests
 echo "== engine throughput (in-process cores, CUDA, bf16)"
 timeout 120 "$PYTHON" benchmarks/engine_throughput.py --device cuda --dtype bfloat16 --repeats 3 --context 1024 --prefill-cached 2048 --prefill-new 512
 echo "== runtime on CUDA, bf16 (embedded 1P1D sharing this GPU)"
-timeout 240 "$PYTHON" tests/gpu/device_check.py
+timeout 360 "$PYTHON" tests/gpu/device_check.py
