@@ -15,6 +15,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
 
 from dualpath_ray.faults.plan import FaultMode, FaultPlan, FaultSite
+from dualpath_ray.runtime.qos import QosConfig
+from dualpath_ray.runtime.verbs_config import VerbsConfig
 from dualpath_ray.scheduling.types import Mode
 
 
@@ -185,6 +187,12 @@ class SchedulerConfig(_Section):
     fetch_wait_ms: float = Field(
         50.0, ge=0, description="How long the scheduler holds an empty pull, waking it as soon as work may exist."
     )
+    read_split: Literal["whole", "proportional"] = Field(
+        "whole",
+        description="How one request's hit blocks are read: whole = all through the side with the shorter read "
+        "queue (the paper's); proportional = split between the prefill-side and decode-side readers in proportion "
+        "to their read-queue headroom below alpha (the paper's future work; so far the simulator only).",
+    )
 
 
 class EmulationConfig(_Section):
@@ -200,15 +208,46 @@ class EmulationConfig(_Section):
     burst_seconds: float = Field(0.05, gt=0, description="Token-bucket depth in seconds of rate.")
 
 
+class SimConfig(_Section):
+    """The cluster simulator (`dualpath sim`, dualpath_ray/sim/); the runtime ignores this section.
+
+    With both profiles given, the simulator models that GPU-class node and model (engine time from
+    FLOPs and bytes, model/cost.py), and the cluster section's hardware fields it leaves out are
+    filled from the hardware profile. Without them it models this machine: engine time from the
+    emulation profile (emulation.profile_path) and the model section's KV layout.
+    """
+
+    hardware_profile: Path | None = Field(
+        None, description="GPU-class node profile YAML (cluster_configs/profiles/hardware/)."
+    )
+    model_profile: Path | None = Field(None, description="Model profile YAML (cluster_configs/profiles/models/).")
+
+    @model_validator(mode="after")
+    def _profiles_together(self) -> SimConfig:
+        if (self.hardware_profile is None) != (self.model_profile is None):
+            raise ValueError("give both hardware_profile and model_profile, or neither")
+        return self
+
+
 class RuntimeConfig(_Section):
     """How the runtime runs a workload."""
 
     mode: Mode = Field(Mode.DUALPATH, description="dualpath (both read paths), basic (the prefill side only) or oracle (no I/O).")
-    transport: Literal["auto", "nixl", "gloo"] = Field(
+    transport: Literal["auto", "nixl", "gloo", "verbs"] = Field(
         "auto",
         description="KV transport between nodes: nixl (RDMA-capable, the nixl package), gloo (TCP "
-        "fallback), or auto = nixl when the nixl package is importable where the config is loaded, "
-        "else gloo. The loaded config always holds the resolved kind.",
+        "fallback), verbs (RC queue pairs through pyverbs, the rdma extra; needs an RDMA NIC, see the "
+        "verbs section), or auto = nixl when the nixl package is importable where the config is loaded, "
+        "else gloo (never verbs). The loaded config always holds the resolved kind.",
+    )
+    hbm_moves: Literal["transport", "cuda_copy"] = Field(
+        "transport",
+        description="How layer blocks move into and out of a GPU engine's HBM: transport = the HBM pools are "
+        "registered with the KV transport, so every move is an RDMA operation through the GPU's compute NIC "
+        "(the paper's CNIC-centric rule; needs nixl or verbs, and GPUDirect RDMA to avoid staging); cuda_copy "
+        "= the transport moves a pinned host mirror of each HBM pool and the engine copies it to and from HBM "
+        "with CUDA copies (works with every transport; costs host memory the size of the pools). CPU engines "
+        "have no HBM: both are the same there.",
     )
     namespace: str = Field("dualpath", min_length=1, description="Ray namespace of all actors.")
     max_new_tokens: int = Field(16, ge=1, description="Default generation length per turn.")
@@ -286,6 +325,9 @@ class DualPathConfig(_Section):
     emulation: EmulationConfig = EmulationConfig()
     runtime: RuntimeConfig = RuntimeConfig()
     faults: FaultPlan = FaultPlan()
+    sim: SimConfig = SimConfig()
+    qos: QosConfig = QosConfig()
+    verbs: VerbsConfig = VerbsConfig()
 
     @model_validator(mode="after")
     def _prefill_window_holds_a_prompt(self) -> DualPathConfig:

@@ -44,6 +44,7 @@ class Request:
     prompt: Sequence[int]
     path: str = "pe"
     max_new_tokens: int = 4
+    pe_hit_blocks: int | None = None  # split path: hit blocks the prefill side reads (default: half)
 
 
 class EngineHarness:
@@ -107,8 +108,9 @@ class EngineHarness:
                            self.namespace, self.clock.now())
         pages = self.layout.blocks_for(len(prompt) + request.max_new_tokens)
         self.decode.accept([DecodeReservation(request.request_id, 0, pages * self.layout.block_size, DE)])
+        pe_blocks = request.pe_hit_blocks if request.pe_hit_blocks is not None else usable // 2
         return PrefillTask(spec, tuple(hit.keys[:usable]), usable * self.layout.block_size, request.path,
-                           oracle, PE, "p0", DE, "d0")
+                           oracle, PE, "p0", DE, "d0", pe_blocks if request.path == "split" else 0)
 
     def serve(self, requests: Sequence[Request], oracle: bool = False, timeout_s: float = 60.0) -> list[TurnResult]:
         """Run requests to completion (all submitted at once); results in request order."""

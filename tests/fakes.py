@@ -138,13 +138,15 @@ class FakeReaders:
         for node, core in cores.items():
             fabric.register(f"reader/{node}", BUFFER_POOL, core.pool.buffer)
 
-    def stage(self, node_id: str, owner: str, keys: Sequence[str], total_blocks: int, path: str) -> Any:
+    def stage(
+        self, node_id: str, owner: str, keys: Sequence[str], total_blocks: int, path: str, first_block: int = 0
+    ) -> Any:
         self.calls.append("stage")
         if self.fail_stage:
             self.fail_stage -= 1
             return Failed(RuntimeError(f"injected read failure on {node_id}"))
         core = self.cores[node_id]
-        return Ready(core.stage(owner, keys, total_blocks, path, f"reader/{node_id}"))
+        return Ready(core.stage(owner, keys, total_blocks, path, f"reader/{node_id}", first_block))
 
     def lease(self, node_id: str, owner: str, n_blocks: int) -> Any:
         self.calls.append("lease")

@@ -21,7 +21,7 @@ from dualpath_ray.api.validation import make_spec, validate_prompt
 from dualpath_ray.config import DualPathConfig
 from dualpath_ray.metrics import TRAJECTORY_JCT_SECONDS, MetricSink, RayMetrics
 from dualpath_ray.runtime.messages import RequestSpec, SamplingParams, TurnResult
-from dualpath_ray.scheduling.types import StopReason
+from dualpath_ray.scheduling.types import ReadPath, StopReason
 from dualpath_ray.workload.trace import Trajectory
 
 ROLLOUT_SCHEMA = pa.schema(
@@ -66,11 +66,19 @@ class RolloutResult:
             "hit_rate": hits / prompt if prompt else 0.0,
             "mean_ttft_s": float(np.mean(self.table["ttft_s"].to_numpy())) if self.table.num_rows else 0.0,
             "mean_tpot_s": float(np.mean(self.table["tpot_s"].to_numpy())) if self.table.num_rows else 0.0,
-            "requests_by_path": {p: self.table["path"].to_pylist().count(p) for p in ("pe", "de")},
+            "requests_by_path": _requests_by_path(self.table["path"].to_pylist()),
         }
 
     def write_parquet(self, path: str) -> None:
         pq.write_table(self.table, path)
+
+
+def _requests_by_path(paths: list[str]) -> dict[str, int]:
+    """Turns per read path; `split` only where some were split (scheduler.read_split)."""
+    counts = {p.value: paths.count(p.value) for p in ReadPath}
+    if not counts[ReadPath.SPLIT.value]:
+        del counts[ReadPath.SPLIT.value]
+    return counts
 
 
 def _rows(trajectory_id: str, turn: int, result: TurnResult) -> dict[str, Any]:

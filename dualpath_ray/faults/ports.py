@@ -58,8 +58,10 @@ class FaultyReaders:
         self.inner = inner
         self.faults = faults
 
-    def stage(self, node_id: str, owner: str, keys: Sequence[str], total_blocks: int, path: str) -> Pending[ExtentGrant]:
-        return _call(self.faults, "stage", lambda: self.inner.stage(node_id, owner, keys, total_blocks, path))
+    def stage(
+        self, node_id: str, owner: str, keys: Sequence[str], total_blocks: int, path: str, first_block: int = 0
+    ) -> Pending[ExtentGrant]:
+        return _call(self.faults, "stage", lambda: self.inner.stage(node_id, owner, keys, total_blocks, path, first_block))
 
     def lease(self, node_id: str, owner: str, n_blocks: int) -> Pending[ExtentGrant]:
         return _call(self.faults, "lease", lambda: self.inner.lease(node_id, owner, n_blocks))

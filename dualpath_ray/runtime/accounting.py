@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from dualpath_ray.scheduling.types import ReadPath
+from dualpath_ray.scheduling.types import READ_SIDES
 
 from dataclasses import dataclass, field
 
-PATHS = tuple(path.value for path in ReadPath)  # the counters' keys: plain strings
+PATHS = tuple(side.value for side in READ_SIDES)  # the counters' keys: plain strings
 
 
 @dataclass

@@ -58,7 +58,7 @@ from dualpath_ray.runtime.outbox import Outbox
 from dualpath_ray.runtime.transport import Move, Region
 from dualpath_ray.runtime.verify import landed_mismatches, verify_prompt_kv
 from dualpath_ray.scheduling import EngineLoad
-from dualpath_ray.scheduling.types import StopReason
+from dualpath_ray.scheduling.types import ReadPath, StopReason
 
 LOG = logging.getLogger("dualpath_ray.decode")
 HBM_POOL = "hbm"
@@ -296,7 +296,7 @@ class DecodeCore:
         moves = self._prompt_moves(table, extent.slots, tokens)
         nbytes = sum(m[0].nbytes for m in moves)
         self.cnic_in.take(nbytes)
-        self.counters.cnic_in[job.handoff.task.path] += nbytes
+        self.counters.cnic_in[ReadPath(job.handoff.task.path).side.value] += nbytes
         job.load = self.ports.transport.read(extent.reader, moves)
 
     def _prompt_moves(self, table: Sequence[int], slots: Sequence[int], tokens: int) -> list[Move]:
@@ -517,7 +517,7 @@ class DecodeCore:
             blocks = [job.queued.popleft() for _ in range(min(room, len(job.queued)))]
             nbytes = len(blocks) * self.layout.full_block_bytes
             self.cnic_out.take(nbytes)
-            self.counters.cnic_out[job.handoff.task.path] += nbytes  # type: ignore[union-attr]
+            self.counters.cnic_out[ReadPath(job.handoff.task.path).side.value] += nbytes  # type: ignore[union-attr]
             pending = self.ports.readers.persist_pages(self.settings.node_id, job.owner, blocks)
             job.persists.append((pending, tuple(p for _, p in blocks)))
             self._in_flight += len(blocks)

@@ -134,10 +134,25 @@ class PrefillTask:
     prefill_node: str
     decode_engine: str
     decode_node: str
+    # Hit blocks the prefill-side reader reads: the first ones (all of them on the PE path, none
+    # on the DE path, some on a split read); the decode-side reader reads the rest.
+    pe_hit_blocks: int = 0
 
     @property
     def request_id(self) -> str:
         return self.request.request_id
+
+    @property
+    def pe_blocks(self) -> int:
+        """Hit blocks the prefill-side reader reads (the first ones)."""
+        if self.path == ReadPath.SPLIT:
+            return self.pe_hit_blocks
+        return len(self.hit_keys) if self.path == ReadPath.PE else 0
+
+    @property
+    def pe_tokens(self) -> int:
+        """Tokens of past KV in the prefill node's extent at the first chunk: [0, pe_tokens)."""
+        return self.hit_tokens * self.pe_blocks // len(self.hit_keys) if self.hit_keys else 0
 
 
 @dataclass(frozen=True)

@@ -56,8 +56,12 @@ class Failed:
 class ReaderPort(Protocol):
     """The storage readers of every node, addressed by node id."""
 
-    def stage(self, node_id: str, owner: str, keys: Sequence[str], total_blocks: int, path: str) -> Pending[ExtentGrant]:
-        """Lease an extent of total_blocks on the node and read the hit blocks `keys` into it."""
+    def stage(
+        self, node_id: str, owner: str, keys: Sequence[str], total_blocks: int, path: str, first_block: int = 0
+    ) -> Pending[ExtentGrant]:
+        """Lease an extent of total_blocks on the node and read the hit blocks `keys` into its
+        slots from block `first_block` on (a split read's decode-side part starts past the
+        blocks the prefill side reads)."""
 
     def lease(self, node_id: str, owner: str, n_blocks: int) -> Pending[ExtentGrant]:
         """Lease an empty extent (the decode side of a PE-path request)."""

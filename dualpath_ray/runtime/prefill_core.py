@@ -42,6 +42,7 @@ from dualpath_ray.runtime.outbox import Outbox
 from dualpath_ray.runtime.ports import Clock, DecodePort, Pending, ReaderPort, SchedulerPort, TransportPort
 from dualpath_ray.runtime.prefill_pipeline import LayerPipeline, PipelineStats, oracle_kv_for
 from dualpath_ray.scheduling import EngineLoad, pack_prefill_batch
+from dualpath_ray.scheduling.types import ReadPath
 
 LOG = logging.getLogger("dualpath_ray.prefill")
 
@@ -249,14 +250,19 @@ class PrefillCore:
         blocks = self.layout.blocks_for(len(prompt))
         keys = list(task.hit_keys)
         readers = self.ports.readers
+        pe_blocks = task.pe_blocks
         if task.oracle:
             job.oracle_kv = oracle_kv_for(self.layout, len(prompt), self._read_oracle_hits(keys))
-        elif task.path == "pe":
-            if keys:
-                job.staging["pe"] = readers.stage(self.settings.node_id, owner, keys, len(keys), "pe")
-            job.staging["de"] = readers.lease(task.decode_node, owner, blocks)
         else:
-            job.staging["de"] = readers.stage(task.decode_node, owner, keys, blocks, "de")
+            # The first pe_blocks hits (all on the PE path, none on the DE path) into this
+            # node's buffer; the rest into the decode node's extent at their own block
+            # positions, so that extent ends up holding the whole prompt.
+            if pe_blocks:
+                job.staging["pe"] = readers.stage(self.settings.node_id, owner, keys[:pe_blocks], pe_blocks, "pe")
+            if keys[pe_blocks:]:
+                job.staging["de"] = readers.stage(task.decode_node, owner, keys[pe_blocks:], blocks, "de", pe_blocks)
+            else:
+                job.staging["de"] = readers.lease(task.decode_node, owner, blocks)
         self.stats.port_calls += len(job.staging)
         return job
 
@@ -323,10 +329,13 @@ class PrefillCore:
     def _first_digests(self, job: PrefillJob) -> np.ndarray | None:
         if not self.settings.kv_digests or job.task.oracle:
             return None
-        source = job.pe if job.task.path == "pe" else job.de
         if job.task.hit_tokens == 0:
             return np.zeros((self.layout.n_layer, 0), dtype=np.int64)
-        return source.digests if source is not None else None
+        parts = [grant.digests for grant in (job.pe, job.de) if grant is not None and grant.digests is not None]
+        if job.task.path != ReadPath.SPLIT:
+            source = job.pe if job.task.path == ReadPath.PE else job.de
+            return source.digests if source is not None else None
+        return np.concatenate(parts, axis=1) if len(parts) == 2 else None
 
     # --- batches ------------------------------------------------------------------------
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -35,6 +35,7 @@ from dualpath_ray.runtime.emulation.links import Link
 from dualpath_ray.runtime.failures import KVMismatchError
 from dualpath_ray.runtime.ports import Pending, TransportPort
 from dualpath_ray.runtime.transport import Move, Region
+from dualpath_ray.scheduling.types import ReadPath
 
 if TYPE_CHECKING:
     from dualpath_ray.runtime.prefill_core import PrefillJob
@@ -73,12 +74,15 @@ class _Posted:
 
 @dataclass
 class _Check:
-    """One request's past KV loaded into a layer's slot, and how to read it again."""
+    """Past KV of tokens [lo, hi) of one request loaded into a layer's slot from one peer, and
+    how to read it again."""
 
     job: PrefillJob
     chunk: ChunkSpec
     peer: str
     moves: list[Move]
+    lo: int
+    hi: int
 
 
 @dataclass
@@ -163,14 +167,13 @@ class LayerPipeline:
             if job.task.oracle:
                 slot[chunk.offset : chunk.offset + chunk.start].copy_(job.oracle_kv[layer, : chunk.start])
                 continue
-            grant = job.pe if (job.chunks == 0 and job.task.path == "pe") else job.de
-            assert grant is not None, f"request {job.request_id}: no extent holds its past KV"
-            moves = self._moves(grant.slots, layer, 0, chunk.start, chunk.offset)
-            by_peer[grant.reader].extend(moves)
-            if self.check_digests and job.digests is not None:
-                self._layers[layer].checks.append(_Check(job, chunk, grant.reader, moves))
-            nbytes = sum(m[0].nbytes for m in moves)
-            self.counters.cnic_in[job.task.path] += nbytes
+            for grant, lo, hi, side in self._past_sources(job, chunk):
+                assert grant is not None, f"request {job.request_id}: no extent holds its past KV [{lo}, {hi})"
+                moves = self._moves(grant.slots, layer, lo, hi, chunk.offset)
+                by_peer[grant.reader].extend(moves)
+                if self.check_digests and job.digests is not None:
+                    self._layers[layer].checks.append(_Check(job, chunk, grant.reader, moves, lo, hi))
+                self.counters.cnic_in[side] += sum(m[0].nbytes for m in moves)
         if not by_peer:
             self.window.move(layer, SlotEvent.SKIP_LOAD)
             return
@@ -182,6 +185,20 @@ class LayerPipeline:
             self._count(layer, peer)
             self.stats.reads += 1
             self.stats.bytes_in += nbytes
+
+    @staticmethod
+    def _past_sources(job: PrefillJob, chunk: ChunkSpec) -> list[tuple[Any, int, int, str]]:
+        """(extent, first token, end token, counter side) of each part of a request's past KV.
+        The first chunk reads its first `pe_tokens` hit tokens from the prefill node's extent
+        (all of them on the PE path, none on the DE path, the first blocks of a split read) and
+        the rest from the decode node's, which holds everything once that chunk was sent."""
+        task = job.task
+        side = ReadPath(task.path).side.value
+        if job.chunks:
+            return [(job.de, 0, chunk.start, side)]
+        pe_end = min(task.pe_tokens, chunk.start)
+        parts = [(job.pe, 0, pe_end, ReadPath.PE.value), (job.de, pe_end, chunk.start, side)]
+        return [part for part in parts if part[2] > part[1]]
 
     def _finish_in(self, layer: int) -> None:
         if self.window.state(layer) is SlotState.LOADING:
@@ -198,13 +215,13 @@ class LayerPipeline:
         computes on KV it cannot vouch for."""
         slot = self.window.slot(layer)
         for check in self._layers[layer].checks:
-            want = check.job.digests[layer, : check.chunk.start]  # type: ignore[index]
-            bad = self._mismatches(slot, check.chunk, want)
+            want = check.job.digests[layer, check.lo : check.hi]  # type: ignore[index]
+            bad = self._mismatches(slot, check, want)
             if not len(bad):
                 continue
             self.stats.digest_mismatches += len(bad)
             self.transport.read(check.peer, check.moves).wait(self.timeout_s)
-            again = self._mismatches(slot, check.chunk, want)
+            again = self._mismatches(slot, check, want)
             self.stats.digest_mismatches += len(np.setdiff1d(again, bad))
             if len(again):
                 raise KVMismatchError(
@@ -214,8 +231,9 @@ class LayerPipeline:
             self.stats.digest_rereads += 1
 
     @staticmethod
-    def _mismatches(slot: torch.Tensor, chunk: ChunkSpec, want: np.ndarray) -> np.ndarray:
-        return mismatched_tokens(window_digests(slot[chunk.offset : chunk.offset + chunk.start]), want)
+    def _mismatches(slot: torch.Tensor, check: _Check, want: np.ndarray) -> np.ndarray:
+        start = check.chunk.offset
+        return mismatched_tokens(window_digests(slot[start + check.lo : start + check.hi]), want)
 
     def _digest_computed(self, jobs: Sequence[PrefillJob], chunks: Sequence[ChunkSpec], layer: int) -> None:
         """Digests of each request's KV of this layer, hits and new tokens, before it is sent."""
@@ -233,11 +251,11 @@ class LayerPipeline:
             if job.task.oracle:
                 job.oracle_kv[layer, chunk.start : chunk.end].copy_(slot[chunk.offset + chunk.start : chunk.offset + chunk.end])
                 continue
-            first = 0 if (job.chunks == 0 and job.task.path == "pe") else chunk.start
             assert job.de is not None, f"request {job.request_id}: no decode-side extent to send to"
-            moves = self._moves(job.de.slots, layer, first, chunk.end, chunk.offset)
-            by_peer[job.de.reader].extend(moves)
-            self.counters.cnic_out[job.task.path] += sum(m[0].nbytes for m in moves)
+            for lo, hi, side in self._sent_parts(job, chunk):
+                moves = self._moves(job.de.slots, layer, lo, hi, chunk.offset)
+                by_peer[job.de.reader].extend(moves)
+                self.counters.cnic_out[side] += sum(m[0].nbytes for m in moves)
         if not by_peer:
             self.window.move(layer, SlotEvent.DROP)
             return
@@ -249,6 +267,18 @@ class LayerPipeline:
             self._count(layer, peer)
             self.stats.writes += 1
             self.stats.bytes_out += nbytes
+
+    @staticmethod
+    def _sent_parts(job: PrefillJob, chunk: ChunkSpec) -> list[tuple[int, int, str]]:
+        """(first token, end token, counter side) of what goes to the decode node's extent: the
+        new tokens, and on the first chunk the hits the prefill node's reader read (the decode
+        node has the others already)."""
+        task = job.task
+        side = ReadPath(task.path).side.value
+        parts = [(chunk.start, chunk.end, side)]
+        if not job.chunks and task.pe_tokens:
+            parts.insert(0, (0, min(task.pe_tokens, chunk.start), ReadPath.PE.value))
+        return [part for part in parts if part[1] > part[0]]
 
     def _finish_out(self, layer: int) -> None:
         if self.window.state(layer) is SlotState.SENDING:

@@ -47,8 +47,11 @@ class RayReaders:
     def _reader(self, node_id: str) -> Any:
         return self.directory.get(f"reader/{node_id}")
 
-    def stage(self, node_id: str, owner: str, keys: Sequence[str], total_blocks: int, path: str) -> RefPending:
-        return RefPending(self._reader(node_id).stage.remote(owner, list(keys), total_blocks, path), self.wake)
+    def stage(
+        self, node_id: str, owner: str, keys: Sequence[str], total_blocks: int, path: str, first_block: int = 0
+    ) -> RefPending:
+        reader = self._reader(node_id)
+        return RefPending(reader.stage.remote(owner, list(keys), total_blocks, path, first_block), self.wake)
 
     def lease(self, node_id: str, owner: str, n_blocks: int) -> RefPending:
         return RefPending(self._reader(node_id).lease.remote(owner, n_blocks), self.wake)

@@ -11,6 +11,7 @@ or being read through, the SNIC.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from typing import Sequence
@@ -31,6 +32,7 @@ from dualpath_ray.runtime.accounting import NodeCounters
 from dualpath_ray.runtime.actor_metrics import ReaderMetrics
 from dualpath_ray.runtime.emulation import make_link
 from dualpath_ray.runtime.messages import ExtentGrant, PersistedBlock
+from dualpath_ray.runtime.qos import kv_transport_knobs
 from dualpath_ray.runtime.restarts import TransportKeeper, was_restarted
 from dualpath_ray.runtime.transport import (
     PeerDiedError,
@@ -134,25 +136,33 @@ class ReaderCore:
     def grant(self, extent: Extent, reader: str) -> ExtentGrant:
         return ExtentGrant(self.node_id, reader, extent.extent_id, extent.slots, incarnation=self.incarnation)
 
-    def stage(self, owner: str, keys: Sequence[str], total_blocks: int, path: str, reader: str) -> ExtentGrant:
+    def stage(
+        self, owner: str, keys: Sequence[str], total_blocks: int, path: str, reader: str, first_block: int = 0
+    ) -> ExtentGrant:
         """read_blocks, granted with the digests of the verified hit KV (runtime.kv_digests)."""
-        extent = self.read_blocks(owner, keys, total_blocks, path)
+        extent = self.read_blocks(owner, keys, total_blocks, path, first_block)
         digests = None
         if self.cfg.runtime.kv_digests and keys:
-            hits = torch.stack([self.pool.full_block(slot) for slot in extent.slots[: len(keys)]])
+            hits = torch.stack([self.pool.full_block(slot) for slot in extent.slots[first_block : first_block + len(keys)]])
             digests = block_digests(hits, len(keys) * self.layout.block_size)
         return ExtentGrant(self.node_id, reader, extent.extent_id, extent.slots, digests, self.incarnation)
 
     # --- storage I/O --------------------------------------------------------------------
 
-    def read_blocks(self, owner: str, keys: Sequence[str], total_blocks: int, path: str) -> Extent:
-        """Lease an extent of total_blocks and read the hit blocks `keys` into its first slots.
+    def read_blocks(self, owner: str, keys: Sequence[str], total_blocks: int, path: str, first_block: int = 0) -> Extent:
+        """Lease an extent of total_blocks and read the hit blocks `keys` into its slots from
+        `first_block` on (the prompt's block positions; a split read's decode side starts past
+        the blocks the prefill side reads).
 
         One store read of all hit blocks (the store overlaps them on its helper threads); the
         SNIC bucket is taken per block just before that block's read, and each block leaves the
         read queue (and enters the SNIC read counter) once it is verified. On a failure the
         extent is freed and the queue drops every block that was not read.
         """
+        if first_block < 0 or first_block + len(keys) > total_blocks:
+            raise ValueError(
+                f"request {owner}: blocks [{first_block}, {first_block + len(keys)}) do not fit an extent of {total_blocks}"
+            )
         block_bytes = self.layout.full_block_bytes
         block_tokens = self.layout.block_size
         pending = len(keys) * block_tokens
@@ -176,7 +186,7 @@ class ReaderCore:
         try:
             extent = self.lease(owner, total_blocks)
             try:
-                outs = [self.pool.full_block(slot) for slot in extent.slots[: len(keys)]]
+                outs = [self.pool.full_block(slot) for slot in extent.slots[first_block : first_block + len(keys)]]
                 self.store.get_many_into(list(keys), outs, before_read=before_read, on_verified=on_verified)
             except (BlockNotFoundError, BlockCorruptedError) as exc:
                 # The store raises for the first bad block in key order, the one after the
@@ -249,7 +259,10 @@ class StorageReader(TransportEndpoint):
         self.name = endpoint
         self.timeout_s = cfg.runtime.transfer_timeout_s
         self.transport = self.attach_transport(
-            make_transport(cfg.runtime.transport, endpoint, namespace=cfg.runtime.namespace, timeout_s=self.timeout_s)
+            make_transport(
+                cfg.runtime.transport, endpoint, namespace=cfg.runtime.namespace, timeout_s=self.timeout_s,
+                verbs_settings=cfg.verbs, verbs_device=cfg.verbs.device_for(None), **kv_transport_knobs(cfg.qos),
+            )
         )
         self.incarnation = self.transport.incarnation
         restarted = was_restarted()
@@ -268,6 +281,12 @@ class StorageReader(TransportEndpoint):
     def node_labels(self) -> dict[str, str]:
         return dict(ray.get_runtime_context().get_node_labels())
 
+    @ray.method(concurrency_group="ctl")
+    def env(self, keys: list[str]) -> dict[str, str | None]:
+        """These variables of this process's environment (None: unset), e.g. to check the
+        traffic classes its runtime_env gave it."""
+        return {key: os.environ.get(key) for key in keys}
+
     def ready(self) -> bool:
         return True
 
@@ -276,9 +295,9 @@ class StorageReader(TransportEndpoint):
         return bool(incarnation) and incarnation != self.incarnation
 
     @ray.method(concurrency_group="io")
-    def stage(self, owner: str, keys: list[str], total_blocks: int, path: str) -> ExtentGrant:
+    def stage(self, owner: str, keys: list[str], total_blocks: int, path: str, first_block: int = 0) -> ExtentGrant:
         with self.metrics.kv_load(path, len(keys)):
-            return self.core.stage(owner, keys, total_blocks, path, self.name)
+            return self.core.stage(owner, keys, total_blocks, path, self.name, first_block)
 
     @ray.method(concurrency_group="io")
     def lease(self, owner: str, n_blocks: int) -> ExtentGrant:

@@ -21,6 +21,7 @@ from dualpath_ray.scheduling.policy import (
     assign_decode_in_group,
     assign_prefill,
     choose_read_path,
+    split_read,
 )
 from dualpath_ray.scheduling.requests import Request, RequestState, transition
 from dualpath_ray.scheduling.types import Mode, ReadPath
@@ -36,9 +37,12 @@ class Constants:
 class Dispatcher:
     """Waiting queues plus the latest load of every group; decisions come from the policy."""
 
-    def __init__(self, constants: Constants, mode: Mode = Mode.DUALPATH) -> None:
+    def __init__(self, constants: Constants, mode: Mode = Mode.DUALPATH, read_split: str = "whole") -> None:
+        if read_split not in ("whole", "proportional"):
+            raise ValueError(f"scheduler.read_split must be whole or proportional (got {read_split!r})")
         self.constants = constants
         self.mode = Mode(mode)
+        self.read_split = read_split
         self.requests: dict[str, Request] = {}
         self.decode_global: deque[str] = deque()
         self.decode_private: dict[str, deque[str]] = {}
@@ -78,9 +82,7 @@ class Dispatcher:
                 self.decode_private[assignment.target].append(assignment.request_id)
             self.decode_global.clear()
         private = self.decode_private[group_id]
-        placed = assign_decode_in_group(
-            [self._decode_request(rid) for rid in private], engines, self.constants.z_margin
-        )
+        placed = assign_decode_in_group(self._admissible_head(private, engines), engines, self.constants.z_margin)
         requests = []
         for assignment in placed:
             request = self.requests[assignment.request_id]
@@ -89,14 +91,30 @@ class Dispatcher:
             transition(request, RequestState.QUEUED_PREFILL)
             self.prefill_queue.append(request.request_id)
             requests.append(request)
-        placed_ids = {r.request_id for r in requests}
-        self.decode_private[group_id] = deque(rid for rid in private if rid not in placed_ids)
+        for _ in requests:  # phase 2 places a prefix of the queue
+            private.popleft()
         return requests
+
+    def _admissible_head(self, queue: deque[str], engines: Sequence[EngineLoad]) -> list[QueuedRequest]:
+        """The longest prefix of a private queue whose tokens fit in the group's summed free HBM
+        (phase 2's set R). Phase 2 places a prefix of R, so handing it R alone gives the same
+        placements for O(|R|) instead of O(queue) per pull (the simulator's 48K-agent runs)."""
+        room = sum(engine.free_hbm_tokens for engine in engines)
+        head = []
+        for rid in queue:
+            request = self._decode_request(rid)
+            if request.tokens > room:
+                break
+            room -= request.tokens
+            head.append(request)
+        return head
 
     def fetch_prefill(self, engines: Sequence[EngineLoad]) -> list[Request]:
         """A prefill group leader pulls: FIFO assignment to its engines, then the read path."""
         self._engine_node.update({e.engine_id: e.node_id for e in engines})
-        queue = [QueuedRequest(rid, self.requests[rid].prompt_tokens) for rid in self.prefill_queue]
+        # Lazy: the policy stops at the first request no engine can take, so a long queue costs
+        # only what is assigned.
+        queue = (QueuedRequest(rid, self.requests[rid].prompt_tokens) for rid in self.prefill_queue)
         read_q = {e.node_id: self.read_q.get(e.node_id, 0) for e in engines}
         assignments = assign_prefill(
             queue, engines, read_q, self.constants.alpha_tokens, self.constants.beta_tokens
@@ -105,11 +123,18 @@ class Dispatcher:
         for assignment in assignments:
             request = self.requests[assignment.request_id]
             pe_node = self._engine_node[assignment.target]
-            path = self._path(pe_node, request.decode_node)
-            # Until the readers report again, count this request's hits in the chosen queue.
-            chosen = pe_node if path is ReadPath.PE else request.decode_node
-            self.read_q[chosen] = self.read_q.get(chosen, 0) + request.hit_tokens
+            pe_blocks = self._pe_blocks(request, pe_node)
+            hit_blocks = len(request.hit_keys)
+            path = ReadPath.PE if pe_blocks == hit_blocks and hit_blocks else ReadPath.DE if not pe_blocks else ReadPath.SPLIT
+            if not hit_blocks:
+                path = self._path(pe_node, request.decode_node)  # nothing to read: the policy's pick, for the record
+            # Until the readers report again, count this request's hits in the queues they join.
+            block_tokens = request.hit_tokens // hit_blocks if hit_blocks else 0
+            self.read_q[pe_node] = self.read_q.get(pe_node, 0) + pe_blocks * block_tokens
+            de_tokens = (hit_blocks - pe_blocks) * block_tokens
+            self.read_q[request.decode_node] = self.read_q.get(request.decode_node, 0) + de_tokens
             request.prefill_engine, request.prefill_node, request.path = assignment.target, pe_node, path
+            request.pe_hit_blocks = pe_blocks
             transition(request, RequestState.PREFILLING)
             requests.append(request)
         for _ in requests:
@@ -183,6 +208,17 @@ class Dispatcher:
 
     def _decode_request(self, request_id: str) -> QueuedRequest:
         return QueuedRequest(request_id, self.requests[request_id].decode_tokens)
+
+    def _pe_blocks(self, request: Request, pe_node: str) -> int:
+        """How many of the request's hit blocks the prefill-side reader reads: all of them (PE
+        path), none (DE path), or, with read_split proportional in dualpath mode, a share by
+        the two read queues' headroom below alpha (split_read)."""
+        hit_blocks = len(request.hit_keys)
+        if self.read_split == "proportional" and self.mode is Mode.DUALPATH and pe_node not in self.no_pe_reads:
+            pe, _ = split_read(hit_blocks, self.read_q.get(pe_node, 0), self.read_q.get(request.decode_node, 0),
+                               self.constants.alpha_tokens)
+            return pe
+        return hit_blocks if self._path(pe_node, request.decode_node) is ReadPath.PE else 0
 
     def _path(self, pe_node: str, de_node: str) -> ReadPath:
         if pe_node in self.no_pe_reads:

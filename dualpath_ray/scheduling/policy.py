@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import heapq
 from bisect import bisect_left, insort
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dualpath_ray.scheduling.loads import Assignment, EngineLoad, QueuedRequest
 from dualpath_ray.scheduling.types import ReadPath
 
@@ -34,7 +34,7 @@ def _node_read_queue(read_q: Mapping[str, int], engine: EngineLoad) -> int:
 
 
 def assign_prefill(
-    queue: Sequence[QueuedRequest],
+    queue: Iterable[QueuedRequest],
     engines: Sequence[EngineLoad],
     read_q: Mapping[str, int],
     alpha: float,
@@ -186,3 +186,23 @@ def _first_with_room(by_tok: list[tuple[int, int]], free: list[int], need: int) 
 def choose_read_path(pe_read_q: int, de_read_q: int) -> ReadPath:
     """Read a request's hit KV through the node with the shorter storage read queue; a tie -> PE."""
     return ReadPath.PE if pe_read_q <= de_read_q else ReadPath.DE
+
+
+def split_read(hit_blocks: int, pe_read_q: int, de_read_q: int, alpha: float) -> tuple[int, int]:
+    """Split one request's hit blocks between the prefill-side and the decode-side reader
+    (scheduler.read_split: proportional; the paper leaves splitting as future work).
+
+    Each side's headroom is how far its read queue is below alpha, max(0, alpha - read_q). The
+    blocks go in proportion to the headrooms: pe = round(hit_blocks * h_pe / (h_pe + h_de)), de =
+    the rest. With no headroom on either side the whole read goes to the shorter queue, as
+    `choose_read_path` would send it. Returns (pe_blocks, de_blocks), summing to hit_blocks.
+    """
+    if hit_blocks < 0:
+        raise ValueError(f"hit_blocks must be >= 0 (got {hit_blocks})")
+    pe_room = max(0.0, alpha - pe_read_q)
+    de_room = max(0.0, alpha - de_read_q)
+    if pe_room + de_room <= 0:
+        whole = choose_read_path(pe_read_q, de_read_q)
+        return (hit_blocks, 0) if whole is ReadPath.PE else (0, hit_blocks)
+    pe_blocks = int(hit_blocks * pe_room / (pe_room + de_room) + 0.5)
+    return pe_blocks, hit_blocks - pe_blocks

@@ -68,6 +68,7 @@ class Request:
     prefill_engine: str = ""
     prefill_node: str = ""
     path: ReadPath | None = None
+    pe_hit_blocks: int = 0  # of its hit blocks, how many the prefill-side reader reads (the first ones)
 
     def engines(self) -> tuple[str, ...]:
         """The engines that hold something of it now: its decode engine (HBM), and its

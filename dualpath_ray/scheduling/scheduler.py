@@ -45,11 +45,12 @@ class CoreSettings:
     max_attempts: int = 3
     kv_failure_policy: str = "recompute"  # or "fail" (runtime.kv_failure_policy)
     epoch: int = 0  # the scheduler incarnation; every attempt it dispatches carries it
+    read_split: str = "whole"  # or "proportional" (scheduler.read_split)
 
     @classmethod
     def of(cls, cfg: DualPathConfig, mode: Mode | str, constants: Constants, epoch: int = 0) -> CoreSettings:
         return cls(Mode(mode), cfg.store.block_size, constants, cfg.runtime.max_attempts,
-                   cfg.runtime.kv_failure_policy, epoch)
+                   cfg.runtime.kv_failure_policy, epoch, cfg.scheduler.read_split)
 
 
 def is_attempt(holding: Holding | None, spec: RequestSpec | None) -> bool:
@@ -71,7 +72,7 @@ class SchedulerCore:
         self.index = index
         self.eviction = eviction
         self.store = store
-        self.dispatcher = Dispatcher(settings.constants, settings.mode)
+        self.dispatcher = Dispatcher(settings.constants, settings.mode, settings.read_split)
         self.dead: set[str] = set()  # engines gone for good
         self.presumed_dead: set[str] = set()  # silent past the heartbeat timeout; see _live
         self.readmitted = 0
@@ -125,6 +126,7 @@ class SchedulerCore:
             request=request.spec, hit_keys=request.hit_keys, hit_tokens=request.hit_tokens, path=request.path,
             oracle=self.mode is Mode.ORACLE, prefill_engine=request.prefill_engine,
             prefill_node=request.prefill_node, decode_engine=request.decode_engine, decode_node=request.decode_node,
+            pe_hit_blocks=request.pe_hit_blocks,
         )
 
     def handed_off(self, request_id: str) -> bool:
@@ -151,7 +153,8 @@ class SchedulerCore:
             if load.engine_id in self.presumed_dead:
                 self.presumed_dead.discard(load.engine_id)
                 self.readmitted += 1
-        return tuple(e for e in report.engines if e.engine_id not in self.out_of_service())
+        out = self.out_of_service()
+        return tuple(e for e in report.engines if e.engine_id not in out)
 
     def out_of_service(self) -> set[str]:
         return self.dead | self.presumed_dead

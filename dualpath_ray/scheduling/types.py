@@ -30,6 +30,13 @@ class ReadPath(NameEnum):
 
     PE = "pe"  # into the prefill node's buffer, through its SNIC
     DE = "de"  # into the decode node's buffer, through its SNIC, then pulled layer by layer
+    SPLIT = "split"  # its first hit blocks the PE way, the rest the DE way (scheduler.read_split)
+
+    @property
+    def side(self) -> ReadPath:
+        """The side whose byte counters a request's moves count under: a split request's
+        bytes count as DE, except the blocks its prefill-side reader reads (counted as PE)."""
+        return ReadPath.DE if self is ReadPath.SPLIT else self
 
 
 class Role(NameEnum):
@@ -47,4 +54,4 @@ class StopReason(NameEnum):
     ABORTED = "aborted"  # its caller aborted it; it produced nothing
 
 
-READ_PATHS = (ReadPath.PE, ReadPath.DE)
+READ_SIDES = (ReadPath.PE, ReadPath.DE)  # the two ways a KV byte moves; byte counters keep one each

@@ -48,6 +48,10 @@ def runs(request: pytest.FixtureRequest):
                 "placement": deployment.placement,
                 "named": [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"] == "scheduler"],
             }
+        split = cfg.with_overrides(scheduler={"read_split": "proportional"})
+        cluster.deploy("dualpath", cfg=split)
+        observed["split"] = {"results": cluster.run_trajectories(trajs), "counters": cluster.counters(),
+                             "pools": cluster.pool_integrity()}
         profile = cfg.with_overrides(emulation={"compute": "profile"})
         cluster.deploy("dualpath", cfg=profile)
         observed["profile"] = {"results": cluster.run_trajectories(trajs), "health": cluster.health()}
@@ -142,3 +146,20 @@ def test_profile_compute_stamps_kv_that_the_decode_side_verifies(runs):
         "every stamped KV byte the decode engines assemble matches the (prefix, layer, position) pattern"
     )
     assert all(t[1].hit_tokens > 0 for t in profile["results"].values()), "profile mode persists and reuses blocks too"
+
+
+def test_split_reads_serve_the_same_tokens_reading_each_hit_once_through_one_side(runs):
+    """scheduler.read_split: proportional: a request's hits are split between both nodes' readers."""
+    cfg, trajs, observed = runs
+    split = observed["split"]
+    results = [r for turns in split["results"].values() for r in turns]
+    assert outputs_of(split["results"]) == recompute_outputs(cfg, trajs), "split reads change no served token"
+    assert any(r.path == "split" for r in results), f"some turns were split: {sorted({r.path for r in results})}"
+    assert all(r.kv_bytes_verified > 0 and r.kv_mismatches == 0 for r in results), "every assembled KV byte checks out"
+    layout = KVLayout.from_model(cfg.model, cfg.store.block_size)
+    read = sum(sum(c.snic_read.values()) for c in split["counters"].values())
+    assert read == sum(r.hit_tokens for r in results) * layout.bytes_per_token, (
+        "every hit block is read from the store exactly once, by one of the two sides"
+    )
+    assert all(sum(c.snic_read.values()) > 0 for c in split["counters"].values()), "both nodes' SNICs read hits"
+    assert all(free == cap for free, _, _, cap in split["pools"].values()), "every buffer pool is free afterwards"

@@ -57,7 +57,7 @@ def two_turns(h: EngineHarness, path: str, first: int = 100, appended: int = 20)
     return context, [turn1, turn2]
 
 
-@pytest.mark.parametrize("path", ["pe", "de"])
+@pytest.mark.parametrize("path", ["pe", "de", "split"])
 def test_second_turn_hits_and_its_kv_reaches_the_decode_side_exactly(harness, path: str) -> None:
     h = harness()
     context, (turn1, turn2) = two_turns(h, path)
@@ -105,6 +105,33 @@ def test_de_path_reads_the_decode_buffer_and_sends_only_computed_tokens(harness)
     assert sum(n for op, _, n in turn2_log if op == "write") == n_layer * (len(context) - turn2.hit_tokens) * bpt, (
         "the DE path sends only the miss tokens; the hits are already in the decode node's buffer"
     )
+
+
+def test_a_split_read_loads_each_part_from_its_reader_and_sends_the_prefill_side_hits(harness) -> None:
+    """scheduler.read_split: the first hit blocks come from the prefill node's buffer, the rest
+    from the decode node's (read straight into their places in its extent); per layer one read
+    from each and one write to the decode side, carrying the prefill-side hits and the new tokens."""
+    h = harness()
+    context, (turn1, _) = two_turns(h, "pe")
+    context = context + tokens(30, 3)
+    pe_blocks = 2
+    h.pe_transport.log.clear()
+    (turn3,) = h.serve([Request("t3", context, "split", pe_hit_blocks=pe_blocks)])
+    assert turn3.error is None and turn3.path == "split", f"served on the split path: {turn3.error}"
+    assert turn3.kv_mismatches == 0 and turn3.kv_bytes_verified > 0, "the decode side's KV is exact, byte for byte"
+    bpt, n_layer = h.layout.bytes_per_token_per_layer, h.layout.n_layer
+    reads = [(peer, n) for op, peer, n in h.pe_transport.log if op == "read"]
+    writes = [(peer, n) for op, peer, n in h.pe_transport.log if op == "write"]
+    hit_tokens = turn3.hit_tokens
+    assert hit_tokens > pe_blocks * BLOCK, "some hit blocks are left for the decode side to read"
+    assert sorted(set(reads)) == [("reader/d0", (hit_tokens - pe_blocks * BLOCK) * bpt), ("reader/p0", pe_blocks * BLOCK * bpt)], (
+        "each layer reads its first blocks' KV from the prefill node and the rest from the decode node"
+    )
+    assert len(reads) == 2 * n_layer, "one read per layer and reader"
+    assert writes == [("reader/d0", (pe_blocks * BLOCK + len(context) - hit_tokens) * bpt)] * n_layer, (
+        "each layer sends the prefill-side hits and the new tokens; the decode node read the rest itself"
+    )
+    h.assert_idle()
 
 
 def test_pipeline_posts_the_next_layer_before_computing_this_one(harness) -> None:
@@ -215,7 +242,8 @@ def test_a_duplicate_delivery_leases_nothing_and_runs_once(harness) -> None:
     task = h.task(Request("once", tokens(60, 7), "de"))
     h.prefill.accept([task])
     h.prefill.accept([task])
-    assert h.readers.calls.count("stage") == 1, "the duplicate delivery staged nothing"
+    staging = [call for call in h.readers.calls if call in ("stage", "lease")]
+    assert staging == ["lease"], "one extent for the first delivery (no hits: an empty lease); the duplicate staged nothing"
     deadline = time.monotonic() + 30
     while not h.collector.results and time.monotonic() < deadline:
         h.prefill.step() | h.decode.step()

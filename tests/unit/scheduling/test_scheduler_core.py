@@ -126,3 +126,25 @@ def test_a_failed_attempt_names_the_engines_to_cancel_and_its_retry_is_queued_af
     c.submit(retry)
     c.dispatcher.check_integrity()
     assert c.is_current(result_of(retry)) and not c.is_current(result_of(s)), "only the retry's result counts"
+
+
+def test_proportional_split_reads_share_a_requests_hits_by_read_queue_headroom() -> None:
+    c = SchedulerCore(CoreSettings(Mode.DUALPATH, BLOCK, Constants(1000, 100_000), read_split="proportional"),
+                      PrefixIndex(BLOCK))
+    first = spec("t0", 130)
+    keys = block_keys(first.prompt, BLOCK, NAMESPACE)
+    c.submit(first)
+    c.fetch_decode(decode(("decode/d0/g0", 10_000)))
+    c.fetch_prefill(prefill("prefill/p0/g0"))
+    c.finish(result_of(first, tuple(PersistedBlock(k, p) for k, p in zip(keys, [None, *keys[:-1]]))))
+    again = RequestSpec("t1", 0, np.concatenate([first.prompt, [7] * 20]), first.sampling, NAMESPACE, 0.0)
+    c.submit(again)
+    c.fetch_decode(decode(("decode/d0/g0", 10_000), read_q=600))
+    (task,) = c.fetch_prefill(prefill("prefill/p0/g0", read_q=200))
+    assert len(task.hit_keys) == 8, "the 8 stored blocks are hits"
+    assert task.path is ReadPath.SPLIT and task.pe_hit_blocks == 5, (
+        "headroom below alpha=1000 is 800 on the prefill node and 400 on the decode node: 8 x 2/3 -> 5 blocks go PE"
+    )
+    assert c.dispatcher.read_q == {"p0": 200 + 5 * BLOCK, "d0": 600 + 3 * BLOCK}, (
+        "until the readers report again, each side's queue counts the share it was given"
+    )
