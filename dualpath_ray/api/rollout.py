@@ -8,10 +8,11 @@ k has finished (plus its tool latency); its prompt is turn k's prompt + output +
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -120,6 +121,7 @@ class _Progress:
 async def _run_trajectory(
     generate: Any, cfg: DualPathConfig, namespace: str, trajectory: Trajectory, done: list[dict[str, Any]],
     started: float, progress: _Progress, served: list[TurnResult], metrics: MetricSink,
+    sampling: SamplingParams = SamplingParams(),
 ) -> tuple[list[dict[str, Any]], str | None, bool]:
     """The trajectory's rows, its error (None when it completed), and whether it was aborted."""
     rows = list(done)
@@ -137,7 +139,7 @@ async def _run_trajectory(
                 await asyncio.sleep(turn.tool_latency_s)
             request_id = f"{trajectory_prefix(trajectory.trajectory_id)}t{index}"
             prompt = validate_prompt(request_id, context, turn.gen_len, cfg.model)
-            spec = make_spec(request_id, prompt, SamplingParams(max_new_tokens=turn.gen_len), namespace)
+            spec = make_spec(request_id, prompt, dataclasses.replace(sampling, max_new_tokens=turn.gen_len), namespace)
             result: TurnResult = await generate(spec)
             if result.stop_reason is StopReason.ABORTED:
                 _observe_jct(metrics, started + trajectory.arrival_s, "aborted")
@@ -173,7 +175,10 @@ class TurnFailedError(RuntimeError):
 async def rollout_async(
     scheduler: Any, cfg: DualPathConfig, trajectories: Sequence[Trajectory], resume: RolloutResult | None = None,
     progress: bool | None = None, weight_version: int | None = None,
+    sampling: Mapping[str, SamplingParams] | None = None,
 ) -> RolloutResult:
+    """`sampling`: trajectory id -> how its turns sample (each turn's max_new_tokens is its
+    gen_len); greedy where absent."""
     version = cfg.model.weight_version if weight_version is None else weight_version
     namespace = cfg.model.kv_namespace(version)
     previous = _previous_outputs(resume)
@@ -190,7 +195,8 @@ async def rollout_async(
     outcomes = await asyncio.gather(
         *(
             _run_trajectory(
-                generate, cfg, namespace, t, previous.get(t.trajectory_id, []), started, bar, served[t.trajectory_id], metrics
+                generate, cfg, namespace, t, previous.get(t.trajectory_id, []), started, bar, served[t.trajectory_id], metrics,
+                (sampling or {}).get(t.trajectory_id, SamplingParams()),
             )
             for t in trajectories
         )

@@ -1,69 +1,249 @@
-"""The agent-loop server (`rollout-server`, a named async actor): verl-style token-in/token-out.
+"""The front end trainers talk to (`rollout-server`, a named async actor): token-in/token-out
+generation, streaming, abort, sleep and wake, weight updates and the prefix cache.
 
-`generate(request_id, prompt_ids, sampling_params) -> TokenOutput` serves many concurrent agent
-loops; prefix reuse across turns comes from the content-addressed store, so any engine can
-serve any turn. `update_weight_version(v)` changes the key namespace of all later requests, so
-KV of an old policy is never served again; `reset_prefix_cache()` forgets every indexed block.
+Every adapter goes through this one actor: verl's agent loop uses it as its server handle (the
+verl method names come from `VerlServerMethods`, api/verl_adapter.py), OpenRLHF's engine actor
+and the OpenAI endpoint call it. It owns the weight version that names the KV namespace of new
+requests, so a version moved here (by a weight update through any adapter, or by
+`DualPathCluster.update_weights`) holds for all of them, and KV of an old policy is never served.
+Cluster-wide control fans out through the Scheduler, the one actor every process can reach.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Literal, Mapping, Sequence
+import asyncio
+import os
+from typing import Any, AsyncIterator, Mapping, Sequence
 
 import ray
+from pydantic import BaseModel
 
-from dualpath_ray.api.validation import RequestError, make_spec, parse_sampling, validate_prompt
+from dualpath_ray.api.sessions import SessionIds, check_session_id, session_prefix
+from dualpath_ray.api.validation import RequestError, make_spec, parse_sampling_request, validate_prompt
+from dualpath_ray.api.verl_adapter import SubmissionGate, VerlServerMethods
 from dualpath_ray.config import DualPathConfig
-from dualpath_ray.runtime.messages import TurnResult
+from dualpath_ray.runtime.messages import RequestSpec, StreamDelta, TurnResult, aborted_result
+from dualpath_ray.scheduling.types import StopReason
 
 SERVER_NAME = "rollout-server"
+# verl's generate passes these; a value other than None means multimodal input, which the
+# decoder here does not take.
+_MULTIMODAL_KWARGS = ("image_data", "video_data", "audio_data", "mm_processor_kwargs")
 
 
-@dataclass(frozen=True)
-class TokenOutput:
-    """verl's TokenOutput shape: generated ids, their log-probs, and why generation stopped."""
+class TokenOutput(BaseModel):
+    """verl's TokenOutput (verl/workers/rollout/replica.py, verl 0.9.1): the generated ids,
+    their log-probs (None unless asked for), and why generation stopped ("completed",
+    "aborted"). `extra_fields` adds how the turn was served; `finish_reason` there is OpenAI's
+    ("stop", "length", "abort")."""
 
     token_ids: list[int]
-    log_probs: list[float] | None
-    stop_reason: Literal["completed", "aborted"] | None
-    extra_fields: dict[str, Any] = field(default_factory=dict)
+    log_probs: list[float] | None = None
+    routed_experts: Any = None
+    stop_reason: str | None = None
+    num_preempted: int | None = None
+    extra_fields: dict[str, Any] = {}
 
+
+class GenerationError(RuntimeError):
+    """A turn the cluster could not serve after its retries; `kind` is its ErrorKind value."""
+
+    def __init__(self, request_id: str, result: TurnResult) -> None:
+        self.kind = result.error_kind.value if result.error_kind is not None else "error"
+        super().__init__(f"request {request_id} failed ({self.kind}): {result.error}")
+
+
+def finish_reason(stop: StopReason) -> str:
+    """OpenAI's finish_reason of a stop reason."""
+    if stop is StopReason.ABORTED:
+        return "abort"
+    return "stop" if stop is StopReason.STOP else "length"
+
+
+def check_version(version: object) -> int:
+    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+        raise RequestError(f"weight version must be an int >= 0 (got {version!r})", "version")
+    return version
 
 
 @ray.remote(num_cpus=0, max_concurrency=4096)
-class RolloutServer:
-    """verl-style token-in/token-out server in front of the scheduler."""
+class RolloutServer(VerlServerMethods):
+    """Token-in/token-out server in front of the scheduler; see the module docstring."""
 
     def __init__(self, cfg: DualPathConfig) -> None:
         self.cfg = cfg
         self.weight_version = cfg.model.weight_version
         self.scheduler = ray.get_actor("scheduler", namespace=cfg.runtime.namespace)
+        self.sessions = SessionIds()
+        self.in_flight: dict[str, str] = {}  # caller's request id -> the scheduler's
+        self.global_steps: int | None = None  # verl's step counter of the served weights
+        self.gate = SubmissionGate()  # closed by verl's abort_all_requests until resume_generation
 
-    async def generate(
-        self, request_id: str, prompt_ids: Sequence[int], sampling_params: Mapping[str, Any] | None = None, **_: Any
-    ) -> TokenOutput:
-        sampling = parse_sampling(request_id, sampling_params, self.cfg.runtime.max_new_tokens)
-        prompt = validate_prompt(request_id, prompt_ids, sampling.max_new_tokens, self.cfg.model)
+    # --- generation ---------------------------------------------------------------------
+
+    def _prepare(
+        self, request_id: str, prompt_ids: Sequence[int], sampling_params: Mapping[str, Any] | None,
+        session_id: str | None,
+    ) -> tuple[RequestSpec, bool]:
+        """The scheduler's spec of one turn, and whether log-probs were asked for."""
+        if not isinstance(request_id, str) or not request_id:
+            raise RequestError(f"request_id must be a non-empty string (got {request_id!r})", "request_id")
+        parsed = parse_sampling_request(request_id, sampling_params, self.cfg.runtime.max_new_tokens)
+        prompt = validate_prompt(request_id, prompt_ids, parsed.params.max_new_tokens, self.cfg.model)
+        if request_id in self.in_flight:
+            raise RequestError(f"request {request_id} is already in flight; request ids must be unique", "request_id")
+        scheduler_id = self.sessions.next_turn(check_session_id(session_id)) if session_id is not None else request_id
         namespace = self.cfg.model.kv_namespace(self.weight_version)
-        result: TurnResult = await self.scheduler.generate.remote(make_spec(request_id, prompt, sampling, namespace))
-        if result.error:
-            raise RuntimeError(f"request {request_id} failed: {result.error}")
+        return make_spec(scheduler_id, prompt, parsed.params, namespace), parsed.want_log_probs
+
+    def _token_output(self, result: TurnResult, want_log_probs: bool) -> TokenOutput:
+        aborted = result.stop_reason is StopReason.ABORTED
         return TokenOutput(
-            list(result.output_tokens), list(result.log_probs), "completed",
-            {"hit_tokens": result.hit_tokens, "path": result.path, "prefill_engine": result.prefill_engine,
-             "decode_engine": result.decode_engine, "ttft_s": result.ttft_s, "tpot_s": result.tpot_s,
-             "weight_version": self.weight_version},
+            token_ids=list(result.output_tokens),
+            log_probs=list(result.log_probs) if want_log_probs else None,
+            stop_reason="aborted" if aborted else "completed",
+            num_preempted=0,
+            extra_fields={
+                "request_id": result.request_id, "finish_reason": finish_reason(result.stop_reason),
+                "prompt_tokens": result.prompt_tokens, "hit_tokens": result.hit_tokens, "path": str(result.path),
+                "prefill_engine": result.prefill_engine, "decode_engine": result.decode_engine,
+                "ttft_s": result.ttft_s, "tpot_s": result.tpot_s, "weight_version": self.weight_version,
+                "global_steps": self.global_steps,
+            },
         )
 
-    async def update_weight_version(self, version: int) -> int:
-        if not isinstance(version, int) or version < 0:
-            raise RequestError(f"weight version must be an int >= 0 (got {version!r})")
+    @staticmethod
+    def _check_kwargs(request_id: str, kwargs: Mapping[str, Any]) -> None:
+        multimodal = [k for k in _MULTIMODAL_KWARGS if kwargs.get(k) is not None]
+        unknown = sorted(set(kwargs) - set(_MULTIMODAL_KWARGS) - {"priority"})
+        if multimodal or unknown:
+            name = (multimodal or unknown)[0]
+            raise RequestError(
+                f"request {request_id}: {name} is not supported (text-only decoder; known arguments: "
+                "request_id, prompt_ids, sampling_params, session_id)", name,
+            )
+
+    async def generate(
+        self, request_id: str, prompt_ids: Sequence[int], sampling_params: Mapping[str, Any] | None = None,
+        session_id: str | None = None, **kwargs: Any,
+    ) -> TokenOutput:
+        """One turn. `session_id` puts it on its conversation's request ids ("<session>/t<k>"), so
+        `abort_session` stops the conversation; verl's keyword arguments (`image_data`, ...,
+        `priority`) are accepted when empty."""
+        self._check_kwargs(request_id, kwargs)
+        spec, want_log_probs = self._prepare(request_id, prompt_ids, sampling_params, session_id)
+        if not await self.gate.admit():
+            return self._token_output(aborted_result(spec), want_log_probs)
+        self.in_flight[request_id] = spec.request_id
+        try:
+            result: TurnResult = await self.scheduler.generate.remote(spec)
+        finally:
+            self.in_flight.pop(request_id, None)
+        if result.error:
+            raise GenerationError(request_id, result)
+        return self._token_output(result, want_log_probs)
+
+    async def generate_stream(
+        self, request_id: str, prompt_ids: Sequence[int], sampling_params: Mapping[str, Any] | None = None,
+        session_id: str | None = None,
+    ) -> AsyncIterator[StreamDelta | TokenOutput]:
+        """`generate`, streamed (a Ray streaming generator): StreamDeltas in order, no token
+        twice, then the TokenOutput of the whole turn."""
+        spec, want_log_probs = self._prepare(request_id, prompt_ids, sampling_params, session_id)
+        if not await self.gate.admit():
+            yield self._token_output(aborted_result(spec), want_log_probs)
+            return
+        self.in_flight[request_id] = spec.request_id
+        try:
+            async for ref in self.scheduler.generate_stream.remote(spec):
+                item = await ref
+                if isinstance(item, StreamDelta):
+                    yield item
+                    continue
+                if item.error:
+                    raise GenerationError(request_id, item)
+                yield self._token_output(item, want_log_probs)
+        finally:
+            self.in_flight.pop(request_id, None)
+
+    # --- abort ----------------------------------------------------------------------------
+
+    async def abort(self, request_id: str) -> bool:
+        """Abort one request in flight (by the id its caller gave); its caller gets stop reason
+        "aborted", its extents and pages are freed. False when it is not in flight."""
+        return bool(await self.scheduler.abort.remote(self.in_flight.get(request_id, request_id)))
+
+    async def abort_session(self, session_id: str) -> int:
+        """Abort a conversation: its turn in flight and every later one, until
+        `resume_session`. Returns how many turns were in flight."""
+        return int(await self.scheduler.abort_prefix.remote(session_prefix(check_session_id(session_id))))
+
+    async def resume_session(self, session_id: str) -> None:
+        """Let an aborted conversation take turns again."""
+        await self.scheduler.clear_aborts.remote([session_prefix(check_session_id(session_id))])
+
+    async def abort_all(self) -> int:
+        """Abort every request in flight in the cluster; returns how many."""
+        return int(await self.scheduler.abort_all.remote())
+
+    # --- sleep and weights ---------------------------------------------------------------
+
+    async def sleep(self, level: int = 1) -> int:
+        """Every engine releases its KV memory and weights (the store and index are kept);
+        refused while requests run. Returns the bytes freed. `level` (vLLM's) is accepted as
+        1 or 2: both release everything; the weights come back from host memory on wake."""
+        if level not in (1, 2):
+            raise RequestError(f"sleep level must be 1 or 2 (got {level!r})", "level")
+        return int(await self.scheduler.sleep.remote())
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        """Every engine restores its weights and KV memory. vLLM's `tags` are accepted as None,
+        ["weights"] or ["kv_cache"] or both: the engines restore both at once."""
+        unknown = set(tags or ()) - {"weights", "kv_cache"}
+        if unknown:
+            raise RequestError(f"wake_up tags {sorted(unknown)} are unknown; use 'weights' and/or 'kv_cache'", "tags")
+        await self.scheduler.wake_up.remote()
+
+    async def update_weights(self, version: int, source: Any) -> int:
+        """New weights on every engine from a safetensors directory or a state dict (put once in
+        the object store), then later requests use `version`'s KV namespace."""
+        check_version(version)
+        if isinstance(source, (str, os.PathLike)):
+            source = os.fspath(source)
+        elif not isinstance(source, ray.ObjectRef):
+            source = ray.put(dict(source))
+        names = await self.scheduler.engine_names.remote()
+        namespace = self.cfg.runtime.namespace
+        await asyncio.gather(*(ray.get_actor(n, namespace=namespace).update_weights.remote(version, source) for n in names))
         self.weight_version = version
         return version
 
-    async def reset_prefix_cache(self) -> None:
-        await self.scheduler.reset_prefix_cache.remote()
+    async def weight_group_world_size(self) -> int:
+        """The world size of a trainer's weight group: the trainer (rank 0) plus every engine."""
+        return len(await self.scheduler.engine_names.remote()) + 1
+
+    async def join_weight_group(self, host: str, port: int, group_name: str = "policy", timeout_s: float = 300.0) -> int:
+        """Every engine joins the trainer's broadcast group as ranks 1..N (the trainer joins as
+        rank 0 beside this call: runtime/weight_sync.py). Returns the world size."""
+        return int(await self.scheduler.join_weight_group.remote(host, port, group_name, timeout_s))
+
+    async def update_weights_from_group(self, version: int, manifest: list[Any]) -> int:
+        """Every engine receives the trainer's broadcast of `manifest` (sent beside this call) and
+        loads it; then later requests use `version`'s KV namespace."""
+        check_version(version)
+        await self.scheduler.update_weights_from_group.remote(version, list(manifest))
+        self.weight_version = version
+        return version
+
+    async def update_weight_version(self, version: int) -> int:
+        """Move later requests to `version`'s KV namespace (the engines' weights were swapped by
+        the caller, e.g. `DualPathCluster.update_weights`)."""
+        self.weight_version = check_version(version)
+        return version
 
     async def get_weight_version(self) -> int:
         return self.weight_version
+
+    async def reset_prefix_cache(self) -> None:
+        """Forget every indexed block: no later request hits KV stored before."""
+        await self.scheduler.reset_prefix_cache.remote()

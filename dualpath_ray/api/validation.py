@@ -1,9 +1,15 @@
 """Validation of what a caller sends: prompts and sampling parameters, with errors that name the
-request and the field."""
+request and the field.
+
+Sampling keys are vLLM's names as verl's agent loop and OpenRLHF send them. Keys whose value
+changes nothing here are accepted at that value only (`top_k` -1/0 = off, `repetition_penalty`
+1.0, `n` 1, `ignore_eos` false); any other value is an error, never silently ignored.
+"""
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -11,57 +17,120 @@ import numpy as np
 from dualpath_ray.config import ModelConfig
 from dualpath_ray.runtime.messages import RequestSpec, SamplingParams
 
-_SAMPLING_KEYS = {"max_tokens", "max_new_tokens", "temperature", "top_p", "seed", "stop_token_ids"}
+# Keys that are only accepted at the value that means "off": the sampler has no such knob.
+_NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
+    "top_k": (-1, 0, None),
+    "repetition_penalty": (1, 1.0, None),
+    "n": (1, None),
+    "ignore_eos": (False, None),
+}
+_SAMPLING_KEYS = {
+    "max_tokens", "max_new_tokens", "temperature", "top_p", "seed", "stop_token_ids", "logprobs",
+    *_NEUTRAL_VALUES,
+}
 
 
 class RequestError(ValueError):
     """One request's arguments are invalid; the message names the request and the field."""
 
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+
+    def __reduce__(self) -> tuple[type[RequestError], tuple[str, str | None]]:
+        # Ray pickles a remote call's exception; keep the field across that.
+        return (type(self), (str(self), self.field))
+
+
+@dataclass(frozen=True)
+class ParsedSampling:
+    """SamplingParams plus whether the caller asked for log-probs (vLLM's `logprobs` key)."""
+
+    params: SamplingParams
+    want_log_probs: bool
+
 
 def validate_prompt(request_id: str, prompt_ids: Sequence[int], max_new_tokens: int, model: ModelConfig) -> np.ndarray:
     if len(prompt_ids) == 0:
-        raise RequestError(f"request {request_id}: prompt_ids is empty; send at least one token")
+        raise RequestError(f"request {request_id}: prompt_ids is empty; send at least one token", "prompt")
     prompt = np.asarray(prompt_ids)
     if not np.issubdtype(prompt.dtype, np.integer):
-        raise RequestError(f"request {request_id}: prompt_ids must be integers (got {prompt.dtype})")
+        raise RequestError(f"request {request_id}: prompt_ids must be integers (got {prompt.dtype})", "prompt")
     bad = np.flatnonzero((prompt < 0) | (prompt >= model.vocab_size))
     if bad.size:
         i = int(bad[0])
         raise RequestError(
             f"request {request_id}: prompt_ids[{i}] = {int(prompt[i])} is outside the vocabulary "
-            f"[0, {model.vocab_size})"
+            f"[0, {model.vocab_size})", "prompt",
         )
     if len(prompt) + max_new_tokens > model.max_context:
         raise RequestError(
             f"request {request_id}: prompt ({len(prompt)} tokens) + max_tokens ({max_new_tokens}) "
-            f"exceeds the model's context of {model.max_context}; shorten the prompt or max_tokens"
+            f"exceeds the model's context of {model.max_context}; shorten the prompt or max_tokens", "max_tokens",
         )
     return prompt.astype(np.int32)
 
 
-def parse_sampling(request_id: str, params: Mapping[str, Any] | None, default_max_new: int) -> SamplingParams:
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_neutral(request_id: str, params: Mapping[str, Any]) -> None:
+    for key, allowed in _NEUTRAL_VALUES.items():
+        if key in params and params[key] not in allowed:
+            raise RequestError(
+                f"request {request_id}: sampling_params.{key} = {params[key]!r} is not supported "
+                f"(the sampler has no {key}); send one of {list(allowed)} or leave it out", key,
+            )
+
+
+def parse_sampling_request(request_id: str, params: Mapping[str, Any] | None, default_max_new: int) -> ParsedSampling:
+    """Every sampling key checked; errors name the field and what it must be."""
     params = dict(params or {})
     unknown = set(params) - _SAMPLING_KEYS
     if unknown:
         raise RequestError(
-            f"request {request_id}: unknown sampling_params {sorted(unknown)}; allowed: {sorted(_SAMPLING_KEYS)}"
+            f"request {request_id}: unknown sampling_params {sorted(unknown)}; allowed: {sorted(_SAMPLING_KEYS)}",
+            sorted(unknown)[0],
         )
+    _check_neutral(request_id, params)
     max_new = params.get("max_tokens", params.get("max_new_tokens", default_max_new))
     temperature = params.get("temperature", 0.0)
     top_p = params.get("top_p", 1.0)
-    if not isinstance(max_new, int) or isinstance(max_new, bool) or max_new < 1:
-        raise RequestError(f"request {request_id}: sampling_params.max_tokens must be an int >= 1 (got {max_new!r})")
-    if not isinstance(temperature, (int, float)) or not 0.0 <= temperature <= 100.0:
-        raise RequestError(f"request {request_id}: sampling_params.temperature must be in [0, 100] (got {temperature!r})")
-    if not isinstance(top_p, (int, float)) or not 0.0 < top_p <= 1.0:
-        raise RequestError(f"request {request_id}: sampling_params.top_p must be in (0, 1] (got {top_p!r})")
+    if max_new is None:
+        max_new = default_max_new
+    if not _is_int(max_new) or max_new < 1:
+        raise RequestError(
+            f"request {request_id}: sampling_params.max_tokens must be an int >= 1 (got {max_new!r})", "max_tokens"
+        )
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0.0 <= temperature <= 100.0:
+        raise RequestError(
+            f"request {request_id}: sampling_params.temperature must be in [0, 100] (got {temperature!r})", "temperature"
+        )
+    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0.0 < top_p <= 1.0:
+        raise RequestError(f"request {request_id}: sampling_params.top_p must be in (0, 1] (got {top_p!r})", "top_p")
     seed = params.get("seed", 0)
-    if not isinstance(seed, int) or isinstance(seed, bool):
-        raise RequestError(f"request {request_id}: sampling_params.seed must be an int (got {seed!r})")
-    stops = params.get("stop_token_ids", ())
-    if not all(isinstance(t, int) for t in stops):
-        raise RequestError(f"request {request_id}: sampling_params.stop_token_ids must be ints (got {stops!r})")
-    return SamplingParams(int(max_new), float(temperature), float(top_p), seed, tuple(stops))
+    if seed is None:
+        seed = 0
+    if not _is_int(seed):
+        raise RequestError(f"request {request_id}: sampling_params.seed must be an int (got {seed!r})", "seed")
+    stops = params.get("stop_token_ids") or ()
+    if not all(_is_int(t) for t in stops):
+        raise RequestError(
+            f"request {request_id}: sampling_params.stop_token_ids must be ints (got {stops!r})", "stop_token_ids"
+        )
+    logprobs = params.get("logprobs", True)
+    if logprobs is not None and not isinstance(logprobs, (bool, int)):
+        raise RequestError(
+            f"request {request_id}: sampling_params.logprobs must be a bool or an int (got {logprobs!r})", "logprobs"
+        )
+    sampling = SamplingParams(int(max_new), float(temperature), float(top_p), seed, tuple(int(t) for t in stops))
+    # vLLM: logprobs=0 or True returns the sampled token's log-prob; None/False returns none.
+    return ParsedSampling(sampling, logprobs is not None and logprobs is not False)
+
+
+def parse_sampling(request_id: str, params: Mapping[str, Any] | None, default_max_new: int) -> SamplingParams:
+    return parse_sampling_request(request_id, params, default_max_new).params
 
 
 def make_spec(request_id: str, prompt: np.ndarray, sampling: SamplingParams, namespace: str, attempt: int = 0) -> RequestSpec:

@@ -1,0 +1,237 @@
+"""OpenAI's /v1/completions and /v1/chat/completions request bodies, checked into one
+`GenerationRequest`, and the response, chunk and error objects (pure: no Ray, no HTTP).
+
+A field this server cannot honour is a 400 naming it, never silently ignored: one prompt and one
+choice per request (`n` 1), sampled-token log-probs only (`logprobs` 0 / `top_logprobs` 0), no
+penalties, no string stops (stops are token ids: `stop_token_ids`). `session_id` (or OpenAI's
+`conversation_id`) puts the request on its conversation's request ids (api/sessions.py).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from dualpath_ray.api.sessions import check_session_id
+
+# Fields accepted only at the value that means "off".
+_NEUTRAL = {
+    "n": (1, None), "best_of": (1, None), "echo": (False, None), "suffix": (None, ""),
+    "presence_penalty": (0, 0.0, None), "frequency_penalty": (0, 0.0, None), "logit_bias": (None,),
+    "stop": (None,), "tools": (None,), "tool_choice": (None, "none"), "top_logprobs": (0, None),
+    "parallel_tool_calls": (None, False),
+}
+_COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stream", "stream_options", "user", "metadata",
+           "store", "session_id", "conversation_id", "stop_token_ids", *_NEUTRAL}
+COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs"}
+CHAT_FIELDS = _COMMON | {"messages", "logprobs", "max_completion_tokens", "response_format"}
+ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
+class APIError(ValueError):
+    """An OpenAI-shaped error: HTTP status, message, the offending field."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400,
+                 error_type: str = "invalid_request_error", code: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+        self.status = status
+        self.error_type = error_type
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": str(self), "type": self.error_type, "param": self.param, "code": self.code}}
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One checked request: a text prompt or token ids, and how to sample it."""
+
+    chat: bool
+    model: str
+    prompt_text: str | None
+    prompt_ids: tuple[int, ...] | None
+    sampling: dict[str, Any]  # api/validation.py's sampling keys
+    stream: bool
+    include_usage: bool
+    session_id: str | None
+    log_probs: bool
+
+
+def _number(body: Mapping[str, Any], key: str, default: float, low: float, high: float) -> float:
+    value = body.get(key, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+        raise APIError(f"{key} must be a number in [{low}, {high}] (got {value!r})", key)
+    return float(value)
+
+
+def _int_or_none(body: Mapping[str, Any], key: str, low: int) -> int | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise APIError(f"{key} must be an integer >= {low} (got {value!r})", key)
+    return value
+
+
+def _check_fields(body: Mapping[str, Any], allowed: set[str]) -> None:
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise APIError(f"unknown field {unknown[0]!r}; this server accepts {sorted(allowed)}", unknown[0])
+    for key, values in _NEUTRAL.items():
+        if key in body and body[key] not in values:
+            hint = " (stops are token ids here: use stop_token_ids)" if key == "stop" else ""
+            raise APIError(f"{key} = {body[key]!r} is not supported; send {values[0]!r} or leave it out{hint}", key)
+
+
+def _session(body: Mapping[str, Any]) -> str | None:
+    if body.get("session_id") is not None and body.get("conversation_id") is not None:
+        raise APIError("send session_id or conversation_id, not both", "conversation_id")
+    for key in ("session_id", "conversation_id"):
+        if body.get(key) is not None:
+            try:
+                return check_session_id(body[key], key)
+            except ValueError as exc:
+                raise APIError(str(exc), key) from None
+    return None
+
+
+def _stream_usage(body: Mapping[str, Any]) -> bool:
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not isinstance(options, Mapping) or set(options) - {"include_usage"}:
+        raise APIError("stream_options must be {'include_usage': bool}", "stream_options")
+    return bool(options.get("include_usage", False))
+
+
+def _sampling(body: Mapping[str, Any], max_tokens: int | None) -> dict[str, Any]:
+    stops = body.get("stop_token_ids") or []
+    if not isinstance(stops, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in stops):
+        raise APIError(f"stop_token_ids must be a list of token ids (got {stops!r})", "stop_token_ids")
+    sampling: dict[str, Any] = {
+        "temperature": _number(body, "temperature", 1.0, 0.0, 2.0), "top_p": _number(body, "top_p", 1.0, 1e-9, 1.0),
+        "seed": _int_or_none(body, "seed", 0) or 0, "stop_token_ids": list(stops),
+    }
+    if max_tokens is not None:
+        sampling["max_tokens"] = max_tokens
+    return sampling
+
+
+def _model(body: Mapping[str, Any], served: str) -> str:
+    model = body.get("model")
+    if model != served:
+        raise APIError(f"model {model!r} does not exist; this server serves {served!r}", "model", 404,
+                       code="model_not_found")
+    return served
+
+
+def parse_completion(body: Any, served_model: str) -> GenerationRequest:
+    """A /v1/completions body: `prompt` is one string or one list of token ids."""
+    if not isinstance(body, Mapping):
+        raise APIError("the request body must be a JSON object", None)
+    _check_fields(body, COMPLETION_FIELDS)
+    model = _model(body, served_model)
+    prompt = body.get("prompt")
+    text, ids = None, None
+    if isinstance(prompt, str) and prompt:
+        text = prompt
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        ids = tuple(prompt)
+    else:
+        raise APIError("prompt must be one non-empty string or one non-empty list of token ids", "prompt")
+    logprobs = body.get("logprobs")
+    if logprobs not in (None, 0):
+        raise APIError("logprobs must be 0 (the sampled tokens' log-probs) or null; top alternatives are not "
+                       "returned", "logprobs")
+    max_tokens = _int_or_none(body, "max_tokens", 1)
+    return GenerationRequest(False, model, text, ids, _sampling(body, 16 if max_tokens is None else max_tokens),
+                             bool(body.get("stream", False)), _stream_usage(body), _session(body), logprobs == 0)
+
+
+def _message_text(message: Any, index: int) -> dict[str, str]:
+    field = f"messages[{index}]"
+    if not isinstance(message, Mapping) or message.get("role") not in ROLES:
+        raise APIError(f"{field} must be an object with role in {list(ROLES)}", f"{field}.role")
+    content = message.get("content")
+    if isinstance(content, list):
+        if not all(isinstance(p, Mapping) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+            raise APIError(f"{field}.content parts must be text parts", f"{field}.content")
+        content = "".join(p["text"] for p in content)
+    if not isinstance(content, str):
+        raise APIError(f"{field}.content must be a string or a list of text parts", f"{field}.content")
+    return {"role": str(message["role"]), "content": content}
+
+
+def parse_chat(body: Any, served_model: str) -> tuple[GenerationRequest, list[dict[str, str]]]:
+    """A /v1/chat/completions body, and its messages as {role, content} text."""
+    if not isinstance(body, Mapping):
+        raise APIError("the request body must be a JSON object", None)
+    _check_fields(body, CHAT_FIELDS)
+    model = _model(body, served_model)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise APIError("messages must be a non-empty list", "messages")
+    texts = [_message_text(m, i) for i, m in enumerate(messages)]
+    if body.get("response_format") not in (None, {"type": "text"}):
+        raise APIError("response_format must be {'type': 'text'}", "response_format")
+    if body.get("logprobs") not in (None, True, False):
+        raise APIError("logprobs must be a boolean", "logprobs")
+    if body.get("max_tokens") is not None and body.get("max_completion_tokens") is not None:
+        raise APIError("send max_tokens or max_completion_tokens, not both", "max_completion_tokens")
+    key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = _int_or_none(body, key, 1)
+    request = GenerationRequest(True, model, "", None, _sampling(body, max_tokens), bool(body.get("stream", False)),
+                                _stream_usage(body), _session(body), bool(body.get("logprobs")))
+    return request, texts
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    """OpenAI's usage, with the prompt tokens served from stored KV as cached_tokens."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def completion_logprobs(tokens: list[str], log_probs: list[float]) -> dict[str, Any]:
+    offsets, at = [], 0
+    for token in tokens:
+        offsets.append(at)
+        at += len(token)
+    return {"tokens": tokens, "token_logprobs": log_probs, "top_logprobs": None, "text_offset": offsets}
+
+
+def chat_logprobs(tokens: list[str], log_probs: list[float]) -> dict[str, Any]:
+    return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+                        for t, lp in zip(tokens, log_probs)]}
+
+
+def response_object(request: GenerationRequest, request_id: str, text: str, finish: str | None,
+                    logprobs: dict[str, Any] | None, usage_: dict[str, Any] | None, chunk: bool,
+                    first: bool = False) -> dict[str, Any]:
+    """A whole response (chunk=False) or one stream chunk, completions or chat shaped; a
+    chat stream's first chunk names the role."""
+    if request.chat:
+        body: dict[str, Any] = {"content": text} if chunk and not first else {"role": "assistant", "content": text}
+        choice = {"index": 0, ("delta" if chunk else "message"): body, "logprobs": logprobs, "finish_reason": finish}
+        kind = "chat.completion.chunk" if chunk else "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        kind = "text_completion"
+    result: dict[str, Any] = {"id": request_id, "object": kind, "created": int(time.time()), "model": request.model,
+                              "choices": [choice]}
+    if usage_ is not None:
+        result["usage"] = usage_
+    if request.session_id is not None:
+        result["session_id"] = request.session_id
+    return result
+
+
+def usage_chunk(request: GenerationRequest, request_id: str, usage_: dict[str, Any]) -> dict[str, Any]:
+    """The last chunk of a stream with stream_options.include_usage: no choices, the usage."""
+    kind = "chat.completion.chunk" if request.chat else "text_completion"
+    return {"id": request_id, "object": kind, "created": int(time.time()), "model": request.model, "choices": [],
+            "usage": usage_}

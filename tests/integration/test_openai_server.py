@@ -1,0 +1,127 @@
+"""The OpenAI-compatible endpoint with the real `openai` client against an embedded 1P1D
+cluster: a real tokenizer from the model's directory, completions and chat, SSE streaming,
+sessions whose prefix reuse grows turn by turn, a session aborted mid-stream, and 400s that
+name the bad field."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers import ray_test_env, runtime_config
+
+ray_test_env()
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("starlette")
+pytest.importorskip("uvicorn")
+pytest.importorskip("tokenizers")
+
+import ray  # noqa: E402
+
+from dualpath_ray.api.openai_server import start_openai_server  # noqa: E402
+from dualpath_ray.api.tokenizer import HFTokenizer  # noqa: E402
+from dualpath_ray.cluster import DualPathCluster  # noqa: E402
+from tests.tokenizer_factory import SENTENCES, model_dir_with_tokenizer  # noqa: E402
+
+pytestmark = pytest.mark.integration
+MODEL = "dualpath-tiny"
+# Over two 64-token blocks, so a conversation's second turn already hits stored blocks.
+SYSTEM = " ".join(SENTENCES * 3)
+
+
+@pytest.fixture(scope="module")
+def endpoint(tmp_path_factory):
+    base = runtime_config(transport="gloo", verify_kv=False)
+    model_dir = model_dir_with_tokenizer(base, tmp_path_factory.mktemp("model"))
+    cfg = base.with_overrides(model={"weights_dir": str(model_dir)})
+    cluster = DualPathCluster.start(cfg)
+    cluster.deploy("dualpath")
+    cluster.server()
+    actor, url = start_openai_server(cfg, "127.0.0.1", 0)
+    client = openai.OpenAI(base_url=url, api_key="not-checked", max_retries=0, timeout=120)
+    yield cluster, client, HFTokenizer.from_dir(model_dir, cfg.model.vocab_size)
+    ray.kill(actor, no_restart=True)
+    cluster.shutdown()
+
+
+def test_models_and_a_completion_match_the_token_api(endpoint) -> None:
+    cluster, client, tokenizer = endpoint
+    assert [m.id for m in client.models.list().data] == [MODEL], "the served model is listed under its model id"
+    prompt = "tell me a story about a cat"
+    done = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, logprobs=0)
+    direct = ray.get(cluster.server().generate.remote("direct-1", tokenizer.encode(prompt), {"max_tokens": 8}))
+    choice = done.choices[0]
+    assert choice.text == tokenizer.decode(direct.token_ids), "the text is the tokenizer's decoding of the generated ids"
+    assert done.usage.prompt_tokens == len(tokenizer.encode(prompt)), "the prompt was tokenized by the model's tokenizer"
+    assert done.usage.completion_tokens == len(direct.token_ids), "usage counts the generated tokens"
+    assert choice.logprobs.token_logprobs == pytest.approx(direct.log_probs, abs=1e-5), "log-probs of the sampled tokens"
+    assert choice.finish_reason in ("stop", "length"), "an OpenAI finish reason"
+
+
+def test_chat_streams_the_same_text_as_a_whole_response(endpoint) -> None:
+    _, client, _ = endpoint
+    messages = [{"role": "system", "content": "the agent reads the file"}, {"role": "user", "content": "tell me a story"}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert whole.choices[0].message.role == "assistant", "a chat response is the assistant's message"
+    assert text == whole.choices[0].message.content, "the streamed deltas add up to the whole response"
+    assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) > 1, "the text arrives in several chunks"
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens, "the last chunk carries the usage"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason, (
+        "the stream ends with the same finish reason"
+    )
+
+
+def test_a_session_reuses_its_growing_prefix(endpoint) -> None:
+    _, client, _ = endpoint
+    messages = [{"role": "system", "content": SYSTEM}]
+    cached = []
+    for turn in range(3):
+        messages.append({"role": "user", "content": f"{SENTENCES[turn]} {SENTENCES[turn + 1]} {SENTENCES[turn + 2]}"})
+        reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0,
+                                               extra_body={"session_id": "chat-7"})
+        cached.append(reply.usage.prompt_tokens_details.cached_tokens)
+        messages.append({"role": "assistant", "content": reply.choices[0].message.content})
+    assert cached[0] == 0, "the first turn has nothing stored"
+    assert cached[1] > 0 and cached[2] > cached[1], f"each later turn hits more of its growing prefix: {cached}"
+
+
+def test_aborting_a_session_ends_its_stream(endpoint) -> None:
+    cluster, client, _ = endpoint
+    server = cluster.server()
+    stream = client.completions.create(model=MODEL, prompt="the agent reads the file", max_tokens=600,
+                                       temperature=0, stream=True, extra_body={"conversation_id": "conv-abort"})
+    finish, received = None, 0
+    for chunk in stream:
+        received += 1
+        if received == 3:
+            assert ray.get(server.abort_session.remote("conv-abort")) == 1, "the session's turn was in flight"
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == "abort", "the stream ends with the abort as its finish reason"
+    refused = client.completions.create(model=MODEL, prompt="the agent", max_tokens=4,
+                                        extra_body={"conversation_id": "conv-abort"})
+    assert refused.choices[0].finish_reason == "abort", "an aborted conversation's later turns are refused"
+    ray.get(server.resume_session.remote("conv-abort"))
+    again = client.completions.create(model=MODEL, prompt="the agent", max_tokens=4, extra_body={"conversation_id": "conv-abort"})
+    assert again.choices[0].finish_reason in ("stop", "length"), "a resumed conversation runs again"
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"temperature": 5}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"n": 2}, "n"),
+    ({"stop": ["\n"]}, "stop"),
+    ({"extra_body": {"beam_width": 2}}, "beam_width"),
+    ({"max_tokens": 5000}, "max_tokens"),
+])
+def test_a_bad_request_is_a_400_naming_the_field(endpoint, kwargs, field) -> None:
+    _, client, _ = endpoint
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=MODEL, prompt="the agent", **{"max_tokens": 4, **kwargs})
+    assert caught.value.status_code == 400, "bad input is the client's error"
+    assert caught.value.body["param"] == field, f"the error names the field {field}"
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-4", prompt="the agent", max_tokens=4)

@@ -1,0 +1,107 @@
+"""The RL front ends' pure parts: sampling keys as verl/vLLM send them, session request ids, the
+OpenAI request checks and response shapes, the tokenizer's chat template and incremental
+detokenizing, OpenRLHF's per-sample seeds. No Ray."""
+
+from __future__ import annotations
+
+import pytest
+
+from dualpath_ray.api.openai_protocol import APIError, parse_chat, parse_completion, response_object, usage
+from dualpath_ray.api.openrlhf_adapter import sample_seeds, sampling_dict
+from dualpath_ray.api.sessions import SessionIds, check_session_id
+from dualpath_ray.api.validation import RequestError, parse_sampling_request
+
+MODEL = "dualpath-tiny"
+
+
+def test_verl_agent_loop_sampling_is_accepted_and_log_probs_follow_vllm() -> None:
+    verl = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "logprobs": False}
+    parsed = parse_sampling_request("r", verl, 16)
+    assert parsed.params.max_new_tokens == 16 and not parsed.want_log_probs, "verl's logprobs=False: none returned"
+    assert parse_sampling_request("r", {"logprobs": 0}, 16).want_log_probs, "vLLM's logprobs=0: the sampled token's"
+    assert parse_sampling_request("r", {}, 16).want_log_probs, "by default log-probs are returned"
+
+
+@pytest.mark.parametrize("params, field", [
+    ({"top_k": 5}, "top_k"), ({"repetition_penalty": 1.2}, "repetition_penalty"), ({"n": 2}, "n"),
+    ({"temperature": True}, "temperature"), ({"logprobs": "yes"}, "logprobs"), ({"beam": 1}, "beam"),
+])
+def test_a_sampling_knob_that_does_not_exist_here_is_an_error_naming_it(params, field) -> None:
+    with pytest.raises(RequestError) as caught:
+        parse_sampling_request("r", params, 16)
+    assert caught.value.field == field, "the error carries the field it is about"
+
+
+def test_session_turns_share_one_prefix_and_never_repeat() -> None:
+    ids = SessionIds()
+    turns = [ids.next_turn("chat-1") for _ in range(3)]
+    assert turns == ["chat-1/t0", "chat-1/t1", "chat-1/t2"], "one request id per turn under the session's prefix"
+    assert ids.next_turn("chat-2") == "chat-2/t0", "sessions are numbered separately"
+    with pytest.raises(RequestError, match="session_id"):
+        check_session_id("a/b")
+
+
+def test_completion_and_chat_bodies_are_checked_into_one_request() -> None:
+    request = parse_completion({"model": MODEL, "prompt": "hi", "max_tokens": 3, "session_id": "s1", "seed": 4}, MODEL)
+    assert (request.prompt_text, request.sampling["max_tokens"], request.session_id) == ("hi", 3, "s1")
+    assert request.sampling["seed"] == 4 and request.sampling["temperature"] == 1.0, "OpenAI's default temperature"
+    chat, messages = parse_chat({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}]}],
+                                 "max_completion_tokens": 2, "conversation_id": "c"}, MODEL)
+    assert messages == [{"role": "user", "content": "a"}] and chat.sampling["max_tokens"] == 2, "text parts joined"
+    assert chat.session_id == "c", "conversation_id is the session"
+
+
+@pytest.mark.parametrize("body, field, status", [
+    ({"model": "other", "prompt": "x"}, "model", 404),
+    ({"model": MODEL, "prompt": ["a", "b"]}, "prompt", 400),
+    ({"model": MODEL, "prompt": "x", "logprobs": 3}, "logprobs", 400),
+    ({"model": MODEL, "prompt": "x", "stop": "\n"}, "stop", 400),
+    ({"model": MODEL, "prompt": "x", "temperature": 3}, "temperature", 400),
+    ({"model": MODEL, "prompt": "x", "session_id": "s", "conversation_id": "c"}, "conversation_id", 400),
+    ({"model": MODEL, "prompt": "x", "stream_options": {"x": 1}}, "stream_options", 400),
+])
+def test_a_bad_body_is_an_openai_error_naming_the_field(body, field, status) -> None:
+    with pytest.raises(APIError) as caught:
+        parse_completion(body, MODEL)
+    error = caught.value.body()["error"]
+    assert (error["param"], caught.value.status) == (field, status), "OpenAI's error shape names the field"
+
+
+def test_responses_have_openai_shapes_and_report_cached_tokens() -> None:
+    chat, _ = parse_chat({"model": MODEL, "messages": [{"role": "user", "content": "a"}], "session_id": "s"}, MODEL)
+    whole = response_object(chat, "id1", "hello", "stop", None, usage(10, 2, 8), chunk=False)
+    assert whole["object"] == "chat.completion" and whole["choices"][0]["message"]["role"] == "assistant"
+    assert whole["usage"]["prompt_tokens_details"]["cached_tokens"] == 8, "hits are reported as cached tokens"
+    assert whole["session_id"] == "s", "the session is echoed"
+    first = response_object(chat, "id1", "", None, None, None, chunk=True, first=True)
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}, "a chat stream opens with the role"
+
+
+def test_openrlhf_sampling_objects_and_per_sample_seeds() -> None:
+    class Params:
+        temperature, top_p, max_tokens, seed = 0.5, 0.9, 7, 3
+
+    assert sampling_dict(Params()) == {"temperature": 0.5, "top_p": 0.9, "max_tokens": 7, "seed": 3}
+    assert sample_seeds(3, 10, None) == [10, 11, 12], "by default each sample gets base + index"
+    assert sample_seeds(2, 0, [5, 5]) == [5, 5], "explicit seeds are kept"
+    with pytest.raises(RequestError, match="seeds"):
+        sample_seeds(2, 0, [1])
+
+
+def test_tokenizer_chat_template_and_incremental_detokenizer(tmp_path) -> None:
+    pytest.importorskip("tokenizers")
+    pytest.importorskip("jinja2")
+    from dualpath_ray.api.tokenizer import DEFAULT_CHAT_TEMPLATE, HFTokenizer, IncrementalDetokenizer, TokenizerError
+    from tests.tokenizer_factory import train_tokenizer
+
+    train_tokenizer(512).save(str(tmp_path / "tokenizer.json"))
+    tokenizer = HFTokenizer.from_dir(tmp_path, 512)
+    assert tokenizer.chat_template == DEFAULT_CHAT_TEMPLATE, "no tokenizer_config.json: the documented template"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "the cat"}])
+    assert text == "<|user|>\nthe cat\n<|assistant|>\n", "one block per message, then the assistant's turn"
+    ids = tokenizer.encode("the agent reads the file")
+    pieces = IncrementalDetokenizer(tokenizer)
+    streamed = "".join(pieces.push([t]) for t in ids) + pieces.push([], final=True)
+    assert streamed == tokenizer.decode(ids), "the pieces add up to the whole decoding"
+    with pytest.raises(TokenizerError, match="vocab_size"):
+        HFTokenizer.from_dir(tmp_path, 100)
