@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import enum
 import math
+import os
 import threading
 import time
 import uuid
@@ -662,11 +663,12 @@ def make_transport(
         raise TransportError("endpoint_name must be the actor's Ray name, e.g. 'reader/n1'")
     if timeout_s <= 0:
         raise TransportError(f"timeout_s must be > 0 (got {timeout_s})")
-    apply_ucx_environment(
-        ucx_environment(
-            service_level=service_level, traffic_class=traffic_class, tls=ucx_tls, net_devices=ucx_net_devices
-        )
-    )
+    ucx = ucx_environment(service_level=service_level, traffic_class=traffic_class, tls=ucx_tls, net_devices=ucx_net_devices)
+    apply_ucx_environment(ucx)
+    if ucx:
+        # The KV class knobs act only where UCX runs on an IB/RoCE device; on TCP or shared
+        # memory UCX would warn at every agent start that they are unused. A user's own setting wins.
+        os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
     if kind == "nixl":
         from dualpath_ray.runtime.transport_nixl import NixlTransport
 
