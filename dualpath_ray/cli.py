@@ -18,11 +18,13 @@ COMMAND_MODULES = (
     "dualpath_ray.commands.bench",
     "dualpath_ray.commands.cluster",
     "dualpath_ray.commands.status",
+    "dualpath_ray.commands.serve",
     "dualpath_ray.commands.qos",
 )
 
 
 def user_errors() -> tuple[type[Exception], ...]:
+    from dualpath_ray.api.tokenizer import TokenizerError
     from dualpath_ray.api.validation import RequestError
     from dualpath_ray.cluster import DeploymentConflictError
     from dualpath_ray.commands.status import StatusError
@@ -30,7 +32,8 @@ def user_errors() -> tuple[type[Exception], ...]:
     from dualpath_ray.model.weights import WeightsError
     from dualpath_ray.workload.validate import TraceError
 
-    return ConfigError, TraceError, RequestError, WeightsError, DeploymentConflictError, LocalClusterError, StatusError
+    return (ConfigError, TraceError, RequestError, WeightsError, DeploymentConflictError, LocalClusterError, StatusError,
+            TokenizerError)
 
 
 def build_parser() -> argparse.ArgumentParser:
