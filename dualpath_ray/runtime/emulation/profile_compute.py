@@ -39,19 +39,21 @@ class _Prefix:
 
 class ProfileCompute(EngineCompute):
     def __init__(self, cfg: DualPathConfig, layout: KVLayout, device: torch.device) -> None:
+        from dualpath_ray.model.cost import cost_of_profile
         from dualpath_ray.model.profile import load_profile_for
 
         self.layout = layout
         self.device = device
         self.vocab_size = cfg.model.vocab_size
-        self.profile = load_profile_for(cfg)
+        # model/cost.py: the same engine-time model the cluster simulator advances its clock by.
+        self.cost = cost_of_profile(load_profile_for(cfg), layout.bytes_per_token_per_layer)
 
     def begin_prefill(self, chunks: Sequence[ChunkSpec]) -> PrefillBatch:
         hashes = [prefix_hashes(c.prompt[: c.end]) for c in chunks]
         return PrefillBatch(tuple(chunks), hashes)
 
     def prefill_layer(self, batch: PrefillBatch, layer: int, slot: torch.Tensor) -> None:
-        time.sleep(self.profile.attention_ms([(c.start, c.new_tokens) for c in batch.chunks]) / 1000.0)
+        time.sleep(self.cost.prefill_layer_ms([(c.start, c.new_tokens) for c in batch.chunks]) / 1000.0)
         for chunk, hashes in zip(batch.chunks, batch.state):
             stamped = stamp_kv(self.layout, hashes[chunk.start :], layer)
             slot[chunk.offset + chunk.start : chunk.offset + chunk.end].copy_(stamped)
@@ -63,7 +65,7 @@ class ProfileCompute(EngineCompute):
         return _Prefix(prefix_sum(np.asarray(tokens[:-1], dtype=np.int64)))
 
     def decode_step(self, seqs: Sequence[DecodeSeq], pages: torch.Tensor, params: Sequence[SamplingParams]) -> list[Sampled]:
-        time.sleep(self.profile.decode_step_ms(len(seqs), sum(s.position for s in seqs)) / 1000.0)
+        time.sleep(self.cost.decode_step_ms(len(seqs), sum(s.position for s in seqs)) / 1000.0)
         block_size = self.layout.block_size
         sampled = []
         for seq in seqs:
