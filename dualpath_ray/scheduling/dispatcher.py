@@ -17,9 +17,9 @@ from typing import Sequence
 
 from dualpath_ray.scheduling.loads import EngineLoad, QueuedRequest
 from dualpath_ray.scheduling.policy import (
-    assign_decode_groups,
     assign_decode_in_group,
     assign_prefill,
+    assign_to_groups,
     choose_read_path,
     split_read,
 )
@@ -48,6 +48,7 @@ class Dispatcher:
         self.decode_private: dict[str, deque[str]] = {}
         self.prefill_queue: deque[str] = deque()
         self.decode_loads: dict[str, tuple[EngineLoad, ...]] = {}
+        self.decode_tok: dict[str, int] = {}  # each group's summed tok, kept with decode_loads (phase 1)
         self.read_q: dict[str, int] = {}
         self._engine_node: dict[str, str] = {}
         # Prefill nodes whose storage reader is down: their requests read through the DE path.
@@ -71,14 +72,16 @@ class Dispatcher:
         no live engines is dropped (its private queue back to the global one)."""
         if not engines:
             self.decode_loads.pop(group_id, None)
+            self.decode_tok.pop(group_id, None)
             self.decode_global.extendleft(reversed(self.decode_private.pop(group_id, deque())))
             return []
         self.decode_loads[group_id] = tuple(engines)
+        self.decode_tok[group_id] = sum(engine.tok for engine in engines)
         self._engine_node.update({e.engine_id: e.node_id for e in engines})
         self.decode_private.setdefault(group_id, deque())
         if self.decode_global:
             queue = [self._decode_request(rid) for rid in self.decode_global]
-            for assignment in assign_decode_groups(queue, self.decode_loads):
+            for assignment in assign_to_groups(queue, self.decode_tok):
                 self.decode_private[assignment.target].append(assignment.request_id)
             self.decode_global.clear()
         private = self.decode_private[group_id]
@@ -200,6 +203,7 @@ class Dispatcher:
         for group, loads in list(self.decode_loads.items()):
             if any(load.engine_id == engine_id for load in loads):
                 del self.decode_loads[group]
+                del self.decode_tok[group]
                 self.decode_global.extendleft(reversed(self.decode_private.pop(group, deque())))
 
     def decode_waiting(self) -> bool:

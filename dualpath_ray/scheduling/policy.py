@@ -85,13 +85,19 @@ def assign_decode_groups(
     the group's position in `groups`); that sum then grows by the request's tokens. The target
     of each assignment is a group id. With no groups nothing is assigned.
     """
-    loads: list[tuple[int, int]] = []
-    group_ids = list(groups)
-    for position, group_id in enumerate(group_ids):
-        members = groups[group_id]
+    summed = {}
+    for group_id, members in groups.items():
         if not members:
             raise ValueError(f"decode group {group_id!r} has no engines; drop it from `groups`")
-        loads.append((sum(engine.tok for engine in members), position))
+        summed[group_id] = sum(engine.tok for engine in members)
+    return assign_to_groups(queue, summed)
+
+
+def assign_to_groups(queue: Iterable[QueuedRequest], group_tok: Mapping[str, int]) -> list[Assignment]:
+    """`assign_decode_groups` given each group's summed tok (a caller that keeps the sums as the
+    reports arrive pays O(groups) per call instead of O(engines))."""
+    group_ids = list(group_tok)
+    loads = [(group_tok[group_id], position) for position, group_id in enumerate(group_ids)]
     heapq.heapify(loads)
 
     assignments: list[Assignment] = []
