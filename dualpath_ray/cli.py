@@ -18,6 +18,7 @@ COMMAND_MODULES = (
     "dualpath_ray.commands.bench",
     "dualpath_ray.commands.cluster",
     "dualpath_ray.commands.status",
+    "dualpath_ray.commands.sim",
     "dualpath_ray.commands.serve",
     "dualpath_ray.commands.qos",
 )

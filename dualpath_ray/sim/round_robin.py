@@ -1,0 +1,24 @@
+"""The ablation's "dual path with round-robin path choice": the policy's placement, with read
+paths alternating PE, DE, PE, ... instead of going to the shorter read queue.
+
+A baseline the paper compares its scheduler with (SNIC balance: round-robin 1.53, the scheduler
+1.18), not the policy: engine placement is the dispatcher's as ever; only `_path` differs.
+"""
+
+from __future__ import annotations
+
+from dualpath_ray.scheduling.dispatcher import Constants, Dispatcher
+from dualpath_ray.scheduling.types import Mode, ReadPath
+
+
+class RoundRobinPaths(Dispatcher):
+    def __init__(self, constants: Constants, mode: Mode = Mode.DUALPATH, read_split: str = "whole") -> None:
+        super().__init__(constants, mode, read_split)
+        self._next_de = False
+
+    def _path(self, pe_node: str, de_node: str) -> ReadPath:
+        if self.mode is not Mode.DUALPATH:
+            return ReadPath.PE
+        path = ReadPath.DE if self._next_de else ReadPath.PE
+        self._next_de = not self._next_de
+        return path

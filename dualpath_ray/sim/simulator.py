@@ -1,0 +1,214 @@
+"""One simulation: a cluster of simulated nodes and engines around the runtime's scheduler core.
+
+`simulate(cfg, workload, mode)` builds the P/D topology of `cfg` (the same config tree as the
+runtime), runs every trajectory of `workload` to its end and returns a `SimResult`. Only the
+engines, readers, NICs and DRAM are simulated (sim/prefill.py, sim/decode.py, sim/nodes.py);
+every scheduling decision is the scheduler core's (sim/driver.py), and every engine time and KV
+size is model/cost.py's.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import NamedTuple, Sequence
+
+from dualpath_ray.config import DualPathConfig
+from dualpath_ray.runtime.messages import DecodeReservation, PersistedBlock, PrefillTask, RequestSpec, TurnResult
+from dualpath_ray.scheduling.scheduler import CoreSettings, SchedulerCore
+from dualpath_ray.scheduling.types import READ_SIDES, ReadPath, Role, StopReason, Mode
+from dualpath_ray.sim.agents import Agent, Agents
+from dualpath_ray.sim.decode import DecodeEngine, DecodeJob, DecodeStats
+from dualpath_ray.sim.driver import Driver, Group
+from dualpath_ray.sim.events import EventLoop
+from dualpath_ray.sim.index import ChainIndex, TreeIndex
+from dualpath_ray.sim.nodes import SimNode, engine_ids, node_ids
+from dualpath_ray.sim.prefill import PrefillEngine, PrefillJob, PrefillStats, PrefillUnit
+from dualpath_ray.sim.results import SimResult, TurnLog, snic_balance, summary
+from dualpath_ray.sim.settings import SimOptions, settings_for
+from dualpath_ray.sim.round_robin import RoundRobinPaths
+from dualpath_ray.sim.staging import Stager
+from dualpath_ray.sim.workload import Workload, block_key
+
+
+class Published(NamedTuple):
+    """A published block as SchedulerCore.finish reads it (PersistedBlock's fields), cheaper to make."""
+
+    key: int
+    parent: int | None
+
+
+class Simulation:
+    def __init__(self, cfg: DualPathConfig, workload: Workload, mode: Mode | str, options: SimOptions) -> None:
+        self.cfg = cfg
+        self.workload = workload
+        self.settings = settings = settings_for(cfg, mode, options)
+        self.loop = loop = EventLoop()
+        self.core = self._core()
+        cluster = cfg.cluster
+        self.prefill_nodes = [SimNode(n, Role.PREFILL, settings) for n in node_ids(Role.PREFILL, cluster.prefill_nodes)]
+        self.decode_nodes = [SimNode(n, Role.DECODE, settings) for n in node_ids(Role.DECODE, cluster.decode_nodes)]
+        self.prefill_stats, self.decode_stats = PrefillStats(), DecodeStats()
+        self.prefill_engines: dict[str, PrefillEngine] = {}
+        self.units: dict[str, PrefillUnit] = {}
+        prefill_groups = [self._prefill_node(node) for node in self.prefill_nodes]
+        self.decode_engines: dict[str, DecodeEngine] = {}
+        self.decode_groups: dict[str, Group] = {}
+        for node in self.decode_nodes:
+            engines = [DecodeEngine(e, node, settings, loop, self._finished, self.decode_stats)
+                       for e in engine_ids(Role.DECODE, node.node_id, cluster.gpus_per_node)]
+            self.decode_engines.update({e.engine_id: e for e in engines})
+            group = Group(f"{Role.DECODE}/{node.node_id}", node, engines)
+            self.decode_groups.update({e.engine_id: group for e in engines})
+        self.driver = Driver(
+            loop, self.core, prefill_groups, list(dict.fromkeys(self.decode_groups.values())), options.pull_delay_s,
+            settings.report_interval_s, settings.constants.beta_tokens,
+        )
+        self.driver.on_reservation = self._reserve
+        self.driver.on_tasks = self._assign
+        self.stager = Stager(loop, settings, self._kick, self.driver.read_queue_changed)
+        self.agents = Agents(loop, workload, self._submit, options.warmup_turns, cfg.model.max_context)
+        self.log = TurnLog()
+
+    def _core(self) -> SchedulerCore:
+        settings = self.settings
+        index = TreeIndex(settings.block_size) if self.workload.tree else ChainIndex(settings.block_size)
+        core_settings = CoreSettings(settings.mode, settings.block_size, settings.constants, read_split=settings.read_split)
+        core = SchedulerCore(core_settings, index)  # type: ignore[arg-type]
+        if settings.options.path_choice == "round_robin":
+            core.dispatcher = RoundRobinPaths(settings.constants, settings.mode, settings.read_split)
+        return core
+
+    def _prefill_node(self, node: SimNode) -> Group:
+        engines = [PrefillEngine(e, node, self.settings)
+                   for e in engine_ids(Role.PREFILL, node.node_id, self.cfg.cluster.gpus_per_node)]
+        self.prefill_engines.update({e.engine_id: e for e in engines})
+        members = [engines] if self.settings.lockstep_prefill else [[e] for e in engines]
+        for unit_engines in members:
+            unit = PrefillUnit(unit_engines, self.loop, self.settings, self._hand_off, self.prefill_stats)
+            self.units.update({e.engine_id: unit for e in unit_engines})
+        return Group(f"{Role.PREFILL}/{node.node_id}", node, engines)
+
+    # --- requests in and out -------------------------------------------------------------
+
+    def _submit(self, spec: RequestSpec, agent: Agent) -> None:
+        self.agents.by_request[spec.request_id] = agent
+        self.driver.submit(spec)
+
+    def _reserve(self, reservation: DecodeReservation) -> None:
+        self.decode_engines[reservation.decode_engine].accept(reservation)
+
+    def _assign(self, tasks: Sequence[PrefillTask], now: float) -> None:
+        size = self.settings.block_size
+        for task in tasks:
+            pe_blocks = task.pe_blocks  # the dispatcher's: all hits (PE), none (DE) or a share (split)
+            de_blocks = task.hit_tokens // size - pe_blocks
+            decode = self.decode_engines[task.decode_engine]
+            job = PrefillJob(
+                task, len(task.request.prompt), task.hit_tokens, pe_blocks, de_blocks, decode, decode.node, decode.links,
+            )
+            engine = self.prefill_engines[task.prefill_engine]
+            engine.add(job)
+            self._log_decision(task)
+            self.stager.stage(job, engine.node, now)
+
+    def _log_decision(self, task: PrefillTask) -> None:
+        agent = self.agents.by_request[task.request_id]
+        if not self.agents.timed(agent):
+            return
+        if task.hit_tokens:
+            self.log.by_path[task.path.value] += 1
+        if self.settings.options.record_decisions:
+            self.log.decisions.append((task.request_id, task.decode_engine, task.prefill_engine, task.path.value))
+
+    def _kick(self, engine_id: str, now: float) -> None:
+        self.units[engine_id].kick(now)
+
+    def _hand_off(self, job: PrefillJob, engine: PrefillEngine, now: float) -> None:
+        self.driver.handed_off(job.request_id)
+        if job.pe_blocks and not job.task.oracle:
+            engine.node.buffer.release(now, job.pe_blocks)
+        job.decode_engine.hand_off(job, now)  # type: ignore[attr-defined]
+        if self.core.dispatcher.prefill_queue:
+            self.driver.prefill_round()
+
+    def _finished(self, engine: DecodeEngine, decode: DecodeJob, now: float) -> None:
+        job = decode.job
+        assert job is not None
+        agent = self.agents.by_request.pop(job.request_id)
+        gen = job.task.request.sampling.max_new_tokens
+        tpot = (now - job.first_token_at) / (gen - 1) if gen > 1 else 0.0
+        ttft = job.first_token_at - job.task.request.submitted_at
+        result = TurnResult(
+            request_id=job.request_id, attempt=0, output_tokens=(), log_probs=(), stop_reason=StopReason.LENGTH,
+            prompt_tokens=job.prompt, hit_tokens=job.task.hit_tokens, path=job.task.path,
+            prefill_engine=job.task.prefill_engine, decode_engine=engine.engine_id, ttft_s=ttft, tpot_s=tpot,
+            persisted=self._persisted(agent, job.task.hit_tokens, job.prompt + gen - 1),
+        )
+        self.driver.finish(result, self.decode_groups[engine.engine_id])
+        if self.agents.timed(agent):
+            self.log.ttft_s.append(ttft)
+            if gen > 1:
+                self.log.tpot_s.append(tpot)
+            self.log.prompt_tokens += job.prompt
+            self.log.hit_tokens += job.task.hit_tokens
+        self.agents.turn_done(agent)
+
+    def _persisted(self, agent: Agent, hit_tokens: int, kv_tokens: int) -> tuple[PersistedBlock, ...]:
+        """The blocks this turn published: every full block of its KV after its hits."""
+        size, tree, trajectory = self.settings.block_size, self.workload.tree, agent.trajectory
+        first, end = hit_tokens // size, kv_tokens // size
+        parent = block_key(trajectory, first - 1, tree) if first else None
+        blocks = []
+        for position in range(first, end):
+            key = block_key(trajectory, position, tree)
+            blocks.append(Published(key, parent))
+            parent = key
+        return tuple(blocks)  # type: ignore[return-value]
+
+    # --- the run ---------------------------------------------------------------------------
+
+    def run(self) -> SimResult:
+        started = time.perf_counter()
+        self.agents.start()
+        self.loop.run(self.settings.options.until_s)
+        wall = time.perf_counter() - started
+        return self._result(wall)
+
+    def _result(self, wall_s: float) -> SimResult:
+        stats = self.agents.stats
+        end = self.loop.now
+        timed_from = stats.timed_from
+        jct = stats.last_finish - timed_from if stats.finished else end - timed_from
+        nodes = self.prefill_nodes + self.decode_nodes
+        driver = self.driver.stats
+        simulated = max(end, 1e-9)
+        prefill = self.prefill_stats
+        busy = prefill.busy_s / max(1e-9, end * len(set(self.units.values())))
+        return SimResult(
+            mode=self.settings.mode.value, jct_s=jct, trajectories=stats.finished, turns=len(self.log.ttft_s),
+            ttft_s=summary(self.log.ttft_s), tpot_s=summary(self.log.tpot_s),
+            requests_by_path=dict(self.log.by_path),
+            hit_rate=self.log.hit_tokens / self.log.prompt_tokens if self.log.prompt_tokens else 0.0,
+            snic_read_bytes={n.node_id: n.snic_read.bytes_total for n in nodes},
+            snic_read_bytes_by_path={p.value: sum(n.read_bytes_by_path[p] for n in nodes) for p in READ_SIDES},
+            snic_write_bytes={n.node_id: n.snic_write.bytes_total for n in nodes},
+            snic_balance=snic_balance([n.snic_windows.bytes_by_window for n in nodes], self.settings.options.snic_window_s, end),
+            attention_balance=prefill.balance_weighted / prefill.balance_time if prefill.balance_time else None,
+            alpha_tokens=self.settings.constants.alpha_tokens, beta_tokens=self.settings.constants.beta_tokens,
+            scheduler_cpu_s=driver.cpu_s, scheduler_cpu_per_sim_s=driver.cpu_s / simulated,
+            scheduler_calls={"calls": driver.calls, "decode_pulls": driver.decode_pulls,
+                             "prefill_pulls": driver.prefill_pulls},
+            simulated_s=end, events=self.loop.events, wall_s=wall_s,
+            engines={"prefill_busy": busy, "prefill_rounds": prefill.rounds, "prefill_chunks": prefill.chunks,
+                     "decode_steps": self.decode_stats.steps, "decode_max_batch": self.decode_stats.max_batch},
+            decisions=self.log.decisions,
+            trajectory_jct_s={a.trajectory.trajectory_id: a.finished_at - (timed_from if self.agents.warmup_turns else a.trajectory.arrival_s)
+                              for a in self.agents.agents if a.finished_at >= 0} if len(self.agents.agents) <= 4096 else {},
+        )
+
+
+def simulate(
+    cfg: DualPathConfig, workload: Workload, mode: Mode | str | None = None, options: SimOptions = SimOptions()
+) -> SimResult:
+    """Run `workload` on the simulated cluster of `cfg` in `mode` (default: runtime.mode)."""
+    return Simulation(cfg, workload, mode if mode is not None else cfg.runtime.mode, options).run()

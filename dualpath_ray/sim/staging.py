@@ -1,0 +1,65 @@
+"""Staging a prefill job: buffer extents on the nodes it reads from and sends to, hit reads.
+
+As the runtime's PrefillCore._stage does at accept: the side(s) that read hits lease an extent
+for them and read them through their node's SNIC; the decode node always leases one extent for
+the whole prompt (the KV sent there, and on the DE path the hits read into it). Hit tokens count
+in the reading node's read queue from accept until read, as the runtime's reader counts them
+from the moment it is asked. Oracle jobs move nothing and are ready at once.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from dualpath_ray.scheduling.types import ReadPath
+from dualpath_ray.sim.events import EventLoop
+from dualpath_ray.sim.nodes import SimNode
+from dualpath_ray.sim.prefill import PrefillJob
+from dualpath_ray.sim.settings import SimSettings
+
+
+class Stager:
+    def __init__(
+        self, loop: EventLoop, settings: SimSettings, kick: Callable[[str, float], None],
+        read_started: Callable[[str], None],
+    ) -> None:
+        self.loop = loop
+        self.settings = settings
+        self.kick = kick  # kick(prefill engine id, now): a job of that engine became ready
+        self.read_started = read_started  # read_started(node id): its read queue changed
+
+    def stage(self, job: PrefillJob, prefill_node: SimNode, now: float) -> None:
+        """Start staging `job`; it becomes ready (and its unit is kicked) once every part is done."""
+        if job.task.oracle:
+            self._ready(job)
+            return
+        size = self.settings.block_size
+        job.pending = 2 if job.pe_blocks else 1
+        if job.pe_blocks:
+            prefill_node.read_queue.waiting += job.pe_blocks * size
+            prefill_node.buffer.lease(
+                now, job.pe_blocks, lambda t: self._read(job, prefill_node, job.pe_blocks, ReadPath.PE, t)
+            )
+        decode_node = job.decode_node
+        decode_node.read_queue.waiting += job.de_blocks * size
+        prompt_blocks = -(-job.prompt // size)
+        decode_node.buffer.lease(now, prompt_blocks, lambda t: self._read(job, decode_node, job.de_blocks, ReadPath.DE, t))
+
+    def _read(self, job: PrefillJob, node: SimNode, blocks: int, path: ReadPath, now: float) -> None:
+        if not blocks:
+            self._part_done(job)
+            return
+        tokens = blocks * self.settings.block_size
+        node.read_queue.waiting -= tokens
+        done = node.read(now, tokens, blocks * self.settings.block_bytes, path)
+        self.read_started(node.node_id)
+        self.loop.at(done, self._part_done, job)
+
+    def _part_done(self, job: PrefillJob) -> None:
+        job.pending -= 1
+        if job.pending == 0:
+            self._ready(job)
+
+    def _ready(self, job: PrefillJob) -> None:
+        job.ready = True
+        self.kick(job.task.prefill_engine, self.loop.now)

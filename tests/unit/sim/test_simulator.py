@@ -1,0 +1,90 @@
+"""Whole simulations: every request ends, a seed gives one result, the modes order as they must."""
+
+from __future__ import annotations
+
+from dualpath_ray.scheduling.types import Mode
+from dualpath_ray.sim.profiles import sim_config
+from dualpath_ray.sim.settings import SimOptions
+from dualpath_ray.sim.simulator import Simulation, simulate
+from dualpath_ray.sim.workload import from_synth
+from dualpath_ray.workload.synth import SynthParams
+
+PROFILES = "cluster_configs/profiles"
+
+
+def paper_config(**cluster: int) -> object:
+    """The 2P4D-shaped cluster of the paper's large MLA model, scaled down to 1P2D by default."""
+    return sim_config({
+        "model": {"max_context": 20000},
+        "cluster": {"prefill_nodes": 1, "decode_nodes": 2, "prefill_hbm_tokens": 65536, **cluster},
+        "sim": {"hardware_profile": f"{PROFILES}/hardware/h100-sxm-8gpu.yaml",
+                "model_profile": f"{PROFILES}/models/deepseek-v3.2-660b.yaml"},
+    })
+
+
+def small_workload(agents: int = 24, seed: int = 3):
+    return from_synth(SynthParams(agents=agents, max_len=16384, seed=seed))
+
+
+def test_every_request_ends_and_the_scheduler_holds_nothing():
+    workload = small_workload()
+    sim = Simulation(paper_config(), workload, Mode.DUALPATH, SimOptions(quota_scope="forward"))
+    result = sim.run()
+    assert result.turns == workload.turns, "every turn of every trajectory finished"
+    assert result.trajectories == len(workload.trajectories)
+    assert not sim.core.requests, "the scheduler core holds no request after the last turn"
+    sim.core.dispatcher.check_integrity()
+    for node in sim.prefill_nodes + sim.decode_nodes:
+        assert node.buffer.free == node.buffer.capacity, f"{node.node_id}: every buffer extent was freed"
+    for engine in sim.decode_engines.values():
+        assert engine.free_pages == sim.settings.hbm_pages and engine.tok == 0, f"{engine.engine_id}: HBM all free"
+
+
+def test_the_same_inputs_give_the_same_result():
+    workload = small_workload()
+    first = simulate(paper_config(), workload, "dualpath", SimOptions(record_decisions=True))
+    second = simulate(paper_config(), workload, "dualpath", SimOptions(record_decisions=True))
+    assert first.decisions == second.decisions, "decisions are a pure function of the inputs"
+    assert first.jct_s == second.jct_s and first.ttft_s == second.ttft_s and first.snic_read_bytes == second.snic_read_bytes
+
+
+def test_a_different_seed_gives_a_different_trace_and_result():
+    first = simulate(paper_config(), small_workload(seed=3), "dualpath")
+    second = simulate(paper_config(), small_workload(seed=4), "dualpath")
+    assert first.jct_s != second.jct_s, "the seed reaches the simulated workload"
+
+
+def test_storage_bound_modes_order_oracle_dualpath_basic():
+    # 1P2D, storage-bound: basic reads through one SNIC, dualpath through three, oracle reads nothing.
+    workload = small_workload(agents=48)
+    jct = {mode: simulate(paper_config(), workload, mode, SimOptions(quota_scope="forward")).jct_s
+           for mode in ("basic", "dualpath", "oracle")}
+    assert jct["oracle"] <= jct["dualpath"] < jct["basic"], f"no I/O <= both paths < the prefill path only: {jct}"
+
+
+def test_basic_reads_only_on_prefill_nodes_and_dualpath_on_both():
+    workload = small_workload()
+    basic = simulate(paper_config(), workload, "basic")
+    dual = simulate(paper_config(), workload, "dualpath")
+    assert basic.snic_read_bytes["d0"] == basic.snic_read_bytes["d1"] == 0, "basic never reads on decode nodes"
+    assert basic.requests_by_path["de"] == 0
+    assert dual.requests_by_path["de"] > 0 and dual.snic_read_bytes_by_path["de"] > 0, "dualpath uses the DE path"
+    assert sum(basic.snic_read_bytes.values()) == sum(dual.snic_read_bytes.values()), (
+        "both modes read exactly the same hit bytes, only through different SNICs"
+    )
+
+
+def test_proportional_split_reads_split_requests_between_the_two_readers():
+    workload = small_workload(agents=48)
+    cfg = paper_config().with_overrides(scheduler={"read_split": "proportional"})
+    result = simulate(cfg, workload, "dualpath", SimOptions(record_decisions=True))
+    assert result.requests_by_path["split"] > 0, "requests with headroom on both sides read from both"
+    assert result.turns == workload.turns
+
+
+def test_round_robin_paths_alternate():
+    workload = small_workload()
+    result = simulate(paper_config(), workload, "dualpath", SimOptions(path_choice="round_robin", record_decisions=True))
+    paths = [decision[3] for decision in result.decisions if not decision[0].endswith("/t0")]  # turn 0 reads nothing
+    assert paths[:6] in (["pe", "de"] * 3, ["de", "pe"] * 3), "round-robin alternates whatever the queues say"
+    assert abs(paths.count("pe") - paths.count("de")) <= 1
