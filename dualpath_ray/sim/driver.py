@@ -12,9 +12,9 @@ leaders pull, mirroring when the runtime's leaders would get an answer that is n
 - a prefill round runs when the prefill queue has requests, pulling the groups in rotation
   (the runtime's leaders race for it) while requests remain; a group none of whose engines is
   at or under beta is skipped, since the core would assign it nothing (class C1);
-- every decode group reports again at most `scheduler.fetch_wait_ms` after its loads or its
-  read queue changed: the runtime's idle leaders pull that often, and those reports are what the
-  read-path choice compares a decode node's read queue with.
+- every decode group reports again at most `scheduler.fetch_wait_ms + fetch_interval_ms` after
+  its loads or its read queue changed: the runtime's idle leaders pull that often, and those
+  reports are what the read-path choice compares a decode node's read queue with.
 A pull the simulator skips is one whose answer the core would make empty, so the decisions are
 those of a runtime whose leaders pull without delay.
 """

@@ -33,7 +33,11 @@ class SimOptions:
     snic_window_s: float = 10.0  # window of the SNIC balance metric (max / mean bytes across SNICs)
     warmup_turns: int = 0  # first turns of every trajectory run before the timed phase (benchmarks/demo_jct.py)
     record_decisions: bool = False  # keep (request, decode engine, prefill engine, path) of every request
-    until_s: float = float("inf")  # stop the clock here (online runs measure a window)
+    until_s: float = float("inf")  # stop the clock here
+    # TTFT/TPOT and the path counts cover only turns submitted in [measure_from_s, measure_until_s)
+    # (online runs leave out the ramp-up and the drain after the last arrival).
+    measure_from_s: float = 0.0
+    measure_until_s: float = float("inf")
 
 
 @dataclass(frozen=True)
@@ -99,7 +103,9 @@ def settings_for(cfg: DualPathConfig, mode: Mode | str, options: SimOptions = Si
         snic_bytes_s=_gbps(cluster.snic_gbps), cnic_bytes_s=_gbps(cluster.cnic_gbps),
         dram_bytes_s=cluster.dram_gbs * 1e9, burst_s=burst, lockstep_prefill=lockstep,
         constants=Constants(alpha, beta, cfg.scheduler.z_margin), read_split=cfg.scheduler.read_split,
-        report_interval_s=cfg.scheduler.fetch_wait_ms / 1000.0, options=options,
+        # An idle runtime leader's loop: its empty pull is held up to fetch_wait_ms, then it waits
+        # fetch_interval_ms and pulls again, so it reports at least that often.
+        report_interval_s=(cfg.scheduler.fetch_wait_ms + cfg.scheduler.fetch_interval_ms) / 1000.0, options=options,
     )
 
 

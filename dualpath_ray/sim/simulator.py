@@ -111,9 +111,13 @@ class Simulation:
             self._log_decision(task)
             self.stager.stage(job, engine.node, now)
 
+    def _measured(self, agent: Agent, submitted_at: float) -> bool:
+        options = self.settings.options
+        return self.agents.timed(agent) and options.measure_from_s <= submitted_at < options.measure_until_s
+
     def _log_decision(self, task: PrefillTask) -> None:
         agent = self.agents.by_request[task.request_id]
-        if not self.agents.timed(agent):
+        if not self._measured(agent, task.request.submitted_at):
             return
         if task.hit_tokens:
             self.log.by_path[task.path.value] += 1
@@ -145,7 +149,7 @@ class Simulation:
             persisted=self._persisted(agent, job.task.hit_tokens, job.prompt + gen - 1),
         )
         self.driver.finish(result, self.decode_groups[engine.engine_id])
-        if self.agents.timed(agent):
+        if self._measured(agent, job.task.request.submitted_at):
             self.log.ttft_s.append(ttft)
             if gen > 1:
                 self.log.tpot_s.append(tpot)
