@@ -55,8 +55,9 @@ def test_a_different_seed_gives_a_different_trace_and_result():
 
 
 def test_storage_bound_modes_order_oracle_dualpath_basic():
-    # 1P2D, storage-bound: basic reads through one SNIC, dualpath through three, oracle reads nothing.
-    workload = small_workload(agents=48)
+    # 1P2D, storage-bound: short generations keep 48 agents asking for more hit KV than one SNIC
+    # reads; basic reads through one SNIC, dualpath through three, oracle reads nothing.
+    workload = from_synth(SynthParams(agents=48, max_len=16384, seed=3, mean_gen=16))
     jct = {mode: simulate(paper_config(), workload, mode, SimOptions(quota_scope="forward")).jct_s
            for mode in ("basic", "dualpath", "oracle")}
     assert jct["oracle"] <= jct["dualpath"] < jct["basic"], f"no I/O <= both paths < the prefill path only: {jct}"
