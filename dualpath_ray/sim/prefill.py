@@ -64,8 +64,8 @@ class PrefillStats:
     batches: int = 0
     chunks: int = 0
     busy_s: float = 0.0
-    balance_weighted: float = 0.0  # sum over rounds of Max/Avg layer time x round length
-    balance_time: float = 0.0
+    # (start, length, Max/Avg of the engines' layer times) of every round of a multi-engine unit
+    balance: list[tuple[float, float, float]] = field(default_factory=list)
 
 
 class PrefillEngine:
@@ -176,16 +176,16 @@ class PrefillUnit:
             end = max(end, link.take(now, layers * nbytes) + compute + send / layers)
         for link, nbytes in shared_sends.items():
             end = max(end, link.take(now, layers * nbytes))
-        self._record_balance(layer_ms, end - now)
+        self._record_balance(now, layer_ms, end - now)
         return end
 
-    def _record_balance(self, layer_ms: list[float], length: float) -> None:
+    def _record_balance(self, now: float, layer_ms: list[float], length: float) -> None:
+        """Max/Avg of the layer times of the unit's engines in this round (an idle engine: 0)."""
         if len(self.engines) < 2 or length <= 0:
             return
         mean = sum(layer_ms) / len(self.engines)
         if mean > 0:
-            self.stats.balance_weighted += max(layer_ms) / mean * length
-            self.stats.balance_time += length
+            self.stats.balance.append((now, length, max(layer_ms) / mean))
 
     def _finish(self, batches: list[tuple[PrefillEngine, list]]) -> None:
         now = self.loop.now

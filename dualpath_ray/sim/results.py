@@ -7,6 +7,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from dualpath_ray.bench_figures import HighLoadWindow, SnicSeries, high_load_window, window_bytes
+from dualpath_ray.bench_figures import snic_balance as bench_balance
 from dualpath_ray.scheduling.types import ReadPath
 
 
@@ -20,17 +22,38 @@ def summary(values: Sequence[float]) -> dict[str, float]:
     }
 
 
-def snic_balance(windows: Sequence[dict[int, int]], window_s: float, end_s: float) -> float | None:
-    """Mean over whole windows with traffic of max / mean bytes read across all SNICs (paper:
-    round-robin 1.53, the scheduler 1.18). None when no whole window had traffic."""
-    last = int(end_s / window_s)  # the window still open at the end is left out
-    ratios = []
-    for index in range(last):
-        per_node = [w.get(index, 0) for w in windows]
-        mean = sum(per_node) / len(per_node)
-        if mean > 0:
-            ratios.append(max(per_node) / mean)
-    return float(np.mean(ratios)) if ratios else None
+def snic_series(windows: dict[str, dict[int, int]], window_s: float, start_s: float, end_s: float) -> SnicSeries:
+    """Cumulative SNIC read bytes per node at every window edge from start_s to end_s: the form
+    `dualpath bench` samples the runtime's counters in."""
+    first, last = int(start_s / window_s), int(end_s / window_s) + 1
+    edges = [window_s * k for k in range(first, last + 1)]
+    read_bytes = {}
+    for node, by_window in windows.items():
+        total, cumulative = 0, []
+        for index in range(first, last + 1):
+            cumulative.append(total)
+            total += by_window.get(index, 0)
+        read_bytes[node] = cumulative
+    return SnicSeries([t - edges[0] for t in edges], read_bytes)
+
+
+def high_load_balance(series: SnicSeries) -> tuple[float | None, HighLoadWindow | None]:
+    """SNIC balance (max / mean bytes across every node's SNIC) inside the high-load window,
+    both defined as `dualpath bench` defines them (dualpath_ray/bench_figures.py), so the
+    simulator's figure and the runtime's are the same measure (paper: round-robin 1.53, the
+    scheduler 1.18)."""
+    window = high_load_window(series)
+    if window is None:
+        return None, None
+    return bench_balance(window_bytes(series, window)), window
+
+
+def weighted_balance(rounds: Sequence[tuple[float, float, float]], start_s: float, end_s: float) -> float | None:
+    """Max/Avg of the prefill engines' layer times, weighted by round length, over the rounds
+    that start in [start_s, end_s]; None without such rounds."""
+    inside = [(length, ratio) for start, length, ratio in rounds if start_s <= start <= end_s]
+    total = sum(length for length, _ in inside)
+    return sum(length * ratio for length, ratio in inside) / total if total > 0 else None
 
 
 @dataclass
@@ -58,8 +81,10 @@ class SimResult:
     snic_read_bytes: dict[str, int]
     snic_read_bytes_by_path: dict[str, int]
     snic_write_bytes: dict[str, int]
-    snic_balance: float | None
-    attention_balance: float | None
+    snic_balance: float | None  # in the high-load window (dualpath bench's definition)
+    snic_window_s: tuple[float, float] | None  # that window, simulated seconds
+    attention_balance: float | None  # Max/Avg across data-parallel peers, rounds in that window
+    attention_balance_all: float | None  # the same over every round of the run
     alpha_tokens: int
     beta_tokens: int
     scheduler_cpu_s: float

@@ -30,7 +30,7 @@ class SimOptions:
     # (every layer), a reading of the paper's quota that matters for many-layer models.
     quota_scope: Literal["layer", "forward"] = "layer"
     pull_delay_s: float = 0.0  # from a reason to pull to the scheduler's decision (the runtime's RPCs)
-    snic_window_s: float = 10.0  # window of the SNIC balance metric (max / mean bytes across SNICs)
+    snic_window_s: float = 1.0  # how finely SNIC read bytes are recorded over time (the balance's samples)
     warmup_turns: int = 0  # first turns of every trajectory run before the timed phase (benchmarks/demo_jct.py)
     record_decisions: bool = False  # keep (request, decode engine, prefill engine, path) of every request
     until_s: float = float("inf")  # stop the clock here

@@ -23,7 +23,7 @@ from dualpath_ray.sim.events import EventLoop
 from dualpath_ray.sim.index import ChainIndex, TreeIndex
 from dualpath_ray.sim.nodes import SimNode, engine_ids, node_ids
 from dualpath_ray.sim.prefill import PrefillEngine, PrefillJob, PrefillStats, PrefillUnit
-from dualpath_ray.sim.results import SimResult, TurnLog, snic_balance, summary
+from dualpath_ray.sim.results import SimResult, TurnLog, high_load_balance, snic_series, summary, weighted_balance
 from dualpath_ray.sim.settings import SimOptions, settings_for
 from dualpath_ray.sim.round_robin import RoundRobinPaths
 from dualpath_ray.sim.staging import Stager
@@ -187,6 +187,11 @@ class Simulation:
         driver = self.driver.stats
         simulated = max(end, 1e-9)
         prefill = self.prefill_stats
+        series = snic_series({n.node_id: n.snic_windows.bytes_by_window for n in nodes},
+                             self.settings.options.snic_window_s, timed_from, end)
+        balance, window = high_load_balance(series)
+        origin = int(timed_from / self.settings.options.snic_window_s) * self.settings.options.snic_window_s
+        loaded = (window.start_s + origin, window.end_s + origin) if window else None
         busy = prefill.busy_s / max(1e-9, end * len(set(self.units.values())))
         return SimResult(
             mode=self.settings.mode.value, jct_s=jct, trajectories=stats.finished, turns=len(self.log.ttft_s),
@@ -196,8 +201,9 @@ class Simulation:
             snic_read_bytes={n.node_id: n.snic_read.bytes_total for n in nodes},
             snic_read_bytes_by_path={p.value: sum(n.read_bytes_by_path[p] for n in nodes) for p in READ_SIDES},
             snic_write_bytes={n.node_id: n.snic_write.bytes_total for n in nodes},
-            snic_balance=snic_balance([n.snic_windows.bytes_by_window for n in nodes], self.settings.options.snic_window_s, end),
-            attention_balance=prefill.balance_weighted / prefill.balance_time if prefill.balance_time else None,
+            snic_balance=balance, snic_window_s=loaded,
+            attention_balance=weighted_balance(prefill.balance, *(loaded or (timed_from, end))),
+            attention_balance_all=weighted_balance(prefill.balance, 0.0, end),
             alpha_tokens=self.settings.constants.alpha_tokens, beta_tokens=self.settings.constants.beta_tokens,
             scheduler_cpu_s=driver.cpu_s, scheduler_cpu_per_sim_s=driver.cpu_s / simulated,
             scheduler_calls={"calls": driver.calls, "decode_pulls": driver.decode_pulls,
