@@ -26,7 +26,9 @@ WORKLOAD = ["--agents", "2", "--turns", "3", "--first", "192", "--appended", "32
 def bench(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path, str]:
     folder = tmp_path_factory.mktemp("bench")
     config = folder / "tiny.yaml"
-    config.write_text(yaml.safe_dump(runtime_config(transport="gloo").model_dump(mode="json", exclude_defaults=True)))
+    # One engine per node: three deployments are most of the test's time, and fewer actors start faster.
+    cfg = runtime_config(transport="gloo").with_overrides(cluster={"gpus_per_node": 1})
+    config.write_text(yaml.safe_dump(cfg.model_dump(mode="json", exclude_defaults=True)))
     out, plot = folder / "bench.json", folder / "bench.png"
     argv = ["bench", "--config", str(config), *WORKLOAD, "--repeat", "1", "--sample-interval", "0.05",
             "--json", "--out", str(out), "--plot", str(plot)]
