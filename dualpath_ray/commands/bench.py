@@ -99,6 +99,11 @@ def load_workload(args: argparse.Namespace, cfg: DualPathConfig) -> list[Traject
 
         trajectories = demo_trajectories(args.agents, args.turns, args.first, args.appended, args.gen,
                                          cfg.model.vocab_size, seed=args.seed)
+    if all(len(tr.turns) <= args.warmup_turns for tr in trajectories):
+        raise BenchInputError(
+            f"--warmup-turns {args.warmup_turns}: no trajectory has a turn after its warm-up, so nothing "
+            "would be timed; pass --warmup-turns 0 (e.g. for one-turn traces) or a workload with more turns"
+        )
     longest = max(sum(len(t.appended) + t.gen_len for t in tr.turns) for tr in trajectories)
     if longest > cfg.model.max_context:
         raise BenchInputError(

@@ -42,6 +42,11 @@ def test_synth_trace_longer_than_the_model_is_refused(tmp_path: Path, capsys: py
     assert "max_context" in err and "--trace" in err, f"a trace the model cannot hold says what to change: {err}"
 
 
+def test_a_workload_with_nothing_left_to_time_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    err = refused(["--turns", "1"], capsys)
+    assert "--warmup-turns 0" in err, f"one-turn trajectories need the warm-up off, and the line says so: {err}"
+
+
 @pytest.mark.parametrize(
     ("argv", "flag"),
     [
