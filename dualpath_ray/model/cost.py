@@ -225,3 +225,26 @@ def derive_gpu_cost(hw: GpuHardware, model: GpuModel, decode_gpus: int) -> GpuCo
             f"- {hw.hbm_reserve_bytes / 1e9:.0f} GB reserve; use more decode GPUs (cluster.decode_nodes) or a smaller model"
         )
     return GpuCost(layer, decode, n_layer, model.kv_bytes_per_token_per_layer, int(free // kv_token))
+
+
+@dataclass(frozen=True)
+class WithDecode:
+    """Another cost's prefill with a measured decode step (a machine whose decode steps the
+    prefill-layer form does not predict: the runtime's CPU engines, see benchmarks/sim/calibrate.py)."""
+
+    base: EngineCost
+    decode: DecodeModel
+
+    @property
+    def n_layer(self) -> int:
+        return self.base.n_layer
+
+    @property
+    def kv_bytes_per_token_per_layer(self) -> int:
+        return self.base.kv_bytes_per_token_per_layer
+
+    def prefill_layer_ms(self, pairs: Pairs) -> float:
+        return self.base.prefill_layer_ms(pairs)
+
+    def decode_step_ms(self, batch: int, context_tokens: int) -> float:
+        return self.decode.step_ms(batch, context_tokens)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from dualpath_ray.config import ConfigError, DualPathConfig
-from dualpath_ray.model.cost import EngineCost, derive_beta_tokens, derive_gpu_cost
+from dualpath_ray.model.cost import DecodeModel, EngineCost, WithDecode, derive_beta_tokens, derive_gpu_cost
 from dualpath_ray.scheduling.dispatcher import Constants
 from dualpath_ray.scheduling.types import Mode
 
@@ -30,6 +30,8 @@ class SimOptions:
     # (every layer), a reading of the paper's quota that matters for many-layer models.
     quota_scope: Literal["layer", "forward"] = "layer"
     pull_delay_s: float = 0.0  # from a reason to pull to the scheduler's decision (the runtime's RPCs)
+    result_delay_s: float = 0.0  # from a turn's last write to its caller having the result (RPCs)
+    decode_model: DecodeModel | None = None  # a measured decode step instead of the cost model's
     snic_window_s: float = 1.0  # how finely SNIC read bytes are recorded over time (the balance's samples)
     warmup_turns: int = 0  # first turns of every trajectory run before the timed phase (benchmarks/demo_jct.py)
     record_decisions: bool = False  # keep (request, decode engine, prefill engine, path) of every request
@@ -94,6 +96,8 @@ def settings_for(cfg: DualPathConfig, mode: Mode | str, options: SimOptions = Si
         cost, bytes_per_layer, alpha, beta = _this_machine(cfg)
         lockstep = False
         burst = cfg.emulation.burst_seconds if cfg.emulation.enabled else 0.0
+    if options.decode_model is not None:
+        cost = WithDecode(cost, options.decode_model)
     if cluster.hbm_tokens_per_engine < cfg.store.block_size:
         raise ConfigError("cluster.hbm_tokens_per_engine: must hold at least one block of store.block_size tokens")
     return SimSettings(

@@ -155,7 +155,11 @@ class Simulation:
                 self.log.tpot_s.append(tpot)
             self.log.prompt_tokens += job.prompt
             self.log.hit_tokens += job.task.hit_tokens
-        self.agents.turn_done(agent)
+        delay = self.settings.options.result_delay_s
+        if delay > 0:
+            self.loop.at(now + delay, self.agents.turn_done, agent)
+        else:
+            self.agents.turn_done(agent)
 
     def _persisted(self, agent: Agent, hit_tokens: int, kv_tokens: int) -> tuple[PersistedBlock, ...]:
         """The blocks this turn published: every full block of its KV after its hits."""

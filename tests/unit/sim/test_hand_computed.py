@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 
+from dualpath_ray.model.cost import DecodeModel
 from dualpath_ray.sim.settings import SimOptions
 from dualpath_ray.sim.simulator import simulate
 from dualpath_ray.sim.workload import from_trajectories
@@ -68,3 +69,16 @@ def test_a_de_path_request_crosses_the_cnic(tmp_path):
         "both reads run at once on their own SNICs; the DE request's round sends less"
     )
     assert result.snic_read_bytes == {"p0": 3 * 32768, "d0": 3 * 32768}, "each side read one request's hits"
+
+
+def test_measured_runtime_overheads_add_where_they_happen(tmp_path):
+    cfg = case_config(tmp_path)
+    cnic = 1e9
+    options = SimOptions(warmup_turns=1, pull_delay_s=0.010, result_delay_s=0.030, decode_model=DecodeModel(7.0, 0.0, 0.0))
+    result = simulate(cfg, from_trajectories([two_turns("a")]), "basic", options)
+    pipeline = layer_bytes(HIT) / cnic + 2 * COMPUTE_S + layer_bytes(PROMPT) / cnic
+    expected = 2 * 0.010 + READ_S + pipeline + PROMPT * 512 / cnic + 2 * 0.007 + 0.030
+    assert result.jct_s == pytest.approx(expected, rel=1e-9), (
+        "two placement pulls (decode, then prefill) wait the pull delay, each decode step takes the measured "
+        "7 ms, and the result reaches the caller after the result delay"
+    )
