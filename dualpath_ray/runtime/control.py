@@ -29,13 +29,21 @@ class ClusterControl:
         self.readers = [spec.reader_name for spec in nodes]
         self.world_lock = asyncio.Lock()
         self.worlds_formed = 0
+        self._handles: dict[str, Any] = {}
 
-    def _handle(self, name: str) -> Any:
-        return ray.get_actor(name, namespace=self.cfg.runtime.namespace)
+    def handle(self, name: str) -> Any:
+        """The named actor's handle, looked up once: a lookup is a blocking GCS call, and the
+        Scheduler makes these on its event loop every heartbeat. A handle outlives restarts of
+        its actor; calls on one gone for good fail with Ray's ActorDiedError. ValueError: no
+        actor of that name was ever found."""
+        cached = self._handles.get(name)
+        if cached is None:
+            cached = self._handles[name] = ray.get_actor(name, namespace=self.cfg.runtime.namespace)
+        return cached
 
     async def call_all(self, names: Sequence[str], method: str, *args: Any) -> list[Any]:
         """`method(*args)` on every named actor at once; their answers in order."""
-        refs = [getattr(self._handle(name), method).remote(*args) for name in names]
+        refs = [getattr(self.handle(name), method).remote(*args) for name in names]
         return list(await asyncio.gather(*(asyncio.wrap_future(ref.future()) for ref in refs)))
 
     # --- sleep and wake -----------------------------------------------------------------
@@ -61,7 +69,7 @@ class ClusterControl:
         world_size = len(self.engines) + 1
         await asyncio.gather(*(
             asyncio.wrap_future(
-                self._handle(name).join_weight_group.remote(host, port, world_size, rank, group_name, timeout_s).future()
+                self.handle(name).join_weight_group.remote(host, port, world_size, rank, group_name, timeout_s).future()
             )
             for rank, name in enumerate(self.engines, start=1)
         ))
@@ -96,5 +104,5 @@ class ClusterControl:
     def _form_world(self) -> None:
         from dualpath_ray.runtime.transport import setup_gloo_world
 
-        handles = [self._handle(name) for name in [*self.readers, *self.engines]]
+        handles = [self.handle(name) for name in [*self.readers, *self.engines]]
         setup_gloo_world(handles, timeout_s=self.cfg.runtime.transfer_timeout_s)

@@ -130,11 +130,7 @@ class Scheduler:
         self.watchdog = asyncio.get_running_loop().create_task(self._watch())
 
     async def _learn_holdings(self) -> None:
-        namespace = self.cfg.runtime.namespace
-        engines = sorted(
-            a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-            if a["namespace"] == namespace and a["name"].startswith(("prefill/", "decode/"))
-        )
+        engines = self.control.engines
         answers = await asyncio.gather(*(self._holds(e, self.cfg.runtime.heartbeat_timeout_s) for e in engines))
         for engine, (answer, _) in zip(engines, answers):
             if answer is not None:
@@ -181,7 +177,7 @@ class Scheduler:
         """What `engine` holds (None when it does not answer), and what its silence says: gone
         for good (DEAD), restarting, or only silent (hung, its worker loop died, the answer lost)."""
         try:
-            handle = ray.get_actor(engine, namespace=self.cfg.runtime.namespace)
+            handle = self.control.handle(engine)
         except ValueError:
             return None, PeerState.DEAD
         try:
@@ -321,7 +317,7 @@ class Scheduler:
 
     def _tell(self, actor: str, method: str, *args: Any) -> None:
         try:
-            getattr(ray.get_actor(actor, namespace=self.cfg.runtime.namespace), method).remote(*args)
+            getattr(self.control.handle(actor), method).remote(*args)
         except ValueError:
             pass  # that actor is gone
 
