@@ -5,8 +5,9 @@ The interface is transcribed below from verl 0.9.1 (PyPI; source
 verl/workers/rollout/vllm_rollout/vllm_async_server.py `vLLMHttpServer`, the calls of
 verl/workers/rollout/replica.py `RolloutReplica` and verl/workers/rollout/llm_server.py
 `LLMServerClient`; checked against verl-project/verl main at 1dda039). Where verl is installed
-(the `verl` extra, which `test` includes), the transcription is checked against verl's own
-classes and verl's `LLMServerClient`, load balancer and `RolloutReplica` drive the server.
+(the `verl` extra; CI's `test` extra leaves it out, see pyproject.toml), the transcription is
+checked against verl's own classes and verl's `LLMServerClient`, load balancer and
+`RolloutReplica` drive the server.
 """
 
 from __future__ import annotations
