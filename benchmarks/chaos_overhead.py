@@ -19,16 +19,17 @@ import random
 import statistics
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
-import ray  # noqa: E402
+import ray
 
-from dualpath_ray.cluster import DualPathCluster  # noqa: E402
-from dualpath_ray.config import DualPathConfig, parse_config  # noqa: E402
-from dualpath_ray.demo import demo_trajectories  # noqa: E402
+from dualpath_ray.cluster import DualPathCluster
+from dualpath_ray.config import DualPathConfig, parse_config
+from dualpath_ray.demo import demo_trajectories
 
 
 def config(transport: str, faults: list[dict[str, Any]] | None = None) -> DualPathConfig:
@@ -52,6 +53,7 @@ def kill_actor(name: str, times: int = 1) -> Callable[[Any, float, random.Random
             ray.kill(actors[name], no_restart=False)
             if name == "scheduler":
                 ray.get(deployment.scheduler.ready.remote(), timeout=120)
+    kill.scheduler_kills = times if name == "scheduler" else 0  # type: ignore[attr-defined]
     return kill
 
 
@@ -59,11 +61,18 @@ SCENARIOS: dict[str, tuple[list[dict[str, Any]], Callable[[Any, float, random.Ra
     "fault-free": ([], None),
     "decode engine killed": ([], kill_actor("decode/d0/g1")),
     "prefill engine killed mid layer transfer": (
-        [{"site": "layer_transfer", "mode": "kill", "actors": "prefill/p0/g0", "nth": 200}], None),
+        [{"site": "layer_transfer", "mode": "kill", "actors": "prefill/p0/g0", "nth": 30}], None),
     "decode node's reader killed": ([], kill_actor("reader/d0")),
     "prefill node's reader killed": ([], kill_actor("reader/p0")),
     "scheduler killed 3 times": ([], kill_actor("scheduler", times=3)),
 }
+
+
+def restarts(calls: dict[str, int], monkey: Any) -> int:
+    """Restarts the scheduler saw (an engine's or a reader's new incarnation); a killed scheduler
+    is counted by its killer, since the counts restart with it."""
+    seen = calls.get("restarted_engines", 0) + calls.get("restarted_readers", 0)
+    return seen + (getattr(monkey, "scheduler_kills", 0))
 
 
 def run_once(cfg: DualPathConfig, trajectories: list, monkey: Any, fault_free_s: float, seed: int) -> dict[str, Any]:
@@ -82,7 +91,7 @@ def run_once(cfg: DualPathConfig, trajectories: list, monkey: Any, fault_free_s:
             thread.join(timeout=120)
         calls = ray.get(deployment.scheduler.call_counts.remote())
         return {"jct_s": jct, "failures": len(result.failures), "turns": result.table.num_rows,
-                "retries": calls["retries"], "outputs": result.outputs()}
+                "retries": calls["retries"], "restarts": restarts(calls, monkey), "outputs": result.outputs()}
     finally:
         cluster.shutdown()
 
@@ -93,17 +102,23 @@ def main() -> None:
     parser.add_argument("--agents", type=int, default=48)
     parser.add_argument("--turns", type=int, default=6)
     parser.add_argument("--transport", default="gloo", choices=("gloo", "nixl"))
+    parser.add_argument("--only", default="", help="comma-separated scenarios to run besides fault-free "
+                        f"(default: all of {', '.join(SCENARIOS)})")
     parser.add_argument("--json", type=Path, default=None, help="write the figures here")
     args = parser.parse_args()
+    chosen = {name for name in args.only.split(",") if name}
+    if chosen - set(SCENARIOS):
+        parser.error(f"--only: unknown scenarios {sorted(chosen - set(SCENARIOS))}; choose from {list(SCENARIOS)}")
+    scenarios = {name: s for name, s in SCENARIOS.items() if name == "fault-free" or not chosen or name in chosen}
     trajectories = demo_trajectories(args.agents, args.turns, 1024, 64, 16, 512)
     rounds: list[dict[str, dict[str, Any]]] = []
     for index in range(args.rounds):
         figures: dict[str, dict[str, Any]] = {}
-        for name, (faults, monkey) in SCENARIOS.items():
+        for name, (faults, monkey) in scenarios.items():
             fault_free = figures.get("fault-free", {}).get("jct_s", 0.0)
             figures[name] = run_once(config(args.transport, faults), trajectories, monkey, fault_free, seed=index)
             print(f"round {index + 1} {name}: JCT {figures[name]['jct_s']:.1f} s, retries {figures[name]['retries']}, "
-                  f"failures {figures[name]['failures']}", flush=True)
+                  f"restarts {figures[name]['restarts']}, failures {figures[name]['failures']}", flush=True)
         reference_jct, reference_outputs = figures["fault-free"]["jct_s"], figures["fault-free"]["outputs"]
         for figure in figures.values():
             figure["ratio"] = figure["jct_s"] / reference_jct
@@ -111,10 +126,11 @@ def main() -> None:
         rounds.append(figures)
     summary = {name: {"median_ratio": statistics.median(r[name]["ratio"] for r in rounds),
                       "all_identical": all(r[name]["outputs_identical"] for r in rounds),
-                      "failures": sum(r[name]["failures"] for r in rounds)} for name in SCENARIOS}
+                      "failures": sum(r[name]["failures"] for r in rounds),
+                      "restarts": [r[name]["restarts"] for r in rounds]} for name in scenarios}
     for name, figure in summary.items():
         print(f"{name:42s} median JCT ratio {figure['median_ratio']:.2f}x, outputs identical {figure['all_identical']}, "
-              f"failed trajectories {figure['failures']}")
+              f"failed trajectories {figure['failures']}, restarts per round {figure['restarts']}")
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"command": "benchmarks/chaos_overhead.py", "args": vars(args) | {"json": str(args.json)},
