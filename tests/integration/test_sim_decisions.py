@@ -13,11 +13,22 @@ last reported, all empty after the untimed phase. The read path then alternates 
 dispatcher counts each assigned request's hits in the queue it chose. A pull that happened to
 land inside the few milliseconds of submissions would split them (a chance of about one in a
 hundred): the test says so when it sees it.
+
+Which order the eight second turns join the scheduler's FIFO queue is the runtime's, not the
+test's: the Scheduler is an async actor, and Ray does not keep an async actor's tasks in the
+order one caller submitted them (CI saw neighbours swap). The test therefore reads the queue
+order from the scheduler (`in_flight` lists requests in the order they were queued) while the
+turns wait for the next pull, and feeds the simulator its trajectories in that order.
 """
 
 from __future__ import annotations
 
+import threading
+import time
+from typing import Any
+
 import pytest
+import ray
 
 from tests.helpers import ray_test_env, runtime_config, trajectories
 
@@ -40,6 +51,18 @@ def decisions_of(result: RolloutResult) -> dict[str, tuple[str, str, str, int]]:
             for turns in result.turn_results.values() for r in turns}
 
 
+def queued_order(scheduler: Any, expected: int, running: threading.Thread, timeout_s: float = 60.0) -> list[str]:
+    """The ids of the second turns in the order the scheduler queued them, read while they all
+    wait for the leaders' next pull (none has finished: a finished one would leave the list)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and running.is_alive():
+        queued = [rid for rid in ray.get(scheduler.in_flight.remote()) if rid.endswith("/t1")]
+        if len(queued) == expected:
+            return queued
+        time.sleep(0.002)
+    raise AssertionError(f"never saw all {expected} second turns queued at once (the rollout ended or stalled)")
+
+
 @pytest.mark.timeout(180)
 def test_runtime_and_simulator_decide_alike():
     cfg = runtime_config(transport="gloo", verify_kv=False).with_overrides(
@@ -52,13 +75,20 @@ def test_runtime_and_simulator_decide_alike():
     try:
         cluster.deploy("dualpath")
         warm = cluster.rollout(first_turns, progress=False)
-        timed = cluster.rollout(agents, resume=warm, progress=False)
+        outcome: dict[str, RolloutResult] = {}
+        running = threading.Thread(target=lambda: outcome.update(timed=cluster.rollout(agents, resume=warm, progress=False)))
+        running.start()
+        order = queued_order(cluster._scheduler(), AGENTS, running)
+        running.join()
+        timed = outcome["timed"]
     finally:
         cluster.shutdown()
     assert not timed.failures, timed.failures
     runtime = decisions_of(timed)
 
-    sim = simulate(cfg, from_trajectories(agents), "dualpath", SimOptions(warmup_turns=1, record_decisions=True))
+    by_id = {t.trajectory_id: t for t in agents}
+    in_queue_order = [by_id[rid.split("/")[0]] for rid in order]
+    sim = simulate(cfg, from_trajectories(in_queue_order), "dualpath", SimOptions(warmup_turns=1, record_decisions=True))
     hits = {t.trajectory_id: (300 + 6 - 1) // 64 * 64 for t in agents}
     simulated = {rid: (de, pe, path, hits[rid.split("/")[0]]) for rid, de, pe, path in sim.decisions}
 
