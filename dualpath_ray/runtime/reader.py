@@ -30,7 +30,7 @@ from dualpath_ray.kv.errors import BadBlockError, BlockCorruptedError, BlockNotF
 from dualpath_ray.kv.store import open_store
 from dualpath_ray.runtime.accounting import NodeCounters
 from dualpath_ray.runtime.actor_metrics import ReaderMetrics
-from dualpath_ray.runtime.emulation import make_link
+from dualpath_ray.runtime.emulation import FifoTurns, make_link
 from dualpath_ray.runtime.messages import ExtentGrant, PersistedBlock
 from dualpath_ray.runtime.qos import kv_transport_knobs
 from dualpath_ray.runtime.restarts import TransportKeeper, was_restarted
@@ -170,10 +170,13 @@ class ReaderCore:
         with self._cond:
             self._read_q_tokens += pending
 
+        turn = _ReadTurn(self.snic_read.turns if keys else None, len(keys))
+
         def before_read(index: int) -> None:
             if self.faults.active:
                 self._store_read_fault(keys[index])
             self.snic_read.take(block_bytes)
+            turn.took_one()
 
         def on_verified(_: int) -> None:
             nonlocal pending, verified
@@ -187,6 +190,7 @@ class ReaderCore:
             extent = self.lease(owner, total_blocks)
             try:
                 outs = [self.pool.full_block(slot) for slot in extent.slots[first_block : first_block + len(keys)]]
+                turn.begin()
                 self.store.get_many_into(list(keys), outs, before_read=before_read, on_verified=on_verified)
             except (BlockNotFoundError, BlockCorruptedError) as exc:
                 # The store raises for the first bad block in key order, the one after the
@@ -202,6 +206,7 @@ class ReaderCore:
                 raise
             return extent
         finally:
+            turn.end()
             with self._cond:
                 self._read_q_tokens -= pending
 
@@ -369,3 +374,32 @@ class StorageReader(TransportEndpoint):
     def pool_integrity(self) -> tuple[int, int, int, int]:
         counts = self.core.pool.check_integrity()
         return (counts.free, counts.leased, counts.in_flight, counts.capacity)
+
+
+class _ReadTurn:
+    """One request's turn on an emulated SNIC (FifoTurns): taken before its first block's bucket
+    take, given up once its last block has paid (its reads then finish while the next request's
+    are paced) or when the read ends early; a no-op for a real SNIC or a read of no blocks."""
+
+    def __init__(self, turns: FifoTurns | None, blocks: int) -> None:
+        self.turns = turns
+        self.left = blocks
+        self.ticket: int | None = None
+        self._lock = threading.Lock()
+
+    def begin(self) -> None:
+        if self.turns is not None:
+            self.ticket = self.turns.wait_turn()
+
+    def took_one(self) -> None:
+        with self._lock:
+            self.left -= 1
+            last = self.left == 0
+        if last:
+            self.end()
+
+    def end(self) -> None:
+        with self._lock:
+            ticket, self.ticket = self.ticket, None
+        if ticket is not None and self.turns is not None:
+            self.turns.done(ticket)

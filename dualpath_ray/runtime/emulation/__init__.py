@@ -15,9 +15,9 @@ import torch
 from dualpath_ray.config import DualPathConfig
 from dualpath_ray.kv.layout import KVLayout
 from dualpath_ray.runtime.compute import EngineCompute
-from dualpath_ray.runtime.emulation.links import Link, TokenBucket, gbps_to_bytes_s, make_link
+from dualpath_ray.runtime.emulation.links import FifoTurns, Link, TokenBucket, gbps_to_bytes_s, make_link
 
-__all__ = ["Link", "TokenBucket", "gbps_to_bytes_s", "make_compute", "make_link"]
+__all__ = ["FifoTurns", "Link", "TokenBucket", "gbps_to_bytes_s", "make_compute", "make_link"]
 
 
 def make_compute(cfg: DualPathConfig, layout: KVLayout, device: torch.device) -> EngineCompute:

@@ -46,12 +46,47 @@ class TokenBucket:
         return wait
 
 
+class FifoTurns:
+    """Requests take turns on an emulated link, one at a time, in the order they asked.
+
+    A bucket shared by concurrent requests block by block serves them all at once (processor
+    sharing): a wave of reads finishes together and the link then idles while that wave computes.
+    A storage reader's queue is FIFO (the paper's read_q, and the simulator's link): the first
+    request finishes first and its compute overlaps the reads behind it. Holding a turn costs
+    nothing when the link is not emulated; real hardware sets its own order.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._next_ticket = 0
+        self._serving = 0
+
+    def wait_turn(self) -> int:
+        """Block until every earlier ticket is done; returns this turn's ticket."""
+        with self._cond:
+            ticket = self._next_ticket
+            self._next_ticket += 1
+            while self._serving != ticket:
+                self._cond.wait()
+            return ticket
+
+    def done(self, ticket: int) -> None:
+        """End turn `ticket` (the one being served); the next in line starts."""
+        with self._cond:
+            if ticket != self._serving:
+                raise RuntimeError(f"turn {ticket} ended while turn {self._serving} is being served")
+            self._serving += 1
+            self._cond.notify_all()
+
+
 @dataclass
 class Link:
-    """One NIC direction: an optional bucket plus an exact byte counter."""
+    """One NIC direction: an optional bucket plus an exact byte counter. An emulated link
+    also has `turns`, for callers that queue whole requests on it in FIFO order."""
 
     name: str
     bucket: TokenBucket | None = None
+    turns: FifoTurns | None = None
     bytes_total: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -71,4 +106,4 @@ def make_link(cfg: DualPathConfig, name: str, gbps: float) -> Link:
     if not cfg.emulation.enabled:
         return Link(name)
     rate = gbps_to_bytes_s(gbps)
-    return Link(name, TokenBucket(rate, rate * cfg.emulation.burst_seconds))
+    return Link(name, TokenBucket(rate, rate * cfg.emulation.burst_seconds), FifoTurns())
