@@ -24,6 +24,7 @@ import ray  # noqa: E402
 
 from dualpath_ray.cluster import DualPathCluster  # noqa: E402
 from dualpath_ray.config import DualPathConfig, parse_config  # noqa: E402
+from dualpath_ray.workload.trace import Trajectory  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.chaos]
 
@@ -41,9 +42,12 @@ def fault_config(*faults: dict, **runtime: object) -> DualPathConfig:
     }, source="<chaos>")
 
 
-def run(cfg: DualPathConfig, trajs, mode: str = "dualpath", during: Callable[[Any], None] | None = None):
+def run(cfg: DualPathConfig, trajs, mode: str = "dualpath", during: Callable[[Any], None] | None = None,
+        after: Callable[[DualPathCluster, Any], Any] | None = None):
     """One rollout on a fresh cluster: (ledger, elapsed s, cluster figures after it).
-    `during(deployment)` runs on a thread alongside the rollout (a chaos monkey)."""
+    `during(deployment)` runs on a thread alongside the rollout (a chaos monkey);
+    `after(cluster, deployment)` runs once the rollout is done, its return value kept as
+    figures["after"] (the figures are read after it)."""
     cluster = DualPathCluster.start(cfg)
     try:
         deployment = cluster.deploy(mode)
@@ -55,7 +59,9 @@ def run(cfg: DualPathConfig, trajs, mode: str = "dualpath", during: Callable[[An
         elapsed = time.monotonic() - started
         if monkey is not None:
             monkey.join(timeout=60)
+        later = after(cluster, deployment) if after is not None else None
         figures = {
+            "after": later,
             "served": served_turns(result),
             "engines": cluster.engine_stats(),
             "counters": cluster.counters(),
@@ -236,6 +242,21 @@ def test_the_scheduler_killed_three_times_loses_nothing(reference) -> None:
     assert_clean(ledger, fault_free, figures)
 
 
+def roll_again_once_restarted(cluster: DualPathCluster, deployment: Any, role: str, timeout_s: float = 60.0) -> Any:
+    """Once the scheduler has seen the killed actor's new incarnation, a short rollout of fresh
+    two-turn agents (second turns hit, so both readers read; eight at once, so every engine is
+    placed work). Whether the main rollout still had work for the new incarnation depends on how
+    long the restart took on a loaded machine (CI once saw it rejoin after the last placement);
+    this rollout shows that it takes work again, whatever the timing."""
+    deadline = time.monotonic() + timeout_s
+    while ray.get(deployment.scheduler.call_counts.remote())[f"restarted_{role}"] < 1:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the scheduler saw no restarted {role} within {timeout_s} s")
+        time.sleep(0.2)
+    fresh = [Trajectory(f"after-{t.trajectory_id}", t.turns) for t in trajectories(count=8, turns=2, seed=99)]
+    return cluster.rollout(fresh, progress=False)
+
+
 @pytest.mark.parametrize(("victim", "transport"), [
     ("decode/d0/g1", "gloo"), ("prefill/p0/g0", "gloo"), ("reader/d0", "gloo"), ("reader/p0", "gloo"),
     pytest.param("decode/d0/g1", "nixl", marks=pytest.mark.nixl),
@@ -256,15 +277,19 @@ def test_a_killed_engine_or_reader_is_restarted_and_loses_nothing(reference, vic
         killed_at.append(round(time.monotonic() - started, 2))
         ray.kill({**deployment.engines, **deployment.readers}[victim], no_restart=False)
 
-    ledger, elapsed, figures = run(fault_config(transport=transport), trajs, during=kill_once)
-    calls = figures["calls"]
     role = "readers" if victim.startswith("reader/") else "engines"
+    ledger, elapsed, figures = run(
+        fault_config(transport=transport), trajs, during=kill_once,
+        after=lambda cluster, deployment: roll_again_once_restarted(cluster, deployment, role),
+    )
+    calls = figures["calls"]
     print(f"{victim} ({transport}) killed {killed_at} s into the rollout and restarted: restarted {role} "
           f"{calls[f'restarted_{role}']}, "
           f"gloo worlds formed again {calls['worlds_formed']}, retries {calls['retries']}; "
           f"{elapsed:.1f} s vs {fault_free_s:.1f} s fault-free ({elapsed / fault_free_s:.2f}x)")
     assert killed_at, "the actor was killed during the rollout"
     assert calls[f"restarted_{role}"] == 1, f"the scheduler saw one new incarnation of {victim}"
+    assert not figures["after"].failures, f"a rollout after the restart completes: {figures['after'].failures}"
     if role == "engines":
         stats = figures["engines"][victim]["core"]
         worked = stats.get("finished", 0) + stats.get("handoffs", 0)
