@@ -132,6 +132,28 @@ def assert_clean(ledger: Ledger, reference: Ledger, figures: dict) -> None:
     )
 
 
+def wait_until_restarted(deployment: Any, role: str, timeout_s: float = 60.0) -> None:
+    """Until the scheduler has seen a new incarnation of one of its `role` ("engines" or
+    "readers"): it learns of one from the next load report or heartbeat, which may come after
+    the last turn of a short rollout was answered."""
+    deadline = time.monotonic() + timeout_s
+    while ray.get(deployment.scheduler.call_counts.remote())[f"restarted_{role}"] < 1:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the scheduler saw no restarted {role} within {timeout_s} s")
+        time.sleep(0.2)
+
+
+def roll_again_once_restarted(cluster: DualPathCluster, deployment: Any, role: str, timeout_s: float = 60.0) -> Any:
+    """Once the scheduler has seen the killed actor's new incarnation, a short rollout of fresh
+    two-turn agents (second turns hit, so both readers read; eight at once, so every engine is
+    placed work). Whether the main rollout still had work for the new incarnation depends on how
+    long the restart took on a loaded machine (CI once saw it rejoin after the last placement);
+    this rollout shows that it takes work again, whatever the timing."""
+    wait_until_restarted(deployment, role, timeout_s)
+    fresh = [Trajectory(f"after-{t.trajectory_id}", t.turns) for t in trajectories(count=8, turns=2, seed=99)]
+    return cluster.rollout(fresh, progress=False)
+
+
 @pytest.fixture(scope="module")
 def reference() -> tuple[list, Ledger, float]:
     trajs = trajectories(count=200, turns=4, first=150, appended=40, gen=4)
@@ -188,7 +210,7 @@ def test_transient_faults_on_transfers_and_calls_lose_nothing(reference) -> None
 def test_a_prefill_engine_killed_in_the_middle_of_a_layer_transfer(reference) -> None:
     trajs, fault_free, fault_free_s = reference
     cfg = fault_config({"site": "layer_transfer", "mode": "kill", "actors": "prefill/p0/g0", "nth": 60})
-    ledger, elapsed, figures = run(cfg, trajs)
+    ledger, elapsed, figures = run(cfg, trajs, after=lambda cluster, deployment: wait_until_restarted(deployment, "engines"))
     print(f"prefill/p0/g0 killed at its 60th layer transfer: dead engines {figures['calls']['dead_engines']}, "
           f"retries {figures['calls']['retries']}; {elapsed:.1f} s vs {fault_free_s:.1f} s ({elapsed / fault_free_s:.2f}x)")
     calls = figures["calls"]
@@ -240,21 +262,6 @@ def test_the_scheduler_killed_three_times_loses_nothing(reference) -> None:
           f"dropped {calls['adoptions_dropped']}; {elapsed:.1f} s vs {fault_free_s:.1f} s ({elapsed / fault_free_s:.2f}x)")
     assert len(kills) == 3 and calls["restarted"] == 1, "the scheduler was killed three times and restarted by Ray"
     assert_clean(ledger, fault_free, figures)
-
-
-def roll_again_once_restarted(cluster: DualPathCluster, deployment: Any, role: str, timeout_s: float = 60.0) -> Any:
-    """Once the scheduler has seen the killed actor's new incarnation, a short rollout of fresh
-    two-turn agents (second turns hit, so both readers read; eight at once, so every engine is
-    placed work). Whether the main rollout still had work for the new incarnation depends on how
-    long the restart took on a loaded machine (CI once saw it rejoin after the last placement);
-    this rollout shows that it takes work again, whatever the timing."""
-    deadline = time.monotonic() + timeout_s
-    while ray.get(deployment.scheduler.call_counts.remote())[f"restarted_{role}"] < 1:
-        if time.monotonic() > deadline:
-            raise AssertionError(f"the scheduler saw no restarted {role} within {timeout_s} s")
-        time.sleep(0.2)
-    fresh = [Trajectory(f"after-{t.trajectory_id}", t.turns) for t in trajectories(count=8, turns=2, seed=99)]
-    return cluster.rollout(fresh, progress=False)
 
 
 @pytest.mark.parametrize(("victim", "transport"), [
