@@ -106,12 +106,21 @@ def clear_leftover_actors(namespace: str, replace: bool) -> None:
             ray.kill(ray.get_actor(name, namespace=namespace), no_restart=True)
         except ValueError:
             continue  # it died between the listing and the kill
-    deadline = time.monotonic() + 30.0
-    while time.monotonic() < deadline:
-        if not any(a["namespace"] == namespace for a in ray.util.list_named_actors(all_namespaces=True)):
-            return
+    if not _named_actors_gone(namespace, timeout_s=30.0):
+        raise DeploymentConflictError(f"namespace {namespace!r}: leftover actors did not exit within 30 s")
+
+
+def _named_actors_gone(namespace: str, timeout_s: float, names: frozenset[str] | None = None) -> bool:
+    """Wait until no named actor (of `names`, when given) is listed in `namespace`; False if
+    some still are after timeout_s. `ray.kill` returns before the GCS drops the actor's name."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        listed = ray.util.list_named_actors(all_namespaces=True)
+        if not any(a["namespace"] == namespace and (names is None or a["name"] in names) for a in listed):
+            return True
+        if time.monotonic() > deadline:
+            return False
         time.sleep(0.1)
-    raise DeploymentConflictError(f"namespace {namespace!r}: leftover actors did not exit within 30 s")
 
 
 class DualPathCluster:
@@ -404,6 +413,8 @@ class DualPathCluster:
         """Stop and remove every actor and placement group of the current deployment."""
         from ray.util.placement_group import remove_placement_group
 
+        from dualpath_ray.api import SERVER_NAME
+
         d = self.deployment
         if d is None:
             return
@@ -418,6 +429,11 @@ class DualPathCluster:
         for group in d.groups.values():
             remove_placement_group(group)
         self.deployment = None
+        # The next deploy refuses named actors it finds alive in the namespace; without this wait
+        # it could find this deployment's own, killed but not yet gone (a demo's second mode
+        # failed so on a fresh clone). One that outlives the wait is reported by that check.
+        names = frozenset([*d.engines, *d.readers, "scheduler"] + ([SERVER_NAME] if d.server is not None else []))
+        _named_actors_gone(self.cfg.runtime.namespace, timeout_s=30.0, names=names)
 
     def shutdown(self) -> None:
         self.teardown()
