@@ -78,7 +78,7 @@ def test_runtime_and_simulator_decide_alike():
         outcome: dict[str, RolloutResult] = {}
         running = threading.Thread(target=lambda: outcome.update(timed=cluster.rollout(agents, resume=warm, progress=False)))
         running.start()
-        order = queued_order(cluster._scheduler(), AGENTS, running)
+        order = queued_order(cluster.deployment.scheduler, AGENTS, running)
         running.join()
         timed = outcome["timed"]
     finally:
