@@ -162,12 +162,15 @@ def test_verl_client_generates_through_its_load_balancer(cluster) -> None:
 async def decoding(scheduler, count: int, timeout_s: float = 60.0) -> None:
     """Wait until `count` requests are decoding (so an abort lands mid-decode)."""
     deadline = asyncio.get_running_loop().time() + timeout_s
+    states: dict = {}
     while asyncio.get_running_loop().time() < deadline:
         states = await scheduler.in_flight.remote()
         if sum(1 for s in states.values() if s["state"] == "decoding") >= count:
             return
         await asyncio.sleep(0.05)
-    raise TimeoutError(f"{count} requests were not decoding within {timeout_s} s")
+    service = await scheduler.service_view.remote()
+    raise TimeoutError(f"{count} requests were not decoding within {timeout_s} s; in flight: {states}; "
+                       f"service: {service}")
 
 
 def test_abort_request_and_abort_all_requests_free_everything(cluster) -> None:
