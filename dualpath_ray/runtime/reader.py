@@ -6,7 +6,11 @@ and out of the buffer themselves, with one-sided transport reads and writes of i
 pool ("buffer"), so the reader is not on that path at all; it only leases extents and frees
 them when their owner says so, which is what keeps a slot from being reused under a transfer.
 The read queue it reports (`read_q`) is the number of hit tokens whose blocks are waiting for,
-or being read through, the SNIC.
+or being read through, the SNIC. A PE-path read counts from the moment it is asked, while it
+waits for its extent too: that extent is a cost of the PE path alone. A DE-path read counts only
+once its extent is leased: every request leases that decode-node extent whichever path reads its
+hits (the KV it sends lands there), so waiting for it says nothing about which side should read,
+and counting it made congested decode buffers push reads onto the prefill nodes' SNICs.
 """
 
 from __future__ import annotations
@@ -167,8 +171,16 @@ class ReaderCore:
         block_tokens = self.layout.block_size
         pending = len(keys) * block_tokens
         verified = 0
-        with self._cond:
-            self._read_q_tokens += pending
+        queued = False  # whether pending is in the read queue yet (see the module doc)
+
+        def enqueue() -> None:
+            nonlocal queued
+            with self._cond:
+                self._read_q_tokens += pending
+            queued = True
+
+        if path != "de":
+            enqueue()
 
         turn = _ReadTurn(self.snic_read.turns if keys else None, len(keys))
 
@@ -188,6 +200,8 @@ class ReaderCore:
 
         try:
             extent = self.lease(owner, total_blocks)
+            if not queued:
+                enqueue()
             try:
                 outs = [self.pool.full_block(slot) for slot in extent.slots[first_block : first_block + len(keys)]]
                 turn.begin()
@@ -207,8 +221,9 @@ class ReaderCore:
             return extent
         finally:
             turn.end()
-            with self._cond:
-                self._read_q_tokens -= pending
+            if queued:
+                with self._cond:
+                    self._read_q_tokens -= pending
 
     def _store_read_fault(self, key: str) -> None:
         spec = self.faults.decide(FaultSite.STORE_READ)

@@ -11,8 +11,8 @@ A transfer that crosses several resources (say an SNIC and the node's DRAM) take
 resource busy for its own bytes / rate.
 
 `ReadQueue` is a node's storage read queue as its reader reports it (read_q, paper section 6):
-hit tokens waiting for a buffer extent or for the SNIC, and the unread part of the read in
-service.
+hit tokens waiting for the SNIC (and, on the PE path, for their buffer extent), and the unread
+part of the read in service.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ class ReadQueue:
     __slots__ = ("waiting", "_reads", "_queued")
 
     def __init__(self) -> None:
-        self.waiting = 0  # tokens of reads still waiting for a buffer extent
+        self.waiting = 0  # tokens of PE-path reads still waiting for a buffer extent
         self._reads: deque[tuple[float, float, int]] = deque()  # (start, done, tokens), FIFO
         self._queued = 0  # tokens of the reads in _reads
 

@@ -2,9 +2,11 @@
 
 As the runtime's PrefillCore._stage does at accept: the side(s) that read hits lease an extent
 for them and read them through their node's SNIC; the decode node always leases one extent for
-the whole prompt (the KV sent there, and on the DE path the hits read into it). Hit tokens count
-in the reading node's read queue from accept until read, as the runtime's reader counts them
-from the moment it is asked. Oracle jobs move nothing and are ready at once.
+the whole prompt (the KV sent there, and on the DE path the hits read into it). As the runtime's
+reader counts them (runtime/reader.py): PE-path hits are in the prefill node's read queue from
+accept until read, their extent wait included (a cost of that path alone); DE-path hits enter the
+decode node's queue once their extent is leased, since every request waits for that extent
+whichever path it reads through. Oracle jobs move nothing and are ready at once.
 """
 
 from __future__ import annotations
@@ -41,7 +43,6 @@ class Stager:
                 now, job.pe_blocks, lambda t: self._read(job, prefill_node, job.pe_blocks, ReadPath.PE, t)
             )
         decode_node = job.decode_node
-        decode_node.read_queue.waiting += job.de_blocks * size
         prompt_blocks = -(-job.prompt // size)
         decode_node.buffer.lease(now, prompt_blocks, lambda t: self._read(job, decode_node, job.de_blocks, ReadPath.DE, t))
 
@@ -50,7 +51,8 @@ class Stager:
             self._part_done(job)
             return
         tokens = blocks * self.settings.block_size
-        node.read_queue.waiting -= tokens
+        if path is ReadPath.PE:
+            node.read_queue.waiting -= tokens
         done = node.read(now, tokens, blocks * self.settings.block_bytes, path)
         self.read_started(node.node_id)
         self.loop.at(done, self._part_done, job)

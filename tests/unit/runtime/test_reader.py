@@ -53,6 +53,36 @@ def test_reader_read_queue_drops_per_verified_block(tmp_path: Path, monkeypatch:
     core.store.close()
 
 
+@pytest.mark.parametrize(("path", "counted_while_waiting"), [("pe", True), ("de", False)])
+def test_a_read_waiting_for_its_extent_counts_in_the_read_queue_only_on_the_pe_path(
+    tmp_path: Path, path: str, counted_while_waiting: bool
+) -> None:
+    import threading
+    import time
+
+    core = ReaderCore(reader_config(tmp_path), "n0", str(tmp_path))
+    layout = core.layout
+    keys = block_keys(list(range(2 * layout.block_size)), layout.block_size, namespace_for("wait", 0))
+    for key in keys:
+        core.store.put(key, torch.zeros(layout.full_block_shape, dtype=torch.uint8))
+    hog = core.lease("hog", core.pool.capacity)
+    done: list[int] = []
+    reading = threading.Thread(target=lambda: done.append(core.read_blocks("r1", keys, 2, path).extent_id))
+    reading.start()
+    time.sleep(0.3)
+    expected = 2 * layout.block_size if counted_while_waiting else 0
+    assert not done and core.read_q() == expected, (
+        "hits waiting for a PE extent are that path's cost and count; a DE read's decode-node extent is "
+        "leased by every request whatever its path, so waiting for it does not"
+    )
+    core.free(hog.extent_id)
+    reading.join(timeout=10)
+    assert done and core.read_q() == 0, "once leased and read, the queue is empty again"
+    core.free(done[0])
+    assert core.pool.check_integrity().free == core.pool.capacity, "every extent is back"
+    core.store.close()
+
+
 def test_reader_failed_read_frees_the_extent_and_empties_the_queue(tmp_path: Path) -> None:
     core = ReaderCore(reader_config(tmp_path), "n0", str(tmp_path))
     layout = core.layout
