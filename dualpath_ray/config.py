@@ -180,7 +180,11 @@ class SchedulerConfig(_Section):
     """Scheduler constants of paper section 6."""
 
     alpha_seconds: float = Field(3.0, gt=0, description="alpha = tokens the SNIC reads in this many seconds.")
-    beta_seconds: float = Field(5.0, gt=0, description="beta = tokens one GPU prefills in this many seconds.")
+    beta_seconds: float = Field(
+        5.0, gt=0,
+        description="beta = tokens one GPU prefills (computes: prompt minus hits) in this many seconds of typical "
+        "requests; a prefill engine with more than beta such tokens queued gets no new work.",
+    )
     compute_quota_ms: float = Field(300.0, gt=0, description="Per-batch predicted attention time.")
     z_margin: float = Field(1.05, ge=1.0, description="Z margin of the in-group decode assignment.")
     fetch_interval_ms: float = Field(1.0, gt=0, description="Pause of a group leader after a pull that found nothing.")

@@ -116,7 +116,7 @@ def _summary(cfg: DualPathConfig, profile: HardwareProfile, out: Path) -> str:
         f"  decode step, 8 requests of {cached} cached tokens: "
         f"{profile.decode_step_ms(8, 8 * cached):.3f} ms",
         f"  alpha = {derive_alpha(cfg.cluster.snic_gbps, layout.bytes_per_token, cfg.scheduler.alpha_seconds):,}"
-        f" tokens, beta = {derive_beta(profile, cfg.scheduler.beta_seconds, (cached, bsz)):,} tokens",
+        f" tokens, beta = {derive_beta(profile, cfg.scheduler.beta_seconds, (cached, bsz)):,} tokens to compute",
     ]
     return "\n".join(lines)
 

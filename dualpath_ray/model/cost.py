@@ -63,18 +63,18 @@ def prefill_forward_ms(cost: EngineCost, pairs: Pairs) -> float:
     return cost.n_layer * cost.prefill_layer_ms(pairs)
 
 
-def prompt_tokens_per_second(cost: EngineCost, cached: int, bsz: int) -> float:
-    """Prompt tokens (cached + new) one engine prefills per second of such requests back to back:
-    the unit of an engine's tok, and so of beta."""
-    return (cached + bsz) / (prefill_forward_ms(cost, [(cached, bsz)]) / 1000.0)
+def prefill_tokens_per_second(cost: EngineCost, cached: int, bsz: int) -> float:
+    """Computed (new) tokens one engine prefills per second of such requests back to back: the
+    unit of a prefill engine's tok (scheduling/loads.py, prefill_tokens), and so of beta."""
+    return bsz / (prefill_forward_ms(cost, [(cached, bsz)]) / 1000.0)
 
 
 def derive_beta_tokens(cost: EngineCost, beta_seconds: float, typical: tuple[int, int]) -> int:
-    """beta (paper section 6): prompt tokens one engine prefills in `beta_seconds` of typical
+    """beta (paper section 6): tokens one engine prefills (computes) in `beta_seconds` of typical
     requests; the same definition as model/profile.py's derive_beta, for any EngineCost."""
     if beta_seconds <= 0:
         raise ValueError(f"beta_seconds must be > 0 (got {beta_seconds})")
-    return int(beta_seconds * prompt_tokens_per_second(cost, *typical))
+    return int(beta_seconds * prefill_tokens_per_second(cost, *typical))
 
 
 @dataclass(frozen=True)

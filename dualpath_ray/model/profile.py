@@ -101,7 +101,8 @@ class HardwareProfile:
         return bsz / (self.forward_ms([(cached, bsz)]) / 1000.0)
 
     def prompt_tokens_per_second(self, cached: int, bsz: int) -> float:
-        """Prompt tokens (cached + new) per second: the unit of an engine's tok and of beta."""
+        """Prompt tokens (cached + new) per second (what `dualpath profile` prints beside the
+        new-token rate; tok and beta count computed tokens, prefill_tokens_per_second)."""
         return (cached + bsz) / (self.forward_ms([(cached, bsz)]) / 1000.0)
 
     def check_matches(self, model: ModelConfig, where: str = "profile") -> None:
@@ -240,10 +241,11 @@ def derive_alpha(snic_gbps: float, bytes_per_token: int, alpha_seconds: float = 
 def derive_beta(
     profile: HardwareProfile, beta_seconds: float = 5.0, request: tuple[int, int] | None = None
 ) -> int:
-    """beta: prompt tokens one engine prefills in `beta_seconds` of typical requests.
+    """beta: tokens one engine prefills (computes) in `beta_seconds` of typical requests.
 
-    beta bounds an engine's tok, which counts whole prompts (cached + new), so beta counts them
-    too; `request` is the (cached, bsz) of a typical request (default: `typical_request`).
+    beta bounds a prefill engine's tok, which counts the tokens its requests compute (prompt -
+    hits, scheduling/loads.py), so beta counts computed tokens too; `request` is the (cached,
+    bsz) of a typical request (default: `typical_request`).
     """
     if beta_seconds <= 0:
         raise ValueError(f"beta_seconds must be > 0 (got {beta_seconds})")
@@ -252,7 +254,7 @@ def derive_beta(
         if not isinstance(max_context, int):
             raise ValueError("the profile names no model.max_context; pass request=(cached, bsz)")
         request = typical_request(max_context)
-    return int(beta_seconds * profile.prompt_tokens_per_second(*request))
+    return int(beta_seconds * profile.prefill_tokens_per_second(*request))
 
 
 class SchedulerConstants(NamedTuple):

@@ -41,7 +41,7 @@ from dualpath_ray.runtime.messages import DecodeHandoff, ExtentGrant, Holding, P
 from dualpath_ray.runtime.outbox import Outbox
 from dualpath_ray.runtime.ports import Clock, DecodePort, Pending, ReaderPort, SchedulerPort, TransportPort
 from dualpath_ray.runtime.prefill_pipeline import LayerPipeline, PipelineStats, oracle_kv_for
-from dualpath_ray.scheduling import EngineLoad, pack_prefill_batch
+from dualpath_ray.scheduling import EngineLoad, pack_prefill_batch, prefill_tokens
 from dualpath_ray.scheduling.types import ReadPath
 
 LOG = logging.getLogger("dualpath_ray.prefill")
@@ -170,7 +170,7 @@ class PrefillCore:
 
     def load(self) -> EngineLoad:
         with self._lock:
-            tokens = sum(len(job.prompt) for job in self.jobs.values())
+            tokens = sum(prefill_tokens(len(job.prompt), job.task.hit_tokens) for job in self.jobs.values())
             return EngineLoad(self.settings.engine_id, self.settings.node_id, len(self.jobs), tokens)
 
     def holds(self) -> dict[str, Holding]:

@@ -7,7 +7,7 @@ simulated ones, so nothing in this package may import Ray (a unit test checks it
 from __future__ import annotations
 
 from dualpath_ray.scheduling.batching import BatchPredictor, pack_prefill_batch
-from dualpath_ray.scheduling.loads import Assignment, EngineLoad, QueuedRequest
+from dualpath_ray.scheduling.loads import Assignment, EngineLoad, QueuedRequest, prefill_tokens
 from dualpath_ray.scheduling.policy import (
     assign_decode_groups,
     assign_decode_in_group,
@@ -25,4 +25,5 @@ __all__ = [
     "assign_prefill",
     "choose_read_path",
     "pack_prefill_batch",
+    "prefill_tokens",
 ]

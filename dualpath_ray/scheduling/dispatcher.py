@@ -117,7 +117,7 @@ class Dispatcher:
         self._engine_node.update({e.engine_id: e.node_id for e in engines})
         # Lazy: the policy stops at the first request no engine can take, so a long queue costs
         # only what is assigned.
-        queue = (QueuedRequest(rid, self.requests[rid].prompt_tokens) for rid in self.prefill_queue)
+        queue = (QueuedRequest(rid, self.requests[rid].prefill_tokens) for rid in self.prefill_queue)
         read_q = {e.node_id: self.read_q.get(e.node_id, 0) for e in engines}
         assignments = assign_prefill(
             queue, engines, read_q, self.constants.alpha_tokens, self.constants.beta_tokens

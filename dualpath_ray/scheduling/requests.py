@@ -16,6 +16,7 @@ import enum
 from dataclasses import dataclass
 from typing import Any
 
+from dualpath_ray.scheduling.loads import prefill_tokens
 from dualpath_ray.scheduling.types import ReadPath
 
 
@@ -69,6 +70,11 @@ class Request:
     prefill_node: str = ""
     path: ReadPath | None = None
     pe_hit_blocks: int = 0  # of its hit blocks, how many the prefill-side reader reads (the first ones)
+
+    @property
+    def prefill_tokens(self) -> int:
+        """The load it adds to a prefill engine (scheduling/loads.py)."""
+        return prefill_tokens(self.prompt_tokens, self.hit_tokens)
 
     def engines(self) -> tuple[str, ...]:
         """The engines that hold something of it now: its decode engine (HBM), and its

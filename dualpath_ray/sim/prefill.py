@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from dualpath_ray.runtime.messages import PrefillTask
-from dualpath_ray.scheduling import EngineLoad, pack_prefill_batch
+from dualpath_ray.scheduling import EngineLoad, pack_prefill_batch, prefill_tokens
 from dualpath_ray.scheduling.types import ReadPath
 from dualpath_ray.sim.events import EventLoop
 from dualpath_ray.sim.links import Link
@@ -89,12 +89,12 @@ class PrefillEngine:
 
     def add(self, job: PrefillJob) -> None:
         self.jobs[job.owner] = job
-        self.tok += job.prompt
+        self.tok += prefill_tokens(job.prompt, job.task.hit_tokens)
         self._load = None
 
     def remove(self, job: PrefillJob) -> None:
         del self.jobs[job.owner]
-        self.tok -= job.prompt
+        self.tok -= prefill_tokens(job.prompt, job.task.hit_tokens)
         self._load = None
 
 

@@ -148,3 +148,28 @@ def test_proportional_split_reads_share_a_requests_hits_by_read_queue_headroom()
     assert c.dispatcher.read_q == {"p0": 200 + 5 * BLOCK, "d0": 600 + 3 * BLOCK}, (
         "until the readers report again, each side's queue counts the share it was given"
     )
+
+
+def test_a_prefill_engines_load_counts_the_tokens_its_requests_compute_not_their_prompts() -> None:
+    """beta bounds what a prefill engine has to compute: a turn with 48 of its 64 tokens cached
+    weighs 16, a cold 64-token turn 64 (a cold burst can no longer all land on the first puller)."""
+    c = SchedulerCore(CoreSettings(Mode.DUALPATH, BLOCK, Constants(10_000, 40)), PrefixIndex(BLOCK))
+    first = spec("warm-0", 64)
+    keys = block_keys(first.prompt, BLOCK, NAMESPACE)
+    c.submit(first)
+    c.fetch_decode(decode(("decode/d0/g0", 10_000)))
+    c.fetch_prefill(prefill("prefill/p0/g0"))
+    c.finish(result_of(first, tuple(PersistedBlock(k, p) for k, p in zip(keys, [None, *keys[:-1]]))))
+    for i in range(3):  # the same prompt again: 48 tokens hit, 16 to compute
+        c.submit(RequestSpec(f"warm-{i + 1}", 0, first.prompt, first.sampling, NAMESPACE, 0.0))
+    c.fetch_decode(decode(("decode/d0/g0", 10_000)))
+    assert [r.prefill_tokens for r in c.requests.values()] == [16, 16, 16], "prompt minus hits"
+    tasks = c.fetch_prefill(prefill("prefill/p0/g0"))
+    assert len(tasks) == 3, "16 + 16 <= beta (40), so the third still fits; 64-token prompts would have stopped at one"
+    c.submit(spec("cold-a", 64, seed=1))
+    c.submit(spec("cold-b", 64, seed=2))
+    c.fetch_decode(decode(("decode/d0/g0", 10_000)))
+    idle = GroupReport("prefill/p1", "p1", (EngineLoad("prefill/p1/g0", "p1", 0, 0),), 0)
+    assert [t.request_id for t in c.fetch_prefill(idle)] == ["cold-a"], (
+        "a cold 64-token turn alone puts an idle engine over beta: the next waits for another engine"
+    )

@@ -7,7 +7,7 @@ import torch
 
 from dualpath_ray.config import DualPathConfig
 from dualpath_ray.kv.layout import KVLayout
-from dualpath_ray.model.cost import cost_of_profile, derive_beta_tokens, prompt_tokens_per_second
+from dualpath_ray.model.cost import cost_of_profile, derive_beta_tokens, prefill_tokens_per_second
 from dualpath_ray.model.profile import default_profile, derive_beta, typical_request
 from dualpath_ray.runtime.compute import ChunkSpec
 from dualpath_ray.runtime.emulation.profile_compute import ProfileCompute
@@ -22,7 +22,7 @@ def test_profile_cost_is_the_profiles_arithmetic():
     assert cost.decode_step_ms(8, 4000) == profile.decode_step_ms(8, 4000)
     typical = typical_request(cfg.model.max_context)
     assert derive_beta_tokens(cost, 5.0, typical) == derive_beta(profile, 5.0, typical), "one beta, two callers"
-    assert prompt_tokens_per_second(cost, *typical) == pytest.approx(profile.prompt_tokens_per_second(*typical))
+    assert prefill_tokens_per_second(cost, *typical) == pytest.approx(profile.prefill_tokens_per_second(*typical))
 
 
 def test_profile_compute_sleeps_the_cost_models_time(monkeypatch):
