@@ -23,247 +23,61 @@ Actor requirements: every endpoint actor class inherits `TransportEndpoint`, is 
 ``@ray.remote(**endpoint_actor_options())`` (it gets the ``transport`` concurrency group), is a
 named actor whose Ray name equals its endpoint name (``reader/n1``, ``prefill/n0/g1``), and calls
 ``self.attach_transport(make_transport(...))``, then `register` and `seal`, in ``__init__``.
+
+Where the pieces live: this module has the Transport base class (the checks every backend gets,
+the small backend hooks); transport_moves.py the typed errors, regions, lifecycle and
+`Transfer`; transport_endpoint.py the actor side (`TransportEndpoint`, `endpoint_actor_options`,
+`make_transport`). Every public name of the three is importable from here.
 """
 
 from __future__ import annotations
 
-import enum
-import math
-import os
 import threading
 import time
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
 import ray
 import torch
 
-TRANSPORT_GROUP = "transport"
-TRANSPORT_KINDS = ("nixl", "gloo", "verbs")
+from dualpath_ray.runtime.transport_endpoint import (
+    TRANSPORT_GROUP,
+    TRANSPORT_KINDS,
+    TransportEndpoint,
+    endpoint_actor_options,
+    make_transport,
+    setup_gloo_world,
+)
+from dualpath_ray.runtime.transport_moves import (
+    EndpointInfo,
+    InfoRequest,
+    Move,
+    PeerDiedError,
+    PoolInfo,
+    Region,
+    RegionError,
+    Transfer,
+    TransportError,
+    TransportState,
+    TransportStats,
+    check_moves,
+    check_region,
+    coalesce_moves,
+    next_state,
+)
+
+__all__ = [
+    "OPS", "TRANSPORT_GROUP", "TRANSPORT_KINDS", "EndpointInfo", "InfoRequest", "Move", "PeerDiedError", "PoolInfo",
+    "Region", "RegionError", "Transfer", "Transport", "TransportEndpoint", "TransportError", "TransportState",
+    "TransportStats", "check_moves", "check_region", "coalesce_moves", "endpoint_actor_options", "make_transport",
+    "next_state", "setup_gloo_world",
+]
+
 OPS = ("read", "write")
-_SPIN_S = 0.001  # wait() polls without sleeping this long: NIXL moves of <= 4 MiB finish inside it
-_FIRST_PAUSE_S = 50e-6
-_MAX_PAUSE_S = 1e-3
 _PROBE_TIMEOUT_S = 5.0  # bound on the liveness probe that classifies a failed transfer
-
-
-class TransportError(RuntimeError):
-    """A move cannot be done or did not complete; its destination regions are undefined."""
-
-
-class PeerDiedError(TransportError):
-    """The peer endpoint is dead, restarted or unknown: its regions are gone."""
-
-
-class RegionError(TransportError):
-    """A region is outside its pool, sizes differ, the pool is unknown, or a view is unusable."""
-
-
-@dataclass(frozen=True)
-class Region:
-    """Bytes [offset, offset + nbytes) of the registered pool `pool` of one endpoint."""
-
-    pool: str
-    offset: int
-    nbytes: int
-
-    @property
-    def end(self) -> int:
-        return self.offset + self.nbytes
-
-
-Move = tuple[Region, Region]  # (local region, remote region), equal nbytes
-
-
-@dataclass(frozen=True)
-class PoolInfo:
-    name: str
-    nbytes: int
-    device: str  # "cpu" or "cuda:0"
-
-
-@dataclass(frozen=True)
-class EndpointInfo:
-    """What a peer needs to address this endpoint; fetched once per peer."""
-
-    endpoint: str
-    incarnation: str
-    kind: str
-    pools: tuple[PoolInfo, ...]
-    backend: object
-
-
-@dataclass(frozen=True)
-class TransportStats:
-    posted: int = 0  # transfers posted to a peer or copied locally
-    descriptors: int = 0  # contiguous moves after coalescing
-    bytes_read: int = 0  # bytes of completed reads
-    bytes_written: int = 0  # bytes of completed writes
-    peer_calls: int = 0  # Ray actor calls this transport issued itself
-
-
-@dataclass(frozen=True)
-class InfoRequest:
-    """Any peer -> endpoint: your EndpointInfo."""
-
-
-class TransportState(enum.Enum):
-    REGISTERING = "registering"  # pools may be registered; no moves until seal()
-    AWAITING_WORLD = "awaiting_world"  # gloo only: sealed, no world joined yet
-    READY = "ready"
-    BROKEN = "broken"  # gloo only: the world is unusable until setup_gloo_world runs again
-    CLOSED = "closed"
-
-
-_TRANSITIONS: dict[TransportState, frozenset[TransportState]] = {
-    TransportState.REGISTERING: frozenset(
-        {TransportState.AWAITING_WORLD, TransportState.READY, TransportState.CLOSED}
-    ),
-    TransportState.AWAITING_WORLD: frozenset({TransportState.READY, TransportState.CLOSED}),
-    TransportState.READY: frozenset({TransportState.READY, TransportState.BROKEN, TransportState.CLOSED}),
-    TransportState.BROKEN: frozenset({TransportState.READY, TransportState.CLOSED}),
-    TransportState.CLOSED: frozenset(),
-}
-
-
-def next_state(current: TransportState, target: TransportState) -> TransportState:
-    """The one transition function of a transport's lifecycle; rejects illegal moves."""
-    if target not in _TRANSITIONS[current]:
-        raise TransportError(f"transport cannot go from {current.value} to {target.value}")
-    return target
-
-
-def check_region(region: object, pools: Mapping[str, PoolInfo], owner: str, where: str) -> Region:
-    """`region` must lie inside one of `owner`'s pools; messages name the field and the fix."""
-    if not isinstance(region, Region):
-        raise RegionError(f"{where} is {type(region).__name__}, not a Region; build it with region_of(pool, view)")
-    pool = pools.get(region.pool)
-    if pool is None:
-        raise RegionError(f"{where}.pool {region.pool!r} is not a pool of {owner}; its pools are {sorted(pools)}")
-    if not isinstance(region.offset, int) or region.offset < 0:
-        raise RegionError(f"{where}.offset is {region.offset!r}; it must be an int >= 0")
-    if not isinstance(region.nbytes, int) or region.nbytes <= 0:
-        raise RegionError(f"{where}.nbytes is {region.nbytes!r}; it must be an int > 0")
-    if region.end > pool.nbytes:
-        raise RegionError(
-            f"{where} ends at byte {region.end}, past the end of {owner}'s pool {pool.name!r} "
-            f"({pool.nbytes} bytes); shrink nbytes or fix the offset"
-        )
-    return region
-
-
-def check_moves(moves: object, where: str) -> list[Move]:
-    """A non-empty sequence of (local, remote) Region pairs of equal size."""
-    if not isinstance(moves, Sequence) or isinstance(moves, (str, bytes)) or not moves:
-        raise RegionError(f"{where}: moves must be a non-empty list of (local, remote) Region pairs")
-    checked: list[Move] = []
-    for index, move in enumerate(moves):
-        if not isinstance(move, tuple) or len(move) != 2:
-            raise RegionError(f"{where}: moves[{index}] must be a (local Region, remote Region) tuple")
-        local, remote = move
-        if isinstance(local, Region) and isinstance(remote, Region) and local.nbytes != remote.nbytes:
-            raise RegionError(
-                f"{where}: moves[{index}] local nbytes {local.nbytes} != remote nbytes {remote.nbytes}; "
-                "a move copies equal byte counts"
-            )
-        checked.append((local, remote))
-    return checked
-
-
-def coalesce_moves(moves: Sequence[Move]) -> list[Move]:
-    """Merge each move into the previous one when both sides continue it, keeping list order.
-
-    A run of blocks in consecutive slots then costs one descriptor / one gloo message."""
-    merged: list[Move] = []
-    for local, remote in moves:
-        if merged:
-            last_local, last_remote = merged[-1]
-            if (
-                local.pool == last_local.pool
-                and remote.pool == last_remote.pool
-                and local.offset == last_local.end
-                and remote.offset == last_remote.end
-            ):
-                nbytes = last_local.nbytes + local.nbytes
-                merged[-1] = (
-                    Region(local.pool, last_local.offset, nbytes),
-                    Region(remote.pool, last_remote.offset, nbytes),
-                )
-                continue
-        merged.append((local, remote))
-    return merged
-
-
-class Transfer:
-    """One posted move (read or write) of a list of regions. Thread-safe to poll.
-
-    The outcome is sticky: once done() returned True it stays True, once it raised every later
-    call raises the same error. A transfer still running at its deadline (posted + the
-    transport's timeout_s) or when wait(timeout_s) expires is aborted, then fails."""
-
-    def __init__(
-        self, op: str, peer: str, nbytes: int, deadline: float, on_done: Callable[[Transfer], None]
-    ) -> None:
-        self.op = op
-        self.peer = peer
-        self.nbytes = nbytes
-        self._deadline = deadline
-        self._on_done = on_done
-        self._lock = threading.Lock()
-        self._finished = False
-        self._error: TransportError | None = None
-
-    def done(self) -> bool:
-        """Polls the backend once; True once every byte landed; raises TransportError on failure."""
-        with self._lock:
-            return self._advance(None)
-
-    def wait(self, timeout_s: float | None = None) -> int:
-        """Blocks (spins briefly, then short sleeps) until done; returns nbytes; raises on failure.
-
-        timeout_s=None waits up to the transfer's deadline."""
-        start = time.monotonic()
-        limit = math.inf if timeout_s is None else start + timeout_s
-        pause = _FIRST_PAUSE_S
-        while True:
-            now = time.monotonic()
-            with self._lock:
-                if self._advance(f"wait({timeout_s}) expired" if now >= limit else None):
-                    return self.nbytes
-            if now - start >= _SPIN_S:
-                time.sleep(pause)
-                pause = min(2 * pause, _MAX_PAUSE_S)
-
-    def _advance(self, give_up: str | None) -> bool:
-        if self._finished:
-            return True
-        if self._error is not None:
-            raise self._error
-        try:
-            if self._poll():
-                self._finished = True
-                self._on_done(self)
-                return True
-            if give_up is None and time.monotonic() >= self._deadline:
-                give_up = "did not complete before the transport timeout"
-            if give_up is not None:
-                raise self._abort(give_up)
-        except TransportError as exc:
-            self._error = exc
-            raise
-        return False
-
-    # ---- backend hooks -----------------------------------------------------------------
-    def _poll(self) -> bool:
-        """Advance the backend once; True when complete; raise TransportError on failure."""
-        return True
-
-    def _abort(self, reason: str) -> TransportError:
-        """Give up: after this returns no byte of this transfer may land; the error to raise."""
-        return TransportError(f"{self.op} with {self.peer}: {reason}")
 
 
 class _Counters:
@@ -601,92 +415,3 @@ class Transport(ABC):
 
     @abstractmethod
     def _close_backend(self) -> None: ...
-
-
-class TransportEndpoint:
-    """Mixin for endpoint actor classes: lets a peer's transport call into this actor."""
-
-    _endpoint_transport: Transport | None = None
-
-    def attach_transport(self, transport: Transport) -> Transport:
-        """Install this actor's transport; its endpoint name must be the actor's Ray name."""
-        actor_name = ray.get_runtime_context().get_actor_name()
-        if actor_name and actor_name != transport.endpoint_name:
-            raise TransportError(
-                f"endpoint name {transport.endpoint_name!r} differs from the actor's Ray name "
-                f"{actor_name!r}; peers find endpoints by name, so make them equal"
-            )
-        self._endpoint_transport = transport
-        return transport
-
-    @ray.method(concurrency_group=TRANSPORT_GROUP)
-    def transport_serve(self, request: object) -> object:
-        if self._endpoint_transport is None:
-            raise TransportError("this endpoint has no transport; call attach_transport in __init__")
-        return self._endpoint_transport.serve(request)
-
-
-def endpoint_actor_options(
-    transport_threads: int = 8, extra_concurrency_groups: Mapping[str, int] | None = None
-) -> dict[str, Any]:
-    """Options for ``@ray.remote(**...)`` on an endpoint class: the transport group and yours."""
-    if transport_threads < 1:
-        raise TransportError(f"transport_threads must be >= 1 (got {transport_threads})")
-    return {"concurrency_groups": {TRANSPORT_GROUP: transport_threads, **(extra_concurrency_groups or {})}}
-
-
-def make_transport(
-    kind: str,
-    endpoint_name: str,
-    *,
-    namespace: str,
-    timeout_s: float = 60.0,
-    service_level: int | None = None,
-    traffic_class: int | None = None,
-    ucx_tls: str | None = None,
-    ucx_net_devices: str | None = None,
-    verbs_settings: Any = None,
-    verbs_device: str | None = None,
-) -> Transport:
-    """Build this process's transport; UCX knobs are applied to the process environment first.
-
-    `verbs` (transport_verbs.py) takes its port settings from `verbs_settings` (a VerbsConfig)
-    and `verbs_device`, and puts service_level / traffic_class into its queue pairs."""
-    from dualpath_ray.runtime.transport_nixl import (
-        apply_ucx_environment,
-        ucx_environment,
-    )
-
-    if kind not in TRANSPORT_KINDS:
-        raise TransportError(f"runtime.transport: unknown kind {kind!r}; use one of {TRANSPORT_KINDS}")
-    if not endpoint_name:
-        raise TransportError("endpoint_name must be the actor's Ray name, e.g. 'reader/n1'")
-    if timeout_s <= 0:
-        raise TransportError(f"timeout_s must be > 0 (got {timeout_s})")
-    ucx = ucx_environment(service_level=service_level, traffic_class=traffic_class, tls=ucx_tls, net_devices=ucx_net_devices)
-    apply_ucx_environment(ucx)
-    if ucx:
-        # The KV class knobs act only where UCX runs on an IB/RoCE device; on TCP or shared
-        # memory UCX would warn at every agent start that they are unused. A user's own setting wins.
-        os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
-    if kind == "nixl":
-        from dualpath_ray.runtime.transport_nixl import NixlTransport
-
-        return NixlTransport(endpoint_name, namespace, timeout_s)
-    if kind == "verbs":
-        from dualpath_ray.runtime.transport_verbs import make_verbs_transport
-
-        return make_verbs_transport(
-            endpoint_name, namespace, timeout_s, settings=verbs_settings, device=verbs_device,
-            service_level=service_level, traffic_class=traffic_class,
-        )
-    from dualpath_ray.runtime.transport_gloo import GlooTransport
-
-    return GlooTransport(endpoint_name, namespace, timeout_s)
-
-
-def setup_gloo_world(endpoints: Sequence[Any], *, timeout_s: float = 60.0) -> Any:
-    """Driver side: form one gloo world over these sealed endpoint actor handles (ranks = order)."""
-    from dualpath_ray.runtime.transport_gloo import form_gloo_world
-
-    return form_gloo_world(endpoints, timeout_s=timeout_s)
