@@ -22,7 +22,7 @@ those of a runtime whose leaders pull without delay.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from dualpath_ray.runtime.messages import DecodeReservation, GroupReport, PrefillTask, RequestSpec, TurnResult

@@ -23,7 +23,6 @@ from typing import Callable
 
 from dualpath_ray.runtime.messages import PrefillTask
 from dualpath_ray.scheduling import EngineLoad, pack_prefill_batch, prefill_tokens
-from dualpath_ray.scheduling.types import ReadPath
 from dualpath_ray.sim.events import EventLoop
 from dualpath_ray.sim.links import Link
 from dualpath_ray.sim.nodes import EngineLinks, SimNode

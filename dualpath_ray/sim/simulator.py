@@ -15,7 +15,7 @@ from typing import NamedTuple, Sequence
 from dualpath_ray.config import DualPathConfig
 from dualpath_ray.runtime.messages import DecodeReservation, PersistedBlock, PrefillTask, RequestSpec, TurnResult
 from dualpath_ray.scheduling.scheduler import CoreSettings, SchedulerCore
-from dualpath_ray.scheduling.types import READ_SIDES, ReadPath, Role, StopReason, Mode
+from dualpath_ray.scheduling.types import READ_SIDES, Mode, Role, StopReason
 from dualpath_ray.sim.agents import Agent, Agents
 from dualpath_ray.sim.decode import DecodeEngine, DecodeJob, DecodeStats
 from dualpath_ray.sim.driver import Driver, Group
