@@ -84,6 +84,16 @@ class Driver:
             self.stats.cpu_s += time.process_time() - started
             self.stats.calls += 1
 
+    def start(self) -> None:
+        """Every leader's first pull, before any request arrives, as the runtime's leaders pull
+        from deploy on. Phase 1 spreads the queue over the decode groups that have reported, so
+        without it a burst at t=0 all went to the first group to pull (48P96D: every agent's first
+        turn on one decode node, the last of them placed after 354 s)."""
+        for group in self.decode:
+            self._pull_decode(group)
+        for group in self.prefill:
+            self._pull_prefill(group)
+
     def submit(self, spec: RequestSpec) -> Request:
         request = self._timed(self.core.submit, spec)
         self._decode_round(self.loop.now + self.pull_delay_s)

@@ -177,6 +177,7 @@ class Simulation:
 
     def run(self) -> SimResult:
         started = time.perf_counter()
+        self.driver.start()
         self.agents.start()
         self.loop.run(self.settings.options.until_s)
         wall = time.perf_counter() - started

@@ -6,8 +6,10 @@ from dualpath_ray.scheduling.types import Mode
 from dualpath_ray.sim.profiles import sim_config
 from dualpath_ray.sim.settings import SimOptions
 from dualpath_ray.sim.simulator import Simulation, simulate
-from dualpath_ray.sim.workload import from_synth
+from dualpath_ray.sim.workload import from_synth, from_trajectories
 from dualpath_ray.workload.synth import SynthParams
+from dualpath_ray.workload.trace import Trajectory, Turn
+from tests.unit.sim.simcases import case_config
 
 PROFILES = "cluster_configs/profiles"
 
@@ -54,13 +56,23 @@ def test_a_different_seed_gives_a_different_trace_and_result():
     assert first.jct_s != second.jct_s, "the seed reaches the simulated workload"
 
 
-def test_storage_bound_modes_order_oracle_dualpath_basic():
-    # 1P2D, storage-bound: short generations keep 48 agents asking for more hit KV than one SNIC
-    # reads; basic reads through one SNIC, dualpath through three, oracle reads nothing.
-    workload = from_synth(SynthParams(agents=48, max_len=16384, seed=3, mean_gen=16))
-    jct = {mode: simulate(paper_config(), workload, mode, SimOptions(quota_scope="forward")).jct_s
-           for mode in ("basic", "dualpath", "oracle")}
+def storage_bound_agent(k: int) -> Trajectory:
+    """A 400-token first prompt, then five turns of 10 more tokens: every later turn hits its
+    whole stored prefix (its own tokens, so agents share nothing)."""
+    base = 10_000 * (k + 1)
+    later = [Turn(tuple(range(base + 500 + 10 * t, base + 510 + 10 * t)), 2) for t in range(5)]
+    return Trajectory(f"agent-{k}", (Turn(tuple(range(base, base + 400)), 2), *later))
+
+
+def test_storage_bound_modes_order_oracle_dualpath_basic(tmp_path):
+    # 1P2D with 1 MB/s SNICs (tests/unit/sim/simcases.py): a later turn reads ~200 KB of hits and
+    # computes 10 tokens, so six agents are storage-bound; basic reads through one SNIC,
+    # dualpath through three, oracle reads nothing.
+    cfg = case_config(tmp_path).with_overrides(cluster={"decode_nodes": 2})
+    workload = from_trajectories([storage_bound_agent(k) for k in range(6)])
+    jct = {mode: simulate(cfg, workload, mode, SimOptions(warmup_turns=1)).jct_s for mode in ("basic", "dualpath", "oracle")}
     assert jct["oracle"] <= jct["dualpath"] < jct["basic"], f"no I/O <= both paths < the prefill path only: {jct}"
+    assert jct["basic"] > 1.5 * jct["dualpath"], f"three SNICs read well over one and a half times what one reads: {jct}"
 
 
 def test_basic_reads_only_on_prefill_nodes_and_dualpath_on_both():
