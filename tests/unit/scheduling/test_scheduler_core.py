@@ -41,6 +41,17 @@ def result_of(s: RequestSpec, persisted: tuple[PersistedBlock, ...] = (), error:
                       "prefill/p0/g0", "decode/d0/g0", 0.1, 0.01, persisted=persisted, error=error)
 
 
+def serve_and_store(c: SchedulerCore, s: RequestSpec, hbm: int = 10_000) -> list[str]:
+    """Serve `s` alone and publish every full block of its prompt, as a finished turn does;
+    returns the block keys."""
+    keys = block_keys(s.prompt, BLOCK, NAMESPACE)
+    c.submit(s)
+    c.fetch_decode(decode(("decode/d0/g0", hbm)))
+    c.fetch_prefill(prefill("prefill/p0/g0"))
+    c.finish(result_of(s, tuple(PersistedBlock(k, p) for k, p in zip(keys, [None, *keys[:-1]]))))
+    return keys
+
+
 def test_a_request_lives_in_one_record_from_submit_to_done() -> None:
     c = core()
     s = spec("r", 40)
@@ -63,12 +74,7 @@ def test_a_request_lives_in_one_record_from_submit_to_done() -> None:
 def test_published_blocks_are_hit_by_the_next_turn_leaving_one_token_to_compute() -> None:
     c = core()
     first = spec("t0", 64)
-    keys = block_keys(first.prompt, BLOCK, NAMESPACE)
-    parents = [None, *keys[:-1]]
-    c.submit(first)
-    c.fetch_decode(decode(("decode/d0/g0", 1000)))
-    c.fetch_prefill(prefill("prefill/p0/g0"))
-    c.finish(result_of(first, tuple(PersistedBlock(k, p) for k, p in zip(keys, parents))))
+    keys = serve_and_store(c, first, hbm=1000)
     again = RequestSpec("t1", 0, first.prompt, first.sampling, NAMESPACE, 0.0)
     assert c.lookup(again)[1] == 48, "all 64 tokens are stored, but the last block stays to compute the logits"
     longer = RequestSpec("t2", 0, np.concatenate([first.prompt, [1, 2, 3]]), first.sampling, NAMESPACE, 0.0)
@@ -132,11 +138,7 @@ def test_proportional_split_reads_share_a_requests_hits_by_read_queue_headroom()
     c = SchedulerCore(CoreSettings(Mode.DUALPATH, BLOCK, Constants(1000, 100_000), read_split="proportional"),
                       PrefixIndex(BLOCK))
     first = spec("t0", 130)
-    keys = block_keys(first.prompt, BLOCK, NAMESPACE)
-    c.submit(first)
-    c.fetch_decode(decode(("decode/d0/g0", 10_000)))
-    c.fetch_prefill(prefill("prefill/p0/g0"))
-    c.finish(result_of(first, tuple(PersistedBlock(k, p) for k, p in zip(keys, [None, *keys[:-1]]))))
+    serve_and_store(c, first)
     again = RequestSpec("t1", 0, np.concatenate([first.prompt, [7] * 20]), first.sampling, NAMESPACE, 0.0)
     c.submit(again)
     c.fetch_decode(decode(("decode/d0/g0", 10_000), read_q=600))
@@ -155,11 +157,7 @@ def test_a_prefill_engines_load_counts_the_tokens_its_requests_compute_not_their
     weighs 16, a cold 64-token turn 64 (a cold burst can no longer all land on the first puller)."""
     c = SchedulerCore(CoreSettings(Mode.DUALPATH, BLOCK, Constants(10_000, 40)), PrefixIndex(BLOCK))
     first = spec("warm-0", 64)
-    keys = block_keys(first.prompt, BLOCK, NAMESPACE)
-    c.submit(first)
-    c.fetch_decode(decode(("decode/d0/g0", 10_000)))
-    c.fetch_prefill(prefill("prefill/p0/g0"))
-    c.finish(result_of(first, tuple(PersistedBlock(k, p) for k, p in zip(keys, [None, *keys[:-1]]))))
+    serve_and_store(c, first)
     for i in range(3):  # the same prompt again: 48 tokens hit, 16 to compute
         c.submit(RequestSpec(f"warm-{i + 1}", 0, first.prompt, first.sampling, NAMESPACE, 0.0))
     c.fetch_decode(decode(("decode/d0/g0", 10_000)))
