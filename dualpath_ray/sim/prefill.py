@@ -56,6 +56,11 @@ class PrefillJob:
     def request_id(self) -> str:
         return self.task.request.request_id
 
+    @property
+    def load_tokens(self) -> int:
+        """What it adds to its engine's tok while it is there (scheduling/loads.py)."""
+        return prefill_tokens(self.prompt, self.task.hit_tokens)
+
 
 @dataclass
 class PrefillStats:
@@ -88,12 +93,12 @@ class PrefillEngine:
 
     def add(self, job: PrefillJob) -> None:
         self.jobs[job.owner] = job
-        self.tok += prefill_tokens(job.prompt, job.task.hit_tokens)
+        self.tok += job.load_tokens
         self._load = None
 
     def remove(self, job: PrefillJob) -> None:
         del self.jobs[job.owner]
-        self.tok -= prefill_tokens(job.prompt, job.task.hit_tokens)
+        self.tok -= job.load_tokens
         self._load = None
 
 
