@@ -225,7 +225,8 @@ class EngineBase(TransportEndpoint):
         from dataclasses import asdict
 
         leader = self.leader
-        pulls = {"failed_pulls": leader.failed_pulls, "last_failure": leader.last_failure} if leader else {}
+        pulls = {"failed_pulls": leader.failed_pulls, "last_failure": leader.last_failure,
+                 "leading": leader.leading, "written_off": sorted(leader.dead)} if leader else {}
         return {"core": asdict(self.core.stats), "transport": asdict(self.transport.stats()), "device": str(self.device),
                 "hbm_moves": {"mode": self.hbm.mode, **asdict(self.hbm.stats)},
                 "incarnation": self.incarnation, "leader": pulls}

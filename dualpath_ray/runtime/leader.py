@@ -7,9 +7,12 @@ computing still answers at once.
 
 Every member runs the loop; all but the leader stand by, checking that the members before them
 are alive, so when g0 dies g1 takes over the pulls. A member Ray reports dead (or whose worker
-loop died) is out for good; one that is only slow is left out of the reports it misses and
-replaced as leader after TAKEOVER_MISSES checks in a row. A failed pull is counted and retried:
-one bad item never ends a group's pulls.
+loop died) is written off: left out of the reports and passed over as leader. It is still asked
+at every check (a call to an actor gone for good fails at once), because Ray may restart it: its
+new incarnation answers, is taken back into the reports, and takes the lead back if it is first,
+so a group never has two leaders counting its free HBM. One that is only slow is left out of the
+reports it misses and replaced as leader after TAKEOVER_MISSES checks in a row. A failed pull is
+counted and retried: one bad item never ends a group's pulls.
 """
 
 from __future__ import annotations
@@ -86,7 +89,8 @@ class GroupLeader:
         self.stopped = threading.Event()
         self.error: BaseException | None = None
         self.member_timeout_s = member_timeout_s
-        self.dead: set[str] = set()
+        self.dead: set[str] = set()  # written off: proven dead, until an answer proves a restart
+        self.leading = False
         self.misses: dict[str, int] = {}
         self.faults = faults
         self.failed_pulls = 0
@@ -116,37 +120,40 @@ class GroupLeader:
             return False
 
     def leads(self) -> bool:
-        """Whether every member before this one is dead for good, or silent too long."""
-        for member in self.members[: self.members.index(self.local_name)]:
-            if member not in self.dead and self._answers(member):
-                return False
-        return True
+        """Whether every member before this one is written off, or silent too long."""
+        self.leading = not any(self._answers(m) for m in self.members[: self.members.index(self.local_name)])
+        return self.leading
 
     def _answers(self, member: str) -> bool:
-        """Whether `member` is still taken for alive: it answered, or it is only slow and has
-        missed fewer than TAKEOVER_MISSES checks in a row."""
+        """Whether `member` is taken for alive: it answered (a written-off member that answers
+        is a restarted one, taken back), or it is only slow and has missed fewer than
+        TAKEOVER_MISSES checks in a row."""
         try:
             ray.get(self.directory.get(member).load.remote(), timeout=self.member_timeout_s)
         except Exception as exc:  # noqa: BLE001 - dead, hung, gone, or its worker loop died
             return not self._note_silence(member, exc) and self.misses[member] < TAKEOVER_MISSES
-        self.misses.pop(member, None)
+        self._heard_from(member)
         return True
+
+    def _heard_from(self, member: str) -> None:
+        self.misses.pop(member, None)
+        self.dead.discard(member)
 
     def _note_silence(self, member: str, exc: BaseException) -> bool:
         """Record an unanswered call; True when it proves `member` dead (gone with no restart
         left, or its worker loop died: `load` raises), which is for good. A timeout, or Ray
         restarting the member, is a miss, not a death: a restarted member answers again."""
-        if peer_state_of(exc) is not PeerState.DEAD:
-            self.misses[member] = self.misses.get(member, 0) + 1
-            return False
-        self.dead.add(member)
-        return True
+        if member in self.dead or peer_state_of(exc) is PeerState.DEAD:
+            self.dead.add(member)  # written off until it answers again
+            return True
+        self.misses[member] = self.misses.get(member, 0) + 1
+        return False
 
     def report(self) -> GroupReport:
         """The group's loads, read queue and incarnations. A member that does not answer in time
-        is left out of this report only (nothing is placed on it meanwhile); one proven dead,
-        for good."""
-        others = [m for m in self.members if m != self.local_name and m not in self.dead]
+        is left out of this report only (nothing is placed on it meanwhile); one written off is
+        asked too, and is back in the report once it answers (Ray restarted it)."""
+        others = [m for m in self.members if m != self.local_name]
         refs = {}
         for member in others:
             try:
@@ -158,7 +165,7 @@ class GroupLeader:
         for member, ref in refs.items():
             try:
                 answers.append((member, ray.get(ref, timeout=self.member_timeout_s)))
-                self.misses.pop(member, None)
+                self._heard_from(member)
             except Exception as exc:  # noqa: BLE001 - dead, hung, restarting, or its worker loop died
                 self._note_silence(member, exc)
         incarnations = [(member, answer.incarnation) for member, answer in answers]

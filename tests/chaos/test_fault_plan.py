@@ -132,6 +132,20 @@ def assert_clean(ledger: Ledger, reference: Ledger, figures: dict) -> None:
     )
 
 
+def assert_one_leader_per_group(engines: dict[str, dict]) -> None:
+    """Every group has one leader, and no member writes off a live peer (a restarted member is
+    taken back: two leaders would count the group's free HBM twice, and a written-off member
+    would never be given work again)."""
+    leaders: dict[str, list[str]] = {}
+    for name, stats in engines.items():
+        group = name.rsplit("/", 1)[0]
+        leaders.setdefault(group, [])
+        if stats["leader"]["leading"]:
+            leaders[group].append(name)
+        assert not stats["leader"]["written_off"], f"{name} wrote off live peers: {stats['leader']}"
+    assert all(len(names) == 1 for names in leaders.values()), f"one leader per group: {leaders}"
+
+
 def wait_until_restarted(deployment: Any, role: str, timeout_s: float = 60.0) -> None:
     """Until the scheduler has seen a new incarnation of one of its `role` ("engines" or
     "readers"): it learns of one from the next load report or heartbeat, which may come after
@@ -220,9 +234,17 @@ def test_a_prefill_engine_killed_in_the_middle_of_a_layer_transfer(reference) ->
 
 
 @contextmanager
-def busy_host(processes: int = 2) -> Iterator[None]:
-    """Other processes spinning on every core: answers come late, as on a shared node."""
-    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(processes)]
+def busy_host(processes: int = 2, busy_s: float = 2.0, idle_s: float = 1.0) -> Iterator[None]:
+    """Other tenants' processes holding every core for busy_s at a time, then idle for idle_s:
+    every actor (the scheduler's watchdog included) stalls for seconds at a time.
+
+    The spinners run at nice 0 and Ray's workers at nice 15 (Ray's worker_niceness), so while
+    they spin the actors get a few percent of a core. Spinning without pause would slow the whole
+    run some 30 times and turn this into a test of request_timeout_s (a CI run once timed out
+    every turn); the idle gaps keep it a test of slowness without loss."""
+    spin = f"import time\nwhile True:\n    end = time.monotonic() + {busy_s}\n" \
+           f"    while time.monotonic() < end: pass\n    time.sleep({idle_s})\n"
+    spinners = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(processes)]
     try:
         yield
     finally:
@@ -301,6 +323,7 @@ def test_a_killed_engine_or_reader_is_restarted_and_loses_nothing(reference, vic
         stats = figures["engines"][victim]["core"]
         worked = stats.get("finished", 0) + stats.get("handoffs", 0)
         assert worked > 0, f"the new incarnation of {victim} served turns after its restart: {stats}"
+        assert_one_leader_per_group(figures["engines"])
     else:
         node = figures["counters"][victim.removeprefix("reader/")]
         assert sum(node.snic_read.values()) + node.snic_write > 0, f"the new {victim} read or wrote blocks: {node}"
