@@ -159,31 +159,36 @@ def test_verl_client_generates_through_its_load_balancer(cluster) -> None:
     assert greedy.extra_fields["min_global_steps"] == 5, "verl's client sees the global steps the server was given"
 
 
-async def decoding(scheduler, count: int, timeout_s: float = 60.0) -> None:
-    """Wait until `count` requests are decoding (so an abort lands mid-decode)."""
+async def decoding(cluster, count: int, timeout_s: float = 60.0) -> None:
+    """Wait until `count` requests are decoding, as the decode engines themselves hold them (KV
+    handed off), so an abort lands mid-decode. Not the scheduler's `in_flight` states: it learns
+    of a handoff from its next heartbeat (runtime.heartbeat_s, 1 s), and the tiny model decodes a
+    whole 1,900-token turn in about 2 s, so CI twice saw a turn end before it showed "decoding"."""
+    engines = [handle for name, handle in cluster.deployment.engines.items() if name.startswith("decode/")]
     deadline = asyncio.get_running_loop().time() + timeout_s
-    states: dict = {}
+    handed: set[str] = set()
     while asyncio.get_running_loop().time() < deadline:
-        states = await scheduler.in_flight.remote()
-        if sum(1 for s in states.values() if s["state"] == "decoding") >= count:
+        holdings = await asyncio.gather(*(engine.holds.remote() for engine in engines))
+        handed = {rid for answer in holdings for rid, held in answer.held.items() if held.handed_off}
+        if len(handed) >= count:
             return
-        await asyncio.sleep(0.05)
-    service = await scheduler.service_view.remote()
-    raise TimeoutError(f"{count} requests were not decoding within {timeout_s} s; in flight: {states}; "
-                       f"service: {service}")
+        await asyncio.sleep(0.02)
+    states = await cluster.deployment.scheduler.in_flight.remote()
+    raise TimeoutError(f"{count} requests were not decoding within {timeout_s} s; decoding: {sorted(handed)}; "
+                       f"the scheduler's in flight: {states}")
 
 
 def test_abort_request_and_abort_all_requests_free_everything(cluster) -> None:
-    server, scheduler = cluster.server(), cluster.deployment.scheduler
-    tokens = 1500  # far more than decodes before the abort lands
+    server = cluster.server()
+    tokens = cluster.cfg.model.max_context - 150 - 8  # as many as the context holds: seconds of decoding
 
     async def run() -> tuple:
         long = server.generate.remote("verl-long", prompt(2), {"max_tokens": tokens})
-        await decoding(scheduler, 1)
+        await decoding(cluster, 1)
         single = await server.abort_request.remote("verl-long", reset_prefix_cache=False)
         first = await long
         many = [server.generate.remote(f"verl-many-{i}", prompt(10 + i), {"max_tokens": tokens}) for i in range(3)]
-        await decoding(scheduler, 3)
+        await decoding(cluster, 3)
         report = await server.abort_all_requests.remote(reset_prefix_cache=False)
         parked = server.generate.remote("verl-parked", prompt(20), {"max_tokens": 3})
         await asyncio.sleep(0.5)
