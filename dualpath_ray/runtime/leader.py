@@ -140,9 +140,10 @@ class GroupLeader:
         self.dead.discard(member)
 
     def _note_silence(self, member: str, exc: BaseException) -> bool:
-        """Record an unanswered call; True when it proves `member` dead (gone with no restart
-        left, or its worker loop died: `load` raises), which is for good. A timeout, or Ray
-        restarting the member, is a miss, not a death: a restarted member answers again."""
+        """Record an unanswered call; True when `member` is written off: the call proves it
+        dead (gone, or its worker loop died: `load` raises), or it was written off already and
+        has not answered since. A timeout, or Ray restarting a member in service, is a miss, not
+        a death. Only an answer takes a written-off member back (`_heard_from`)."""
         if member in self.dead or peer_state_of(exc) is PeerState.DEAD:
             self.dead.add(member)  # written off until it answers again
             return True

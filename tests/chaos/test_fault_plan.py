@@ -242,8 +242,8 @@ def busy_host(processes: int = 2, busy_s: float = 2.0, idle_s: float = 1.0) -> I
     they spin the actors get a few percent of a core. Spinning without pause would slow the whole
     run some 30 times and turn this into a test of request_timeout_s (a CI run once timed out
     every turn); the idle gaps keep it a test of slowness without loss."""
-    spin = f"import time\nwhile True:\n    end = time.monotonic() + {busy_s}\n" \
-           f"    while time.monotonic() < end: pass\n    time.sleep({idle_s})\n"
+    spin = (f"import time\nwhile True:\n    end = time.monotonic() + {busy_s}\n"
+            f"    while time.monotonic() < end: pass\n    time.sleep({idle_s})\n")
     spinners = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(processes)]
     try:
         yield

@@ -98,10 +98,9 @@ def test_aborting_a_session_ends_its_stream(endpoint) -> None:
     longest = cluster.cfg.model.max_context - len(tokenizer.encode(prompt)) - 8
     stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=longest,
                                        temperature=0, stream=True, extra_body={"conversation_id": "conv-abort"})
-    finish, received = None, 0
-    for chunk in stream:
-        received += 1
-        if received == 1:
+    finish = None
+    for index, chunk in enumerate(stream):
+        if index == 0:
             assert ray.get(server.abort_session.remote("conv-abort")) == 1, "the session's turn was in flight"
         finish = chunk.choices[0].finish_reason or finish
     assert finish == "abort", "the stream ends with the abort as its finish reason"
