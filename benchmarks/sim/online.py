@@ -5,8 +5,11 @@ Agents arrive as a Poisson process at `rate` per second for `window` seconds and
 trajectory (MaxLen 64K, as the offline headline; no tool latency: the simulated time is all serving). TTFT and TPOT are
 averaged over the turns submitted in the second half of the window, so the ramp-up and the
 drain after the last arrival are left out. The rate is found by bisection for Basic and
-DualPath, on 2P4D with the large MLA model and with the small one. The paper gives neither its
-online MaxLen nor whether its SLO is a mean or a percentile; the p99s are recorded too.
+DualPath, and for Oracle (no I/O at all: the ceiling any read path can reach), on 2P4D with the
+large MLA model and with the small one. Each probe records where its mean TTFT went
+(SimResult.ttft_parts_s: waiting for decode HBM, for a prefill engine, for staging, in prefill).
+The paper gives neither its online MaxLen nor whether its SLO is a mean or a percentile; the
+p99s are recorded too.
 
     .venv/bin/python benchmarks/sim/online.py            # 900 s windows, 6 bisection steps
     .venv/bin/python benchmarks/sim/online.py --quick    # 300 s windows, 4 steps, large MLA only
@@ -16,7 +19,7 @@ Writes results/online.json and .png.
 
 from __future__ import annotations
 
-from common import LARGE_MLA, SMALL_MLA, agents, cluster, figure, parser, save, with_options
+from common import LARGE_MLA, MODES, SMALL_MLA, agents, cluster, figure, parser, save, with_options
 
 from dualpath_ray.sim.simulator import simulate
 
@@ -36,7 +39,7 @@ def serve(cfg, mode: str, rate: float, window_s: float) -> dict:
           f"{result.ttft_s['p99']:.2f} s, TPOT mean {result.tpot_s['mean'] * 1000:.1f} ms -> {'ok' if ok else 'over'}",
           flush=True)
     return {"rate": rate, "agents": count, "ok": ok, "ttft_s": result.ttft_s, "tpot_s": result.tpot_s,
-            "turns_measured": result.turns, "snic_balance": result.snic_balance}
+            "ttft_parts_s": result.ttft_parts_s, "turns_measured": result.turns, "snic_balance": result.snic_balance}
 
 
 def max_rate(cfg, mode: str, low: float, high: float, steps: int, window_s: float) -> tuple[float, list[dict]]:
@@ -65,18 +68,19 @@ def main() -> None:
     for name, model, low, high in models:
         cfg = cluster(2, 4, model=model)
         found = {}
-        for mode in ("basic", "dualpath"):
+        for mode in MODES:
             print(f"{name} {mode}", flush=True)
             found[mode] = max_rate(cfg, mode, low, high, steps, window_s)
-        rows.append({"model": name, "basic_aps": found["basic"][0], "dualpath_aps": found["dualpath"][0],
+        rows.append({"model": name, **{f"{mode}_aps": found[mode][0] for mode in MODES},
                      "ratio": found["dualpath"][0] / found["basic"][0] if found["basic"][0] else None,
+                     "dualpath_over_oracle": found["dualpath"][0] / found["oracle"][0] if found["oracle"][0] else None,
                      "trials": {mode: trials for mode, (_, trials) in found.items()}})
     save(args.out, "online", {"paper": PAPER, "topology": "2P4D", "max_len": MAX_LEN, "window_s": window_s, "rows": rows})
     plt, png = figure(args.out, "online")
     fig, ax = plt.subplots(figsize=(5.5, 3.4))
-    width = 0.35
-    for i, mode in enumerate(("basic", "dualpath")):
-        ax.bar([j + (i - 0.5) * width for j in range(len(rows))], [r[f"{mode}_aps"] for r in rows], width, label=mode)
+    width = 0.27
+    for i, mode in enumerate(MODES):
+        ax.bar([j + (i - 1) * width for j in range(len(rows))], [r[f"{mode}_aps"] for r in rows], width, label=mode)
     for j, r in enumerate(rows):
         if r["ratio"]:
             ax.text(j, r["dualpath_aps"], f"{r['ratio']:.2f}x", ha="center", va="bottom", fontsize=8)

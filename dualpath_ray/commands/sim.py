@@ -49,6 +49,8 @@ def main(args: argparse.Namespace) -> int:
         return 0
     print(result.headline())
     print(f"SNIC read bytes per node: {json.dumps(result.snic_read_bytes)}")
+    parts = ", ".join(f"{part} {seconds:.3f} s" for part, seconds in result.ttft_parts_s.items())
+    print(f"mean TTFT by part: {parts}")
     balance = result.attention_balance
     print(f"attention Max/Avg across data-parallel peers: {balance:.3f}" if balance is not None
           else "attention Max/Avg: n/a (engines step independently)")

@@ -6,7 +6,7 @@ simulated ones, so nothing in this package may import Ray (a unit test checks it
 
 from __future__ import annotations
 
-from dualpath_ray.scheduling.batching import BatchPredictor, pack_prefill_batch
+from dualpath_ray.scheduling.batching import BatchPredictor, pack_lockstep_round, pack_prefill_batch
 from dualpath_ray.scheduling.loads import Assignment, EngineLoad, QueuedRequest, prefill_tokens
 from dualpath_ray.scheduling.policy import (
     assign_decode_groups,
@@ -24,6 +24,7 @@ __all__ = [
     "assign_decode_in_group",
     "assign_prefill",
     "choose_read_path",
+    "pack_lockstep_round",
     "pack_prefill_batch",
     "prefill_tokens",
 ]

@@ -90,3 +90,89 @@ def pack_prefill_batch(
             packed.append((request_id, cached, chunk))
         break
     return packed
+
+
+LockstepEntry = tuple[str, int, int, bool]
+"""(request_id, cached, bsz, movable): one ready request of an engine of a lockstep unit. Movable:
+it has computed nothing yet, so no engine holds state of it and any peer can run it."""
+
+
+def pack_lockstep_round(
+    queues: Sequence[Sequence[LockstepEntry]],
+    predict_ms: BatchPredictor,
+    quota_ms: float = 300.0,
+    max_tokens: int | None = None,
+) -> list[list[tuple[str, int, int]]]:
+    """Pack one round of engines that step their layers together (data-parallel attention).
+
+    A round lasts as long as its slowest engine, so an engine with less work than its peers idles
+    while they compute. Each engine first packs its own FIFO queue as `pack_prefill_batch` does.
+    Then engines short of the quota, least loaded first, take movable requests their peers could
+    not fit this round (oldest positions first), whole or as the chunk that fits; and while moving
+    one movable request from the slowest engine to the fastest shortens the round, it moves. A
+    moved request belongs to its new engine from then on. Returns every engine's batch, in the
+    order of `queues`.
+    """
+    own = [[(request_id, cached, bsz) for request_id, cached, bsz, _ in queue] for queue in queues]
+    batches = [pack_prefill_batch(queue, predict_ms, quota_ms, max_tokens) if queue else [] for queue in own]
+    times = [_batch_ms(batch, predict_ms) for batch in batches]
+    spare = _left_over(queues, batches)
+    for engine in sorted(range(len(queues)), key=lambda e: times[e]):
+        if not spare:
+            break
+        if times[engine] >= quota_ms:
+            continue
+        repacked = pack_prefill_batch(batches[engine] + spare, predict_ms, quota_ms, max_tokens)
+        taken = {request_id for request_id, _, _ in repacked[len(batches[engine]):]}
+        if taken:
+            batches[engine], times[engine] = repacked, _batch_ms(repacked, predict_ms)
+            spare = [entry for entry in spare if entry[0] not in taken]
+    movable = {request_id for queue in queues for request_id, _, _, can_move in queue if can_move}
+    while _move_one(batches, times, movable, predict_ms, max_tokens):
+        pass
+    return batches
+
+
+def _batch_ms(batch: list[tuple[str, int, int]], predict_ms: BatchPredictor) -> float:
+    return predict_ms([(cached, bsz) for _, cached, bsz in batch]) if batch else 0.0
+
+
+def _move_one(
+    batches: list[list[tuple[str, int, int]]], times: list[float], movable: set[str],
+    predict_ms: BatchPredictor, max_tokens: int | None,
+) -> bool:
+    """Move the one movable entry of the slowest engine's batch to the fastest engine that most
+    shortens the slower of the two; False when no move shortens it."""
+    slow = max(range(len(times)), key=lambda e: times[e])
+    fast = min(range(len(times)), key=lambda e: times[e])
+    if slow == fast:
+        return False
+    room = None if max_tokens is None else max_tokens - sum(c + b for _, c, b in batches[fast])
+    best, best_ms = None, times[slow]
+    for position, (request_id, cached, bsz) in enumerate(batches[slow]):
+        if request_id not in movable or (room is not None and cached + bsz > room):
+            continue
+        rest = batches[slow][:position] + batches[slow][position + 1:]
+        longer = max(_batch_ms(rest, predict_ms), _batch_ms(batches[fast] + [(request_id, cached, bsz)], predict_ms))
+        if longer < best_ms:
+            best, best_ms = position, longer
+    if best is None:
+        return False
+    entry = batches[slow].pop(best)
+    batches[fast].append(entry)
+    times[slow], times[fast] = _batch_ms(batches[slow], predict_ms), _batch_ms(batches[fast], predict_ms)
+    return True
+def _left_over(
+    queues: Sequence[Sequence[LockstepEntry]], batches: list[list[tuple[str, int, int]]]
+) -> list[tuple[str, int, int]]:
+    """Movable requests no engine packed, interleaved across engines by queue position (each
+    position led by the engine with the most left over), so every peer's oldest goes first."""
+    rest = []
+    for queue, batch in zip(queues, batches):
+        packed = {request_id for request_id, _, _ in batch}
+        rest.append([(r, c, b) for r, c, b, movable in queue if movable and r not in packed])
+    rest.sort(key=len, reverse=True)
+    spare = []
+    for position in range(max((len(r) for r in rest), default=0)):
+        spare.extend(r[position] for r in rest if position < len(r))
+    return spare

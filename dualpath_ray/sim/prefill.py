@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from dualpath_ray.runtime.messages import PrefillTask
-from dualpath_ray.scheduling import EngineLoad, pack_prefill_batch, prefill_tokens
+from dualpath_ray.scheduling import EngineLoad, pack_lockstep_round, pack_prefill_batch, prefill_tokens
 from dualpath_ray.sim.events import EventLoop
 from dualpath_ray.sim.links import Link
 from dualpath_ray.sim.nodes import EngineLinks, SimNode
@@ -47,6 +47,10 @@ class PrefillJob:
     pending: int = 0  # staging steps not done yet
     ready: bool = False
     chunks: int = 0
+    # When it got its decode reservation, its prefill engine, its staged KV; its first token.
+    reserved_at: float = 0.0
+    assigned_at: float = 0.0
+    staged_at: float = 0.0
     first_token_at: float = 0.0
 
     def __post_init__(self) -> None:
@@ -68,8 +72,11 @@ class PrefillStats:
     batches: int = 0
     chunks: int = 0
     busy_s: float = 0.0
-    # (start, length, Max/Avg of the engines' layer times) of every round of a multi-engine unit
-    balance: list[tuple[float, float, float]] = field(default_factory=list)
+    # (start, length, Max/Avg of the engines' layer times, fill) of every round of a multi-engine
+    # unit; fill = the engines' summed layer time over what a round of full quotas would hold.
+    balance: list[tuple[float, float, float, float]] = field(default_factory=list)
+    # engine id -> window index (options.snic_window_s) -> summed layer ms of its batches there
+    engine_ms: dict[str, dict[int, float]] = field(default_factory=dict)
 
 
 class PrefillEngine:
@@ -121,6 +128,7 @@ class PrefillUnit:
         self.predict = settings.cost.prefill_layer_ms
         layers = settings.n_layer if settings.options.quota_scope == "forward" else 1
         self.quota_predict = self.predict if layers == 1 else (lambda pairs: layers * self.predict(pairs))
+        self.quota_layer_ms = settings.quota_ms / layers
         for engine in engines:
             engine.unit = self
 
@@ -128,24 +136,48 @@ class PrefillUnit:
         """Start a round if idle and some engine has a ready job."""
         if self.running:
             return
-        batches = []
-        for engine in self.engines:
-            queue = engine.queue()
-            if not queue:
-                continue
-            packed = pack_prefill_batch(queue, self.quota_predict, self.settings.quota_ms, self.settings.window_tokens)
-            batch = [(engine.jobs[owner], cached, bsz) for owner, cached, bsz in packed]
-            for job, _, _ in batch:
-                job.ready = False
-            batches.append((engine, batch))
+        batches = [(engine, batch) for engine, batch in zip(self.engines, self._pack()) if batch]
         if not batches:
             return
+        for _, batch in batches:
+            for job, _, _ in batch:
+                job.ready = False
         self.running = True
         end = self._round_end(now, batches)
         self.stats.rounds += 1
         self.stats.batches += len(batches)
         self.stats.busy_s += end - now
         self.loop.at(end, self._finish, batches)
+
+    def _pack(self) -> list[list[tuple[PrefillJob, int, int]]]:
+        """Every engine's batch for the next round. A lockstep unit binds at the round
+        (`pack_lockstep_round`): an engine short of the quota runs ready jobs its peers cannot fit,
+        which then move to it (their staged KV is in node DRAM or a decode buffer, which every
+        engine of the node reaches)."""
+        queues = [engine.queue() for engine in self.engines]
+        if len(self.engines) == 1 or self.settings.options.lockstep_binding == "placement":
+            packed = [pack_prefill_batch(q, self.quota_predict, self.settings.quota_ms, self.settings.window_tokens)
+                      if q else [] for q in queues]
+        else:
+            entries = [[(owner, cached, bsz, engine.jobs[owner].chunks == 0) for owner, cached, bsz in queue]
+                       for engine, queue in zip(self.engines, queues)]
+            packed = pack_lockstep_round(entries, self.quota_predict, self.settings.quota_ms, self.settings.window_tokens)
+        batches = []
+        for engine, batch in zip(self.engines, packed):
+            jobs = []
+            for owner, cached, bsz in batch:
+                job = engine.jobs.get(owner) or self._move(owner, engine)
+                jobs.append((job, cached, bsz))
+            batches.append(jobs)
+        return batches
+
+    def _move(self, owner: str, engine: PrefillEngine) -> PrefillJob:
+        """Rebind a peer's job to `engine` (its tok goes with it, so the next report shows it)."""
+        source = next(peer for peer in self.engines if owner in peer.jobs)
+        job = source.jobs[owner]
+        source.remove(job)
+        engine.add(job)
+        return job
 
     def _round_end(self, now: float, batches: list[tuple[PrefillEngine, list]]) -> float:
         settings = self.settings
@@ -172,6 +204,7 @@ class PrefillUnit:
                         _add(shared_sends, link, sent * per_layer)
             ms = self.predict([(cached, bsz) for _, cached, bsz in batch])
             layer_ms.append(ms)
+            self._record_engine_ms(now, engine, ms)
             load = max(load, engine.links.cnic_in.take(now, layers * in_bytes) - now) if in_bytes else load
             send = max(send, engine.links.cnic_out.take(now, layers * out_bytes) - now) if out_bytes else send
             compute = max(compute, ms / 1000.0)
@@ -189,7 +222,14 @@ class PrefillUnit:
             return
         mean = sum(layer_ms) / len(self.engines)
         if mean > 0:
-            self.stats.balance.append((now, length, max(layer_ms) / mean))
+            self.stats.balance.append((now, length, max(layer_ms) / mean, mean / self.quota_layer_ms))
+
+    def _record_engine_ms(self, now: float, engine: PrefillEngine, ms: float) -> None:
+        if len(self.engines) < 2:
+            return
+        by_window = self.stats.engine_ms.setdefault(engine.engine_id, {})
+        window = int(now / self.settings.options.snic_window_s)
+        by_window[window] = by_window.get(window, 0.0) + ms
 
     def _finish(self, batches: list[tuple[PrefillEngine, list]]) -> None:
         now = self.loop.now

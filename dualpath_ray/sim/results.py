@@ -48,12 +48,43 @@ def high_load_balance(series: SnicSeries) -> tuple[float | None, HighLoadWindow 
     return bench_balance(window_bytes(series, window)), window
 
 
-def weighted_balance(rounds: Sequence[tuple[float, float, float]], start_s: float, end_s: float) -> float | None:
+def weighted_balance(
+    rounds: Sequence[tuple[float, float, float, float]], start_s: float, end_s: float, min_fill: float = 0.0
+) -> float | None:
     """Max/Avg of the prefill engines' layer times, weighted by round length, over the rounds
-    that start in [start_s, end_s]; None without such rounds."""
-    inside = [(length, ratio) for start, length, ratio in rounds if start_s <= start <= end_s]
+    that start in [start_s, end_s] with at least `min_fill` of a full round's work; None without
+    such rounds."""
+    inside = [(length, ratio) for start, length, ratio, fill in rounds if start_s <= start <= end_s and fill >= min_fill]
     total = sum(length for length, _ in inside)
     return sum(length * ratio for length, ratio in inside) / total if total > 0 else None
+
+
+def weighted_fill(rounds: Sequence[tuple[float, float, float, float]], start_s: float, end_s: float) -> float | None:
+    """How full the rounds starting in [start_s, end_s] were (the engines' summed layer time over
+    a round of full quotas), weighted by round length; None without such rounds."""
+    inside = [(length, fill) for start, length, _, fill in rounds if start_s <= start <= end_s]
+    total = sum(length for length, _ in inside)
+    return sum(length * fill for length, fill in inside) / total if total > 0 else None
+
+
+def engine_totals_balance(
+    units: Sequence[Sequence[str]], engine_ms: dict[str, dict[int, float]], first_window: int, last_window: int
+) -> float | None:
+    """Max/Avg across each unit's engines of their summed layer time in windows
+    [first_window, last_window], the worst unit's; None without multi-engine units or work."""
+    worst = None
+    for engines in units:
+        totals = [sum(ms for w, ms in engine_ms.get(e, {}).items() if first_window <= w <= last_window) for e in engines]
+        mean = sum(totals) / len(totals)
+        if len(engines) > 1 and mean > 0:
+            worst = max(worst or 0.0, max(totals) / mean)
+    return worst
+
+
+TTFT_PARTS = ("decode_wait", "prefill_wait", "staging", "prefill")
+"""A turn's TTFT in four consecutive parts: from submit to its decode HBM reservation, from there
+to its prefill engine, from there until its hit KV is staged (extents leased, hits read), and from
+there to its first token (waiting for rounds, computing)."""
 
 
 @dataclass
@@ -65,6 +96,12 @@ class TurnLog:
     by_path: dict[str, int] = field(default_factory=lambda: {path.value: 0 for path in ReadPath})
     prompt_tokens: int = 0
     hit_tokens: int = 0
+    # Summed over the timed turns: where TTFT went (see TTFT_PARTS).
+    ttft_parts: dict[str, float] = field(default_factory=lambda: dict.fromkeys(TTFT_PARTS, 0.0))
+
+    def ttft_parts_mean(self) -> dict[str, float]:
+        turns = len(self.ttft_s)
+        return {part: total / turns if turns else 0.0 for part, total in self.ttft_parts.items()}
     decisions: list[tuple[str, str, str, str]] = field(default_factory=list)
 
 
@@ -76,6 +113,7 @@ class SimResult:
     turns: int
     ttft_s: dict[str, float]
     tpot_s: dict[str, float]
+    ttft_parts_s: dict[str, float]  # mean seconds of each of TTFT_PARTS over the timed turns
     requests_by_path: dict[str, int]
     hit_rate: float
     snic_read_bytes: dict[str, int]
@@ -85,6 +123,12 @@ class SimResult:
     snic_window_s: tuple[float, float] | None  # that window, simulated seconds
     attention_balance: float | None  # Max/Avg across data-parallel peers, rounds in that window
     attention_balance_all: float | None  # the same over every round of the run
+    # Rounds in the window: how full they were (1 = every engine at its quota), the per-round
+    # balance of the rounds at least 90% full, and Max/Avg of each engine's summed attention time
+    # over the whole window (the worst node's): whether the imbalance is per round or per engine.
+    attention_fill: float | None
+    attention_balance_full_rounds: float | None
+    attention_engine_totals: float | None
     alpha_tokens: int
     beta_tokens: int
     scheduler_cpu_s: float

@@ -29,6 +29,10 @@ class SimOptions:
     # engines pack with: model/profile.py's attention_predictor), "forward" = the whole forward's
     # (every layer), a reading of the paper's quota that matters for many-layer models.
     quota_scope: Literal["layer", "forward"] = "layer"
+    # When a request is bound to one engine of a lockstep (data-parallel attention) prefill node:
+    # "placement" = the engine the scheduler chose runs it (the paper's); "round" = the round that
+    # runs it may give it to a peer with less work (scheduling/batching.py: pack_lockstep_round).
+    lockstep_binding: Literal["placement", "round"] = "placement"
     pull_delay_s: float = 0.0  # from a reason to pull to the scheduler's decision (the runtime's RPCs)
     result_delay_s: float = 0.0  # from a turn's last write to its caller having the result (RPCs)
     decode_model: DecodeModel | None = None  # a measured decode step instead of the cost model's

@@ -23,7 +23,9 @@ from dualpath_ray.sim.events import EventLoop
 from dualpath_ray.sim.index import ChainIndex, TreeIndex
 from dualpath_ray.sim.nodes import SimNode, engine_ids, node_ids
 from dualpath_ray.sim.prefill import PrefillEngine, PrefillJob, PrefillStats, PrefillUnit
-from dualpath_ray.sim.results import SimResult, TurnLog, high_load_balance, snic_series, summary, weighted_balance
+from dualpath_ray.sim.results import (
+    SimResult, TurnLog, engine_totals_balance, high_load_balance, snic_series, summary, weighted_balance, weighted_fill,
+)
 from dualpath_ray.sim.settings import SimOptions, settings_for
 from dualpath_ray.sim.round_robin import RoundRobinPaths
 from dualpath_ray.sim.staging import Stager
@@ -68,6 +70,7 @@ class Simulation:
         self.stager = Stager(loop, settings, self._kick, self.driver.read_queue_changed)
         self.agents = Agents(loop, workload, self._submit, options.warmup_turns, cfg.model.max_context)
         self.log = TurnLog()
+        self._reserved_at: dict[str, float] = {}  # request id -> when its decode reservation was made
 
     def _core(self) -> SchedulerCore:
         settings = self.settings
@@ -95,6 +98,7 @@ class Simulation:
         self.driver.submit(spec)
 
     def _reserve(self, reservation: DecodeReservation) -> None:
+        self._reserved_at[reservation.request_id] = self.loop.now
         self.decode_engines[reservation.decode_engine].accept(reservation)
 
     def _assign(self, tasks: Sequence[PrefillTask], now: float) -> None:
@@ -105,6 +109,7 @@ class Simulation:
             decode = self.decode_engines[task.decode_engine]
             job = PrefillJob(
                 task, len(task.request.prompt), task.hit_tokens, pe_blocks, de_blocks, decode, decode.node, decode.links,
+                reserved_at=self._reserved_at.pop(task.request_id, now), assigned_at=now,
             )
             engine = self.prefill_engines[task.prefill_engine]
             engine.add(job)
@@ -154,12 +159,20 @@ class Simulation:
             if gen > 1:
                 self.log.tpot_s.append(tpot)
             self.log.prompt_tokens += job.prompt
+            self._log_ttft_parts(job)
             self.log.hit_tokens += job.task.hit_tokens
         delay = self.settings.options.result_delay_s
         if delay > 0:
             self.loop.at(now + delay, self.agents.turn_done, agent)
         else:
             self.agents.turn_done(agent)
+
+    def _log_ttft_parts(self, job: PrefillJob) -> None:
+        parts = self.log.ttft_parts
+        parts["decode_wait"] += job.reserved_at - job.task.request.submitted_at
+        parts["prefill_wait"] += job.assigned_at - job.reserved_at
+        parts["staging"] += job.staged_at - job.assigned_at
+        parts["prefill"] += job.first_token_at - job.staged_at
 
     def _persisted(self, agent: Agent, hit_tokens: int, kv_tokens: int) -> tuple[PersistedBlock, ...]:
         """The blocks this turn published: every full block of its KV after its hits."""
@@ -197,18 +210,24 @@ class Simulation:
         balance, window = high_load_balance(series)
         origin = int(timed_from / self.settings.options.snic_window_s) * self.settings.options.snic_window_s
         loaded = (window.start_s + origin, window.end_s + origin) if window else None
+        span = loaded or (timed_from, end)
         busy = prefill.busy_s / max(1e-9, end * len(set(self.units.values())))
         return SimResult(
             mode=self.settings.mode.value, jct_s=jct, trajectories=stats.finished, turns=len(self.log.ttft_s),
-            ttft_s=summary(self.log.ttft_s), tpot_s=summary(self.log.tpot_s),
+            ttft_s=summary(self.log.ttft_s), tpot_s=summary(self.log.tpot_s), ttft_parts_s=self.log.ttft_parts_mean(),
             requests_by_path=dict(self.log.by_path),
             hit_rate=self.log.hit_tokens / self.log.prompt_tokens if self.log.prompt_tokens else 0.0,
             snic_read_bytes={n.node_id: n.snic_read.bytes_total for n in nodes},
             snic_read_bytes_by_path={p.value: sum(n.read_bytes_by_path[p] for n in nodes) for p in READ_SIDES},
             snic_write_bytes={n.node_id: n.snic_write.bytes_total for n in nodes},
             snic_balance=balance, snic_window_s=loaded,
-            attention_balance=weighted_balance(prefill.balance, *(loaded or (timed_from, end))),
+            attention_balance=weighted_balance(prefill.balance, *span),
             attention_balance_all=weighted_balance(prefill.balance, 0.0, end),
+            attention_fill=weighted_fill(prefill.balance, *span),
+            attention_balance_full_rounds=weighted_balance(prefill.balance, *span, min_fill=0.9),
+            attention_engine_totals=engine_totals_balance(
+                [[e.engine_id for e in unit.engines] for unit in set(self.units.values())], prefill.engine_ms,
+                *(int(t / self.settings.options.snic_window_s) for t in span)),
             alpha_tokens=self.settings.constants.alpha_tokens, beta_tokens=self.settings.constants.beta_tokens,
             scheduler_cpu_s=driver.cpu_s, scheduler_cpu_per_sim_s=driver.cpu_s / simulated,
             scheduler_calls={"calls": driver.calls, "decode_pulls": driver.decode_pulls,

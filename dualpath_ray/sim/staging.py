@@ -64,4 +64,5 @@ class Stager:
 
     def _ready(self, job: PrefillJob) -> None:
         job.ready = True
+        job.staged_at = self.loop.now
         self.kick(job.task.prefill_engine, self.loop.now)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 
 from dualpath_ray.model.cost import DecodeModel
+from dualpath_ray.sim.results import engine_totals_balance, weighted_balance, weighted_fill
 from dualpath_ray.sim.settings import SimOptions
 from dualpath_ray.sim.simulator import simulate
 from dualpath_ray.sim.workload import from_trajectories
@@ -81,4 +82,15 @@ def test_measured_runtime_overheads_add_where_they_happen(tmp_path):
     assert result.jct_s == pytest.approx(expected, rel=1e-9), (
         "two placement pulls (decode, then prefill) wait the pull delay, each decode step takes the measured "
         "7 ms, and the result reaches the caller after the result delay"
+    )
+
+
+def test_attention_balance_measures_by_hand():
+    rounds = [(0.0, 2.0, 1.5, 0.5), (2.0, 1.0, 1.0, 1.0), (9.0, 5.0, 3.0, 0.2)]
+    assert weighted_balance(rounds, 0.0, 3.0) == (2.0 * 1.5 + 1.0 * 1.0) / 3.0, "length-weighted, window 0-3 s"
+    assert weighted_balance(rounds, 0.0, 3.0, min_fill=0.9) == 1.0, "only the full round counts"
+    assert weighted_fill(rounds, 0.0, 3.0) == (2.0 * 0.5 + 1.0 * 1.0) / 3.0
+    engine_ms = {"a": {0: 3.0, 1: 1.0, 7: 50.0}, "b": {0: 2.0, 1: 2.0}, "c": {1: 9.0}, "d": {1: 3.0}}
+    assert engine_totals_balance([["a", "b"], ["c", "d"]], engine_ms, 0, 1) == 9.0 / 6.0, (
+        "a and b did 4 ms each (1.0); c and d 9 and 3 ms (1.5): the worst unit's; window 7 left out"
     )

@@ -101,3 +101,30 @@ def test_round_robin_paths_alternate():
     paths = [decision[3] for decision in result.decisions if not decision[0].endswith("/t0")]  # turn 0 reads nothing
     assert paths[:6] in (["pe", "de"] * 3, ["de", "pe"] * 3), "round-robin alternates whatever the queues say"
     assert abs(paths.count("pe") - paths.count("de")) <= 1
+
+
+def test_ttft_parts_add_up_to_the_mean_ttft():
+    result = simulate(paper_config(), small_workload(), "dualpath", SimOptions(quota_scope="forward"))
+    parts = result.ttft_parts_s
+    assert all(seconds >= 0 for seconds in parts.values()), f"each part of TTFT is a duration: {parts}"
+    assert abs(sum(parts.values()) - result.ttft_s["mean"]) < 1e-9, (
+        "decode wait, prefill wait, staging and prefill are consecutive and cover TTFT"
+    )
+
+
+def test_binding_at_the_round_moves_jobs_between_lockstep_peers_and_loses_none():
+    workload = small_workload(agents=48)
+    sim = Simulation(paper_config(), workload, Mode.DUALPATH, SimOptions(quota_scope="forward", lockstep_binding="round"))
+    assert sim.settings.lockstep_prefill, "the large MLA profile's prefill engines step together (EP)"
+    moved = []
+    units = set(sim.units.values())
+    for unit in units:
+        original = unit._move
+        unit._move = lambda owner, engine, original=original: moved.append(owner) or original(owner, engine)
+    result = sim.run()
+    assert moved, "some round gave a ready job to a peer with less work"
+    assert result.turns == workload.turns, "every turn finished, moved or not"
+    assert not sim.core.requests, "the scheduler core holds no request after the last turn"
+    for engine in sim.prefill_engines.values():
+        assert not engine.jobs and engine.tok == 0, f"{engine.engine_id}: every job left with its tok"
+    assert result.attention_engine_totals is not None and result.attention_fill is not None
