@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from dualpath_ray.runtime.messages import DecodeHandoff, ExtentGrant, PersistedBlock, TokenChunk, TurnResult
+from dualpath_ray.runtime.messages import DecodeHandoff, ExtentGrant, Holding, PersistedBlock, TokenChunk, TurnResult
 from dualpath_ray.runtime.ports import Failed, Ready
 from dualpath_ray.runtime.reader import BUFFER_POOL, HBM_POOL, ReaderCore
 from dualpath_ray.runtime.transport import Move, Region, RegionError
@@ -219,6 +219,7 @@ class Collector:
     on_result: Callable[[TurnResult], None] | None = None
 
     chunks: list[TokenChunk] = field(default_factory=list)
+    handed_off_notes: list[dict[str, Holding]] = field(default_factory=list)
 
     def complete(self, result: TurnResult) -> Ready[None]:
         if self.on_result is not None:
@@ -228,6 +229,9 @@ class Collector:
 
     def stream(self, chunks: list[TokenChunk]) -> None:
         self.chunks.extend(chunks)
+
+    def handed_off(self, held: dict[str, Holding]) -> None:
+        self.handed_off_notes.append(dict(held))
 
 
 @dataclass

@@ -18,7 +18,7 @@ import torch
 
 from dualpath_ray.faults.injector import FaultInjector, InjectedFault, flip_byte
 from dualpath_ray.faults.plan import CallPhase, FaultMode, FaultSite
-from dualpath_ray.runtime.messages import DecodeHandoff, ExtentGrant, PersistedBlock, TokenChunk, TurnResult
+from dualpath_ray.runtime.messages import DecodeHandoff, ExtentGrant, Holding, PersistedBlock, TokenChunk, TurnResult
 from dualpath_ray.runtime.ports import DecodePort, Failed, Pending, ReaderPort, Ready, SchedulerPort, TransportPort
 from dualpath_ray.runtime.transport import Move, Region, TransportError
 
@@ -94,6 +94,9 @@ class FaultySchedulerPort:
 
     def stream(self, chunks: list[TokenChunk]) -> None:
         self.inner.stream(chunks)  # a lost chunk is made up by the final result (see Scheduler.generate_stream)
+
+    def handed_off(self, held: dict[str, Holding]) -> None:
+        self.inner.handed_off(held)  # a lost note is made up by the next heartbeat
 
 
 class FaultyDecodePort:

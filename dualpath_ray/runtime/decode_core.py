@@ -214,7 +214,7 @@ class DecodeCore:
             arrived, self._arrived = list(self._arrived), deque()
             # Until each is claimed or dropped, heartbeats still count it as arrived.
             self._taking = {h.task.request.owner for h in arrived}
-        early = []
+        early, claimed = [], {}
         for handoff in arrived:
             job, verdict = self._claim(handoff)
             if verdict == "early":
@@ -224,6 +224,7 @@ class DecodeCore:
             if job is None:
                 self._drop_handoff(handoff, verdict)
                 continue
+            claimed[job.request_id] = Holding.of(handoff.task.request, True)
             try:
                 self._start_load(job)
             except Exception as exc:  # noqa: BLE001 - fail this request, keep serving the others
@@ -231,6 +232,8 @@ class DecodeCore:
         with self._lock:
             self._arrived.extendleft(reversed(early))
             self._taking = set()
+        if claimed:
+            self.ports.scheduler.handed_off(claimed)
         return len(early) < len(arrived)
 
     def _claim(self, handoff: DecodeHandoff) -> tuple[DecodeJob | None, str]:

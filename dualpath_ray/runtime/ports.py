@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Generic, Protocol, Sequence, TypeVar
 
-from dualpath_ray.runtime.messages import DecodeHandoff, ExtentGrant, PersistedBlock, TokenChunk, TurnResult
+from dualpath_ray.runtime.messages import DecodeHandoff, ExtentGrant, Holding, PersistedBlock, TokenChunk, TurnResult
 from dualpath_ray.runtime.transport import Move
 
 T = TypeVar("T")
@@ -96,6 +96,11 @@ class SchedulerPort(Protocol):
 
     def stream(self, chunks: list[TokenChunk]) -> None:
         """Send the tokens streamed requests sampled in one step (no reply awaited)."""
+
+    def handed_off(self, held: dict[str, Holding]) -> None:
+        """The attempts whose handoff a decode engine took in one step (no reply awaited): from
+        then on they no longer depend on their prefill engines. A lost note costs only the wait
+        for the next heartbeat, which reports the same."""
 
 
 class DecodePort(Protocol):

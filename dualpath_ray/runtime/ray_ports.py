@@ -10,7 +10,7 @@ from typing import Any, Sequence
 import ray
 
 from dualpath_ray.runtime.leader import ActorDirectory
-from dualpath_ray.runtime.messages import DecodeHandoff, ExtentGrant, PersistedBlock, TokenChunk, TurnResult
+from dualpath_ray.runtime.messages import DecodeHandoff, ExtentGrant, Holding, PersistedBlock, TokenChunk, TurnResult
 
 
 class RefPending:
@@ -81,6 +81,9 @@ class RayScheduler:
 
     def stream(self, chunks: list[TokenChunk]) -> None:
         self.directory.get("scheduler").stream.remote(chunks)
+
+    def handed_off(self, held: dict[str, Holding]) -> None:
+        self.directory.get("scheduler").handed_off.remote(held)
 
 
 class RayDecodeTargets:

@@ -406,6 +406,16 @@ class Scheduler:
             ):
                 queue.put_nowait(chunk)
 
+    async def handed_off(self, held: dict[str, Holding]) -> None:
+        """A decode engine took these attempts' handoffs: they are decoding and no longer depend
+        on their prefill engines (the heartbeat learns the same a beat later, or never when the
+        turn ends first: `in_flight` and a prefill engine's death would see them prefilling)."""
+        await self._started()
+        for rid, holding in held.items():
+            request = self.core.requests.get(rid)
+            if request is not None and is_attempt(holding, request.spec):
+                self.core.handed_off(rid)
+
     async def abort(self, request_id: str) -> bool:
         """Stop one request now: its caller gets a result with stop reason `aborted` (no
         output), every engine holding its attempt drops it even mid-decode (its extents and

@@ -163,3 +163,18 @@ def test_a_result_on_its_way_to_the_scheduler_is_still_held(make, monkeypatch) -
     h.decode.step()
     assert h.decode.holds() == {}, "once delivered, the engine holds nothing of it"
     h.assert_idle()
+
+
+def test_taking_a_handoff_tells_the_scheduler_at_once(make) -> None:
+    h = make()
+    results = h.serve([Request(f"r{i}", tokens(24, i), "de" if i % 2 else "pe", max_new_tokens=3) for i in range(4)])
+    noted = {rid: held for note in h.collector.handed_off_notes for rid, held in note.items()}
+    assert set(noted) == {r.request_id for r in results}, (
+        "every request's handoff was noted to the scheduler when the decode engine took it"
+    )
+    for result in results:
+        assert noted[result.request_id] == Holding(result.attempt, True, result.epoch), (
+            f"{result.request_id}: the note names the attempt that was handed off"
+        )
+    assert len(h.collector.handed_off_notes) <= len(results), "at most one note per step, never one per poll"
+    h.assert_idle()

@@ -1,0 +1,54 @@
+"""A decode engine tells the scheduler when it takes a handoff (a one-way note batched per step),
+so the scheduler's request state follows the data plane: a turn shows "decoding" while it
+decodes, not only once a heartbeat has seen it there, and from then on its prefill engine's
+death no longer concerns it. Before the note, the state waited for the next heartbeat
+(runtime.heartbeat_s), and a short decode went prefilling -> done without ever decoding."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import ray
+
+from tests.helpers import ray_test_env, runtime_config
+
+ray_test_env()
+
+from dualpath_ray.cluster import DualPathCluster  # noqa: E402
+from dualpath_ray.workload.trace import Trajectory, Turn  # noqa: E402
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+PROMPT = 200
+
+
+def test_the_scheduler_sees_a_turn_decoding_before_any_heartbeat() -> None:
+    # No heartbeat runs during the turn, so only the decode engine's note can mark it decoding.
+    cfg = runtime_config(heartbeat_s=60.0, heartbeat_timeout_s=120.0)
+    rng = np.random.default_rng(5)
+    prompt = tuple(int(t) for t in rng.integers(0, cfg.model.vocab_size, PROMPT))
+    trajectory = Trajectory("note", (Turn(prompt, cfg.model.max_context - PROMPT - 8),))
+    cluster = DualPathCluster.start(cfg)
+    try:
+        deployment = cluster.deploy("dualpath")
+        outcome: dict[str, object] = {}
+        rolling = threading.Thread(target=lambda: outcome.update(result=cluster.rollout([trajectory], progress=False)))
+        started = time.monotonic()
+        rolling.start()
+        states: list[str] = []
+        while rolling.is_alive():
+            entry = ray.get(deployment.scheduler.in_flight.remote()).get("note/t0")
+            if entry is not None and (not states or states[-1] != entry["state"]):
+                states.append(entry["state"])
+            time.sleep(0.02)
+        rolling.join()
+        elapsed = time.monotonic() - started
+        result = outcome["result"]
+        assert result.failures == {}, f"the turn succeeded: {result.failures}"  # type: ignore[attr-defined]
+        assert elapsed < cfg.runtime.heartbeat_s, "the turn ended before the first heartbeat, as this test needs"
+        assert "decoding" in states, f"the scheduler saw the turn decoding while it decoded; states seen: {states}"
+        assert states.index("decoding") == len(states) - 1, f"decoding is the last state before done: {states}"
+    finally:
+        cluster.shutdown()
