@@ -161,9 +161,9 @@ def test_verl_client_generates_through_its_load_balancer(cluster) -> None:
 
 async def decoding(cluster, count: int, timeout_s: float = 60.0) -> None:
     """Wait until `count` requests are decoding, as the decode engines themselves hold them (KV
-    handed off), so an abort lands mid-decode. Not the scheduler's `in_flight` states: it learns
-    of a handoff from its next heartbeat (runtime.heartbeat_s, 1 s), and the tiny model decodes a
-    whole 1,900-token turn in about 2 s, so CI twice saw a turn end before it showed "decoding"."""
+    handed off), so an abort lands mid-decode. The decode engines are asked rather than the
+    scheduler's `in_flight`: the tiny model decodes a whole 1,900-token turn in about 2 s, and
+    this is the source the scheduler's state follows (test_handoff_note.py checks that it does)."""
     engines = [handle for name, handle in cluster.deployment.engines.items() if name.startswith("decode/")]
     deadline = asyncio.get_running_loop().time() + timeout_s
     handed: set[str] = set()
