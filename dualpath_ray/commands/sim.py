@@ -13,9 +13,12 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dualpath_ray.config import ConfigError
+
+if TYPE_CHECKING:
+    from dualpath_ray.sim.results import SimResult
 
 
 def register(subparsers: Any) -> None:
@@ -51,9 +54,17 @@ def main(args: argparse.Namespace) -> int:
     print(f"SNIC read bytes per node: {json.dumps(result.snic_read_bytes)}")
     parts = ", ".join(f"{part} {seconds:.3f} s" for part, seconds in result.ttft_parts_s.items())
     print(f"mean TTFT by part: {parts}")
-    balance = result.attention_balance
-    print(f"attention Max/Avg across data-parallel peers: {balance:.3f}" if balance is not None
-          else "attention Max/Avg: n/a (engines step independently)")
+    print(_attention_line(result))
     print(f"scheduler CPU: {result.scheduler_cpu_s:.2f} s ({result.scheduler_cpu_per_sim_s:.4f} s per simulated s); "
           f"{result.events} events in {result.wall_s:.1f} s")
     return 0
+
+
+def _attention_line(result: SimResult) -> str:
+    balance, full, totals = result.attention_balance, result.attention_balance_full_rounds, result.attention_engine_totals
+    if balance is None:
+        return "attention Max/Avg: n/a (engines step independently)"
+    full_text = "n/a" if full is None else f"{full:.3f}"
+    totals_text = "n/a" if totals is None else f"{totals:.3f}"
+    return (f"attention Max/Avg across data-parallel peers: {balance:.3f} per round (rounds {result.attention_fill or 0.0:.2f} "
+            f"full on average; {full_text} over rounds >= 90% full), {totals_text} per engine over the window")
