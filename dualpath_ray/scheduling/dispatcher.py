@@ -37,7 +37,9 @@ class Constants:
 class Dispatcher:
     """Waiting queues plus the latest load of every group; decisions come from the policy."""
 
-    def __init__(self, constants: Constants, mode: Mode = Mode.DUALPATH, read_split: str = "whole") -> None:
+    def __init__(
+        self, constants: Constants, mode: Mode = Mode.DUALPATH, read_split: str = "whole", decode_groups: int = 0,
+    ) -> None:
         if read_split not in ("whole", "proportional"):
             raise ValueError(f"scheduler.read_split must be whole or proportional (got {read_split!r})")
         self.constants = constants
@@ -53,6 +55,13 @@ class Dispatcher:
         self._engine_node: dict[str, str] = {}
         # Prefill nodes whose storage reader is down: their requests read through the DE path.
         self.no_pe_reads: set[str] = set()
+        # Phase 1 spreads the global queue over the decode groups that have reported. A fresh
+        # dispatcher (a restarted scheduler, whose callers retry their turns at once) holds its
+        # first spread until all `decode_groups` have reported, or for at most 2 x that many
+        # pulls (a group gone for good), so that burst does not all land on the first to pull.
+        self.decode_groups = decode_groups
+        self._held_pulls = 0
+        self._spread_yet = decode_groups <= 1
 
     def submit(self, request: Request) -> Request:
         if request.request_id in self.requests:
@@ -79,7 +88,7 @@ class Dispatcher:
         self.decode_tok[group_id] = sum(engine.tok for engine in engines)
         self._engine_node.update({e.engine_id: e.node_id for e in engines})
         self.decode_private.setdefault(group_id, deque())
-        if self.decode_global:
+        if self.decode_global and self._may_spread():
             queue = [self._decode_request(rid) for rid in self.decode_global]
             for assignment in assign_to_groups(queue, self.decode_tok):
                 self.decode_private[assignment.target].append(assignment.request_id)
@@ -97,6 +106,13 @@ class Dispatcher:
         for _ in requests:  # phase 2 places a prefix of the queue
             private.popleft()
         return requests
+
+    def _may_spread(self) -> bool:
+        """Whether phase 1 may drain the global queue now (see decode_groups in __init__)."""
+        if not self._spread_yet:
+            self._held_pulls += 1
+            self._spread_yet = len(self.decode_tok) >= self.decode_groups or self._held_pulls > 2 * self.decode_groups
+        return self._spread_yet
 
     def _admissible_head(self, queue: deque[str], engines: Sequence[EngineLoad]) -> list[QueuedRequest]:
         """The longest prefix of a private queue whose tokens fit in the group's summed free HBM

@@ -46,11 +46,12 @@ class CoreSettings:
     kv_failure_policy: str = "recompute"  # or "fail" (runtime.kv_failure_policy)
     epoch: int = 0  # the scheduler incarnation; every attempt it dispatches carries it
     read_split: str = "whole"  # or "proportional" (scheduler.read_split)
+    decode_groups: int = 0  # decode groups the cluster has (one per decode node); 0 = unknown
 
     @classmethod
     def of(cls, cfg: DualPathConfig, mode: Mode | str, constants: Constants, epoch: int = 0) -> CoreSettings:
         return cls(Mode(mode), cfg.store.block_size, constants, cfg.runtime.max_attempts,
-                   cfg.runtime.kv_failure_policy, epoch, cfg.scheduler.read_split)
+                   cfg.runtime.kv_failure_policy, epoch, cfg.scheduler.read_split, cfg.cluster.decode_nodes)
 
 
 def is_attempt(holding: Holding | None, spec: RequestSpec | None) -> bool:
@@ -72,7 +73,7 @@ class SchedulerCore:
         self.index = index
         self.eviction = eviction
         self.store = store
-        self.dispatcher = Dispatcher(settings.constants, settings.mode, settings.read_split)
+        self.dispatcher = Dispatcher(settings.constants, settings.mode, settings.read_split, settings.decode_groups)
         self.dead: set[str] = set()  # engines gone for good
         self.presumed_dead: set[str] = set()  # silent past the heartbeat timeout; see _live
         self.readmitted = 0

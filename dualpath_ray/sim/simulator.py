@@ -75,7 +75,8 @@ class Simulation:
     def _core(self) -> SchedulerCore:
         settings = self.settings
         index = TreeIndex(settings.block_size) if self.workload.tree else ChainIndex(settings.block_size)
-        core_settings = CoreSettings(settings.mode, settings.block_size, settings.constants, read_split=settings.read_split)
+        core_settings = CoreSettings(settings.mode, settings.block_size, settings.constants, read_split=settings.read_split,
+                                     decode_groups=self.cfg.cluster.decode_nodes)
         core = SchedulerCore(core_settings, index)  # type: ignore[arg-type]
         if settings.options.path_choice == "round_robin":
             core.dispatcher = RoundRobinPaths(settings.constants, settings.mode, settings.read_split)

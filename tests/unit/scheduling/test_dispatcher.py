@@ -94,3 +94,34 @@ def test_the_integrity_check_catches_a_stale_queued_id() -> None:
     dispatcher.requests.pop("b")
     with pytest.raises(AssertionError, match="not live requests"):
         dispatcher.check_integrity()
+
+
+def _decode_group(node: str) -> tuple[EngineLoad, ...]:
+    return (EngineLoad(f"{node}/g0", node, 0, 0, free_hbm_tokens=100_000),)
+
+
+def test_a_fresh_dispatcher_spreads_its_first_burst_over_every_decode_group() -> None:
+    dispatcher = Dispatcher(Constants(alpha_tokens=4096, beta_tokens=4096), decode_groups=2)
+    for rid in ("a", "b", "c", "d"):
+        dispatcher.submit(Request(rid, 256, 0, 320))  # a burst queued before any leader pulled
+    assert dispatcher.fetch_decode("d0", _decode_group("d0")) == [], (
+        "the first group to pull does not take the whole burst while the other has not reported"
+    )
+    on_d1 = {r.request_id for r in dispatcher.fetch_decode("d1", _decode_group("d1"))}
+    on_d0 = {r.request_id for r in dispatcher.fetch_decode("d0", _decode_group("d0"))}
+    assert on_d0 and on_d1 and on_d0 | on_d1 == {"a", "b", "c", "d"}, (
+        f"once both groups reported, phase 1 spread the burst over both: d0 {on_d0}, d1 {on_d1}"
+    )
+
+
+def test_a_decode_group_that_never_reports_holds_the_first_spread_only_a_few_pulls() -> None:
+    dispatcher = Dispatcher(Constants(alpha_tokens=4096, beta_tokens=4096), decode_groups=2)
+    dispatcher.submit(Request("a", 256, 0, 320))
+    pulls = [dispatcher.fetch_decode("d0", _decode_group("d0")) for _ in range(5)]
+    assert [len(p) for p in pulls] == [0, 0, 0, 0, 1], (
+        "with d1 gone for good, d0 takes the request after 2 x 2 held pulls, not never"
+    )
+    dispatcher.submit(Request("b", 256, 0, 320))
+    assert [r.request_id for r in dispatcher.fetch_decode("d0", _decode_group("d0"))] == ["b"], (
+        "only the first spread is held: later requests go out at the next pull"
+    )
