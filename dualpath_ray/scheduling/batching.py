@@ -162,6 +162,8 @@ def _move_one(
     batches[fast].append(entry)
     times[slow], times[fast] = _batch_ms(batches[slow], predict_ms), _batch_ms(batches[fast], predict_ms)
     return True
+
+
 def _left_over(
     queues: Sequence[Sequence[LockstepEntry]], batches: list[list[tuple[str, int, int]]]
 ) -> list[tuple[str, int, int]]:

@@ -54,17 +54,21 @@ def weighted_balance(
     """Max/Avg of the prefill engines' layer times, weighted by round length, over the rounds
     that start in [start_s, end_s] with at least `min_fill` of a full round's work; None without
     such rounds."""
-    inside = [(length, ratio) for start, length, ratio, fill in rounds if start_s <= start <= end_s and fill >= min_fill]
-    total = sum(length for length, _ in inside)
-    return sum(length * ratio for length, ratio in inside) / total if total > 0 else None
+    return _length_weighted(
+        [(length, ratio) for start, length, ratio, fill in rounds if start_s <= start <= end_s and fill >= min_fill]
+    )
 
 
 def weighted_fill(rounds: Sequence[tuple[float, float, float, float]], start_s: float, end_s: float) -> float | None:
     """How full the rounds starting in [start_s, end_s] were (the engines' summed layer time over
     a round of full quotas), weighted by round length; None without such rounds."""
-    inside = [(length, fill) for start, length, _, fill in rounds if start_s <= start <= end_s]
-    total = sum(length for length, _ in inside)
-    return sum(length * fill for length, fill in inside) / total if total > 0 else None
+    return _length_weighted([(length, fill) for start, length, _, fill in rounds if start_s <= start <= end_s])
+
+
+def _length_weighted(pairs: Sequence[tuple[float, float]]) -> float | None:
+    """Mean of the values of (round length, value) pairs, weighted by length; None if no time."""
+    total = sum(length for length, _ in pairs)
+    return sum(length * value for length, value in pairs) / total if total > 0 else None
 
 
 def engine_totals_balance(
@@ -98,11 +102,11 @@ class TurnLog:
     hit_tokens: int = 0
     # Summed over the timed turns: where TTFT went (see TTFT_PARTS).
     ttft_parts: dict[str, float] = field(default_factory=lambda: dict.fromkeys(TTFT_PARTS, 0.0))
+    decisions: list[tuple[str, str, str, str]] = field(default_factory=list)
 
     def ttft_parts_mean(self) -> dict[str, float]:
         turns = len(self.ttft_s)
         return {part: total / turns if turns else 0.0 for part, total in self.ttft_parts.items()}
-    decisions: list[tuple[str, str, str, str]] = field(default_factory=list)
 
 
 @dataclass
