@@ -270,12 +270,14 @@ class TurnResult:
 
 @dataclass(frozen=True)
 class GroupReport:
-    """A group leader's load report: its engines and its node's storage read queue (tokens)."""
+    """A group's load report as the scheduler core is asked with it (scheduling/rounds.py): its
+    engines' loads and its node's storage read queue in tokens (None: nothing new is known since
+    the group's last report, so the core keeps its own count)."""
 
     group_id: str
     node_id: str
     engines: tuple[EngineLoad, ...]
-    read_q_tokens: int
+    read_q_tokens: int | None
     reader_state: PeerState = PeerState.ALIVE
     # (engine or reader name, its incarnation) of every member that answered: a new one means
     # that actor restarted and its old incarnation's attempts are gone.

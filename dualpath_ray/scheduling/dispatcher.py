@@ -15,6 +15,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Sequence
 
+from dualpath_ray.scheduling.engine_book import EngineBook
 from dualpath_ray.scheduling.loads import EngineLoad, QueuedRequest
 from dualpath_ray.scheduling.policy import (
     assign_decode_in_group,
@@ -46,6 +47,9 @@ class Dispatcher:
         self.mode = Mode(mode)
         self.read_split = read_split
         self.requests: dict[str, Request] = {}
+        # What each engine holds, kept as requests move (scheduling/engine_book.py).
+        self.decode_book = EngineBook()
+        self.prefill_book = EngineBook()
         self.decode_global: deque[str] = deque()
         self.decode_private: dict[str, deque[str]] = {}
         self.prefill_queue: deque[str] = deque()
@@ -100,6 +104,7 @@ class Dispatcher:
             request = self.requests[assignment.request_id]
             request.decode_engine = assignment.target
             request.decode_node = self._engine_node[assignment.target]
+            self.decode_book.add(request.decode_engine, request.decode_tokens)
             transition(request, RequestState.QUEUED_PREFILL)
             self.prefill_queue.append(request.request_id)
             requests.append(request)
@@ -154,6 +159,7 @@ class Dispatcher:
             self.read_q[request.decode_node] = self.read_q.get(request.decode_node, 0) + de_tokens
             request.prefill_engine, request.prefill_node, request.path = assignment.target, pe_node, path
             request.pe_hit_blocks = pe_blocks
+            self.prefill_book.add(request.prefill_engine, request.prefill_tokens)
             transition(request, RequestState.PREFILLING)
             requests.append(request)
         for _ in requests:
@@ -166,6 +172,7 @@ class Dispatcher:
         request = self.requests.get(request_id)
         if request is None or request.state is not RequestState.PREFILLING:
             return False
+        self.prefill_book.remove(request.prefill_engine, request.prefill_tokens)
         transition(request, RequestState.DECODING)
         return True
 
@@ -174,6 +181,10 @@ class Dispatcher:
         for a prefill engine, say): it leaves every queue, so a retry under the same id is
         queued afresh and never meets a stale copy of itself."""
         request = self.requests.pop(request_id)
+        if request.state is RequestState.PREFILLING:
+            self.prefill_book.remove(request.prefill_engine, request.prefill_tokens)
+        if request.decode_engine:
+            self.decode_book.remove(request.decode_engine, request.decode_tokens)
         transition(request, RequestState.FAILED if failed else RequestState.DONE)
         if failed:
             self._dequeue(request_id)
@@ -203,10 +214,24 @@ class Dispatcher:
             assert not waiting, f"{waiting} are {state.value} but in no {name} queue"
         dead = sorted(rid for rid, r in self.requests.items() if not r.state.live)
         assert not dead, f"{dead} are done or failed but still held"
+        self._check_books()
+
+    def _check_books(self) -> None:
+        """Each engine's seq and tok in the books equal what the live requests on it add up to."""
+        decode, prefill = EngineBook(), EngineBook()
+        for request in self.requests.values():
+            if request.decode_engine:
+                decode.add(request.decode_engine, request.decode_tokens)
+            if request.state is RequestState.PREFILLING:
+                prefill.add(request.prefill_engine, request.prefill_tokens)
+        for role, kept, recomputed in (("decode", self.decode_book, decode), ("prefill", self.prefill_book, prefill)):
+            assert kept.snapshot() == recomputed.snapshot(), (
+                f"{role} book {kept.snapshot()} differs from what the live requests add up to {recomputed.snapshot()}"
+            )
 
     def engines_in_use(self) -> set[str]:
         """Engines that hold a live request (its HBM reservation, its prefill)."""
-        return {engine for request in self.requests.values() for engine in request.engines()}
+        return self.decode_book.engines() | self.prefill_book.engines()
 
     def requests_on(self, engine_id: str) -> list[Request]:
         """Live requests that depend on `engine_id` (reserved there, or prefilling there and

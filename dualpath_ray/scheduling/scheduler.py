@@ -107,7 +107,7 @@ class SchedulerCore:
     # --- placement ----------------------------------------------------------------------
 
     def fetch_decode(self, report: GroupReport) -> list[DecodeReservation]:
-        self.dispatcher.report_read_q(report.node_id, report.read_q_tokens)
+        self._note_read_q(report)
         if not self.takes_work(Role.DECODE, report):
             return []
         return [
@@ -116,9 +116,13 @@ class SchedulerCore:
         ]
 
     def fetch_prefill(self, report: GroupReport) -> list[PrefillTask]:
-        self.dispatcher.report_read_q(report.node_id, report.read_q_tokens)
+        self._note_read_q(report)
         live = self._live(report) if self.takes_work(Role.PREFILL, report) else ()
         return [self.task_of(r) for r in self.dispatcher.fetch_prefill(live)] if live else []
+
+    def _note_read_q(self, report: GroupReport) -> None:
+        if report.read_q_tokens is not None:
+            self.dispatcher.report_read_q(report.node_id, report.read_q_tokens)
 
     def task_of(self, request: Request) -> PrefillTask:
         """What the prefill engine is handed for a placed request."""

@@ -3,8 +3,8 @@
 `simulate(cfg, workload, mode)` builds the P/D topology of `cfg` (the same config tree as the
 runtime), runs every trajectory of `workload` to its end and returns a `SimResult`. Only the
 engines, readers, NICs and DRAM are simulated (sim/prefill.py, sim/decode.py, sim/nodes.py);
-every scheduling decision is the scheduler core's (sim/driver.py), and every engine time and KV
-size is model/cost.py's.
+every scheduling decision is the scheduler core's, asked when the runtime's rounds ask it
+(scheduling/rounds.py, sim/driver.py), and every engine time and KV size is model/cost.py's.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from dualpath_ray.scheduling.scheduler import CoreSettings, SchedulerCore
 from dualpath_ray.scheduling.types import READ_SIDES, Mode, Role, StopReason
 from dualpath_ray.sim.agents import Agent, Agents
 from dualpath_ray.sim.decode import DecodeEngine, DecodeJob, DecodeStats
-from dualpath_ray.sim.driver import Driver, Group
+from dualpath_ray.scheduling.rounds import Outputs
+from dualpath_ray.sim.driver import SimGroup, sim_rounds
 from dualpath_ray.sim.events import EventLoop
 from dualpath_ray.sim.index import ChainIndex, TreeIndex
 from dualpath_ray.sim.nodes import SimNode, engine_ids, node_ids
@@ -54,19 +55,17 @@ class Simulation:
         self.units: dict[str, PrefillUnit] = {}
         prefill_groups = [self._prefill_node(node) for node in self.prefill_nodes]
         self.decode_engines: dict[str, DecodeEngine] = {}
-        self.decode_groups: dict[str, Group] = {}
+        self.decode_groups: dict[str, SimGroup] = {}
         for node in self.decode_nodes:
             engines = [DecodeEngine(e, node, settings, loop, self._finished, self.decode_stats)
                        for e in engine_ids(Role.DECODE, node.node_id, cluster.gpus_per_node)]
             self.decode_engines.update({e.engine_id: e for e in engines})
-            group = Group(f"{Role.DECODE}/{node.node_id}", node, engines)
+            group = SimGroup(f"{Role.DECODE}/{node.node_id}", node, engines)
             self.decode_groups.update({e.engine_id: group for e in engines})
-        self.driver = Driver(
+        self.driver = sim_rounds(
             loop, self.core, prefill_groups, list(dict.fromkeys(self.decode_groups.values())), options.pull_delay_s,
-            settings.report_interval_s, settings.constants.beta_tokens,
+            settings.report_interval_s, settings.constants.beta_tokens, Outputs(self._reserve, self._assign),
         )
-        self.driver.on_reservation = self._reserve
-        self.driver.on_tasks = self._assign
         self.stager = Stager(loop, settings, self._kick, self.driver.read_queue_changed)
         self.agents = Agents(loop, workload, self._submit, options.warmup_turns, cfg.model.max_context)
         self.log = TurnLog()
@@ -82,7 +81,7 @@ class Simulation:
             core.dispatcher = RoundRobinPaths(settings.constants, settings.mode, settings.read_split)
         return core
 
-    def _prefill_node(self, node: SimNode) -> Group:
+    def _prefill_node(self, node: SimNode) -> SimGroup:
         engines = [PrefillEngine(e, node, self.settings)
                    for e in engine_ids(Role.PREFILL, node.node_id, self.cfg.cluster.gpus_per_node)]
         self.prefill_engines.update({e.engine_id: e for e in engines})
@@ -90,7 +89,7 @@ class Simulation:
         for unit_engines in members:
             unit = PrefillUnit(unit_engines, self.loop, self.settings, self._hand_off, self.prefill_stats)
             self.units.update({e.engine_id: unit for e in unit_engines})
-        return Group(f"{Role.PREFILL}/{node.node_id}", node, engines)
+        return SimGroup(f"{Role.PREFILL}/{node.node_id}", node, engines)
 
     # --- requests in and out -------------------------------------------------------------
 
@@ -134,12 +133,10 @@ class Simulation:
         self.units[engine_id].kick(now)
 
     def _hand_off(self, job: PrefillJob, engine: PrefillEngine, now: float) -> None:
-        self.driver.handed_off(job.request_id)
         if job.pe_blocks and not job.task.oracle:
             engine.node.buffer.release(now, job.pe_blocks)
         job.decode_engine.hand_off(job, now)  # type: ignore[attr-defined]
-        if self.core.dispatcher.prefill_queue:
-            self.driver.prefill_round()
+        self.driver.handed_off(job.request_id)
 
     def _finished(self, engine: DecodeEngine, decode: DecodeJob, now: float) -> None:
         job = decode.job
@@ -154,7 +151,7 @@ class Simulation:
             prefill_engine=job.task.prefill_engine, decode_engine=engine.engine_id, ttft_s=ttft, tpot_s=tpot,
             persisted=self._persisted(agent, job.task.hit_tokens, job.prompt + gen - 1),
         )
-        self.driver.finish(result, self.decode_groups[engine.engine_id])
+        self.driver.finish(result, self.decode_groups[engine.engine_id].group_id)
         if self._measured(agent, job.task.request.submitted_at):
             self.log.ttft_s.append(ttft)
             if gen > 1:
