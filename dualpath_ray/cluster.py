@@ -205,9 +205,8 @@ class DualPathCluster:
                 cfg, spec.node_id, root, spec.reader_name
             )
             actor_cls = PrefillEngine if spec.role == "prefill" else DecodeEngine
-            members = spec.engine_names()
-            for gpu, name in enumerate(members):
-                identity = EngineIdentity(name, spec.node_id, gpu, members, spec.reader_name)
+            for gpu, name in enumerate(spec.engine_names()):
+                identity = EngineIdentity(name, spec.node_id, gpu, spec.reader_name)
                 engine_env = actor_environment(cfg.qos, engine_kind(spec.role))
                 engines[name] = actor_cls.options(**engine_options(group, spec, name, ns, restarts, engine_env)).remote(
                     cfg, identity, root

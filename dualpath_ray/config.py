@@ -179,6 +179,18 @@ class StoreConfig(_Section):
 class SchedulerConfig(_Section):
     """Scheduler constants of paper section 6."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _no_pull_settings(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for key in ("fetch_interval_ms", "fetch_wait_ms"):
+                if key in data:
+                    raise ValueError(
+                        f"{key} is gone: engines no longer pull work, the scheduler pushes it when it decides; "
+                        "remove the key (scheduler.report_interval_ms sets how often read queues are reported)"
+                    )
+        return data
+
     alpha_seconds: float = Field(3.0, gt=0, description="alpha = tokens the SNIC reads in this many seconds.")
     beta_seconds: float = Field(
         5.0, gt=0,
@@ -187,9 +199,12 @@ class SchedulerConfig(_Section):
     )
     compute_quota_ms: float = Field(300.0, gt=0, description="Per-batch predicted attention time.")
     z_margin: float = Field(1.05, ge=1.0, description="Z margin of the in-group decode assignment.")
-    fetch_interval_ms: float = Field(1.0, gt=0, description="Pause of a group leader after a pull that found nothing.")
-    fetch_wait_ms: float = Field(
-        50.0, ge=0, description="How long the scheduler holds an empty pull, waking it as soon as work may exist."
+    report_interval_ms: float = Field(
+        51.0, gt=0,
+        description="A storage reader tells the scheduler its read queue when it changes, at most this often; "
+        "a decode group whose loads or read queue changed is asked again at most this often (the read-path "
+        "choice compares these queues). Nothing is sent while nothing changes. The default is the cadence "
+        "the simulator's committed figures were made with (benchmarks/README.md).",
     )
     read_split: Literal["whole", "proportional"] = Field(
         "whole",

@@ -3,9 +3,9 @@
 `EngineHarness` builds one prefill core on node p0 and one decode core on node d0 (one engine
 each), both nodes' ReaderCores over one local-directory store, and a FakeTransport per engine
 over a shared Fabric. `serve` schedules requests the way the scheduler would (hit lookup in a
-prefix index that leaves one token to compute, a page reservation, the task) and steps both cores
-until every result is in; persisted blocks enter the index when a result arrives, as in the
-Scheduler actor.
+prefix index that leaves one token to compute, the task; the decode core reserves its pages when
+the handoff arrives) and steps both cores until every result is in; persisted blocks enter the
+index when a result arrives, as in the Scheduler actor.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from dualpath_ray.runtime.compute import EngineCompute
 from dualpath_ray.runtime.decode_core import HBM_POOL, DecodeCore
 from dualpath_ray.runtime.decode_job import DecodePorts, DecodeSettings
 from dualpath_ray.runtime.emulation import make_compute, make_link
-from dualpath_ray.runtime.messages import DecodeReservation, PrefillTask, RequestSpec, SamplingParams, TurnResult, attempt_owner
+from dualpath_ray.runtime.messages import PrefillTask, RequestSpec, SamplingParams, TurnResult, attempt_owner
 from dualpath_ray.runtime.prefill_core import PrefillCore, PrefillPorts, PrefillSettings
 from dualpath_ray.runtime.prefill_pipeline import WINDOW_POOL
 from dualpath_ray.runtime.reader import ReaderCore
@@ -92,7 +92,7 @@ class EngineHarness:
 
     def _index_blocks(self, result: TurnResult) -> None:
         if result.error is not None:
-            # As the Scheduler actor does: a request that failed before decode holds a reservation.
+            # As the Scheduler actor does: a handoff of a failed attempt still on its way is dropped.
             self.decode.cancel(attempt_owner(result.request_id, result.attempt))
         for block in result.persisted:
             assert self.store.contains(block.key), f"{result.request_id}: block {block.key} reported before it was stored"
@@ -106,8 +106,6 @@ class EngineHarness:
         usable = min(hit.hit_blocks, (len(prompt) - 1) // self.layout.block_size)
         spec = RequestSpec(request.request_id, 0, prompt, SamplingParams(max_new_tokens=request.max_new_tokens),
                            self.namespace, self.clock.now())
-        pages = self.layout.blocks_for(len(prompt) + request.max_new_tokens)
-        self.decode.accept([DecodeReservation(request.request_id, 0, pages * self.layout.block_size, DE)])
         pe_blocks = request.pe_hit_blocks if request.pe_hit_blocks is not None else usable // 2
         return PrefillTask(spec, tuple(hit.keys[:usable]), usable * self.layout.block_size, request.path,
                            oracle, PE, "p0", DE, "d0", pe_blocks if request.path == "split" else 0)

@@ -5,8 +5,8 @@
   or holding transfers until released (to prove the pipeline overlaps and waits correctly).
 - `FakeReaders`: the real `ReaderCore` of each node (real store, real buffer pool, real SNIC
   accounting), called synchronously or on a thread (`slow_writes_s` delays every persist).
-- `Collector`: the scheduler port, keeping every TurnResult; `DirectHandoff`: the decode port,
-  handing straight to in-process DecodeCores.
+- `Collector`: the scheduler port, keeping every reported TurnResult, handoff note and chunk;
+  `DirectHandoff`: the decode port, handing straight to in-process DecodeCores.
 """
 
 from __future__ import annotations
@@ -220,18 +220,20 @@ class Collector:
 
     chunks: list[TokenChunk] = field(default_factory=list)
     handed_off_notes: list[dict[str, Holding]] = field(default_factory=list)
+    reports: int = 0
 
-    def complete(self, result: TurnResult) -> Ready[None]:
-        if self.on_result is not None:
-            self.on_result(result)
-        self.results.append(result)
-        return Ready(None)
-
-    def stream(self, chunks: list[TokenChunk]) -> None:
+    def report(
+        self, handed_off: dict[str, Holding], results: Sequence[TurnResult], chunks: Sequence[TokenChunk]
+    ) -> Ready[None]:
+        self.reports += 1
+        if handed_off:
+            self.handed_off_notes.append(dict(handed_off))
         self.chunks.extend(chunks)
-
-    def handed_off(self, held: dict[str, Holding]) -> None:
-        self.handed_off_notes.append(dict(held))
+        for result in results:
+            if self.on_result is not None:
+                self.on_result(result)
+            self.results.append(result)
+        return Ready(None)
 
 
 @dataclass
@@ -241,13 +243,16 @@ class DirectHandoff:
     cores: dict[str, Any] = field(default_factory=dict)
     readers: FakeReaders | None = None
     handoffs: list[DecodeHandoff] = field(default_factory=list)
+    calls: int = 0
 
-    def hand_off(self, engine: str, handoff: DecodeHandoff) -> Ready[None]:
-        self.handoffs.append(handoff)
+    def hand_off(self, engine: str, handoffs: Sequence[DecodeHandoff]) -> Ready[None]:
+        self.calls += 1
+        self.handoffs.extend(handoffs)
         if self.readers is not None:
-            self.readers.engines_by_owner[handoff.task.request.owner] = engine
+            for handoff in handoffs:
+                self.readers.engines_by_owner[handoff.task.request.owner] = engine
         if engine in self.cores:
-            self.cores[engine].hand_off(handoff)
+            self.cores[engine].hand_off(list(handoffs))
         return Ready(None)
 
 

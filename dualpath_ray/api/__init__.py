@@ -2,6 +2,8 @@
 
 - `rollout_async(scheduler, cfg, trajectories) -> RolloutResult` (what `DualPathCluster.rollout`
   runs; api/rollout.py);
+- `SchedulerClient` (api/client.py): `await client.generate(spec)` for many turns from one event
+  loop, batched into one submit and one collect call to the scheduler;
 - `RolloutServer` / `TokenOutput` (api/server.py): the `rollout-server` actor every trainer and
   adapter talks to (generate, stream, abort, sleep/wake, weights, prefix cache);
 - verl: `VerlServerMethods`, `dualpath_replica_class`, `register_with_verl` (api/verl_adapter.py);
@@ -15,11 +17,12 @@ The HTTP modules import starlette/uvicorn/tokenizers (the `serve` extra) only wh
 
 from __future__ import annotations
 
+from dualpath_ray.api.client import SchedulerClient
 from dualpath_ray.api.rollout import ROLLOUT_SCHEMA, RolloutResult, rollout_async
 from dualpath_ray.api.server import SERVER_NAME, GenerationError, RolloutServer, TokenOutput
 from dualpath_ray.api.validation import RequestError, make_spec, parse_sampling, validate_prompt
 
 __all__ = [
     "ROLLOUT_SCHEMA", "SERVER_NAME", "GenerationError", "RequestError", "RolloutResult", "RolloutServer",
-    "TokenOutput", "make_spec", "parse_sampling", "rollout_async", "validate_prompt",
+    "SchedulerClient", "TokenOutput", "make_spec", "parse_sampling", "rollout_async", "validate_prompt",
 ]

@@ -18,6 +18,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from dualpath_ray.api.client import SchedulerClient
 from dualpath_ray.api.validation import make_spec, validate_prompt
 from dualpath_ray.config import DualPathConfig
 from dualpath_ray.metrics import TRAJECTORY_JCT_SECONDS, MetricSink, RayMetrics
@@ -184,8 +185,8 @@ async def rollout_async(
     previous = _previous_outputs(resume)
     bar = _Progress(sum(len(t.turns) for t in trajectories), progress)
 
-    async def generate(spec: RequestSpec) -> TurnResult:
-        return await scheduler.generate.remote(spec)
+    client = SchedulerClient(scheduler)
+    generate = client.generate
 
     # A trajectory aborted in an earlier rollout runs again when it is rolled out again.
     await scheduler.clear_aborts.remote([trajectory_prefix(t.trajectory_id) for t in trajectories])

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import os
+import uuid
 from typing import Any, AsyncIterator, Mapping, Sequence
 
 import ray
 from pydantic import BaseModel
 
+from dualpath_ray.api.client import SchedulerClient
 from dualpath_ray.api.sessions import SessionIds, check_session_id, session_prefix
 from dualpath_ray.api.validation import RequestError, make_spec, parse_sampling_request, validate_prompt
 from dualpath_ray.api.verl_adapter import SubmissionGate, VerlServerMethods
@@ -74,6 +76,8 @@ class RolloutServer(VerlServerMethods):
         self.cfg = cfg
         self.weight_version = cfg.model.weight_version
         self.scheduler = ray.get_actor("scheduler", namespace=cfg.runtime.namespace)
+        # Turns go to the scheduler batched (api/client.py); made on first use, on this actor's loop.
+        self.client: SchedulerClient | None = None
         self.sessions = SessionIds()
         self.in_flight: dict[str, str] = {}  # caller's request id -> the scheduler's
         self.global_steps: int | None = None  # verl's step counter of the served weights
@@ -136,7 +140,9 @@ class RolloutServer(VerlServerMethods):
             return self._token_output(aborted_result(spec), want_log_probs)
         self.in_flight[request_id] = spec.request_id
         try:
-            result: TurnResult = await self.scheduler.generate.remote(spec)
+            if self.client is None:
+                self.client = SchedulerClient(self.scheduler, name=f"rollout-server-{uuid.uuid4().hex[:8]}")
+            result: TurnResult = await self.client.generate(spec)
         finally:
             self.in_flight.pop(request_id, None)
         if result.error:

@@ -17,8 +17,6 @@ import time
 import zlib
 from dataclasses import dataclass
 
-import torch
-
 from dualpath_ray.faults.plan import CallPhase, FaultMode, FaultPlan, FaultSite, FaultSpec
 
 LOG = logging.getLogger("dualpath_ray.faults")
@@ -137,14 +135,6 @@ class FaultInjector:
                 total.events += count.events
                 total.injected += count.injected
         return out
-
-
-def flip_byte(data: torch.Tensor, rng: random.Random) -> int:
-    """Corrupt one byte of a uint8 view in place (XOR 0xFF, so flipping again restores it)."""
-    flat = data.view(-1)
-    position = rng.randrange(flat.numel())
-    flat[position] ^= 0xFF
-    return position
 
 
 def merge_counts(parts: list[dict[str, FaultCount]]) -> dict[str, FaultCount]:

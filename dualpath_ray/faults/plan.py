@@ -18,7 +18,8 @@ class FaultSite(str, enum.Enum):
     STORE_PUBLISH = "store_publish"  # a reader writing (publishing) one Full Block
     LAYER_TRANSFER = "layer_transfer"  # a prefill engine's layer read or write of KV
     BUFFER_TO_HBM = "buffer_to_hbm"  # a decode engine copying a handoff's KV into its pages
-    ACTOR_CALL = "actor_call"  # an engine's call to a reader, the scheduler or a decode engine
+    # an engine's call to a reader, the scheduler or a decode engine, or the scheduler's task push
+    ACTOR_CALL = "actor_call"
     HEARTBEAT = "heartbeat"  # an engine answering the scheduler's heartbeat
 
 
@@ -46,7 +47,7 @@ MODES_BY_SITE: dict[FaultSite, frozenset[FaultMode]] = {
 
 # The calls an engine waits on or whose loss the runtime must survive. Frees, reclaims and
 # cancels are cleanup: losing one is a leak by construction, so they are not fault sites.
-CALL_METHODS = ("stage", "lease", "persist_extent", "persist_pages", "complete", "hand_off", "fetch", "accept")
+CALL_METHODS = ("stage", "lease", "persist_extent", "persist_pages", "report", "hand_off", "accept")
 
 
 class FaultSpec(BaseModel):

@@ -16,11 +16,19 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from dualpath_ray.faults.injector import FaultInjector, InjectedFault, flip_byte
+from dualpath_ray.faults.injector import FaultInjector, InjectedFault
 from dualpath_ray.faults.plan import CallPhase, FaultMode, FaultSite
 from dualpath_ray.runtime.messages import DecodeHandoff, ExtentGrant, Holding, PersistedBlock, TokenChunk, TurnResult
 from dualpath_ray.runtime.ports import DecodePort, Failed, Pending, ReaderPort, Ready, SchedulerPort, TransportPort
 from dualpath_ray.runtime.transport import Move, Region, TransportError
+
+
+def flip_byte(data: torch.Tensor, rng: random.Random) -> int:
+    """Corrupt one byte of a uint8 view in place (XOR 0xFF, so flipping again restores it)."""
+    flat = data.view(-1)
+    position = rng.randrange(flat.numel())
+    flat[position] ^= 0xFF
+    return position
 
 
 class InjectedTransferError(InjectedFault, TransportError):
@@ -80,23 +88,20 @@ class FaultyReaders:
 
 
 class FaultySchedulerPort:
-    """`complete` has no reply: only its request can be lost (the heartbeat finds the attempt
-    that no engine holds any more and retries it)."""
+    """`report` has no reply: only its request can be lost (the sender believes it delivered;
+    the heartbeat finds the attempts no engine holds any more and retries them, and names the
+    handoffs it carried)."""
 
     def __init__(self, inner: SchedulerPort, faults: FaultInjector) -> None:
         self.inner = inner
         self.faults = faults
 
-    def complete(self, result: TurnResult) -> Pending[None]:
-        if self.faults.fail_call("complete", CallPhase.REQUEST):
+    def report(
+        self, handed_off: dict[str, Holding], results: Sequence[TurnResult], chunks: Sequence[TokenChunk]
+    ) -> Pending[None]:
+        if self.faults.fail_call("report", CallPhase.REQUEST):
             return Ready(None)  # lost on the way: the sender believes it delivered
-        return self.inner.complete(result)
-
-    def stream(self, chunks: list[TokenChunk]) -> None:
-        self.inner.stream(chunks)  # a lost chunk is made up by the final result (see Scheduler.generate_stream)
-
-    def handed_off(self, held: dict[str, Holding]) -> None:
-        self.inner.handed_off(held)  # a lost note is made up by the next heartbeat
+        return self.inner.report(handed_off, results, chunks)
 
 
 class FaultyDecodePort:
@@ -104,10 +109,11 @@ class FaultyDecodePort:
         self.inner = inner
         self.faults = faults
 
-    def hand_off(self, engine: str, handoff: DecodeHandoff) -> Pending[None]:
+    def hand_off(self, engine: str, handoffs: Sequence[DecodeHandoff]) -> Pending[None]:
         if self.faults.fail_call("hand_off", CallPhase.REQUEST):
-            raise InjectedFault("actor_call", f"hand_off of {handoff.task.request.owner} to {engine} lost")
-        return self.inner.hand_off(engine, handoff)
+            owners = ", ".join(h.task.request.owner for h in handoffs)
+            raise InjectedFault("actor_call", f"hand_off of {owners} to {engine} lost")
+        return self.inner.hand_off(engine, handoffs)
 
 
 class _Corrupted:

@@ -160,21 +160,16 @@ class SchedulerMetrics:
         exporter.export = _periodic(cfg, "scheduler", exporter.collect)
         return exporter
 
-    def decide(self, role: str, fetch: Callable[[], list[Any]]) -> list[Any]:
-        """Run one policy placement (`fetch`) and observe how long it took."""
-        if not self.sink.enabled:
-            return fetch()
-        started = time.perf_counter()
-        work = fetch()
-        self.sink.observe(m.DECISION_SECONDS, time.perf_counter() - started, {"role": role})
-        return work
+    def decided(self, role: str, seconds: float) -> None:
+        """One policy placement for a group (scheduling/rounds.py) took `seconds`."""
+        self.sink.observe(m.DECISION_SECONDS, seconds, {"role": role})
 
-    def placed(self, role: str, work: Sequence[Any]) -> None:
-        """Count the requests a prefill fetch placed, by the read path chosen for each."""
-        if role != "prefill" or not work or not self.sink.enabled:
+    def placed(self, tasks: Sequence[Any]) -> None:
+        """Count the requests a prefill placement placed, by the read path chosen for each."""
+        if not tasks or not self.sink.enabled:
             return
         for path in PATHS:
-            count = sum(1 for task in work if task.path == path)
+            count = sum(1 for task in tasks if task.path == path)
             self.sink.inc(m.REQUESTS, count, {"mode": self.mode, "path": path})
 
     def finished(self, result: TurnResult) -> None:

@@ -1,11 +1,12 @@
 """Attempts cancelled before they reached an engine.
 
-The scheduler cancels an attempt at its engines when it fails (a lost assignment, a deadline, a
-dead peer). The cancel and the group leader's `accept` of that attempt travel on different
-calls, so the cancel can arrive first: without a record of it, the late accept would reserve
-HBM (or lease buffer extents) for an attempt nobody will ever finish, and those pages would be
+The scheduler cancels an attempt at its engines when it fails (a lost task, a deadline, a dead
+peer). The cancel and the attempt's way to the engine (the scheduler's `accept` push to its
+prefill engine, the prefill engine's handoff to its decode engine) travel on different calls, so
+the cancel can arrive first: without a record of it, the late accept would lease buffer extents,
+or the late handoff reserve HBM pages, for an attempt nobody will ever finish, and those would be
 lost for good. An engine records every cancel here, refuses the accept that follows one, and
-drops a handoff of a cancelled attempt at once instead of waiting for a reservation.
+drops a handoff of a cancelled attempt at once (freeing its extent).
 
 A record is kept for `horizon_s` (the longest an accept can still be on its way: the request
 deadline), so the table stays bounded however many cancels find nothing.
@@ -19,7 +20,7 @@ from dualpath_ray.runtime.ports import Clock
 
 
 class CancelledAttempts:
-    """Owners ("request#attempt") cancelled before their accept arrived, with when."""
+    """Owners ("request#attempt") cancelled before they arrived, with when."""
 
     def __init__(self, horizon_s: float, clock: Clock) -> None:
         if horizon_s <= 0:

@@ -1,5 +1,6 @@
-"""Calls the Scheduler makes to every engine and reader of its deployment at once: sleep and
-wake between rollouts, the trainer's weight broadcast group, and a new gloo world.
+"""Calls the Scheduler makes to the engines and readers of its deployment: cancels, aborts and
+reclaims of one attempt, and, to all at once, sleep and wake between rollouts, the trainer's
+weight broadcast group, and a new gloo world. Every call names its method (no string dispatch).
 
 The Scheduler is the one actor every trainer, adapter and restarted endpoint can reach by name,
 so cluster-wide control goes through it; this class keeps that fan-out out of its request path.
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import ray
 
@@ -22,11 +23,15 @@ LOG = logging.getLogger("dualpath_ray.control")
 
 
 class ClusterControl:
-    def __init__(self, cfg: DualPathConfig) -> None:
+    """`routes` maps an engine's name to the actor that answers for it (the scale harness's
+    simulated engines, benchmarks/scale_harness.py); every actor answers for itself otherwise."""
+
+    def __init__(self, cfg: DualPathConfig, routes: Mapping[str, str] | None = None) -> None:
         self.cfg = cfg
         nodes = plan_nodes(cfg)
         self.engines = [name for spec in nodes for name in spec.engine_names()]
         self.readers = [spec.reader_name for spec in nodes]
+        self.routes = dict(routes or {})
         self.world_lock = asyncio.Lock()
         self.worlds_formed = 0
         self._handles: dict[str, Any] = {}
@@ -38,28 +43,47 @@ class ClusterControl:
         actor of that name was ever found."""
         cached = self._handles.get(name)
         if cached is None:
-            cached = self._handles[name] = ray.get_actor(name, namespace=self.cfg.runtime.namespace)
+            actor = self.routes.get(name, name)
+            cached = self._handles[name] = ray.get_actor(actor, namespace=self.cfg.runtime.namespace)
         return cached
 
-    async def call_all(self, names: Sequence[str], method: str, *args: Any) -> list[Any]:
-        """`method(*args)` on every named actor at once; their answers in order."""
-        refs = [getattr(self.handle(name), method).remote(*args) for name in names]
-        return list(await asyncio.gather(*(asyncio.wrap_future(ref.future()) for ref in refs)))
+    # --- one actor, no reply awaited --------------------------------------------------------
 
-    # --- sleep and wake -----------------------------------------------------------------
+    def cancel(self, engine: str, owner: str) -> None:
+        """Drop what one attempt holds at `engine` and has not started (see the cores' cancel)."""
+        self._send(engine, lambda handle: handle.cancel.remote(owner))
+
+    def abort(self, engine: str, owner: str) -> None:
+        """Drop one attempt at `engine` even if it started (see the cores' abort)."""
+        self._send(engine, lambda handle: handle.abort.remote(owner))
+
+    def reclaim(self, reader: str, owner: str) -> None:
+        """Free the extents `reader` leased to an attempt whose engine is certainly gone."""
+        self._send(reader, lambda handle: handle.reclaim.remote(owner))
+
+    def _send(self, name: str, call: Callable[[Any], Any]) -> None:
+        try:
+            call(self.handle(name))
+        except ValueError:
+            pass  # that actor is gone
+
+    # --- every engine at once ------------------------------------------------------------
+
+    async def _gather(self, refs: Sequence[Any]) -> list[Any]:
+        return list(await asyncio.gather(*(asyncio.wrap_future(ref.future()) for ref in refs)))
 
     async def sleep(self) -> int:
         """Every engine releases its KV memory and moves its weights off the accelerator;
         returns the bytes freed."""
-        return sum(await self.call_all(self.engines, "sleep"))
+        return sum(await self._gather([self.handle(name).sleep.remote() for name in self.engines]))
 
     async def wake_up(self) -> dict[str, str]:
         """Every engine allocates its memory again (under a new incarnation of its addressing);
         then every engine and reader drops the addressing it cached, so its next transfer uses
         the new one. Returns engine -> its new incarnation."""
-        incarnations = dict(zip(self.engines, await self.call_all(self.engines, "wake_up")))
-        await self.call_all([*self.readers, *self.engines], "forget_peers")
-        return incarnations
+        incarnations = await self._gather([self.handle(name).wake_up.remote() for name in self.engines])
+        await self._gather([self.handle(name).forget_peers.remote() for name in [*self.readers, *self.engines]])
+        return dict(zip(self.engines, incarnations))
 
     # --- the trainer's weight broadcast group -----------------------------------------
 
@@ -77,7 +101,7 @@ class ClusterControl:
 
     async def receive_weights(self, version: int, manifest: Sequence[TensorSpec]) -> None:
         """Every engine receives the broadcast the trainer sends beside this call and loads it."""
-        await self.call_all(self.engines, "receive_weights", version, list(manifest))
+        await self._gather([self.handle(name).receive_weights.remote(version, list(manifest)) for name in self.engines])
 
     # --- gloo worlds --------------------------------------------------------------------
 

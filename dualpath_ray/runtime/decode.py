@@ -36,15 +36,17 @@ class DecodeEngine(EngineBase):
         readers = RayReaders(self.directory, self.id.engine_id, self.wake)
         ports = DecodePorts(
             self.hbm.readers_port(readers, self.layout.full_block_bytes, HBM_POOL), self.hbm.transport_port(),
-            RayScheduler(self.directory), SystemClock(),
+            RayScheduler(self.directory, self.id.engine_id, lambda: self.incarnation), SystemClock(),
         )
         if self.faults.active:
             ports = with_faults(ports, self.faults, self.hbm.view)
         return DecodeCore(settings, self.layout, self.compute, pages, ports, self.store, self.links)
 
     @ray.method(concurrency_group="io")
-    def handoff(self, handoff: DecodeHandoff) -> None:
-        self.core.hand_off(handoff)
+    def handoff(self, handoffs: list[DecodeHandoff]) -> None:
+        """Prefill engines' handoffs (one call per prefill batch): their pages are reserved when
+        the worker takes them."""
+        self.core.hand_off(handoffs)
         self.wake.set()
 
     @ray.method(concurrency_group="control")

@@ -1,11 +1,12 @@
 """The decode engine's logic, without Ray: reservations, H2D, batched decode, persistence.
 
-A request's life here (runtime/decode_job.py, one transition function): RESERVED -> LOADING (its
-prompt's KV moves from the decode node's buffer extent into its pages: one read of whole Full
-Blocks) -> RUNNING (decoded in one batched step with every other running request) -> FINISHING
+A request's life here (runtime/decode_job.py, one transition function): RESERVED (its handoff
+arrived and its pages are reserved) -> LOADING (its prompt's KV moves from the decode node's
+buffer extent into its pages: one read of whole Full Blocks) -> RUNNING (decoded in one batched step with every other running request) -> FINISHING
 -> DONE; or FAILED from any of them. Oracle mode skips LOADING: the prompt's KV is materialised
 in the pages directly (hits from the store, the rest computed here). Taking handoffs and
-loading their KV is runtime/decode_intake.py's (a mixin of this class).
+loading their KV is runtime/decode_intake.py's (a mixin of this class). What a step produced for
+the scheduler (handoffs taken, turns ended, streamed tokens) leaves in one report at its end.
 
 Persistence has one owner per block: the request that filled it. Prompt blocks that were not hits
 are written by the node's reader straight from the extent (they are already in the buffer), which
@@ -44,12 +45,10 @@ from dualpath_ray.runtime.decode_intake import BUFFER_POOL, HBM_POOL, DecodeInta
 from dualpath_ray.runtime.failures import failure_of, log_failure
 from dualpath_ray.runtime.messages import (
     DecodeHandoff,
-    DecodeReservation,
     Holding,
     PersistedBlock,
     TokenChunk,
     TurnResult,
-    attempt_owner,
     newest_holdings,
 )
 from dualpath_ray.runtime.outbox import Outbox
@@ -84,11 +83,15 @@ class DecodeCore(DecodeIntake):
         self.stats = DecodeStats()
         self.jobs: dict[str, DecodeJob] = {}
         self._arrived: deque[DecodeHandoff] = deque()
-        self._taking: set[str] = set()
-        self._early_since: dict[str, float] = {}
+        self._taking: dict[str, tuple[str, Holding]] = {}  # owner -> what holds() names while it is claimed
+        self._waiting_since: dict[str, float] = {}  # owner -> since when its handoff waits for pages
         self._cancelled = CancelledAttempts(settings.cancel_horizon_s, ports.clock)
         self._aborting: set[str] = set()
-        self._streamed: list[TokenChunk] = []  # sampled this step by streamed requests
+        # This step's report (sent at its end, when not empty): handoffs taken, turns ended,
+        # tokens sampled by streamed requests.
+        self._noted: dict[str, Holding] = {}
+        self._results: list[TurnResult] = []
+        self._streamed: list[TokenChunk] = []
         self.outbox = Outbox()  # results not yet delivered to the scheduler
         self._lock = threading.Lock()
         self._in_flight = 0
@@ -101,53 +104,23 @@ class DecodeCore(DecodeIntake):
             free = self.pages.unreserved_pages * self.layout.block_size
             return EngineLoad(self.settings.engine_id, self.settings.node_id, len(self.jobs), tokens, free)
 
-    def accept(self, reservations: Sequence[DecodeReservation]) -> None:
-        """Reserve HBM for each attempt. One already cancelled (its cancel overtook this call),
-        already here, or that no longer fits is refused alone: the scheduler's heartbeat finds
-        a refused current attempt unheld and retries it."""
-        with self._lock:
-            for r in reservations:
-                owner = attempt_owner(r.request_id, r.attempt, r.epoch)
-                if owner in self._cancelled or owner in self.jobs:
-                    continue
-                try:
-                    self.pages.reserve(owner, self.pages.pages_for(r.tokens))
-                except PagePoolFullError as exc:
-                    LOG.warning("%s: reservation refused: %s", self.settings.engine_id, exc)
-                    continue
-                # Keyed by owner (request id and attempt): a retry never meets an earlier
-                # attempt's job, and a late cancel of that attempt cannot touch the retry.
-                self.jobs[owner] = DecodeJob(r.request_id, r.attempt, r.tokens, r.epoch)
-
     def cancel(self, owner: str) -> None:
-        """Drop the reservation of an attempt ("request#attempt") that failed before its
-        handoff was taken; an attempt past that finishes on its own. The cancel is remembered,
-        so an accept it overtook reserves nothing and a handoff already on its way is dropped."""
+        """The scheduler gave up on an attempt ("request#attempt") before its decode started: a
+        handoff of it that arrives (or waits here) is dropped and its extent freed. One already
+        taken finishes on its own (the scheduler ignores its result)."""
         with self._lock:
-            job = self.jobs.get(owner)
-            if job is not None and (job.state is not DecodeState.RESERVED or job.handoff is not None):
-                return
-            self._cancelled.add(owner)
-            if job is not None:
-                del self.jobs[owner]
-                self.pages.release(job.owner)
+            if owner not in self.jobs:
+                self._cancelled.add(owner)
 
     def abort(self, owner: str) -> None:
         """The caller gave up on this attempt: drop it whatever its state. Nothing more of it is
         decoded or persisted (blocks already on their way finish), its pages and extent are
         freed, and it reports nothing (the scheduler answered its caller already). Remembered,
-        so an accept or a handoff still on its way is refused."""
+        so a handoff still on its way (or waiting for pages) is dropped."""
         with self._lock:
             self._cancelled.add(owner)
-            job = self.jobs.get(owner)
-            if job is None:
-                return
-            if job.state is DecodeState.RESERVED and job.handoff is None:
-                del self.jobs[owner]
-                self.pages.release(job.owner)
-                self.stats.aborted += 1
-                return
-            self._aborting.add(owner)
+            if owner in self.jobs:
+                self._aborting.add(owner)
 
     def _drop_aborted(self) -> bool:
         with self._lock:
@@ -158,25 +131,28 @@ class DecodeCore(DecodeIntake):
             self._fail(job, RuntimeError("aborted by its caller"), report=False)
         return bool(jobs)
 
-    def _arrived_owners(self) -> set[str]:
-        return {h.task.request.owner for h in self._arrived} | self._taking
-
     def holds(self) -> dict[str, Holding]:
-        """Each request this engine holds an attempt of: its newest attempt here. A handoff
-        waiting for its reservation and a result on its way to the scheduler
-        (runtime/outbox.py) count as held and handed off."""
+        """Each request this engine holds an attempt of: its newest attempt here, handed off (a
+        decode engine holds only what was handed to it). A handoff waiting for pages or being
+        taken, and a result on its way to the scheduler (runtime/outbox.py), count as held."""
         with self._lock:
-            arrived = self._arrived_owners()
-            entries = [(job.request_id, Holding(job.attempt, job.handoff is not None or owner in arrived, job.epoch))
-                       for owner, job in self.jobs.items()]
+            entries = [(job.request_id, Holding(job.attempt, True, job.epoch)) for job in self.jobs.values()]
             entries += [(h.task.request_id, Holding.of(h.task.request, True))
                         for h in self._arrived if h.task.request.owner not in self.jobs]
+            entries += [entry for owner, entry in self._taking.items() if owner not in self.jobs]
         entries += self.outbox.holdings()
         return newest_holdings(entries)
 
-    def hand_off(self, handoff: DecodeHandoff) -> None:
+    def hand_off(self, handoffs: Sequence[DecodeHandoff]) -> None:
         with self._lock:
-            self._arrived.append(handoff)
+            self._arrived.extend(handoffs)
+
+    def polling(self) -> bool:
+        """Whether the worker must look again without being woken: a prompt load is a transport
+        transfer (polled, it signals nothing), and a handoff waiting for pages has a deadline.
+        Everything else that finishes wakes the worker (runtime/ray_ports.py RefPending)."""
+        with self._lock:
+            return bool(self._arrived) or any(job.state is DecodeState.LOADING for job in self.jobs.values())
 
     def busy(self) -> bool:
         with self._lock:
@@ -193,7 +169,7 @@ class DecodeCore(DecodeIntake):
         did |= self._decode_once()
         did |= self._advance_persists()
         did |= self._finish_ready()
-        self._flush_stream()
+        self._send_report()
         return did
 
     def fail_all(self, error: BaseException) -> None:
@@ -201,6 +177,7 @@ class DecodeCore(DecodeIntake):
             jobs = [j for j in self.jobs.values() if j.handoff is not None]
         for job in jobs:
             self._fail(job, error)
+        self._send_report()
 
     def _persist_prompt(self, job: DecodeJob) -> None:
         """Prompt blocks that were not hits: written from the extent, which is then freed."""
@@ -290,12 +267,17 @@ class DecodeCore(DecodeIntake):
             self._streamed.append(TokenChunk(spec.request_id, spec.attempt, spec.epoch, start, tokens,
                                              tuple(job.log_probs[start:])))
 
-    def _flush_stream(self) -> bool:
-        """One call per step carries every streamed request's new tokens."""
-        chunks, self._streamed = self._streamed, []
-        if chunks:
-            self.ports.scheduler.stream(chunks)
-        return bool(chunks)
+    def _send_report(self) -> None:
+        """One call per step carries what the scheduler must know of it: the handoffs taken,
+        the turns that ended (each held by the outbox until the call is delivered) and the
+        tokens streamed requests sampled."""
+        noted, results, chunks = self._noted, self._results, self._streamed
+        if not (noted or results or chunks):
+            return
+        self._noted, self._results, self._streamed = {}, [], []
+        call = self.ports.scheduler.report(noted, results, chunks)
+        for result in results:
+            self.outbox.sent(result.owner, result.request_id, Holding.of(result, True), call)
 
     def _stop_reason(self, job: DecodeJob) -> StopReason | None:
         sampling = job.handoff.task.request.sampling  # type: ignore[union-attr]
@@ -431,8 +413,8 @@ class DecodeCore(DecodeIntake):
             self.pages.release(job.owner)
 
     def _report(self, result: TurnResult) -> None:
-        call = self.ports.scheduler.complete(result)
-        self.outbox.sent(result.owner, result.request_id, Holding.of(result, True), call)
+        """The turn ended: its result leaves with this step's report."""
+        self._results.append(result)
 
     def _jobs_in(self, *states: DecodeState) -> list[DecodeJob]:
         with self._lock:

@@ -1,16 +1,18 @@
 """A decode engine's intake: handoffs taken, their prompt KV moved from the buffer into pages.
 
 A mixin of DecodeCore (runtime/decode_core.py), kept apart as one stage of a request's life
-there: a handoff is claimed against its reservation under the lock (so a cancel cannot free the
-pages between the check and the load), the scheduler is told it was taken (one note per step),
-and the prompt's KV moves from the decode node's buffer extent into the request's pages in one
-transport read of whole Full Blocks (RESERVED -> LOADING). A landed load is checked against the
+there: a handoff is claimed under the lock, its pages reserved there and then (the scheduler
+counted them when it placed the request here, so they are free; a cancel cannot slip between the
+check and the reservation), the scheduler is told it was taken (in the step's report), and the
+prompt's KV moves from the decode node's buffer extent into the request's pages in one transport
+read of whole Full Blocks (RESERVED -> LOADING). A landed load is checked against the
 prefill engine's digests (one reload on a first mismatch) and, with runtime.verify_kv, against
 the store and a recompute, before the request runs. Oracle mode fills the pages in place.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import threading
 import time
@@ -21,7 +23,7 @@ import numpy as np
 
 from dualpath_ray.kv.block_store import BlockStore
 from dualpath_ray.kv.layout import KVLayout
-from dualpath_ray.kv.paged import PagedKVPool
+from dualpath_ray.kv.paged import PagedKVPool, PagePoolFullError
 from dualpath_ray.runtime.accounting import NodeCounters
 from dualpath_ray.runtime.cancelled import CancelledAttempts
 from dualpath_ray.runtime.compute import EngineCompute
@@ -31,11 +33,21 @@ from dualpath_ray.runtime.failures import KVMismatchError
 from dualpath_ray.runtime.messages import DecodeHandoff, ErrorKind, Holding, TurnResult, failed_result
 from dualpath_ray.runtime.transport import Move, Region
 from dualpath_ray.runtime.verify import landed_mismatches, verify_prompt_kv
+from dualpath_ray.scheduling.loads import decode_tokens
 from dualpath_ray.scheduling.types import ReadPath
 
 LOG = logging.getLogger("dualpath_ray.decode")
 HBM_POOL = "hbm"
 BUFFER_POOL = "buffer"
+
+
+class Claim(enum.Enum):
+    """What taking one handoff came to."""
+
+    CLAIMED = "claimed"  # its pages are reserved: it loads
+    CANCELLED = "cancelled"  # the scheduler gave up on the attempt (or its caller aborted it)
+    DUPLICATE = "duplicate"  # the attempt is here already
+    NO_ROOM = "no_room"  # no free pages yet: it waits (_may_wait_for_pages), then fails
 
 
 class DecodeIntake:
@@ -52,8 +64,9 @@ class DecodeIntake:
     stats: DecodeStats
     jobs: dict[str, DecodeJob]
     _arrived: deque[DecodeHandoff]
-    _taking: set[str]
-    _early_since: dict[str, float]
+    _taking: dict[str, tuple[str, Holding]]
+    _waiting_since: dict[str, float]
+    _noted: dict[str, Holding]
     _cancelled: CancelledAttempts
     _lock: threading.Lock
     _fail: Callable[..., None]
@@ -63,71 +76,81 @@ class DecodeIntake:
     _stream: Callable[[DecodeJob, int], None]
 
     def _take_handoffs(self) -> bool:
+        """Claim every handoff that arrived: its pages are reserved and its load posted. One
+        that does not fit waits for pages (see _claim); True when any handoff was dealt with."""
         with self._lock:
             arrived, self._arrived = list(self._arrived), deque()
             # Until each is claimed or dropped, heartbeats still count it as arrived.
-            self._taking = {h.task.request.owner for h in arrived}
-        early, claimed = [], {}
+            self._taking = {h.task.request.owner: (h.task.request_id, Holding.of(h.task.request, True)) for h in arrived}
+        waiting, took = [], False
         for handoff in arrived:
             job, verdict = self._claim(handoff)
-            if verdict == "early":
-                early.append(handoff)
+            owner = handoff.task.request.owner
+            if verdict is Claim.NO_ROOM and self._may_wait_for_pages(owner):
+                waiting.append(handoff)
                 continue
-            self._early_since.pop(handoff.task.request.owner, None)
+            self._waiting_since.pop(owner, None)
+            took = True
             if job is None:
                 self._drop_handoff(handoff, verdict)
                 continue
-            claimed[job.request_id] = Holding.of(handoff.task.request, True)
+            self._noted[job.request_id] = Holding.of(handoff.task.request, True)
             try:
                 self._start_load(job)
             except Exception as exc:  # noqa: BLE001 - fail this request, keep serving the others
                 self._fail(job, exc)
         with self._lock:
-            self._arrived.extendleft(reversed(early))
-            self._taking = set()
-        if claimed:
-            self.ports.scheduler.handed_off(claimed)
-        return len(early) < len(arrived)
+            self._arrived.extendleft(reversed(waiting))
+            self._taking = {}
+        return took
 
-    def _claim(self, handoff: DecodeHandoff) -> tuple[DecodeJob | None, str]:
-        """Bind a handoff to its reservation under the lock, so a cancel cannot release the
-        pages between the check and the load: (job, "claimed"), or (None, why not)."""
-        owner = handoff.task.request.owner
-        with self._lock:
-            job = self.jobs.get(owner)
-            if job is not None and job.state is DecodeState.RESERVED and job.handoff is None:
-                job.handoff = handoff
-                return job, "claimed"
-            if job is None and owner in self._cancelled:
-                return None, "cancelled"
-            if job is not None and job.handoff is not None:
-                return None, "duplicate"
-        if job is None and self._may_still_be_reserved(owner):
-            return None, "early"
-        return None, "unreserved"
-
-    def _drop_handoff(self, handoff: DecodeHandoff, why: str) -> None:
-        """A handoff with no reservation to load into: its buffer extent goes back at once. Only
-        one the scheduler did not cancel needs a result (the scheduler still waits for it)."""
+    def _claim(self, handoff: DecodeHandoff) -> tuple[DecodeJob | None, Claim]:
+        """Reserve the handoff's pages and make it a job, under the lock (a cancel or abort
+        cannot slip between the check and the reservation): (job, CLAIMED), or (None, why not).
+        Its pages are prompt + max new tokens, as the scheduler counted them when it placed the
+        request here (scheduling/loads.py decode_tokens); they are free unless an attempt the
+        scheduler already gave up on still holds pages here (NO_ROOM: it waits for them)."""
         spec = handoff.task.request
-        if why == "cancelled":
+        owner = spec.owner
+        with self._lock:
+            if owner in self._cancelled:
+                return None, Claim.CANCELLED
+            if owner in self.jobs:
+                return None, Claim.DUPLICATE
+            tokens = decode_tokens(len(spec.prompt), spec.sampling.max_new_tokens, self.layout.block_size)
+            try:
+                self.pages.reserve(owner, self.pages.pages_for(tokens))
+            except PagePoolFullError:
+                return None, Claim.NO_ROOM
+            # Keyed by owner (request id and attempt): a retry never meets an earlier attempt's
+            # job, and a late cancel of that attempt cannot touch the retry.
+            job = DecodeJob(spec.request_id, spec.attempt, tokens, spec.epoch, handoff=handoff)
+            self.jobs[owner] = job
+            return job, Claim.CLAIMED
+
+    def _may_wait_for_pages(self, owner: str) -> bool:
+        """A handoff with no free pages waits up to transfer_timeout_s for an attempt that still
+        holds pages here to finish (one the scheduler gave up on keeps decoding to its end)."""
+        now = time.monotonic()
+        first = self._waiting_since.setdefault(owner, now)
+        return now - first < self.settings.transfer_timeout_s
+
+    def _drop_handoff(self, handoff: DecodeHandoff, why: Claim) -> None:
+        """A handoff that will not be loaded: its buffer extent goes back at once. Only one that
+        found no pages in time needs a result (the scheduler still waits for it)."""
+        spec = handoff.task.request
+        if why is Claim.CANCELLED:
             self.stats.cancelled_handoffs += 1
-        elif why == "duplicate":
+        elif why is Claim.DUPLICATE:
             LOG.warning("%s: ignored a second handoff of %s", self.settings.engine_id, spec.owner)
         else:
-            LOG.error("%s: handoff of %s without a reservation", self.settings.engine_id, spec.request_id)
+            LOG.error("%s: no free HBM pages for %s within %ss", self.settings.engine_id, spec.owner,
+                      self.settings.transfer_timeout_s)
             self._report(failed_result(
-                spec, self.settings.engine_id, "handoff without a reservation", ErrorKind.PEER_DIED
+                spec, self.settings.engine_id, "no free HBM pages for the handoff", ErrorKind.HBM_FULL
             ))
         if handoff.extent is not None:
             self.ports.readers.free(handoff.extent)
-
-    def _may_still_be_reserved(self, owner: str) -> bool:
-        """A handoff may overtake its reservation (the group leader's accept is one more call
-        than the prefill engine's path): it waits for it up to transfer_timeout_s."""
-        now = time.monotonic()
-        first = self._early_since.setdefault(owner, now)
-        return now - first < self.settings.transfer_timeout_s
 
     def _start_load(self, job: DecodeJob) -> None:
         assert job.handoff is not None

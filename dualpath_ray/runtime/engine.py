@@ -1,9 +1,12 @@
 """What prefill and decode engine actors share: identity, device, compute, NIC links, transport,
-the worker thread that runs the core, the group leader on g0, and the control methods.
+the worker thread that runs the core, and the control methods.
 
 An engine actor is a shell: its core (runtime/prefill_core.py, runtime/decode_core.py) makes
 every decision; the actor owns the threads, the Ray calls (runtime/ray_ports.py) and the
-transport, and answers `load`/`accept` on its control group while the worker computes.
+transport, and answers the scheduler (`holds`, `accept`, `cancel`, `abort`) on its control
+group while the worker computes. The worker sleeps while there is nothing to do: whatever gives
+it work (a task, a handoff, a reply to one of its calls) wakes it, and it polls only while a
+transfer that signals nothing is in flight (`core.polling()`).
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -25,8 +28,8 @@ from dualpath_ray.kv.store import open_store
 from dualpath_ray.runtime.accounting import NodeCounters
 from dualpath_ray.runtime.actor_metrics import EngineMetrics
 from dualpath_ray.runtime.emulation import make_compute, make_link
-from dualpath_ray.runtime.leader import ActorDirectory, GroupLeader, start_thread
-from dualpath_ray.runtime.messages import EngineHoldings, LoadReport, TensorSpec
+from dualpath_ray.runtime.directory import ActorDirectory
+from dualpath_ray.runtime.messages import EngineHoldings, TensorSpec
 from dualpath_ray.runtime.hbm_moves import HbmMoves
 from dualpath_ray.runtime.qos import kv_transport_knobs
 from dualpath_ray.runtime.restarts import TransportKeeper, was_restarted
@@ -36,9 +39,12 @@ from dualpath_ray.scheduling import EngineLoad
 from dualpath_ray.scheduling.types import Role
 
 LOG = logging.getLogger("dualpath_ray.engine")
-# An idle worker sleeps until woken (new work, a reply) or this long, whichever is first; the
-# bound covers what nothing signals (transport transfers are polled).
-IDLE_WAIT_S = 0.002
+# While a transfer that signals nothing is in flight (a decode engine's prompt load), the worker
+# looks again this often; NIXL moves of a few MiB land within it.
+POLL_S = 0.002
+# With nothing in flight the worker sleeps until woken; it also looks once a second, so that a
+# wake-up lost to a bug costs a second, never a hang.
+IDLE_S = 1.0
 
 
 @dataclass
@@ -46,8 +52,7 @@ class EngineIdentity:
     engine_id: str
     node_id: str
     gpu: int
-    members: list[str] = field(default_factory=list)
-    reader: str = ""
+    reader: str = ""  # its node's storage reader
 
 
 def engine_device(cfg: DualPathConfig) -> torch.device:
@@ -104,54 +109,41 @@ class EngineBase(TransportEndpoint):
         self.started = False
         self.asleep = False
         self.weight_group: WeightGroup | None = None
-        self.leader: GroupLeader | None = None
-        if identity.engine_id in identity.members:
-            # Every member runs the group's loop; only the first live one pulls (leader.py).
-            self.leader = GroupLeader(
-                self.role, identity.node_id, identity.members, identity.reader, self.directory,
-                identity.engine_id, self._load_report, self._accept_local, cfg.scheduler.fetch_interval_ms / 1000.0,
-                cfg.scheduler.fetch_wait_ms / 1000.0, cfg.runtime.heartbeat_timeout_s,
-                self.faults if self.faults.active else None,
-            )
         self.keeper = TransportKeeper(self.transport, cfg.runtime.namespace, cfg.runtime.request_timeout_s)
         if self.restarted:
             # No driver calls start() on a restarted incarnation: it rejoins the transport and
             # starts itself once this __init__ has returned (the rejoin needs this actor to serve).
             self.keeper.heal(then=self.start)
 
+    def _addressed(self, engine: str) -> None:
+        if engine != self.id.engine_id:
+            raise ValueError(f"{self.id.engine_id}: a message for {engine} was routed here")
+
     def __repr__(self) -> str:
         # Ray prefixes this actor's log lines with it and shows it as the dashboard's repr name.
         return getattr(getattr(self, "id", None), "engine_id", type(self).__name__)
-
-    def _accept_local(self, items: list[Any]) -> None:
-        self.core.accept(items)
-        self.wake.set()
 
     def _build_core(self) -> Any:
         raise NotImplementedError
 
     def start(self) -> bool:
-        """Start the worker and the group's pull loop once every actor exists (once)."""
+        """Start the worker once every actor exists (once)."""
         with self.compute_lock:
             if self.started:
                 return True
             self.started = True
-        start_thread(self._work, f"{self.role}-{self.id.engine_id}")
-        if self.leader is not None:
-            start_thread(self.leader.run, f"leader-{self.id.engine_id}")
+        threading.Thread(target=self._work, name=f"{self.role}-{self.id.engine_id}", daemon=True).start()
         return True
-
-    def _load_report(self) -> LoadReport:
-        return LoadReport(self.incarnation, self.core.load())
 
     def _work(self) -> None:
         try:
             while not self.stopped.is_set():
+                # Cleared before the step, so a wake-up that comes during it is not lost.
+                self.wake.clear()
                 with self.compute_lock:
                     busy = self.core.step()
                 if not busy:
-                    self.wake.wait(IDLE_WAIT_S)
-                    self.wake.clear()
+                    self.wake.wait(POLL_S if self.core.polling() else IDLE_S)
         except BaseException as exc:  # noqa: BLE001 - reported by health(), its requests failed
             LOG.exception("%s: worker loop died", self.id.engine_id)
             self.error = exc
@@ -164,8 +156,6 @@ class EngineBase(TransportEndpoint):
         self.stopped.set()
         self.wake.set()
         self.metrics.close()  # export what was counted up to now
-        if self.leader is not None:
-            self.leader.stopped.set()
 
     @ray.method(concurrency_group="control")
     def load(self) -> EngineLoad:
@@ -176,15 +166,11 @@ class EngineBase(TransportEndpoint):
         return self.core.load()
 
     @ray.method(concurrency_group="control")
-    def load_report(self) -> LoadReport:
-        """`load` with this process's incarnation, for the group leader's report."""
-        self.load()
-        return self._load_report()
-
-    @ray.method(concurrency_group="control")
-    def holds(self) -> EngineHoldings:
+    def holds(self, engine: str) -> EngineHoldings:
         """The scheduler's heartbeat: the attempts this engine holds (see the cores' holds) and
-        which incarnation holds them; fails like `load` once the worker loop died."""
+        which incarnation holds them; fails like `load` once the worker loop died. `engine` is
+        the addressee (a heartbeat routed to the wrong engine is a bug, not an answer)."""
+        self._addressed(engine)
         self.load()
         if self.faults.active and self.faults.decide(FaultSite.HEARTBEAT) is not None:
             raise TimeoutError(f"{self.id.engine_id}: heartbeat dropped by the fault plan")
@@ -193,10 +179,6 @@ class EngineBase(TransportEndpoint):
     @ray.method(concurrency_group="control")
     def fault_counts(self) -> dict[str, FaultCount]:
         return self.faults.counts()
-
-    @ray.method(concurrency_group="control")
-    def accept(self, items: list[Any]) -> None:
-        self._accept_local(items)
 
     @ray.method(concurrency_group="control")
     def cancel(self, owner: str) -> None:
@@ -212,8 +194,7 @@ class EngineBase(TransportEndpoint):
 
     @ray.method(concurrency_group="control")
     def health(self) -> str | None:
-        errors = [e for e in (self.error, self.leader.error if self.leader else None) if e]
-        return repr(errors[0]) if errors else None
+        return repr(self.error) if self.error is not None else None
 
     @ray.method(concurrency_group="control")
     def stats(self) -> NodeCounters:
@@ -224,12 +205,9 @@ class EngineBase(TransportEndpoint):
         """The core's figures and the transport's, for benchmarks and `dualpath status`."""
         from dataclasses import asdict
 
-        leader = self.leader
-        pulls = {"failed_pulls": leader.failed_pulls, "last_failure": leader.last_failure,
-                 "leading": leader.leading, "written_off": sorted(leader.dead)} if leader else {}
         return {"core": asdict(self.core.stats), "transport": asdict(self.transport.stats()), "device": str(self.device),
                 "hbm_moves": {"mode": self.hbm.mode, **asdict(self.hbm.stats)},
-                "incarnation": self.incarnation, "leader": pulls}
+                "incarnation": self.incarnation}
 
     @ray.method(concurrency_group="control")
     def node_labels(self) -> dict[str, str]:

@@ -8,7 +8,7 @@ run time, so every process (and the simulator) can import it cheaply.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterable, NamedTuple
 
 import numpy as np
@@ -30,6 +30,7 @@ class ErrorKind(str, enum.Enum):
     CALL_FAILED = "call_failed"  # an actor call or its reply was lost (the callee is alive)
     STORE_IO = "store_io"  # the store raised an I/O error (not a bad block)
     PEER_DIED = "peer_died"  # an engine or reader this request depended on died
+    HBM_FULL = "hbm_full"  # its decode engine had no free pages for it in time (pages held by an abandoned attempt)
     TIMEOUT = "timeout"  # runtime.request_timeout_s passed
     INTERNAL = "internal"  # anything else: a bug, never retried
 
@@ -157,7 +158,9 @@ class PrefillTask:
 
 @dataclass(frozen=True)
 class DecodeReservation:
-    """A decode engine's HBM reservation for a request, made when the scheduler assigns it."""
+    """A decode engine's HBM for a request, set aside when the scheduler places it there. The
+    runtime sends it nowhere: the decode engine reserves the same pages when the handoff arrives
+    (scheduling/loads.py `decode_tokens`), which the scheduler's books keep free for it."""
 
     request_id: str
     attempt: int
@@ -288,18 +291,58 @@ class GroupReport:
         return self.reader_state is PeerState.ALIVE
 
 
-class LoadReport(NamedTuple):
-    """An engine's answer to its group leader: its load and which process gave it."""
-
-    incarnation: str
-    load: EngineLoad
-
-
 class EngineHoldings(NamedTuple):
     """An engine's answer to the scheduler's heartbeat."""
 
     incarnation: str
     held: dict[str, Holding]
+
+
+@dataclass(frozen=True)
+class EngineReport:
+    """What an engine tells the scheduler after one step of its worker, in one call (sent only
+    when there is something to say): the attempts whose handoff it took (a decode engine: from
+    now on they no longer depend on their prefill engine), the turns that ended (served or
+    failed; persisted blocks included) and the tokens streamed requests sampled. `incarnation`
+    names the process, so a report of a restarted engine's new process is recognised."""
+
+    engine: str
+    incarnation: str
+    handed_off: dict[str, Holding] = field(default_factory=dict)
+    results: tuple[TurnResult, ...] = ()
+    chunks: tuple[TokenChunk, ...] = ()
+
+
+@dataclass(frozen=True)
+class ReaderReport:
+    """A storage reader's read queue (hit tokens waiting for or in its SNIC), sent when it
+    changed (at most every scheduler.report_interval_ms), and once when the reader starts."""
+
+    node_id: str
+    reader: str
+    incarnation: str
+    read_q_tokens: int
+
+
+class Refusal(str, enum.Enum):
+    """Why the scheduler refused a submitted turn (`Scheduler.submit`); the client raises it."""
+
+    DUPLICATE = "duplicate"  # a request of that id is already in flight (from another caller)
+    ASLEEP = "asleep"  # the cluster sleeps: wake_up() first
+
+    def error(self, request_id: str) -> Exception:
+        if self is Refusal.DUPLICATE:
+            return ValueError(f"request id {request_id!r} is already in flight; ids must be unique")
+        return RuntimeError("the cluster is asleep: call wake_up() before generating")
+
+
+@dataclass(frozen=True)
+class Collected:
+    """A client's finished turns (`Scheduler.collect`) and the scheduler incarnation that
+    answered: a new epoch means the scheduler restarted and forgot what was submitted to it."""
+
+    epoch: int
+    results: tuple[TurnResult, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 The cores (runtime/prefill_core.py, runtime/decode_core.py) hold every decision and state
 change of an engine and never import Ray; the actor shells implement these ports with Ray calls
-and the transport, the unit tests with in-process fakes (tests/unit/runtime/fakes.py), and a
+and the transport, the unit tests with in-process fakes (tests/fakes.py), and a
 simulator may implement them with simulated time. Calls that take time return a `Pending`,
 which the core polls or waits on, so transfers and reads overlap compute.
 """
@@ -91,21 +91,21 @@ class TransportPort(Protocol):
 
 
 class SchedulerPort(Protocol):
-    def complete(self, result: TurnResult) -> Pending[None]:
-        """Report a finished (or failed) turn; done once the scheduler has it."""
-
-    def stream(self, chunks: list[TokenChunk]) -> None:
-        """Send the tokens streamed requests sampled in one step (no reply awaited)."""
-
-    def handed_off(self, held: dict[str, Holding]) -> None:
-        """The attempts whose handoff a decode engine took in one step (no reply awaited): from
-        then on they no longer depend on their prefill engines. A lost note costs only the wait
-        for the next heartbeat, which reports the same."""
+    def report(
+        self, handed_off: dict[str, Holding], results: Sequence[TurnResult], chunks: Sequence[TokenChunk]
+    ) -> Pending[None]:
+        """One step's news in one call (runtime/messages.py EngineReport): the attempts whose
+        handoff a decode engine took (from then on they no longer depend on their prefill
+        engines; a lost note costs only the wait for the next heartbeat, which says the same),
+        the turns that ended (done once the scheduler has them: until then the engine's
+        heartbeat names them, runtime/outbox.py) and the tokens streamed requests sampled (a
+        lost chunk is made up by the final result)."""
 
 
 class DecodePort(Protocol):
-    def hand_off(self, engine: str, handoff: DecodeHandoff) -> Pending[None]:
-        """Give a prefilled request to its decode engine; done once the engine has it."""
+    def hand_off(self, engine: str, handoffs: Sequence[DecodeHandoff]) -> Pending[None]:
+        """Give prefilled requests to their decode engine (one call for all of a batch's that
+        go there); done once the engine has them."""
 
 
 class Clock(Protocol):

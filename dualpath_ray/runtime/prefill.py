@@ -12,6 +12,7 @@ from dualpath_ray.kv.window import LayerWindow
 from dualpath_ray.model.profile import attention_predictor
 from dualpath_ray.runtime.engine import EngineBase
 from dualpath_ray.faults.ports import with_faults
+from dualpath_ray.runtime.messages import PrefillTask
 from dualpath_ray.runtime.prefill_core import PrefillCore, PrefillPorts, PrefillSettings
 from dualpath_ray.runtime.prefill_pipeline import WINDOW_POOL
 from dualpath_ray.runtime.ray_ports import RayDecodeTargets, RayReaders, RayScheduler, SystemClock
@@ -33,10 +34,21 @@ class PrefillEngine(EngineBase):
         )
         ports = PrefillPorts(
             RayReaders(self.directory, self.id.engine_id, self.wake), self.hbm.transport_port(),
-            RayScheduler(self.directory), RayDecodeTargets(self.directory), SystemClock(),
+            RayScheduler(self.directory, self.id.engine_id, lambda: self.incarnation), RayDecodeTargets(self.directory),
+            SystemClock(),
         )
         if self.faults.active:
             ports = with_faults(ports, self.faults, self.hbm.view)
         return PrefillCore(
             settings, self.layout, self.compute, window, attention_predictor(cfg), ports, self.store, self.links
         )
+
+    @ray.method(concurrency_group="control")
+    def accept(self, tasks: list[PrefillTask]) -> str:
+        """The scheduler's push of this engine's tasks (decided in one of its rounds); returns
+        the incarnation that took them (a new one proves the engine restarted)."""
+        for task in tasks:
+            self._addressed(task.prefill_engine)
+        self.core.accept(tasks)
+        self.wake.set()
+        return self.incarnation

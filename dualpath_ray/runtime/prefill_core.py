@@ -14,7 +14,8 @@ or back to READY after a chunk that does not end its prompt, or FAILED (`transit
   which by then holds every token before it. A chunk sends the decode node everything not yet
   there: hits + new tokens on the PE path's first chunk, only new tokens otherwise.
 - Handoff: after the last layer the first token is sampled, the PE extent is freed, and the
-  decode engine gets a `DecodeHandoff` naming the decode node's extent.
+  decode engine gets a `DecodeHandoff` naming the decode node's extent (one call per decode
+  engine for all of a batch's requests that go there).
 Oracle mode moves nothing: hit KV comes straight from the store and nothing is sent.
 """
 
@@ -37,7 +38,7 @@ from dualpath_ray.runtime.compute import ChunkSpec, EngineCompute
 from dualpath_ray.runtime.emulation.links import Link
 from dualpath_ray.runtime.failures import failure_of, log_failure
 from dualpath_ray.runtime.cancelled import CancelledAttempts
-from dualpath_ray.runtime.messages import DecodeHandoff, ExtentGrant, Holding, PrefillTask, newest_holdings
+from dualpath_ray.runtime.messages import DecodeHandoff, ExtentGrant, Holding, PrefillTask, TurnResult, newest_holdings
 from dualpath_ray.runtime.outbox import Outbox
 from dualpath_ray.runtime.ports import Clock, DecodePort, Pending, ReaderPort, SchedulerPort, TransportPort
 from dualpath_ray.runtime.prefill_pipeline import LayerPipeline, PipelineStats, oracle_kv_for
@@ -164,6 +165,7 @@ class PrefillCore:
         self._cancelled = CancelledAttempts(settings.cancel_horizon_s, ports.clock)
         self._to_cancel: list[str] = []
         self.outbox = Outbox()  # handoffs and failure reports not yet delivered
+        self._failed: list[TurnResult] = []  # this step's failures, reported at its end
         self._lock = threading.Lock()
 
     # --- what the actor's control thread calls ------------------------------------------
@@ -229,10 +231,16 @@ class PrefillCore:
         self._drop_cancelled()
         self._poll_staging()
         batch = self._next_batch()
-        if not batch:
-            return False
-        self._run_batch(batch)
-        return True
+        if batch:
+            self._run_batch(batch)
+        self._send_report()
+        return bool(batch)
+
+    def polling(self) -> bool:
+        """Whether the worker must look again without being woken: never here. Staging replies
+        wake it (runtime/ray_ports.py RefPending) and a batch's transfers are waited for inside
+        the batch."""
+        return False
 
     def fail_all(self, error: BaseException) -> None:
         """The worker is dying: every request still here gets an error result."""
@@ -240,6 +248,7 @@ class PrefillCore:
             jobs = [j for j in self.jobs.values() if j.state is not PrefillState.FAILED]
         for job in jobs:
             self._fail(job, error)
+        self._send_report()
 
     # --- staging ------------------------------------------------------------------------
 
@@ -381,25 +390,34 @@ class PrefillCore:
             job.digests = pipeline.digests.get(job.owner)
             if chunk.end < len(job.prompt):
                 transition(job, PrefillState.READY)
-        for index, token in zip(finished, sampled):
-            self._hand_off(jobs[index], token.token, token.log_prob)
+        self._hand_off([(jobs[index], token.token, token.log_prob) for index, token in zip(finished, sampled)])
 
-    def _hand_off(self, job: PrefillJob, token: int, log_prob: float) -> None:
-        if job.pe is not None:
-            self.ports.readers.free(job.pe)
-            job.pe = None
-        handoff = DecodeHandoff(job.task, job.de, token, log_prob, self.ports.clock.now(), job.digests)
-        try:
-            delivery = self.ports.decode.hand_off(job.task.decode_engine, handoff)
-        except Exception as exc:  # noqa: BLE001 - e.g. the decode engine is gone: this request fails, not the engine
-            self._fail(job, exc)
-            return
-        self.stats.port_calls += 2
-        self.stats.handoffs += 1
-        transition(job, PrefillState.HANDED_OFF)
-        with self._lock:
-            del self.jobs[job.owner]
-        self.outbox.sent(job.owner, job.request_id, Holding.of(job.task.request, False), delivery)
+    def _hand_off(self, done: list[tuple[PrefillJob, int, float]]) -> None:
+        """Give the finished requests of a batch to their decode engines: one call per decode
+        engine for all of the batch's that go there. Each stays named by this engine's heartbeat
+        (the outbox) until its call is delivered."""
+        now = self.ports.clock.now()
+        by_engine: dict[str, list[tuple[PrefillJob, DecodeHandoff]]] = {}
+        for job, token, log_prob in done:
+            if job.pe is not None:
+                self.ports.readers.free(job.pe)
+                job.pe = None
+            handoff = DecodeHandoff(job.task, job.de, token, log_prob, now, job.digests)
+            by_engine.setdefault(job.task.decode_engine, []).append((job, handoff))
+        for engine, pairs in by_engine.items():
+            try:
+                delivery = self.ports.decode.hand_off(engine, [handoff for _, handoff in pairs])
+            except Exception as exc:  # noqa: BLE001 - e.g. the decode engine is gone: these requests fail, not the engine
+                for job, _ in pairs:
+                    self._fail(job, exc)
+                continue
+            self.stats.port_calls += 1
+            for job, _ in pairs:
+                self.stats.handoffs += 1
+                transition(job, PrefillState.HANDED_OFF)
+                with self._lock:
+                    del self.jobs[job.owner]
+                self.outbox.sent(job.owner, job.request_id, Holding.of(job.task.request, False), delivery)
 
     def _fail(self, job: PrefillJob, error: BaseException, report: bool = True) -> None:
         """Free what the request holds, report the error (unless cancelled), forget it."""
@@ -421,5 +439,14 @@ class PrefillCore:
             self.jobs.pop(job.owner, None)
         if report:
             self.stats.failures += 1
-            call = self.ports.scheduler.complete(failure_of(job.task.request, self.settings.engine_id, error))
-            self.outbox.sent(job.owner, job.request_id, Holding.of(job.task.request, False), call)
+            self._failed.append(failure_of(job.task.request, self.settings.engine_id, error))
+
+    def _send_report(self) -> None:
+        """The failures of one step in one call; each stays named by this engine's heartbeat
+        (the outbox) until the call is delivered."""
+        failed, self._failed = self._failed, []
+        if not failed:
+            return
+        call = self.ports.scheduler.report({}, failed, ())
+        for result in failed:
+            self.outbox.sent(result.owner, result.request_id, Holding.of(result, False), call)

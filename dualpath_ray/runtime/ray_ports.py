@@ -5,12 +5,14 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import ray
 
-from dualpath_ray.runtime.leader import ActorDirectory
-from dualpath_ray.runtime.messages import DecodeHandoff, ExtentGrant, Holding, PersistedBlock, TokenChunk, TurnResult
+from dualpath_ray.runtime.directory import ActorDirectory
+from dualpath_ray.runtime.messages import (
+    DecodeHandoff, EngineReport, ExtentGrant, Holding, PersistedBlock, TokenChunk, TurnResult,
+)
 
 
 class RefPending:
@@ -71,19 +73,19 @@ class RayReaders:
 
 
 class RayScheduler:
-    """SchedulerPort: the singleton `scheduler` actor."""
+    """SchedulerPort: the singleton `scheduler` actor. Reports carry this engine's name and its
+    process's incarnation (which a wake from sleep renews: `incarnation` is read per report)."""
 
-    def __init__(self, directory: ActorDirectory) -> None:
+    def __init__(self, directory: ActorDirectory, engine: str, incarnation: Callable[[], str]) -> None:
         self.directory = directory
+        self.engine = engine
+        self.incarnation = incarnation
 
-    def complete(self, result: TurnResult) -> RefPending:
-        return RefPending(self.directory.get("scheduler").complete.remote(result))
-
-    def stream(self, chunks: list[TokenChunk]) -> None:
-        self.directory.get("scheduler").stream.remote(chunks)
-
-    def handed_off(self, held: dict[str, Holding]) -> None:
-        self.directory.get("scheduler").handed_off.remote(held)
+    def report(
+        self, handed_off: dict[str, Holding], results: Sequence[TurnResult], chunks: Sequence[TokenChunk]
+    ) -> RefPending:
+        report = EngineReport(self.engine, self.incarnation(), dict(handed_off), tuple(results), tuple(chunks))
+        return RefPending(self.directory.get("scheduler").report.remote(report))
 
 
 class RayDecodeTargets:
@@ -92,8 +94,8 @@ class RayDecodeTargets:
     def __init__(self, directory: ActorDirectory) -> None:
         self.directory = directory
 
-    def hand_off(self, engine: str, handoff: DecodeHandoff) -> RefPending:
-        return RefPending(self.directory.get(engine).handoff.remote(handoff))
+    def hand_off(self, engine: str, handoffs: Sequence[DecodeHandoff]) -> RefPending:
+        return RefPending(self.directory.get(engine).handoff.remote(list(handoffs)))
 
 
 class SystemClock:

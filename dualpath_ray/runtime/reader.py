@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import ray
 import torch
@@ -35,7 +35,9 @@ from dualpath_ray.kv.store import open_store
 from dualpath_ray.runtime.accounting import NodeCounters
 from dualpath_ray.runtime.actor_metrics import ReaderMetrics
 from dualpath_ray.runtime.emulation import FifoTurns, make_link
-from dualpath_ray.runtime.messages import ExtentGrant, PersistedBlock
+from dualpath_ray.runtime.directory import ActorDirectory
+from dualpath_ray.runtime.messages import ExtentGrant, PersistedBlock, ReaderReport
+from dualpath_ray.runtime.queue_reporter import QueueReporter
 from dualpath_ray.runtime.qos import kv_transport_knobs
 from dualpath_ray.runtime.restarts import TransportKeeper, was_restarted
 from dualpath_ray.runtime.transport import (
@@ -77,6 +79,8 @@ class ReaderCore:
         self.damaged_keys: set[str] = set()
         self.corrupt_keys: set[str] = set()
         self._read_q_tokens = 0
+        # Called (under this core's lock) whenever the read queue changed: the actor's reporter.
+        self.on_read_q: Callable[[], None] = lambda: None
         self._extents: dict[int, Extent] = {}
         self._cond = threading.Condition()
 
@@ -177,6 +181,7 @@ class ReaderCore:
             nonlocal queued
             with self._cond:
                 self._read_q_tokens += pending
+                self.on_read_q()
             queued = True
 
         if path != "de":
@@ -197,6 +202,7 @@ class ReaderCore:
                 self.counters.snic_read[path] += block_bytes
                 self._read_q_tokens -= block_tokens
                 pending -= block_tokens
+                self.on_read_q()
 
         try:
             extent = self.lease(owner, total_blocks)
@@ -221,9 +227,10 @@ class ReaderCore:
             return extent
         finally:
             turn.end()
-            if queued:
+            if queued and pending:
                 with self._cond:
                     self._read_q_tokens -= pending
+                    self.on_read_q()
 
     def _store_read_fault(self, key: str) -> None:
         spec = self.faults.decide(FaultSite.STORE_READ)
@@ -290,6 +297,14 @@ class StorageReader(TransportEndpoint):
         self.transport.register(BUFFER_POOL, self.core.pool.buffer)
         self.transport.seal()
         self.metrics = ReaderMetrics.start(cfg, self.core)
+        # The scheduler learns this node's read queue from here, when it changes (and this
+        # incarnation at once: a new one tells it the old process and its extents are gone).
+        self.reporter = QueueReporter(
+            self.core.read_q, self._send_report, cfg.scheduler.report_interval_ms / 1000.0, name=f"queue-{endpoint}"
+        )
+        self.core.on_read_q = self.reporter.changed
+        self.directory = ActorDirectory(cfg.runtime.namespace)
+        self.reporter.start()
         self.keeper = TransportKeeper(self.transport, cfg.runtime.namespace, cfg.runtime.request_timeout_s)
         if restarted:
             self.keeper.heal()  # a new gloo world once this __init__ returned (the join needs it to serve)
@@ -297,6 +312,10 @@ class StorageReader(TransportEndpoint):
     def __repr__(self) -> str:
         # Ray prefixes this actor's log lines with it and shows it as the dashboard's repr name.
         return getattr(self, "name", type(self).__name__)
+
+    def _send_report(self, read_q: int) -> None:
+        report = ReaderReport(self.core.node_id, self.name, self.incarnation, read_q)
+        self.directory.get("scheduler").reader_report.remote(report)
 
     def node_labels(self) -> dict[str, str]:
         return dict(ray.get_runtime_context().get_node_labels())

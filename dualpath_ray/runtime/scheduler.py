@@ -1,12 +1,15 @@
 """The singleton Scheduler actor (`scheduler` in the dualpath namespace).
 
-A thin async shell: callers await `generate(spec)`; group leaders pull with `fetch_decode` /
-`fetch_prefill` and their load reports; decisions come from the pure `Dispatcher`. The prefix
-index lives here (rebuilt from the store at start), so the hit tokens of a turn are known when
-it is queued, and it learns of every persisted block from the decode engine's turn result before
-that result is returned, so the next turn of a trajectory always sees its predecessor's blocks.
-Which engines are alive, and what their deaths cost, is the heartbeat watchdog's
-(runtime/watchdog.py, a mixin of this actor).
+A thin async shell around the pure scheduler core. Callers submit turns in batches (`submit`,
+from a `SchedulerClient`: api/client.py) and collect their results with one long-poll
+(`collect`), or await one turn (`generate`, `generate_stream`). Decisions are event-driven and
+pushed (runtime/decisions.py: the rounds the simulator runs too), engines tell it what a step
+produced in one report (`report`: handoffs taken, turns ended, streamed tokens), readers tell it
+their read queues when they change (`reader_report`), and the heartbeat watchdog
+(runtime/watchdog.py) judges who is alive. The prefix index lives here (rebuilt from the store
+at start) and learns every persisted block from the turn result before that result is
+answered, so the next turn of a trajectory always sees its predecessor's blocks. An idle
+scheduler makes no call and wakes for nothing.
 """
 
 from __future__ import annotations
@@ -15,12 +18,13 @@ import asyncio
 import dataclasses
 import logging
 import time
-from typing import Any, AsyncIterator
+from collections import Counter
+from typing import Any, AsyncIterator, Mapping
 
 import ray
-import ray.exceptions
 
 from dualpath_ray.config import DualPathConfig
+from dualpath_ray.faults.injector import FaultInjector
 from dualpath_ray.kv.eviction import LRUEviction
 from dualpath_ray.kv.index import PrefixIndex
 from dualpath_ray.kv.layout import KVLayout
@@ -30,13 +34,15 @@ from dualpath_ray.runtime.aborts import Aborts
 from dualpath_ray.runtime.actor_metrics import SchedulerMetrics
 from dualpath_ray.runtime.adoption import Adoptions
 from dualpath_ray.runtime.control import ClusterControl
+from dualpath_ray.runtime.decisions import Decisions, ReaderStates
+from dualpath_ray.runtime.mailboxes import Mailboxes
 from dualpath_ray.runtime.messages import (
-    DecodeReservation,
+    Collected,
+    EngineReport,
     ErrorKind,
-    GroupReport,
-    Holding,
     PeerState,
-    PrefillTask,
+    ReaderReport,
+    Refusal,
     RequestSpec,
     StreamDelta,
     TensorSpec,
@@ -45,13 +51,16 @@ from dualpath_ray.runtime.messages import (
     aborted_result,
     failed_result,
 )
-from dualpath_ray.runtime.restarts import IncarnationTracker, was_restarted
-from dualpath_ray.runtime.watchdog import HeartbeatWatch
+from dualpath_ray.runtime.restarts import was_restarted
+from dualpath_ray.runtime.watchdog import Watchdog
 from dualpath_ray.scheduling.dispatcher import Constants
-from dualpath_ray.scheduling.scheduler import CoreSettings, SchedulerCore, is_attempt
-from dualpath_ray.scheduling.types import Role
+from dualpath_ray.scheduling.liveness import Liveness, is_attempt
+from dualpath_ray.scheduling.scheduler import CoreSettings, SchedulerCore
 
 LOG = logging.getLogger("dualpath_ray.scheduler")
+# How long a client's `collect` waits for a first result before it answers with none (the
+# client asks again while it has turns in flight).
+COLLECT_WAIT_S = 10.0
 
 
 def build_core(cfg: DualPathConfig, store_root: str | None, mode: str, epoch: int = 0) -> SchedulerCore:
@@ -67,10 +76,13 @@ def build_core(cfg: DualPathConfig, store_root: str | None, mode: str, epoch: in
 
 
 @ray.remote(num_cpus=0, max_concurrency=4096)
-class Scheduler(HeartbeatWatch):
-    """Named, detached singleton; `generate` is awaited by every caller."""
+class Scheduler:
+    """Named, detached singleton. `routes` maps engine names to the actors that answer for them
+    (the scale harness's simulated engines); empty in every deployment."""
 
-    def __init__(self, cfg: DualPathConfig, store_root: str | None, mode: str) -> None:
+    def __init__(
+        self, cfg: DualPathConfig, store_root: str | None, mode: str, routes: Mapping[str, str] | None = None,
+    ) -> None:
         # A new epoch per incarnation (Ray restarts this actor with the same arguments).
         self.cfg = cfg
         self.core = build_core(cfg, store_root, mode, epoch=time.time_ns())
@@ -78,33 +90,20 @@ class Scheduler(HeartbeatWatch):
         self.adoptions = Adoptions()
         self.aborts = Aborts()
         self.streams: dict[str, asyncio.Queue[TokenChunk]] = {}  # request id -> its tokens as sampled
-        self.incarnations = IncarnationTracker()
-        # Attempts failed because their engine went silent: their extents are reclaimed only
-        # once the death is certain (Ray reports it, or the engine comes back as a new process).
-        self.unreclaimed: dict[str, list[str]] = {}
-        self.control = ClusterControl(cfg)
+        self.control = ClusterControl(cfg, routes)
         self.asleep = False
         self.starting: asyncio.Task[None] | None = None
         self.pending: dict[str, asyncio.Future[TurnResult]] = {}
-        self.started_at = time.time()
-        # Set when a role may have new work: leaders waiting in a fetch wake at once instead of
-        # polling (decode: a request arrived or one finished and freed HBM; prefill: a request
-        # got its decode engine, or one finished and lightened an engine).
-        self.new_work = {"decode": asyncio.Event(), "prefill": asyncio.Event()}
-        self.watchdog: asyncio.Task[None] | None = None
-        self.unheld_since: dict[str, float] = {}
-        # Fetches per group so far, and the group and fetch that carried each request's latest
-        # assignment (see _in_delivery).
-        self.fetches: dict[str, int] = {}
-        self.delivering: dict[str, tuple[str, int]] = {}
-        self.silent_since: dict[str, float] = {}
-        self.calls: dict[str, int] = {
-            "generate": 0, "complete": 0, "fetch_decode": 0, "fetch_prefill": 0, "empty_waits": 0,
-            "retries": 0, "timeouts": 0, "stale_results": 0, "unindexed_blocks": 0, "dead_engines": 0,
-            "lost_assignments": 0, "dead_readers": 0, "stale_holdings": 0, "presumed_dead": 0,
-            "restarted_engines": 0, "restarted_readers": 0, "reader_unavailable": 0, "worlds_formed": 0,
-        }
+        self.clients: dict[str, str] = {}  # request id -> the client that submitted it (submit/collect)
+        self.mailboxes = Mailboxes(expiry_s=cfg.runtime.request_timeout_s + 4 * COLLECT_WAIT_S)
+        self.calls: Counter[str] = Counter()
+        self.liveness = Liveness(cfg.runtime.heartbeat_timeout_s, time.monotonic)
+        self.readers = ReaderStates()
+        self.faults = FaultInjector(cfg.faults, "scheduler", self.restarted)
         self.metrics = SchedulerMetrics.start(cfg, mode, self.calls)
+        # Both need the running event loop: made by the first call (see _started).
+        self.decisions: Decisions | None = None
+        self.watchdog: Watchdog | None = None
 
     def __repr__(self) -> str:
         # Ray prefixes this actor's log lines with it and shows it as the dashboard's repr name.
@@ -115,16 +114,29 @@ class Scheduler(HeartbeatWatch):
         return True
 
     async def _started(self) -> None:
-        """Every entry point awaits this: the watchdog runs, and a restarted incarnation has
-        learnt what the engines hold (runtime/adoption.py) before it serves or dispatches."""
+        """Every entry point awaits this: the decisions and the watchdog run, and a restarted
+        incarnation has learnt what the engines hold (runtime/adoption.py) before it serves."""
         if self.starting is None:
             self.starting = asyncio.get_running_loop().create_task(self._start())
         await asyncio.shield(self.starting)
 
     async def _start(self) -> None:
+        self.decisions = Decisions(
+            self.cfg, self.core, self.control, self.liveness, self.readers, self._accepted, self.faults, self.calls,
+            self.metrics,
+        )
+        self.watchdog = Watchdog(
+            self.cfg, self.core, self.control, self.liveness, self.adoptions, self.readers, self.calls,
+            self._fail, self.decisions.rounds.everything_changed,
+        )
         if self.restarted:
-            await self._learn_holdings()
-        self.watchdog = asyncio.get_running_loop().create_task(self._watch())
+            await self.watchdog.learn_holdings()
+        self.decisions.rounds.start()
+        asyncio.get_running_loop().create_task(self.watchdog.run())
+
+    def _accepted(self, engine: str, incarnation: str) -> None:
+        assert self.watchdog is not None
+        self.watchdog.observe(engine, incarnation)
 
     async def reform_transport(self, requester: str) -> bool:
         """A restarted or broken gloo endpoint (`requester`) asks for a new world over every
@@ -149,8 +161,9 @@ class Scheduler(HeartbeatWatch):
     async def wake_up(self) -> None:
         """Wake every engine (memory allocated again, peers told to fetch its new addressing)."""
         await self._started()
+        assert self.watchdog is not None
         for engine, incarnation in (await self.control.wake_up()).items():
-            self.incarnations.known[engine] = incarnation  # a wake, not a restart: nothing to fail
+            self.watchdog.incarnations.known[engine] = incarnation  # a wake, not a restart: nothing to fail
         self.asleep = False
 
     async def join_weight_group(self, host: str, port: int, group_name: str = "policy", timeout_s: float = 300.0) -> int:
@@ -177,39 +190,74 @@ class Scheduler(HeartbeatWatch):
                 "(abort_all() first to stop them)"
             )
 
-    def _note_report(self, role: Role, report: GroupReport) -> None:
-        """New incarnations in a report (restarts), then its reader's state: a reader that did
-        not answer is routed around (see note_report)."""
-        for name, incarnation in report.incarnations:
-            self._observe(name, incarnation)
-        if report.reader_state is PeerState.DEAD and report.node_id not in self.core.readers_dead:
-            self.calls["dead_readers"] += 1
-        elif report.reader_state in (PeerState.SILENT, PeerState.RESTARTING):
-            self.calls["reader_unavailable"] += 1
-        for spec in self.core.note_report(role, report):
-            self._complete(failed_result(spec, f"reader/{report.node_id}", "storage reader died", ErrorKind.PEER_DIED))
-
-    def _tell(self, actor: str, method: str, *args: Any) -> None:
-        try:
-            getattr(self.control.handle(actor), method).remote(*args)
-        except ValueError:
-            pass  # that actor is gone
-
     async def mode(self) -> str:
         """The read-path mode this scheduler was deployed with."""
         return self.core.mode
+
+    # --- turns: batched (submit + collect) and one at a time (generate) ------------------
+
+    def _refusal(self, spec: RequestSpec) -> Refusal | None:
+        if spec.request_id in self.aborts.running or spec.request_id in self.adoptions.waiting:
+            return Refusal.DUPLICATE
+        if self.asleep:
+            return Refusal.ASLEEP
+        return None
+
+    async def submit(self, client: str, specs: list[RequestSpec]) -> tuple[int, list[Refusal | None]]:
+        """Start serving a client's turns; their results wait for its `collect`. Returns this
+        incarnation's epoch and, per turn, why it was refused (None: accepted). A turn the same
+        client already submitted is accepted again without a second serving (a client resubmits
+        what it had in flight when it sees that the scheduler restarted)."""
+        await self._started()
+        self.calls["submit"] += 1
+        refusals: list[Refusal | None] = []
+        for spec in specs:
+            if self.clients.get(spec.request_id) == client:
+                refusals.append(None)
+                continue
+            refusal = self._refusal(spec)
+            refusals.append(refusal)
+            if refusal is None:
+                self.clients[spec.request_id] = client
+                asyncio.get_running_loop().create_task(self._serve_for(client, spec))
+        return self.core.epoch, refusals
+
+    async def _serve_for(self, client: str, spec: RequestSpec) -> None:
+        try:
+            result = await self._generate(spec)
+        except Exception as exc:  # noqa: BLE001 - a bug must reach the caller, not hang it
+            LOG.exception("serving %s failed", spec.request_id)
+            result = failed_result(spec, "scheduler", exc, ErrorKind.INTERNAL)
+        finally:
+            self.clients.pop(spec.request_id, None)
+        self.mailboxes.deliver(client, result)
+
+    async def collect(self, client: str, epoch: int | None, wait_s: float = COLLECT_WAIT_S) -> Collected:
+        """The client's finished turns, as soon as there is one (or none after wait_s). A client
+        that knew another epoch is answered at once: this incarnation restarted and does not
+        know what it submitted before (the client submits it again)."""
+        await self._started()
+        self.calls["collect"] += 1
+        if epoch is not None and epoch != self.core.epoch:
+            return Collected(self.core.epoch)
+        results = await self.mailboxes.collect(client, wait_s)
+        return Collected(self.core.epoch, tuple(results))
 
     async def generate(self, spec: RequestSpec) -> TurnResult:
         """Serve one turn: its result, or a failed result with an ErrorKind once its retries or
         its deadline (runtime.request_timeout_s) are used up. Never waits forever."""
         await self._started()
-        if spec.request_id in self.aborts.running or spec.request_id in self.adoptions.waiting:
-            raise ValueError(f"request id {spec.request_id!r} is already in flight; ids must be unique")
-        if self.asleep:
-            raise RuntimeError("the cluster is asleep: call wake_up() before generating")
+        refusal = self._refusal(spec)
+        if refusal is not None:
+            raise refusal.error(spec.request_id)
+        return await self._generate(spec)
+
+    async def _generate(self, spec: RequestSpec) -> TurnResult:
         self.calls["generate"] += 1
         if not self.aborts.start(spec.request_id):
             return aborted_result(spec)  # its trajectory was aborted
+        assert self.watchdog is not None
+        self.watchdog.work.set()
         try:
             return await self._serve(spec)
         finally:
@@ -270,8 +318,73 @@ class Scheduler(HeartbeatWatch):
         getter.cancel()
         return None
 
-    async def stream(self, chunks: list[TokenChunk]) -> None:
-        """Decode engines' streamed tokens of one step; only the attempt in flight is passed on."""
+    async def _adopt(self, request_id: str, deadline: float) -> TurnResult | None:
+        """The result of a dead incarnation's attempt that an engine still holds (None: there
+        is none, or it was dropped; the request is then dispatched afresh)."""
+        result = self.adoptions.claim(request_id)
+        if result is not None or request_id not in self.adoptions.holders:
+            return result
+        try:
+            return await asyncio.wait_for(self.adoptions.wait_for(request_id), max(0.0, deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            return None
+        finally:
+            self.adoptions.forget(request_id)
+
+    async def _attempt(self, spec: RequestSpec, deadline: float) -> TurnResult:
+        assert self.decisions is not None
+        future: asyncio.Future[TurnResult] = asyncio.get_running_loop().create_future()
+        self.pending[spec.request_id] = future
+        try:
+            self.decisions.rounds.submit(spec)
+            return await asyncio.wait_for(future, max(0.0, deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            self.calls["timeouts"] += 1
+            self._cancel_at(self.core.abandon(spec.request_id), spec.owner)
+            self.decisions.rounds.everything_changed()  # what it held is free again
+            return failed_result(
+                spec, "scheduler", f"no result within runtime.request_timeout_s={self.cfg.runtime.request_timeout_s}",
+                ErrorKind.TIMEOUT,
+            )
+        finally:
+            self.pending.pop(spec.request_id, None)
+            self.liveness.forget(spec.owner)
+
+    def _cancel_at(self, engines: tuple[str, ...], owner: str) -> None:
+        """Drop what one attempt ("request#attempt") holds at these engines and has not started
+        (a queued prefill, a handoff not taken yet); one that already started finishes on its own."""
+        for engine in engines:
+            self.control.cancel(engine, owner)
+
+    # --- what engines and readers tell -------------------------------------------------------
+
+    async def report(self, report: EngineReport) -> None:
+        """One step of an engine: the handoffs it took (those attempts are decoding and no
+        longer depend on their prefill engines), the turns that ended, the tokens it streamed."""
+        await self._started()
+        assert self.decisions is not None and self.watchdog is not None
+        self.calls["report"] += 1
+        self.watchdog.observe(report.engine, report.incarnation)
+        for rid, holding in report.handed_off.items():
+            request = self.core.requests.get(rid)
+            if request is not None and is_attempt(holding, request.spec):
+                self.decisions.rounds.handed_off(rid)
+        for result in report.results:
+            self._complete(result)
+        self._stream(report.chunks)
+
+    async def reader_report(self, report: ReaderReport) -> None:
+        """A reader's read queue changed (or the reader just started)."""
+        await self._started()
+        assert self.watchdog is not None
+        self.calls["reader_report"] += 1
+        self.watchdog.observe(report.reader, report.incarnation)
+        self.core.dispatcher.report_read_q(report.node_id, report.read_q_tokens)
+        if self.readers.state(report.node_id) is not PeerState.ALIVE and report.node_id not in self.core.readers_dead:
+            self.watchdog.reader_state(report.node_id, PeerState.ALIVE)
+
+    def _stream(self, chunks: tuple[TokenChunk, ...]) -> None:
+        """Streamed tokens of one step; only the attempt in flight is passed on."""
         for chunk in chunks:
             queue = self.streams.get(chunk.request_id)
             request = self.core.requests.get(chunk.request_id)
@@ -280,15 +393,30 @@ class Scheduler(HeartbeatWatch):
             ):
                 queue.put_nowait(chunk)
 
-    async def handed_off(self, held: dict[str, Holding]) -> None:
-        """A decode engine took these attempts' handoffs: they are decoding and no longer depend
-        on their prefill engines (the heartbeat learns the same a beat later, or never when the
-        turn ends first: `in_flight` and a prefill engine's death would see them prefilling)."""
-        await self._started()
-        for rid, holding in held.items():
-            request = self.core.requests.get(rid)
-            if request is not None and is_attempt(holding, request.spec):
-                self.core.handed_off(rid)
+    def _fail(self, spec: RequestSpec, by: str, why: str) -> None:
+        self._complete(failed_result(spec, by, why, ErrorKind.PEER_DIED))
+
+    def _complete(self, result: TurnResult) -> None:
+        assert self.decisions is not None
+        self.calls["complete"] += 1
+        current = self.core.is_current(result)
+        request = self.core.requests.get(result.request_id)
+        decode_engine = result.decode_engine or (request.decode_engine if request is not None else "")
+        holders = self.decisions.rounds.finish(result, self.decisions.decode_group_of.get(decode_engine))
+        self._cancel_at(holders, result.owner)
+        if not current:
+            if result.epoch != self.core.epoch and self.adoptions.deliver(result):
+                self.calls["adopted"] = self.adoptions.adopted
+                return
+            self.calls["stale_results"] += 1
+            return
+        self.liveness.forget(result.owner)
+        self.metrics.finished(result)
+        future = self.pending.get(result.request_id)
+        if future is not None and not future.done():
+            future.set_result(result)
+
+    # --- aborts -------------------------------------------------------------------------
 
     async def abort(self, request_id: str) -> bool:
         """Stop one request now: its caller gets a result with stop reason `aborted` (no
@@ -320,10 +448,11 @@ class Scheduler(HeartbeatWatch):
         self.calls["aborted"] = self.aborts.count
         request = self.core.requests.get(request_id)
         if request is not None:
-            self.delivering.pop(request_id, None)
-            self.unheld_since.pop(request_id, None)
+            self.liveness.forget(request.spec.owner)
             for engine in self.core.abandon(request_id):
-                self._tell(engine, "abort", request.spec.owner)
+                self.control.abort(engine, request.spec.owner)
+            assert self.decisions is not None
+            self.decisions.rounds.everything_changed()  # what it held is free again
             future = self.pending.get(request_id)
             if future is not None and not future.done():
                 future.set_result(aborted_result(request.spec))
@@ -332,104 +461,7 @@ class Scheduler(HeartbeatWatch):
             waiting.set_result(None)  # stop waiting for a dead incarnation's attempt
         return True
 
-    async def _adopt(self, request_id: str, deadline: float) -> TurnResult | None:
-        """The result of a dead incarnation's attempt that an engine still holds (None: there
-        is none, or it was dropped; the request is then dispatched afresh)."""
-        result = self.adoptions.claim(request_id)
-        if result is not None or request_id not in self.adoptions.holders:
-            return result
-        try:
-            return await asyncio.wait_for(self.adoptions.wait_for(request_id), max(0.0, deadline - time.monotonic()))
-        except asyncio.TimeoutError:
-            return None
-        finally:
-            self.adoptions.forget(request_id)
-
-    async def _attempt(self, spec: RequestSpec, deadline: float) -> TurnResult:
-        future: asyncio.Future[TurnResult] = asyncio.get_running_loop().create_future()
-        self.pending[spec.request_id] = future
-        try:
-            self.core.submit(spec)
-            self.new_work["decode"].set()
-            return await asyncio.wait_for(future, max(0.0, deadline - time.monotonic()))
-        except asyncio.TimeoutError:
-            self.calls["timeouts"] += 1
-            self.delivering.pop(spec.request_id, None)
-            self._cancel_at(self.core.abandon(spec.request_id), spec.owner)
-            return failed_result(
-                spec, "scheduler", f"no result within runtime.request_timeout_s={self.cfg.runtime.request_timeout_s}",
-                ErrorKind.TIMEOUT,
-            )
-        finally:
-            self.pending.pop(spec.request_id, None)
-
-    def _cancel_at(self, engines: tuple[str, ...], owner: str) -> None:
-        """Drop what one attempt ("request#attempt") holds at these engines and has not started
-        (an HBM reservation, a queued prefill); one that already started finishes on its own."""
-        for engine in engines:
-            self._tell(engine, "cancel", owner)
-
-    async def fetch_decode(self, report: GroupReport, wait_s: float = 0.0) -> list[DecodeReservation]:
-        """A decode group's pull; with nothing to place, waits up to wait_s for new work."""
-        await self._started()
-        self._note_report(Role.DECODE, report)
-        placed = await self._fetch("decode", report.group_id, lambda: self.core.fetch_decode(report), wait_s)
-        if placed:
-            self.new_work["prefill"].set()
-        return placed
-
-    async def fetch_prefill(self, report: GroupReport, wait_s: float = 0.0) -> list[PrefillTask]:
-        """A prefill group's pull; with nothing to assign, waits up to wait_s for new work.
-
-        The report was taken before the wait; meanwhile its engines can only have finished work
-        (no one else assigns to them), so deciding on it after the wait is conservative."""
-        await self._started()
-        self._note_report(Role.PREFILL, report)
-        return await self._fetch("prefill", report.group_id, lambda: self.core.fetch_prefill(report), wait_s)
-
-    async def _fetch(self, role: str, group: str, fetch: Any, wait_s: float) -> list[Any]:
-        self.calls[f"fetch_{role}"] += 1
-        # A leader fetches again only once it has delivered (or given up on) its last answer.
-        self.fetches[group] = self.fetches.get(group, 0) + 1
-        work = self.metrics.decide(role, fetch)
-        if not work and wait_s > 0:
-            event = self.new_work[role]
-            event.clear()
-            self.calls["empty_waits"] += 1
-            try:
-                await asyncio.wait_for(event.wait(), wait_s)
-            except asyncio.TimeoutError:
-                return []
-            work = self.metrics.decide(role, fetch)
-        self.metrics.placed(role, work)
-        for item in work:
-            self.delivering[item.request_id] = (group, self.fetches[group])
-        return work
-
-    async def complete(self, result: TurnResult) -> None:
-        await self._started()
-        self._complete(result)
-
-    def _complete(self, result: TurnResult) -> None:
-        self.calls["complete"] += 1
-        current = self.core.is_current(result)
-        holders = self.core.finish(result)
-        self._cancel_at(holders, result.owner)
-        if not current:
-            if result.epoch != self.core.epoch and self.adoptions.deliver(result):
-                self.calls["adopted"] = self.adoptions.adopted
-                return
-            self.calls["stale_results"] += 1
-            return
-        self.delivering.pop(result.request_id, None)
-        self.metrics.finished(result)
-        future = self.pending.get(result.request_id)
-        if future is not None and not future.done():
-            future.set_result(result)
-        # A finished turn frees its decode engine's HBM, which matters only to requests still
-        # waiting for a decode engine; prefill engines were lightened at handoff already.
-        if self.core.decode_waiting():
-            self.new_work["decode"].set()
+    # --- views --------------------------------------------------------------------------
 
     async def in_flight(self) -> dict[str, dict[str, Any]]:
         """Each live request: its state, attempt and the engines it holds (for `status` and tests)."""
@@ -440,8 +472,8 @@ class Scheduler(HeartbeatWatch):
         }
 
     async def check_integrity(self) -> int:
-        """The dispatcher's queue invariants (raises naming what is wrong); returns the number
-        of requests in flight, which is 0 once every caller has its answer."""
+        """The dispatcher's queue and book invariants (raises naming what is wrong); returns the
+        number of requests in flight, which is 0 once every caller has its answer."""
         self.core.dispatcher.check_integrity()
         return len(self.core.requests)
 
@@ -450,21 +482,33 @@ class Scheduler(HeartbeatWatch):
         presumed dead from silence, nodes whose reader is gone or unavailable, nodes whose hits
         are read through the DE path instead, and the last incarnation seen of each actor."""
         core = self.core
+        known = self.watchdog.incarnations.known if self.watchdog is not None else {}
         return {
             "dead": sorted(core.dead), "presumed_dead": sorted(core.presumed_dead),
             "readers_dead": sorted(core.readers_dead), "readers_unavailable": sorted(core.readers_unavailable),
             "no_pe_reads": sorted(core.dispatcher.no_pe_reads),
-            "incarnations": [f"{name}={inc}" for name, inc in sorted(self.incarnations.known.items())],
+            "incarnations": [f"{name}={inc}" for name, inc in sorted(known.items())],
         }
 
     async def call_counts(self) -> dict[str, int]:
-        """How often each entry point ran (pulls, empty pulls that waited, turns), retries and
-        their causes, and the store's evictions."""
+        """How often each entry point ran (submits, collects, engine and reader reports, task
+        pushes, heartbeats, turns), retries and their causes, and the store's evictions."""
         evicted = self.core.eviction.stats.evicted_blocks if self.core.eviction is not None else 0
+        rounds = self.decisions.rounds.stats if self.decisions is not None else None
         return {**self.calls, "evicted_blocks": evicted,
                 "indexed_blocks": len(self.core.index), "readmitted": self.core.readmitted,
                 "adopted": self.adoptions.adopted, "adoptions_dropped": self.adoptions.dropped,
-                "restarted": int(self.restarted)}
+                "restarted": int(self.restarted), "mailboxes": len(self.mailboxes),
+                "dropped_results": self.mailboxes.dropped,
+                "decode_pulls": rounds.decode_pulls if rounds else 0, "prefill_pulls": rounds.prefill_pulls if rounds else 0}
+
+    async def tracked(self) -> dict[str, int]:
+        """Sizes of every per-request table this actor keeps (a soak test checks they return to
+        their starting size once the turns are done)."""
+        silent, unheld, delivering = self.liveness.tracked()
+        return {"requests": len(self.core.requests), "pending": len(self.pending), "clients": len(self.clients),
+                "streams": len(self.streams), "running": len(self.aborts.running),
+                "silent": silent, "unheld": unheld, "delivering": delivering}
 
     async def recent_turns(self) -> list[tuple[float, float, float, str]]:
         """(finished at, ttft_s, tpot_s, path) of the latest served turns, for `dualpath status`."""

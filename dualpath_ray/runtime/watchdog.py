@@ -1,139 +1,173 @@
-"""The scheduler's heartbeat watchdog: which engines are alive, and what their deaths cost.
+"""The scheduler's heartbeat watchdog: which engines and readers are alive, and what their
+deaths, silences and restarts cost.
 
-A mixin of the Scheduler actor (runtime/scheduler.py), kept apart because it is one concern:
-every heartbeat_s it asks the engines that hold requests what they hold (`holds`). An engine Ray
-reports dead or restarting, or one silent for heartbeat_timeout_s, is dead: its attempts fail
-with PEER_DIED (their callers retry them elsewhere) and its extents are reclaimed once its death
-is certain. A new incarnation proves the old process gone. A request no live engine holds for
-heartbeat_timeout_s is failed the same way, unless the answer that carried its assignment may
-still be on its way. A restarted scheduler first learns what the engines hold (adoption).
+Every runtime.heartbeat_s, while requests are in flight, it asks each engine that holds some
+what it holds (`holds`), and each reader of a node in use for its read queue; it feeds the
+answers to the pure `Liveness` (scheduling/liveness.py), which owns every deadline, and acts on
+its verdicts. With nothing in flight it sleeps until something is submitted.
+
+- An engine Ray reports dead or restarting, or one silent for heartbeat_timeout_s, is dead: its
+  attempts fail with PEER_DIED (their callers retry them elsewhere) and its extents are
+  reclaimed once its death is certain. One only presumed dead that answers again is taken back.
+- A new incarnation (in any answer, report or push reply) proves the old process gone: what
+  depended on it is failed and reclaimed, and it takes work again.
+- A reader that does not answer is routed around (see SchedulerCore.note_report).
+- An attempt no live engine holds for the grace is failed the same way (scheduling/liveness.py).
+- A restarted scheduler first learns what the engines hold (runtime/adoption.py).
+
+A composed object: the Scheduler actor hands it what it uses and the one action it needs back,
+`fail(spec, by, why)`, which ends an attempt with PEER_DIED; `changed()` tells the rounds that
+every group must be asked again (an engine or reader came or went).
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
-from typing import Callable
+from collections import Counter
+from typing import Any, Callable
 
-import ray
 import ray.exceptions
 
 from dualpath_ray.config import DualPathConfig
 from dualpath_ray.runtime.adoption import Adoptions
 from dualpath_ray.runtime.control import ClusterControl
-from dualpath_ray.runtime.messages import EngineHoldings, ErrorKind, Holding, PeerState, TurnResult, failed_result
+from dualpath_ray.runtime.decisions import ReaderStates
+from dualpath_ray.runtime.messages import EngineHoldings, GroupReport, Holding, PeerState, RequestSpec
 from dualpath_ray.runtime.restarts import IncarnationTracker, peer_state_of
-from dualpath_ray.scheduling.requests import RequestState
-from dualpath_ray.scheduling.scheduler import SchedulerCore, is_attempt
+from dualpath_ray.runtime.topology import plan_nodes
+from dualpath_ray.scheduling.liveness import Liveness
+from dualpath_ray.scheduling.loads import EngineLoad
+from dualpath_ray.scheduling.scheduler import SchedulerCore
+from dualpath_ray.scheduling.types import Role
+
+Fail = Callable[[RequestSpec, str, str], None]
 
 
-class HeartbeatWatch:
-    """What the Scheduler's __init__ sets up, and the two calls of its own this part uses."""
+class Watchdog:
+    def __init__(
+        self, cfg: DualPathConfig, core: SchedulerCore, control: ClusterControl, liveness: Liveness,
+        adoptions: Adoptions, readers: ReaderStates, calls: Counter[str], fail: Fail, changed: Callable[[], None],
+    ) -> None:
+        self.cfg = cfg
+        self.core = core
+        self.control = control
+        self.liveness = liveness
+        self.adoptions = adoptions
+        self.readers = readers
+        self.calls = calls
+        self.fail = fail
+        self.changed = changed
+        self.incarnations = IncarnationTracker()
+        # Attempts failed because their engine went silent: their extents are reclaimed only
+        # once the death is certain (Ray reports it, or the engine comes back as a new process).
+        self.unreclaimed: dict[str, list[str]] = {}
+        nodes = plan_nodes(cfg)
+        self.node_of = {engine: spec.node_id for spec in nodes for engine in spec.engine_names()}
+        self.role_of = {spec.node_id: Role(spec.role) for spec in nodes}
+        self.engines_of = {spec.node_id: spec.engine_names() for spec in nodes}
+        self.reader_of = {spec.node_id: spec.reader_name for spec in nodes}
+        self.work = asyncio.Event()  # set while requests may be in flight: the watch runs
 
-    cfg: DualPathConfig
-    core: SchedulerCore
-    control: ClusterControl
-    adoptions: Adoptions
-    incarnations: IncarnationTracker
-    calls: dict[str, int]
-    silent_since: dict[str, float]  # engine -> since when it has not answered
-    unheld_since: dict[str, float]  # request id -> since when no live engine holds it
-    unreclaimed: dict[str, list[str]]  # engine -> owners whose extents wait for its death to be certain
-    delivering: dict[str, tuple[str, int]]  # request id -> (group, fetch) that carried its assignment
-    fetches: dict[str, int]  # group -> fetches so far
-    _complete: Callable[[TurnResult], None]
-    _tell: Callable[..., None]
+    # --- the loop -----------------------------------------------------------------------
 
-    async def _learn_holdings(self) -> None:
-        engines = self.control.engines
-        answers = await asyncio.gather(*(self._holds(e, self.cfg.runtime.heartbeat_timeout_s) for e in engines))
-        for engine, (answer, _) in zip(engines, answers):
-            if answer is not None:
-                self.incarnations.observe(engine, answer.incarnation)
-            for owner in self.adoptions.learn(engine, answer.held if answer is not None else {}):
-                self._tell(engine, "cancel", owner)
-        self.calls["adoptable"] = len(self.adoptions.holders)
-
-    async def _watch(self) -> None:
-        """Heartbeats to the engines that hold requests. One that Ray reports dead or
-        restarting, or that has not answered for heartbeat_timeout_s (hung, its worker loop
-        died, its answers lost), is dead: its requests are failed with PEER_DIED (their generate
-        loops retry them elsewhere) and it gets no more work until it answers again. A request no live engine holds for heartbeat_timeout_s (its
-        assignment died in transit with a group leader, or a message was lost) is failed the same
-        way; one on an engine that merely missed a beat waits."""
+    async def run(self) -> None:
         runtime = self.cfg.runtime
         while True:
+            if not self._watching():
+                self.work.clear()
+                await self.work.wait()  # nothing in flight: sleep until something is submitted
             await asyncio.sleep(runtime.heartbeat_s)
-            in_use = self.core.dispatcher.engines_in_use() | self.adoptions.engines()
-            engines = sorted(in_use - self.core.out_of_service())
-            answers = await asyncio.gather(*(self._holds(e, runtime.heartbeat_timeout_s) for e in engines))
-            held, silent, now = {}, set(), time.monotonic()
-            for engine, (answer, state) in zip(engines, answers):
-                gone = state is PeerState.DEAD
-                if answer is not None:
-                    self.silent_since.pop(engine, None)
-                    self._observe(engine, answer.incarnation)
-                    held[engine] = answer.held
-                elif (gone or state is PeerState.RESTARTING
-                      or now - self.silent_since.setdefault(engine, now) >= runtime.heartbeat_timeout_s):
-                    # Ray restarting it means its process died: its attempts are lost, so they are
-                    # retried at once; its extents are reclaimed once the new incarnation shows.
-                    self.silent_since.pop(engine, None)
-                    self._engine_died(engine, confirmed=gone)
-                else:
-                    silent.add(engine)
-            self._fail_lost(held, silent, runtime.heartbeat_timeout_s)
-            self.adoptions.check(held, silent, now, runtime.heartbeat_timeout_s)
-            for engine, owner in self.core.stale_holdings(held):
-                self.calls["stale_holdings"] += 1
-                self._tell(engine, "cancel", owner)
+            await self.beat()
+
+    def _watching(self) -> bool:
+        return bool(self.core.requests or self.adoptions.holders or self.core.presumed_dead
+                    or self.core.readers_unavailable)
+
+    async def beat(self) -> None:
+        """One heartbeat round over the engines in use (and those presumed dead, to take them
+        back when they answer) and the readers of their nodes."""
+        timeout_s = self.cfg.runtime.heartbeat_timeout_s
+        engines = sorted((self.core.dispatcher.engines_in_use() | self.adoptions.engines() | self.core.presumed_dead)
+                         - self.core.dead)
+        nodes = sorted({self.node_of[e] for e in engines} | self.core.readers_unavailable)
+        answers, queues = await asyncio.gather(
+            asyncio.gather(*(self._holds(e, timeout_s) for e in engines)),
+            asyncio.gather(*(self._queue(n, timeout_s) for n in nodes)),
+        )
+        self.calls["heartbeats"] += len(engines) + len(nodes)
+        for node, (answer, state) in zip(nodes, queues):
+            self._reader_seen(node, answer, state)
+        held: dict[str, dict[str, Holding]] = {}
+        silent: set[str] = set()
+        for engine, (answer, state) in zip(engines, answers):
+            if answer is not None:
+                self.liveness.answered(engine)
+                self.observe(engine, answer.incarnation)
+                self._readmit(engine)
+                held[engine] = answer.held
+            elif engine in self.core.presumed_dead:
+                continue  # still silent: nothing more to decide
+            elif state in (PeerState.DEAD, PeerState.RESTARTING) or self.liveness.missed(engine):
+                # Ray restarting it means its process died: its attempts are lost, so they are
+                # retried at once; its extents are reclaimed once the new incarnation shows.
+                self.liveness.forget_engine(engine)
+                self.engine_died(engine, confirmed=state is PeerState.DEAD)
+            else:
+                silent.add(engine)
+        verdicts = self.liveness.check(self.core.requests.values(), held, silent)
+        for rid in verdicts.handed_off:
+            self.core.handed_off(rid)  # a lost handoff note, made up
+        for spec in verdicts.lost:
+            self.calls["lost_assignments"] += 1
+            self.fail(spec, "scheduler", "no live engine holds this attempt")
+        self.adoptions.check(held, silent, self.liveness.clock(), timeout_s)
+        for engine, owner in self.core.stale_holdings(held):
+            self.calls["stale_holdings"] += 1
+            self.control.cancel(engine, owner)
 
     async def _holds(self, engine: str, timeout_s: float) -> tuple[EngineHoldings | None, PeerState]:
         """What `engine` holds (None when it does not answer), and what its silence says: gone
         for good (DEAD), restarting, or only silent (hung, its worker loop died, the answer lost)."""
+        return await self._ask(engine, lambda handle: handle.holds.remote(engine), timeout_s)
+
+    async def _queue(self, node: str, timeout_s: float) -> tuple[tuple[str, int] | None, PeerState]:
+        return await self._ask(self.reader_of[node], lambda handle: handle.queue_report.remote(), timeout_s)
+
+    async def _ask(self, name: str, call: Callable[[Any], Any], timeout_s: float) -> tuple[Any, PeerState]:
         try:
-            handle = self.control.handle(engine)
+            handle = self.control.handle(name)
         except ValueError:
             return None, PeerState.DEAD
         try:
-            answer = await asyncio.wait_for(asyncio.wrap_future(handle.holds.remote().future()), timeout_s)
+            answer = await asyncio.wait_for(asyncio.wrap_future(call(handle).future()), timeout_s)
         except ray.exceptions.RayActorError as exc:
             return None, peer_state_of(exc)
         except Exception:  # noqa: BLE001 - hung, its worker loop died, or the answer was lost
             return None, PeerState.SILENT
         return answer, PeerState.ALIVE
 
-    def _fail_lost(self, held: dict[str, dict[str, Holding]], silent: set[str], grace_s: float) -> None:
-        now = time.monotonic()
-        lost = []
-        for rid, entry in self.core.requests.items():
-            spec = entry.spec
-            if entry.state is RequestState.QUEUED_DECODE:
-                continue
-            if entry.decode_engine in silent or entry.prefill_engine in silent or self._in_delivery(rid):
-                continue  # not known either way this round
-            at_decode = held.get(entry.decode_engine, {}).get(rid)
-            at_prefill = held.get(entry.prefill_engine, {}).get(rid) if entry.prefill_engine else None
-            delivered = is_attempt(at_decode, spec) and (
-                entry.state is RequestState.QUEUED_PREFILL or at_decode.handed_off or is_attempt(at_prefill, spec)
-            )
-            if is_attempt(at_decode, spec) and at_decode.handed_off:
-                self.core.handed_off(rid)  # its prefill engine's death no longer concerns it
-            if delivered:
-                self.unheld_since.pop(rid, None)
-            elif now - self.unheld_since.setdefault(rid, now) >= grace_s:
-                lost.append(spec)
-        for spec in lost:
-            self.unheld_since.pop(spec.request_id, None)
-            self.calls["lost_assignments"] += 1
-            self._complete(failed_result(spec, "scheduler", "no live engine holds this attempt", ErrorKind.PEER_DIED))
+    # --- adoption after a restart of the scheduler --------------------------------------
 
-    def _engine_died(self, engine: str, confirmed: bool) -> None:
+    async def learn_holdings(self) -> None:
+        """Before a restarted scheduler serves: what every engine holds of the dead
+        incarnation's attempts; those not handed off yet are cancelled (runtime/adoption.py)."""
+        engines = self.control.engines
+        answers = await asyncio.gather(*(self._holds(e, self.cfg.runtime.heartbeat_timeout_s) for e in engines))
+        for engine, (answer, _) in zip(engines, answers):
+            if answer is not None:
+                self.incarnations.observe(engine, answer.incarnation)
+            for owner in self.adoptions.learn(engine, answer.held if answer is not None else {}):
+                self.control.cancel(engine, owner)
+        self.calls["adoptable"] = len(self.adoptions.holders)
+
+    # --- engines ------------------------------------------------------------------------
+
+    def engine_died(self, engine: str, confirmed: bool) -> None:
         self.calls["dead_engines"] += 1
         self.calls["presumed_dead"] += not confirmed
         owners = []
         for spec in self.core.engine_died(engine, confirmed):
-            self._complete(failed_result(spec, engine, f"engine {engine} died", ErrorKind.PEER_DIED))
+            self.fail(spec, engine, f"engine {engine} died")
             owners.append(spec.owner)
         if confirmed:
             self._reclaim(owners + self.unreclaimed.pop(engine, []))
@@ -141,14 +175,15 @@ class HeartbeatWatch:
             # Not from an engine that only stopped answering: it may still move KV into the
             # extents, and a slot freed under a transfer would damage its next owner's KV.
             self.unreclaimed.setdefault(engine, []).extend(owners)
+        self.changed()
 
-    def _reclaim(self, owners: list[str]) -> None:
-        """Take back the extents lent to these attempts, whose engine is certainly gone."""
-        for owner in owners:
-            for node in self.core.dispatcher.read_q:
-                self._tell(f"reader/{node}", "reclaim", owner)
+    def _readmit(self, engine: str) -> None:
+        """An engine presumed dead answered: a loaded host is slow, not dead (its earlier
+        attempts were failed already; the heartbeat cancels what they still hold)."""
+        if self.core.readmit(engine):
+            self.changed()
 
-    def _observe(self, name: str, incarnation: str) -> None:
+    def observe(self, name: str, incarnation: str) -> None:
         """A new incarnation of an engine or reader proves its old process gone: fail (and so
         retry) what depended on it, reclaim what its attempts leased, and let it work again."""
         if not self.incarnations.observe(name, incarnation):
@@ -156,22 +191,51 @@ class HeartbeatWatch:
         if name.startswith("reader/"):
             node = name.removeprefix("reader/")
             self.calls["restarted_readers"] += 1
+            self.readers.set(node, PeerState.ALIVE)
             for spec in self.core.reader_restarted(node):
-                self._complete(failed_result(spec, name, "storage reader restarted", ErrorKind.PEER_DIED))
+                self.fail(spec, name, "storage reader restarted")
+            self.changed()
             return
         self.calls["restarted_engines"] += 1
-        self.silent_since.pop(name, None)
+        self.liveness.forget_engine(name)
         owners = []
         for spec in self.core.engine_restarted(name):
-            self._complete(failed_result(spec, name, f"engine {name} restarted", ErrorKind.PEER_DIED))
+            self.fail(spec, name, f"engine {name} restarted")
             owners.append(spec.owner)
         self._reclaim(owners + self.unreclaimed.pop(name, []))
+        self.changed()
 
-    def _in_delivery(self, rid: str) -> bool:
-        """Whether the fetch answer that carried this request's latest assignment may still be
-        being delivered: its group's leader has not fetched since. On a loaded host handing a
-        large answer to the members can outlast the heartbeat grace; a lost answer, a dead
-        leader (its standby fetches next) or a dead member all end with a later fetch."""
-        group, seq = self.delivering.get(rid, ("", 0))
-        return bool(group) and self.fetches.get(group, 0) == seq
+    def _reclaim(self, owners: list[str]) -> None:
+        """Take back the extents lent to these attempts, whose engine is certainly gone."""
+        for owner in owners:
+            for reader in self.reader_of.values():
+                self.control.reclaim(reader, owner)
 
+    # --- readers ------------------------------------------------------------------------
+
+    def _reader_seen(self, node: str, answer: tuple[str, int] | None, state: PeerState) -> None:
+        """A reader's heartbeat answer: its incarnation and read queue, or why it was silent."""
+        if answer is not None:
+            incarnation, read_q = answer
+            self.observe(self.reader_of[node], incarnation)
+            self.core.dispatcher.report_read_q(node, read_q)
+        self.reader_state(node, state)
+
+    def reader_state(self, node: str, state: PeerState) -> None:
+        """Act on what is known of a node's reader (see SchedulerCore.note_report)."""
+        if state is PeerState.DEAD and node not in self.core.readers_dead:
+            self.calls["dead_readers"] += 1
+        elif state in (PeerState.SILENT, PeerState.RESTARTING):
+            self.calls["reader_unavailable"] += 1
+        changed = self.readers.set(node, state)
+        role = self.role_of[node]
+        report = GroupReport(f"{role.value}/{node}", node, self._loads_of(node), None, state)
+        for spec in self.core.note_report(role, report):
+            self.fail(spec, self.reader_of[node], "storage reader died")
+        if changed:
+            self.changed()
+
+    def _loads_of(self, node: str) -> tuple[EngineLoad, ...]:
+        """The node's engines in service (what a reader's death fails, on a decode node)."""
+        out = self.core.out_of_service()
+        return tuple(EngineLoad(e, node, 0, 0) for e in self.engines_of[node] if e not in out)

@@ -29,6 +29,14 @@ def prefill_tokens(prompt_tokens: int, hit_tokens: int) -> int:
     return max(1, prompt_tokens - hit_tokens)
 
 
+def decode_tokens(prompt_tokens: int, max_new_tokens: int, block_size: int) -> int:
+    """What one request weighs on a decode engine: the HBM it holds there, prompt + max new
+    tokens in whole pages of block_size tokens (decode engines hold KV in whole pages, so the
+    scheduler's free-HBM arithmetic equals the engine's exactly)."""
+    pages = -(-(prompt_tokens + max_new_tokens) // block_size)
+    return pages * block_size
+
+
 @dataclass(frozen=True)
 class EngineLoad:
     """One engine's load report (paper section 6).

@@ -80,10 +80,12 @@ class _Pulls:
 
 @dataclass
 class Outputs:
-    """Where decisions go: each reservation as it is made, each prefill group's tasks at once."""
+    """Where decisions go: each reservation as it is made, each prefill group's tasks at once,
+    and how long each ask of the core took (role, seconds; for the decision-time metric)."""
 
     on_reservation: Callable[[DecodeReservation], None] = lambda reservation: None
     on_tasks: Callable[[list[PrefillTask], float], None] = lambda tasks, now: None
+    on_decided: Callable[[str, float], None] | None = None
 
 
 class Rounds:
@@ -116,6 +118,15 @@ class Rounds:
         finally:
             self.stats.cpu_s += time.process_time() - started
             self.stats.calls += 1
+
+    def _decide(self, role: str, call: Callable[..., Any], report: GroupReport) -> Any:
+        """One ask of the core for a group (timed as `_timed`; its wall time to on_decided)."""
+        if self.outputs.on_decided is None:
+            return self._timed(call, report)
+        started = time.perf_counter()
+        decided = self._timed(call, report)
+        self.outputs.on_decided(role, time.perf_counter() - started)
+        return decided
 
     def start(self) -> None:
         """Ask every group once, before any request arrives: phase 1 spreads the queue over the
@@ -210,7 +221,7 @@ class Rounds:
         pulls.last_report = now
         report = self._report(pulls, now)
         self.stats.decode_pulls += 1
-        reservations = self._timed(self.core.fetch_decode, report)
+        reservations = self._decide("decode", self.core.fetch_decode, report)
         pulls.private = len(dispatcher.decode_private.get(pulls.view.group_id, ()))
         for reservation in reservations:
             self.outputs.on_reservation(reservation)
@@ -256,7 +267,7 @@ class Rounds:
     def _pull_prefill(self, pulls: _Pulls) -> None:
         now = self.timers.now()
         self.stats.prefill_pulls += 1
-        tasks = self._timed(self.core.fetch_prefill, self._report(pulls, now))
+        tasks = self._decide("prefill", self.core.fetch_prefill, self._report(pulls, now))
         if tasks:
             self.outputs.on_tasks(tasks, now)
 

@@ -25,6 +25,8 @@ from dualpath_ray.runtime.messages import (
     TurnResult,
 )
 from dualpath_ray.scheduling.dispatcher import Constants, Dispatcher
+from dualpath_ray.scheduling.liveness import is_attempt
+from dualpath_ray.scheduling.loads import decode_tokens
 from dualpath_ray.scheduling.requests import Request, RequestState
 from dualpath_ray.scheduling.types import Mode, ReadPath, Role
 
@@ -52,11 +54,6 @@ class CoreSettings:
     def of(cls, cfg: DualPathConfig, mode: Mode | str, constants: Constants, epoch: int = 0) -> CoreSettings:
         return cls(Mode(mode), cfg.store.block_size, constants, cfg.runtime.max_attempts,
                    cfg.runtime.kv_failure_policy, epoch, cfg.scheduler.read_split, cfg.cluster.decode_nodes)
-
-
-def is_attempt(holding: Holding | None, spec: RequestSpec | None) -> bool:
-    """Whether an engine's holding is the attempt `spec` now in flight."""
-    return holding is not None and spec is not None and (holding.attempt, holding.epoch) == (spec.attempt, spec.epoch)
 
 
 class SchedulerCore:
@@ -97,11 +94,8 @@ class SchedulerCore:
 
     def submit(self, spec: RequestSpec) -> Request:
         keys, hit_tokens = self.lookup(spec)
-        # Decode engines hold KV in whole pages of block_size tokens, so a reservation is counted
-        # in pages' tokens; the dispatcher's free-HBM arithmetic then matches the engines' exactly.
-        size = self.settings.block_size
-        pages = -(-(len(spec.prompt) + spec.sampling.max_new_tokens) // size)
-        request = Request(spec.request_id, len(spec.prompt), hit_tokens, pages * size, keys, spec)
+        reserved = decode_tokens(len(spec.prompt), spec.sampling.max_new_tokens, self.settings.block_size)
+        request = Request(spec.request_id, len(spec.prompt), hit_tokens, reserved, keys, spec)
         return self.dispatcher.submit(request)
 
     # --- placement ----------------------------------------------------------------------
@@ -160,6 +154,15 @@ class SchedulerCore:
                 self.readmitted += 1
         out = self.out_of_service()
         return tuple(e for e in report.engines if e.engine_id not in out)
+
+    def readmit(self, engine_id: str) -> bool:
+        """An engine presumed dead (silent past the heartbeat timeout) answered again: a loaded
+        host is slow, not dead, so it takes work again. False when it was not presumed dead."""
+        if engine_id not in self.presumed_dead:
+            return False
+        self.presumed_dead.discard(engine_id)
+        self.readmitted += 1
+        return True
 
     def out_of_service(self) -> set[str]:
         return self.dead | self.presumed_dead

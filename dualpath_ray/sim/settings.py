@@ -111,9 +111,7 @@ def settings_for(cfg: DualPathConfig, mode: Mode | str, options: SimOptions = Si
         snic_bytes_s=_gbps(cluster.snic_gbps), cnic_bytes_s=_gbps(cluster.cnic_gbps),
         dram_bytes_s=cluster.dram_gbs * 1e9, burst_s=burst, lockstep_prefill=lockstep,
         constants=Constants(alpha, beta, cfg.scheduler.z_margin), read_split=cfg.scheduler.read_split,
-        # An idle runtime leader's loop: its empty pull is held up to fetch_wait_ms, then it waits
-        # fetch_interval_ms and pulls again, so it reports at least that often.
-        report_interval_s=(cfg.scheduler.fetch_wait_ms + cfg.scheduler.fetch_interval_ms) / 1000.0, options=options,
+        report_interval_s=cfg.scheduler.report_interval_ms / 1000.0, options=options,
     )
 
 

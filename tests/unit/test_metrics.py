@@ -194,10 +194,8 @@ def test_scheduler_metrics_time_decisions_and_count_placements_by_path() -> None
 
     sink = RecordingSink()
     metrics = SchedulerMetrics(sink, "basic", {})
-    work = metrics.decide("prefill", lambda: [Task("pe"), Task("pe"), Task("de")])
-    metrics.placed("prefill", work)
-    metrics.placed("decode", work)
-    assert len(work) == 3, "decide returns what the policy placed"
+    metrics.decided("prefill", 0.002)  # the rounds report each ask of the core (scheduling/rounds.py)
+    metrics.placed([Task("pe"), Task("pe"), Task("de")])
     assert sink.observations[("dualpath_scheduler_decision_seconds", (("role", "prefill"),))], "the decision is timed"
     assert sink.counter(m.REQUESTS, mode="basic", path="pe") == 2, "placed prefill requests counted by path"
     assert sink.counter(m.REQUESTS, mode="basic", path="de") == 1, "placed prefill requests counted by path"

@@ -3,6 +3,8 @@ the page pool's limits, and long concurrent first turns through both read paths.
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from pathlib import Path
 
 import numpy as np
@@ -10,8 +12,8 @@ import pytest
 
 from dualpath_ray.config import DualPathConfig
 from dualpath_ray.kv.index import block_keys
-from dualpath_ray.runtime.messages import DecodeReservation, Holding
-from tests.engine_harness import DE, EngineHarness, Request
+from dualpath_ray.runtime.messages import DecodeHandoff, ErrorKind, Holding
+from tests.engine_harness import EngineHarness, Request
 from tests.unit.runtime.test_outbox import Gate
 from tests.unit.runtime.test_prefill_core import BLOCK, config, tokens
 
@@ -81,27 +83,66 @@ def test_the_next_turn_hits_every_block_the_previous_reported(make) -> None:
     h.assert_idle()
 
 
-def test_a_reservation_beyond_the_free_pages_is_refused(make) -> None:
+def oracle_handoff(h: EngineHarness, rid: str, prompt_tokens: int, max_new: int, attempt: int = 0) -> DecodeHandoff:
+    """What a prefill engine hands over for an oracle-mode request (no extent: KV made in place)."""
+    task = h.task(Request(rid, tokens(prompt_tokens, 7), "pe", max_new_tokens=max_new), oracle=True)
+    task = dataclasses.replace(task, request=dataclasses.replace(task.request, attempt=attempt))
+    return DecodeHandoff(task, None, 1, 0.0, h.clock.now(), None)
+
+
+def test_a_handoff_reserves_its_pages_when_it_arrives(make) -> None:
     h = make()
     capacity_tokens = h.pages.capacity * BLOCK
-    h.decode.accept([DecodeReservation("big", 0, capacity_tokens - BLOCK, DE),
-                     DecodeReservation("more", 0, 2 * BLOCK, DE), DecodeReservation("fits", 0, BLOCK, DE)])
-    assert set(h.decode.holds()) == {"big", "fits"}, "only the reservation that does not fit is refused"
-    assert h.decode.load().free_hbm_tokens == 0, "the load report shows exactly the unreserved pages"
-    h.decode.cancel("fits#0")
-    assert h.decode.load().free_hbm_tokens == BLOCK, "a cancelled reservation frees its pages"
-    h.decode.cancel("big#0")
-    assert h.decode.load().free_hbm_tokens == capacity_tokens, "a cancelled reservation frees its pages"
+    h.decode.hand_off([oracle_handoff(h, "r", 40, 24)])
+    assert h.decode.holds() == {"r": Holding(0, True)}, "an arrived handoff is held (and handed off) at once"
+    h.decode.step()
+    assert h.decode.load().free_hbm_tokens == capacity_tokens - 64, (
+        "its pages are prompt + max new tokens in whole pages (40 + 24 -> 4 x 16), as the scheduler counts them"
+    )
+    assert h.collector.handed_off_notes == [{"r": Holding(0, True)}], "the step's report notes the handoff taken"
+
+
+def test_a_handoff_that_does_not_fit_waits_for_pages_then_fails_with_hbm_full(make) -> None:
+    h = make(config(transfer_timeout_s=0.3))
+    h.pages.reserve("abandoned#0", h.pages.capacity)  # an attempt the scheduler gave up on still holds them
+    h.decode.hand_off([oracle_handoff(h, "waits", 40, 8)])
+    assert not h.decode.step() and h.decode.polling(), "no pages: it waits, and the worker looks again for it"
+    assert h.decode.holds() == {"waits": Holding(0, True)}, "a waiting handoff is named by the heartbeat"
+    h.pages.release("abandoned#0")
+    h.decode.step()
+    assert "waits#0" in h.decode.jobs, "once pages are free the waiting handoff is taken"
+    deadline = time.monotonic() + 10
+    while not h.collector.results and time.monotonic() < deadline:
+        h.decode.step()
+    assert h.collector.results[0].error is None, "it then decodes as usual"
+
+    h.pages.reserve("abandoned#1", h.pages.capacity)
+    h.decode.hand_off([oracle_handoff(h, "late", 40, 8)])
+    h.decode.step()
+    time.sleep(0.35)
+    h.decode.step()
+    failed = h.collector.results[-1]
+    assert failed.request_id == "late" and failed.error_kind is ErrorKind.HBM_FULL, (
+        "past transfer_timeout_s without pages the attempt fails with a retryable hbm_full"
+    )
+    assert failed.error_kind.retryable, "the scheduler retries it"
+    h.pages.release("abandoned#1")
     h.assert_idle()
 
 
-def test_a_cancel_that_overtakes_its_accept_reserves_nothing(make) -> None:
+def test_a_cancel_that_overtakes_its_handoff_drops_it_and_frees_its_extent(make) -> None:
     h = make()
     capacity_tokens = h.pages.capacity * BLOCK
     h.decode.cancel("late#0")
-    h.decode.accept([DecodeReservation("late", 0, 2 * BLOCK, DE), DecodeReservation("late", 1, 2 * BLOCK, DE)])
-    assert h.decode.holds() == {"late": Holding(1, False)}, "the cancelled attempt is refused; its retry is not"
+    h.decode.hand_off([oracle_handoff(h, "late", 40, 8), oracle_handoff(h, "late", 40, 8, attempt=1)])
+    h.decode.step()
+    assert set(h.decode.jobs) == {"late#1"}, "the cancelled attempt is dropped; its retry is taken"
+    assert h.decode.stats.cancelled_handoffs == 1, "the drop is counted"
     h.decode.cancel("late#1")
+    assert "late#1" in h.decode.jobs, "a cancel does not stop an attempt already taken (it finishes on its own)"
+    deadline = time.monotonic() + 10
+    while h.decode.jobs and time.monotonic() < deadline:
+        h.decode.step()
     assert h.decode.load().free_hbm_tokens == capacity_tokens, "nothing of either attempt holds pages"
     h.assert_idle()
 
@@ -148,14 +189,14 @@ def test_sixteen_concurrent_first_turns_of_max_context_through_both_paths(make, 
 def test_a_result_on_its_way_to_the_scheduler_is_still_held(make, monkeypatch) -> None:
     h = make()
     gates = []
-    deliver = h.collector.complete
+    deliver = h.collector.report
 
-    def slow_complete(result):
-        deliver(result)
+    def slow_report(handed_off, results, chunks):
+        deliver(handed_off, results, chunks)
         gates.append(Gate())
         return gates[-1]
 
-    monkeypatch.setattr(h.collector, "complete", slow_complete)
+    monkeypatch.setattr(h.collector, "report", slow_report)
     (result,) = h.serve([Request("r", tokens(40, 5), "pe", max_new_tokens=3)])
     h.decode.step()
     assert h.decode.holds() == {"r": Holding(0, True)}, "the heartbeat names an attempt whose result is not delivered yet"

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from dualpath_ray.config import DualPathConfig, parse_config
-from dualpath_ray.runtime.messages import DecodeReservation, Holding
+from dualpath_ray.runtime.messages import Holding
 from tests.engine_harness import DE, EngineHarness, Request
 
 BLOCK = 16
@@ -274,7 +274,6 @@ def test_two_attempts_of_one_request_coexist_and_each_frees_its_own_extents(harn
     prompt = tokens(60, 8)
     first = h.task(Request("r", prompt, "de"))
     retry = dataclasses.replace(first, request=dataclasses.replace(first.request, attempt=1))
-    h.decode.accept([DecodeReservation("r", 1, 128, DE)])
     h.prefill.accept([first, retry])
     assert h.prefill.holds() == {"r": Holding(1, False)}, "the heartbeat names the newest attempt"
     deadline = time.monotonic() + 30
