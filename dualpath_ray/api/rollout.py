@@ -48,6 +48,8 @@ class RolloutResult:
     # Trajectories whose caller aborted them: their turns before the abort are in `table`, and
     # `resume=` continues them from the aborted turn.
     aborted: list[str] = field(default_factory=list)
+    # The calls this rollout made to the scheduler ("submit", "collect"): its turns went batched.
+    client_calls: dict[str, int] = field(default_factory=dict)
 
     def outputs(self) -> dict[str, list[tuple[int, ...]]]:
         grouped: dict[str, list[tuple[int, ...]]] = {}
@@ -207,7 +209,8 @@ async def rollout_async(
     failures = {t.trajectory_id: err for t, (_, err, _) in zip(trajectories, outcomes) if err}
     aborted = [t.trajectory_id for t, (_, _, stopped) in zip(trajectories, outcomes) if stopped]
     table = pa.Table.from_pylist(rows, schema=ROLLOUT_SCHEMA)
-    return RolloutResult(table, failures, time.monotonic() - started, served, aborted)
+    calls = {"submit": client.submits, "collect": client.collects}
+    return RolloutResult(table, failures, time.monotonic() - started, served, aborted, calls)
 
 
 def trajectory_prefix(trajectory_id: str) -> str:

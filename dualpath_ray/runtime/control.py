@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import Counter
 from typing import Any, Callable, Mapping, Sequence
 
 import ray
@@ -34,6 +35,7 @@ class ClusterControl:
         self.routes = dict(routes or {})
         self.world_lock = asyncio.Lock()
         self.worlds_formed = 0
+        self.sent: Counter[str] = Counter()  # one-actor calls made, by method
         self._handles: dict[str, Any] = {}
 
     def handle(self, name: str) -> Any:
@@ -51,17 +53,18 @@ class ClusterControl:
 
     def cancel(self, engine: str, owner: str) -> None:
         """Drop what one attempt holds at `engine` and has not started (see the cores' cancel)."""
-        self._send(engine, lambda handle: handle.cancel.remote(owner))
+        self._send("cancel", engine, lambda handle: handle.cancel.remote(owner))
 
     def abort(self, engine: str, owner: str) -> None:
         """Drop one attempt at `engine` even if it started (see the cores' abort)."""
-        self._send(engine, lambda handle: handle.abort.remote(owner))
+        self._send("abort", engine, lambda handle: handle.abort.remote(owner))
 
     def reclaim(self, reader: str, owner: str) -> None:
         """Free the extents `reader` leased to an attempt whose engine is certainly gone."""
-        self._send(reader, lambda handle: handle.reclaim.remote(owner))
+        self._send("reclaim", reader, lambda handle: handle.reclaim.remote(owner))
 
-    def _send(self, name: str, call: Callable[[Any], Any]) -> None:
+    def _send(self, method: str, name: str, call: Callable[[Any], Any]) -> None:
+        self.sent[method] += 1
         try:
             call(self.handle(name))
         except ValueError:

@@ -33,10 +33,10 @@ class DecodeEngine(EngineBase):
             cfg.runtime.transfer_timeout_s, cfg.runtime.verify_kv, cfg.runtime.kv_digests,
             cfg.runtime.request_timeout_s,
         )
-        readers = RayReaders(self.directory, self.id.engine_id, self.wake)
+        readers = RayReaders(self.directory, self.id.engine_id, self.wake, self.sent)
         ports = DecodePorts(
             self.hbm.readers_port(readers, self.layout.full_block_bytes, HBM_POOL), self.hbm.transport_port(),
-            RayScheduler(self.directory, self.id.engine_id, lambda: self.incarnation), SystemClock(),
+            RayScheduler(self.directory, self.id.engine_id, lambda: self.incarnation, self.sent), SystemClock(),
         )
         if self.faults.active:
             ports = with_faults(ports, self.faults, self.hbm.view)

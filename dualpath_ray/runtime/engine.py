@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +46,9 @@ POLL_S = 0.002
 # With nothing in flight the worker sleeps until woken; it also looks once a second, so that a
 # wake-up lost to a bug costs a second, never a hang.
 IDLE_S = 1.0
+# Between rollouts, how long sleep and a weight update wait for the replies to this engine's last
+# handoffs and reports (the receivers have them; only the acknowledgement may be on the wire).
+DRAIN_S = 2.0
 
 
 @dataclass
@@ -100,6 +104,7 @@ class EngineBase(TransportEndpoint):
         self.weight_version = cfg.model.weight_version
         self.wake = threading.Event()
         self.hbm = HbmMoves(cfg.runtime.hbm_moves, self.transport)
+        self.sent: Counter[str] = Counter()  # actor calls this engine made, by method (its ports count them)
         self.core = self._build_core()
         self.transport.seal()
         self.metrics = EngineMetrics.start(cfg, identity.engine_id, identity.node_id, self.role, self.core)
@@ -207,7 +212,7 @@ class EngineBase(TransportEndpoint):
 
         return {"core": asdict(self.core.stats), "transport": asdict(self.transport.stats()), "device": str(self.device),
                 "hbm_moves": {"mode": self.hbm.mode, **asdict(self.hbm.stats)},
-                "incarnation": self.incarnation}
+                "incarnation": self.incarnation, "sent": dict(self.sent)}
 
     @ray.method(concurrency_group="control")
     def node_labels(self) -> dict[str, str]:
@@ -227,6 +232,7 @@ class EngineBase(TransportEndpoint):
         with self.compute_lock:  # the worker steps under it: no step is half-way
             if self.asleep:
                 return 0
+            self.core.outbox.drain(DRAIN_S)
             if self.core.busy():
                 raise RuntimeError(f"{self.id.engine_id}: sleep while requests are in flight; abort them or wait")
             freed = self.transport.release_memory() + self.compute.offload()
@@ -273,6 +279,7 @@ class EngineBase(TransportEndpoint):
         """Swap the model's weights between rollouts (source: a safetensors directory, or a state
         dict passed through the object store); later requests use the version's key namespace."""
         with self.compute_lock:
+            self.core.outbox.drain(DRAIN_S)
             if self.core.busy():
                 raise RuntimeError(
                     f"{self.id.engine_id}: update_weights while requests are in flight; call it between rollouts"

@@ -65,9 +65,11 @@ class SamplingParams:
 
 
 def attempt_owner(request_id: str, attempt: int, epoch: int = 0) -> str:
-    """The name of one attempt of a request: what owns its extents, pages and decode job. A
-    restarted scheduler (a new epoch) numbers attempts from 0 again, so the epoch is part of
-    the name: an attempt of a dead incarnation never shares one with a new attempt."""
+    """The name of one attempt of a request: what owns its extents, pages and decode job. The
+    epoch names the serving it belongs to (see RequestSpec.epoch): a request id served again (a
+    restarted scheduler's new incarnation, or a caller that reuses the id once its turn ended)
+    numbers its attempts from 0 again, and an engine's memory of the old attempt (a cancel it
+    remembers, say) must never apply to the new one."""
     return f"{request_id}#{attempt}" if not epoch else f"{request_id}#{attempt}@{epoch}"
 
 
@@ -76,7 +78,7 @@ class Holding(NamedTuple):
 
     attempt: int
     handed_off: bool  # its handoff reached the decode engine (or its result is on its way)
-    epoch: int = 0  # the scheduler incarnation that dispatched it
+    epoch: int = 0  # the serving that dispatched it (RequestSpec.epoch)
 
     @classmethod
     def of(cls, attempt: RequestSpec | TurnResult, handed_off: bool) -> Holding:
@@ -113,7 +115,11 @@ class RequestSpec:
     sampling: SamplingParams
     namespace: str
     submitted_at: float
-    epoch: int = 0  # set by the scheduler incarnation that dispatches it
+    # Set by the scheduler for each serving of a request id: its incarnation's start (time_ns)
+    # plus the number of servings it began before, so unique per serving, and every epoch of an
+    # incarnation is above every epoch of the one before (it started later than the old one
+    # served requests, one per nanosecond at the very most).
+    epoch: int = 0
     stream: bool = False  # the decode engine sends its tokens as they are sampled (TokenChunk)
 
     @property
@@ -264,7 +270,7 @@ class TurnResult:
     error: str | None = None
     error_kind: ErrorKind | None = None
     bad_keys: tuple[str, ...] = ()  # the stored blocks a KV_MISSING / KV_CORRUPT failure names
-    epoch: int = 0  # of the scheduler incarnation that dispatched the attempt
+    epoch: int = 0  # of the serving that dispatched the attempt (RequestSpec.epoch)
 
     @property
     def owner(self) -> str:

@@ -11,6 +11,7 @@ delivered, and its heartbeat names the attempt meanwhile.
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 from dualpath_ray.runtime.messages import Holding
@@ -47,6 +48,20 @@ class Outbox:
         with self._lock:
             for owner in finished:
                 self._calls.pop(owner, None)
+
+    def drain(self, timeout_s: float) -> None:
+        """Wait up to timeout_s for the calls on their way to be delivered, then settle. Between
+        rollouts the receiver has them all but their replies may still be on the wire: an engine
+        asked to sleep right after its last turn must not count them as work."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            calls = [call for _, _, call in self._calls.values()]
+        for call in calls:
+            try:
+                call.wait(max(0.0, deadline - time.monotonic()))
+            except Exception:  # noqa: BLE001 - failed or not there in time: settle says which
+                pass
+        self.settle()
 
     def holdings(self) -> list[tuple[str, Holding]]:
         """(request id, holding) of every call still on its way."""

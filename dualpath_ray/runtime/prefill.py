@@ -33,9 +33,9 @@ class PrefillEngine(EngineBase):
             cfg.runtime.transfer_timeout_s, cfg.runtime.kv_digests, cfg.runtime.request_timeout_s,
         )
         ports = PrefillPorts(
-            RayReaders(self.directory, self.id.engine_id, self.wake), self.hbm.transport_port(),
-            RayScheduler(self.directory, self.id.engine_id, lambda: self.incarnation), RayDecodeTargets(self.directory),
-            SystemClock(),
+            RayReaders(self.directory, self.id.engine_id, self.wake, self.sent), self.hbm.transport_port(),
+            RayScheduler(self.directory, self.id.engine_id, lambda: self.incarnation, self.sent),
+            RayDecodeTargets(self.directory, self.sent), SystemClock(),
         )
         if self.faults.active:
             ports = with_faults(ports, self.faults, self.hbm.view)

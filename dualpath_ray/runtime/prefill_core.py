@@ -176,9 +176,10 @@ class PrefillCore:
             return EngineLoad(self.settings.engine_id, self.settings.node_id, len(self.jobs), tokens)
 
     def holds(self) -> dict[str, Holding]:
-        """Each request on this engine: its newest attempt here (not handed off: the decode
-        engine says when it is). An earlier attempt still finishing is not what the scheduler
-        waits for. A handoff or failure report still on its way is held too (runtime/outbox.py)."""
+        """Each request on this engine: its newest attempt here (not handed off). An earlier
+        attempt still finishing is not what the scheduler waits for. A handoff on its way to its
+        decode engine (named handed off) or a failure report on its way to the scheduler is held
+        too (runtime/outbox.py)."""
         with self._lock:
             entries = [(job.request_id, Holding.of(job.task.request, False)) for job in self.jobs.values()]
         return newest_holdings(entries + self.outbox.holdings())
@@ -417,7 +418,9 @@ class PrefillCore:
                 transition(job, PrefillState.HANDED_OFF)
                 with self._lock:
                     del self.jobs[job.owner]
-                self.outbox.sent(job.owner, job.request_id, Holding.of(job.task.request, False), delivery)
+                # On its way to its decode engine: named as handed off, no longer the prefill
+                # engine's to cancel (the decode engine holds it once the call lands).
+                self.outbox.sent(job.owner, job.request_id, Holding.of(job.task.request, True), delivery)
 
     def _fail(self, job: PrefillJob, error: BaseException, report: bool = True) -> None:
         """Free what the request holds, report the error (unless cancelled), forget it."""

@@ -1,10 +1,13 @@
-"""The engine cores' ports implemented with Ray actor calls (the actor shells use these)."""
+"""The engine cores' ports implemented with Ray actor calls (the actor shells use these). Each
+counts the calls it makes, by method (`sent`), for the engine's stats and the control-plane
+benchmark."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import threading
 import time
+from collections import Counter
 from typing import Any, Callable, Sequence
 
 import ray
@@ -41,10 +44,13 @@ class RefPending:
 class RayReaders:
     """ReaderPort: the `reader/<node>` actors."""
 
-    def __init__(self, directory: ActorDirectory, engine: str, wake: threading.Event | None = None) -> None:
+    def __init__(
+        self, directory: ActorDirectory, engine: str, wake: threading.Event | None = None, sent: Counter[str] | None = None,
+    ) -> None:
         self.directory = directory
         self.engine = engine
         self.wake = wake
+        self.sent = sent if sent is not None else Counter()  # calls made, by method
 
     def _reader(self, node_id: str) -> Any:
         return self.directory.get(f"reader/{node_id}")
@@ -52,23 +58,29 @@ class RayReaders:
     def stage(
         self, node_id: str, owner: str, keys: Sequence[str], total_blocks: int, path: str, first_block: int = 0
     ) -> RefPending:
+        self.sent["stage"] += 1
         reader = self._reader(node_id)
         return RefPending(reader.stage.remote(owner, list(keys), total_blocks, path, first_block), self.wake)
 
     def lease(self, node_id: str, owner: str, n_blocks: int) -> RefPending:
+        self.sent["lease"] += 1
         return RefPending(self._reader(node_id).lease.remote(owner, n_blocks), self.wake)
 
     def free(self, grant: ExtentGrant) -> None:
+        self.sent["free"] += 1
         self.directory.get(grant.reader).free.remote(grant.extent_id, grant.incarnation)
 
     def reclaim(self, node_id: str, owner: str) -> None:
+        self.sent["reclaim"] += 1
         self._reader(node_id).reclaim.remote(owner)
 
     def persist_extent(self, grant: ExtentGrant, blocks: Sequence[tuple[int, PersistedBlock]]) -> RefPending:
+        self.sent["persist_extent"] += 1
         reader = self.directory.get(grant.reader)
         return RefPending(reader.persist_extent.remote(grant.extent_id, list(blocks), grant.incarnation), self.wake)
 
     def persist_pages(self, node_id: str, owner: str, blocks: Sequence[tuple[int, PersistedBlock]]) -> RefPending:
+        self.sent["persist_pages"] += 1
         return RefPending(self._reader(node_id).persist_pages.remote(owner, self.engine, list(blocks)), self.wake)
 
 
@@ -76,14 +88,18 @@ class RayScheduler:
     """SchedulerPort: the singleton `scheduler` actor. Reports carry this engine's name and its
     process's incarnation (which a wake from sleep renews: `incarnation` is read per report)."""
 
-    def __init__(self, directory: ActorDirectory, engine: str, incarnation: Callable[[], str]) -> None:
+    def __init__(
+        self, directory: ActorDirectory, engine: str, incarnation: Callable[[], str], sent: Counter[str] | None = None,
+    ) -> None:
         self.directory = directory
         self.engine = engine
         self.incarnation = incarnation
+        self.sent = sent if sent is not None else Counter()
 
     def report(
         self, handed_off: dict[str, Holding], results: Sequence[TurnResult], chunks: Sequence[TokenChunk]
     ) -> RefPending:
+        self.sent["report"] += 1
         report = EngineReport(self.engine, self.incarnation(), dict(handed_off), tuple(results), tuple(chunks))
         return RefPending(self.directory.get("scheduler").report.remote(report))
 
@@ -91,10 +107,12 @@ class RayScheduler:
 class RayDecodeTargets:
     """DecodePort: decode engines by name."""
 
-    def __init__(self, directory: ActorDirectory) -> None:
+    def __init__(self, directory: ActorDirectory, sent: Counter[str] | None = None) -> None:
         self.directory = directory
+        self.sent = sent if sent is not None else Counter()
 
     def hand_off(self, engine: str, handoffs: Sequence[DecodeHandoff]) -> RefPending:
+        self.sent["handoff"] += 1
         return RefPending(self.directory.get(engine).handoff.remote(list(handoffs)))
 
 

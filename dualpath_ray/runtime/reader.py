@@ -405,6 +405,11 @@ class StorageReader(TransportEndpoint):
         return self.core.counters
 
     @ray.method(concurrency_group="ctl")
+    def reports_sent(self) -> int:
+        """Read-queue reports this reader sent the scheduler."""
+        return self.reporter.sent
+
+    @ray.method(concurrency_group="ctl")
     def pool_integrity(self) -> tuple[int, int, int, int]:
         counts = self.core.pool.check_integrity()
         return (counts.free, counts.leased, counts.in_flight, counts.capacity)

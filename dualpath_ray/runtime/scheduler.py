@@ -95,6 +95,7 @@ class Scheduler:
         self.starting: asyncio.Task[None] | None = None
         self.pending: dict[str, asyncio.Future[TurnResult]] = {}
         self.clients: dict[str, str] = {}  # request id -> the client that submitted it (submit/collect)
+        self.servings = 0  # requests this incarnation began serving (RequestSpec.epoch)
         self.mailboxes = Mailboxes(expiry_s=cfg.runtime.request_timeout_s + 4 * COLLECT_WAIT_S)
         self.calls: Counter[str] = Counter()
         self.liveness = Liveness(cfg.runtime.heartbeat_timeout_s, time.monotonic)
@@ -268,7 +269,8 @@ class Scheduler:
         adopted = await self._adopt(spec.request_id, deadline)
         if adopted is not None and not self.core.should_retry(adopted):
             return adopted
-        spec = dataclasses.replace(spec, epoch=self.core.epoch)
+        self.servings += 1
+        spec = dataclasses.replace(spec, epoch=self.core.epoch + self.servings)  # see RequestSpec.epoch
         while not self.aborts.is_aborted(spec.request_id):
             result = await self._attempt(spec, deadline)
             if not self.core.should_retry(result) or self.aborts.is_aborted(spec.request_id):
@@ -405,7 +407,7 @@ class Scheduler:
         holders = self.decisions.rounds.finish(result, self.decisions.decode_group_of.get(decode_engine))
         self._cancel_at(holders, result.owner)
         if not current:
-            if result.epoch != self.core.epoch and self.adoptions.deliver(result):
+            if result.epoch < self.core.epoch and self.adoptions.deliver(result):
                 self.calls["adopted"] = self.adoptions.adopted
                 return
             self.calls["stale_results"] += 1
@@ -495,7 +497,8 @@ class Scheduler:
         pushes, heartbeats, turns), retries and their causes, and the store's evictions."""
         evicted = self.core.eviction.stats.evicted_blocks if self.core.eviction is not None else 0
         rounds = self.decisions.rounds.stats if self.decisions is not None else None
-        return {**self.calls, "evicted_blocks": evicted,
+        sent = {f"sent_{method}": count for method, count in self.control.sent.items()}
+        return {**self.calls, **sent, "evicted_blocks": evicted,
                 "indexed_blocks": len(self.core.index), "readmitted": self.core.readmitted,
                 "adopted": self.adoptions.adopted, "adoptions_dropped": self.adoptions.dropped,
                 "restarted": int(self.restarted), "mailboxes": len(self.mailboxes),
