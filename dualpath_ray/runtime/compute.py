@@ -58,6 +58,17 @@ class DecodeSeq:
 
 
 @dataclass(frozen=True)
+class PageFill:
+    """One sequence's in-place prefill into its pages: tokens [start, end) of `prompt`, whose
+    KV for [0, start) is already in the pages of `table`."""
+
+    prompt: np.ndarray
+    start: int
+    end: int
+    table: Sequence[int]
+
+
+@dataclass(frozen=True)
 class Sampled:
     token: int
     log_prob: float
@@ -122,6 +133,12 @@ class EngineCompute(ABC):
     def fill_pages(self, prompt: np.ndarray, start: int, end: int, pages: torch.Tensor, table: Sequence[int]) -> None:
         """Compute the KV of tokens [start, end) into `pages` given tokens [0, start) are there
         (oracle mode's in-place prefill; the decode side's recompute when it verifies KV)."""
+
+    def fill_pages_many(self, fills: Sequence[PageFill], pages: torch.Tensor) -> None:
+        """`fill_pages` for several sequences (a decode step's oracle handoffs); an
+        implementation may batch them (the model does: one forward for all)."""
+        for fill in fills:
+            self.fill_pages(fill.prompt, fill.start, fill.end, pages, fill.table)
 
     @abstractmethod
     def load_weights(self, source: Any) -> None:
@@ -219,6 +236,35 @@ class ModelCompute(EngineCompute):
             for view in page_token_views(pages, layer, table, start, end):
                 view.copy_(data[offset : offset + view.shape[0]])
                 offset += view.shape[0]
+
+    def fill_pages_many(self, fills: Sequence[PageFill], pages: torch.Tensor) -> None:
+        """One batched forward for all `fills`, as a prefill batch runs (forward_layer_spans):
+        per layer, each sequence's span holds its past KV (from its pages) and receives its new
+        KV, which then goes to its pages."""
+        if len(fills) < 2:
+            for fill in fills:
+                self.fill_pages(fill.prompt, fill.start, fill.end, pages, fill.table)
+            return
+        layout, device = self.layout, self.device
+        ids = np.concatenate([np.asarray(f.prompt[f.start : f.end], dtype=np.int64) for f in fills])
+        positions = np.concatenate([np.arange(f.start, f.end, dtype=np.int64) for f in fills])
+        counts = [f.end - f.start for f in fills]
+        with torch.inference_mode():
+            hidden = self.model.embed(torch.from_numpy(ids).to(device))
+            positions_t = torch.from_numpy(positions).to(device)
+            for layer in range(layout.n_layer):
+                spans = [torch.empty((f.end, *layout.kv_token_shape), dtype=self._dtype, device=device) for f in fills]
+                for fill, span in zip(fills, spans):
+                    if fill.start:
+                        past = torch.cat(page_token_views(pages, layer, fill.table, 0, fill.start)).to(device)
+                        span[: fill.start].copy_(layout.bytes_as_kv(past))
+                hidden = self.model.forward_layer_spans(layer, hidden, positions_t, spans, counts)
+                for fill, span in zip(fills, spans):
+                    data = layout.kv_as_bytes(span[fill.start : fill.end])
+                    offset = 0
+                    for view in page_token_views(pages, layer, fill.table, fill.start, fill.end):
+                        view.copy_(data[offset : offset + view.shape[0]])
+                        offset += view.shape[0]
 
     def load_weights(self, source: Any) -> None:
         self.model.load_weights(source)

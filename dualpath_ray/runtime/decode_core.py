@@ -31,7 +31,7 @@ from dualpath_ray.kv.layout import KVLayout
 from dualpath_ray.kv.paged import PagedKVPool, PagePoolFullError
 from dualpath_ray.runtime.accounting import NodeCounters
 from dualpath_ray.runtime.cancelled import CancelledAttempts
-from dualpath_ray.runtime.compute import DecodeSeq, EngineCompute
+from dualpath_ray.runtime.compute import DecodeSeq, EngineCompute, PageFill
 from dualpath_ray.runtime.decode_job import (
     DecodeJob,
     DecodePorts,
@@ -85,6 +85,7 @@ class DecodeCore(DecodeIntake):
         self._arrived: deque[DecodeHandoff] = deque()
         self._taking: dict[str, tuple[str, Holding]] = {}  # owner -> what holds() names while it is claimed
         self._waiting_since: dict[str, float] = {}  # owner -> since when its handoff waits for pages
+        self._filling: list[tuple[DecodeJob, PageFill]] = []  # oracle handoffs of this step, to compute at once
         self._cancelled = CancelledAttempts(settings.cancel_horizon_s, ports.clock)
         self._aborting: set[str] = set()
         # This step's report (sent at its end, when not empty): handoffs taken, turns ended,

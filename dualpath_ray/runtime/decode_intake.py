@@ -26,7 +26,7 @@ from dualpath_ray.kv.layout import KVLayout
 from dualpath_ray.kv.paged import PagedKVPool, PagePoolFullError
 from dualpath_ray.runtime.accounting import NodeCounters
 from dualpath_ray.runtime.cancelled import CancelledAttempts
-from dualpath_ray.runtime.compute import EngineCompute
+from dualpath_ray.runtime.compute import EngineCompute, PageFill
 from dualpath_ray.runtime.decode_job import DecodeJob, DecodePorts, DecodeSettings, DecodeState, DecodeStats, transition
 from dualpath_ray.runtime.emulation.links import Link
 from dualpath_ray.runtime.failures import KVMismatchError
@@ -67,6 +67,7 @@ class DecodeIntake:
     _taking: dict[str, tuple[str, Holding]]
     _waiting_since: dict[str, float]
     _noted: dict[str, Holding]
+    _filling: list[tuple[DecodeJob, PageFill]]
     _cancelled: CancelledAttempts
     _lock: threading.Lock
     _fail: Callable[..., None]
@@ -99,6 +100,7 @@ class DecodeIntake:
                 self._start_load(job)
             except Exception as exc:  # noqa: BLE001 - fail this request, keep serving the others
                 self._fail(job, exc)
+        self._materialise()
         with self._lock:
             self._arrived.extendleft(reversed(waiting))
             self._taking = {}
@@ -162,8 +164,8 @@ class DecodeIntake:
         job.parent_key = task.hit_keys[-1] if task.hit_keys else None
         table = self.pages.ensure(job.owner, len(prompt))
         if task.oracle:
-            self._materialise(job, prompt, table)
-            self._start_running(job)
+            self._read_hits(job, table)
+            self._filling.append((job, PageFill(prompt, task.hit_tokens, len(prompt), table)))
             return
         self._post_load(job, table, len(prompt))
         transition(job, DecodeState.LOADING)
@@ -195,13 +197,30 @@ class DecodeIntake:
             ))
         return moves
 
-    def _materialise(self, job: DecodeJob, prompt: np.ndarray, table: Sequence[int]) -> None:
-        """Oracle mode: hit KV straight from the store into pages, the rest computed in place."""
+    def _read_hits(self, job: DecodeJob, table: Sequence[int]) -> None:
+        """Oracle mode: hit KV straight from the store into pages (the rest is computed in
+        place by _materialise, for every handoff of the step at once)."""
         assert self.store is not None and job.handoff is not None
-        task = job.handoff.task
-        for block, key in enumerate(task.hit_keys):
+        for block, key in enumerate(job.handoff.task.hit_keys):
             self._store_read(key, table[block])
-        self.compute.fill_pages(prompt, task.hit_tokens, len(prompt), self.pages.tensor, table)
+
+    def _materialise(self) -> None:
+        """Oracle mode: the computed tokens' KV of this step's handoffs, in one batched forward;
+        then they run. A failed forward fails them all."""
+        filling, self._filling = self._filling, []
+        if not filling:
+            return
+        try:
+            self.compute.fill_pages_many([fill for _, fill in filling], self.pages.tensor)
+        except Exception as exc:  # noqa: BLE001 - fail these requests, keep serving the others
+            for job, _ in filling:
+                self._fail(job, exc)
+            return
+        for job, _ in filling:
+            try:
+                self._start_running(job)
+            except Exception as exc:  # noqa: BLE001
+                self._fail(job, exc)
 
     def _store_read(self, key: str, page: int) -> None:
         assert self.store is not None
