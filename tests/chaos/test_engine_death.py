@@ -1,6 +1,6 @@
 """Engines killed in the middle of a rollout on a real 1P1D cluster: every trajectory still
-completes with the fault-free outputs, the dead engine's requests are retried elsewhere, the
-group's pulls survive (a standby member takes over from a dead leader), nothing stays leased."""
+completes with the fault-free outputs, the dead engine's requests are retried elsewhere, its
+peers keep taking work, nothing stays leased."""
 
 from __future__ import annotations
 

@@ -67,6 +67,7 @@ def run(cfg: DualPathConfig, trajs, mode: str = "dualpath", during: Callable[[An
             "counters": cluster.counters(),
             "failures": result.failures,
             "calls": ray.get(deployment.scheduler.call_counts.remote()),
+            "service": ray.get(deployment.scheduler.service_view.remote()),
             "in_flight": ray.get(deployment.scheduler.check_integrity.remote()),
             "faults": cluster.fault_counts(),
             "integrity": cluster.integrity_report(),
@@ -132,24 +133,16 @@ def assert_clean(ledger: Ledger, reference: Ledger, figures: dict) -> None:
     )
 
 
-def assert_one_leader_per_group(engines: dict[str, dict]) -> None:
-    """Every group has one leader, and no member writes off a live peer (a restarted member is
-    taken back: two leaders would count the group's free HBM twice, and a written-off member
-    would never be given work again)."""
-    leaders: dict[str, list[str]] = {}
-    for name, stats in engines.items():
-        group = name.rsplit("/", 1)[0]
-        leaders.setdefault(group, [])
-        if stats["leader"]["leading"]:
-            leaders[group].append(name)
-        assert not stats["leader"]["written_off"], f"{name} wrote off live peers: {stats['leader']}"
-    assert all(len(names) == 1 for names in leaders.values()), f"one leader per group: {leaders}"
+def assert_all_in_service(service: dict[str, list[str]]) -> None:
+    """No engine is left out of service once the rollouts are done (a restarted engine takes
+    work again: one written off would never be given any)."""
+    assert not service["dead"] and not service["presumed_dead"], f"every engine is in service: {service}"
 
 
 def wait_until_restarted(deployment: Any, role: str, timeout_s: float = 60.0) -> None:
     """Until the scheduler has seen a new incarnation of one of its `role` ("engines" or
-    "readers"): it learns of one from the next load report or heartbeat, which may come after
-    the last turn of a short rollout was answered."""
+    "readers"): it learns of one from the next report, push answer or heartbeat, which may come
+    after the last turn of a short rollout was answered."""
     deadline = time.monotonic() + timeout_s
     while ray.get(deployment.scheduler.call_counts.remote())[f"restarted_{role}"] < 1:
         if time.monotonic() > deadline:
@@ -323,7 +316,7 @@ def test_a_killed_engine_or_reader_is_restarted_and_loses_nothing(reference, vic
         stats = figures["engines"][victim]["core"]
         worked = stats.get("finished", 0) + stats.get("handoffs", 0)
         assert worked > 0, f"the new incarnation of {victim} served turns after its restart: {stats}"
-        assert_one_leader_per_group(figures["engines"])
+        assert_all_in_service(figures["service"])
     else:
         node = figures["counters"][victim.removeprefix("reader/")]
         assert sum(node.snic_read.values()) + node.snic_write > 0, f"the new {victim} read or wrote blocks: {node}"
