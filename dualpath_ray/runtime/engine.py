@@ -111,6 +111,7 @@ class EngineBase(TransportEndpoint):
         self.compute_lock = threading.Lock()
         self.stopped = threading.Event()
         self.error: BaseException | None = None
+        self.loops = 0  # the worker's wake-ups (an idle engine's grow by one a second at most)
         self.started = False
         self.asleep = False
         self.weight_group: WeightGroup | None = None
@@ -143,6 +144,7 @@ class EngineBase(TransportEndpoint):
     def _work(self) -> None:
         try:
             while not self.stopped.is_set():
+                self.loops += 1
                 # Cleared before the step, so a wake-up that comes during it is not lost.
                 self.wake.clear()
                 with self.compute_lock:
@@ -212,7 +214,7 @@ class EngineBase(TransportEndpoint):
 
         return {"core": asdict(self.core.stats), "transport": asdict(self.transport.stats()), "device": str(self.device),
                 "hbm_moves": {"mode": self.hbm.mode, **asdict(self.hbm.stats)},
-                "incarnation": self.incarnation, "sent": dict(self.sent)}
+                "incarnation": self.incarnation, "sent": dict(self.sent), "worker_loops": self.loops}
 
     @ray.method(concurrency_group="control")
     def node_labels(self) -> dict[str, str]:

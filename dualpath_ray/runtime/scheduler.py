@@ -61,6 +61,14 @@ LOG = logging.getLogger("dualpath_ray.scheduler")
 # How long a client's `collect` waits for a first result before it answers with none (the
 # client asks again while it has turns in flight).
 COLLECT_WAIT_S = 10.0
+# What `call_counts` always reports (0 until it happens): calls received, turns, and what the
+# watchdog and the decisions did.
+COUNTED = (
+    "submit", "collect", "generate", "report", "reader_report", "complete", "retries", "timeouts", "stale_results",
+    "unindexed_blocks", "aborted", "adopted", "adoptable", "pushes", "pushed_tasks", "failed_pushes", "heartbeats",
+    "dead_engines", "presumed_dead", "restarted_engines", "lost_assignments", "stale_holdings", "dead_readers",
+    "reader_unavailable", "restarted_readers", "worlds_formed",
+)
 
 
 def build_core(cfg: DualPathConfig, store_root: str | None, mode: str, epoch: int = 0) -> SchedulerCore:
@@ -97,7 +105,7 @@ class Scheduler:
         self.clients: dict[str, str] = {}  # request id -> the client that submitted it (submit/collect)
         self.servings = 0  # requests this incarnation began serving (RequestSpec.epoch)
         self.mailboxes = Mailboxes(expiry_s=cfg.runtime.request_timeout_s + 4 * COLLECT_WAIT_S)
-        self.calls: Counter[str] = Counter()
+        self.calls: Counter[str] = Counter({name: 0 for name in COUNTED})
         self.liveness = Liveness(cfg.runtime.heartbeat_timeout_s, time.monotonic)
         self.readers = ReaderStates()
         self.faults = FaultInjector(cfg.faults, "scheduler", self.restarted)

@@ -5,6 +5,7 @@ requests, every KV byte is checked, storage bytes are exact, and nothing leaks."
 from __future__ import annotations
 
 import importlib.util
+import time
 
 import pytest
 
@@ -48,6 +49,8 @@ def runs(request: pytest.FixtureRequest):
                 "placement": deployment.placement,
                 "named": [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"] == "scheduler"],
             }
+            if mode == "dualpath":
+                observed["idle"] = idle_activity(cluster, deployment, seconds=3.0)
         split = cfg.with_overrides(scheduler={"read_split": "proportional"})
         cluster.deploy("dualpath", cfg=split)
         observed["split"] = {"results": cluster.run_trajectories(trajs), "counters": cluster.counters(),
@@ -62,6 +65,25 @@ def runs(request: pytest.FixtureRequest):
         yield cfg, trajs, observed
     finally:
         cluster.shutdown()
+
+
+def idle_activity(cluster: DualPathCluster, deployment, seconds: float) -> dict[str, object]:
+    """What a deployment does with nothing to do, over `seconds` once the last turn settled:
+    the engines' worker wake-ups, the scheduler's calls and the readers' reports."""
+    time.sleep(2.0)  # the last heartbeat and read-queue report of the run go out
+
+    def snapshot() -> tuple[dict[str, int], dict[str, int], list[int]]:
+        loops = {name: stats["worker_loops"] for name, stats in cluster.engine_stats().items()}
+        calls = ray.get(deployment.scheduler.call_counts.remote())
+        reports = ray.get([reader.reports_sent.remote() for reader in deployment.readers.values()])
+        return loops, calls, reports
+
+    before = snapshot()
+    time.sleep(seconds)
+    after = snapshot()
+    return {"seconds": seconds, "loops": {e: after[0][e] - before[0][e] for e in after[0]},
+            "calls": {k: after[1][k] - before[1].get(k, 0) for k in after[1] if after[1][k] != before[1].get(k, 0)},
+            "reports": [b - a for a, b in zip(before[2], after[2])]}
 
 
 def outputs_of(results):
@@ -118,6 +140,16 @@ def test_storage_bytes_read_equal_hit_tokens_times_bytes_per_token(runs):
     assert all(sum(c.snic_read.values()) == 0 and c.snic_write == 0 for c in oracle.values()), (
         "oracle mode moves no storage bytes"
     )
+
+
+def test_an_idle_deployment_sleeps(runs):
+    _, _, observed = runs
+    idle = observed["idle"]
+    assert all(loops <= idle["seconds"] + 1 for loops in idle["loops"].values()), (
+        f"an idle engine's worker wakes at most once a second: {idle['loops']}"
+    )
+    assert idle["calls"] == {}, f"an idle scheduler is called by no one and calls no one: {idle['calls']}"
+    assert idle["reports"] == [0] * len(idle["reports"]), "an idle reader reports nothing"
 
 
 def test_placement_and_singleton_scheduler(runs):

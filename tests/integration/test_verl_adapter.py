@@ -164,11 +164,11 @@ async def decoding(cluster, count: int, timeout_s: float = 60.0) -> None:
     handed off), so an abort lands mid-decode. The decode engines are asked rather than the
     scheduler's `in_flight`: the tiny model decodes a whole 1,900-token turn in about 2 s, and
     this is the source the scheduler's state follows (test_handoff_note.py checks that it does)."""
-    engines = [handle for name, handle in cluster.deployment.engines.items() if name.startswith("decode/")]
+    engines = {name: handle for name, handle in cluster.deployment.engines.items() if name.startswith("decode/")}
     deadline = asyncio.get_running_loop().time() + timeout_s
     handed: set[str] = set()
     while asyncio.get_running_loop().time() < deadline:
-        holdings = await asyncio.gather(*(engine.holds.remote() for engine in engines))
+        holdings = await asyncio.gather(*(engine.holds.remote(name) for name, engine in engines.items()))
         handed = {rid for answer in holdings for rid, held in answer.held.items() if held.handed_off}
         if len(handed) >= count:
             return
