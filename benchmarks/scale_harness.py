@@ -9,10 +9,10 @@ simulated, in two processes, so that one 2-core machine can drive a 1,152-GPU cl
 
 - **engines and readers** (`SimulatedNodes`, one Ray actor answering for all 48 prefill and 96
   decode nodes of 8 engines, and their 144 readers; the scheduler reaches them through its
-  `routes`): a prefill engine takes the tasks pushed to it (`accept`), "prefills" for
-  `--prefill-ms`, and hands each request to its decode engine, which notes the handoff in its
-  next step's report, "decodes" for `--decode-ms` and reports the result at a later step
-  (`--step-ms` apart), with the blocks the turn persisted (real chained block keys, so later
+  `routes`): a prefill engine takes the tasks pushed to it (`accept`), "prefills" them as one
+  batch for `--prefill-ms`, hands each request to its decode engine and notes the handoffs in
+  one report; the decode engine "decodes" for `--decode-ms` and reports the result at the end
+  of a step (`--step-ms`), with the blocks the turn persisted (real chained block keys, so later
   turns hit). Each engine reports for itself, once per step with something to say, exactly as a
   real engine does: no call is merged across engines. Readers tell the scheduler their read
   queues (hit tokens of the requests prefilling on their side) when they change, at most every
@@ -64,6 +64,9 @@ from dualpath_ray.scheduling.types import ReadPath, StopReason  # noqa: E402
 NAMESPACE = "dualpath-scale"
 SIM = "sim-nodes"
 INCARNATION = "simulated"
+# A prefill engine reports its batch's handoffs once their calls are delivered: about this long
+# after the batch ends.
+HANDOFF_REPORT_S = 0.002
 
 
 def paper_config(args: argparse.Namespace) -> DualPathConfig:
@@ -175,12 +178,12 @@ class SimulatedNodes:
         now = time.monotonic()
         self.read_q[side] -= task.hit_tokens
         self._queue_reader_report(side, now)
-        del self.engines[task.prefill_engine].held[task.request_id]
-        decode = self.engines[task.decode_engine]
+        prefill = self.engines[task.prefill_engine]
+        del prefill.held[task.request_id]
         holding = Holding.of(task.request, True)
-        decode.held[task.request_id] = holding
-        decode.noted[task.request_id] = holding
-        self._flush_soon(decode, now)
+        self.engines[task.decode_engine].held[task.request_id] = holding
+        prefill.noted[task.request_id] = holding  # its batch's handoffs leave in one report
+        self._flush_soon(prefill, now, delay_s=HANDOFF_REPORT_S)
         self._at(now + self.timing.decode_s, self._decoded, task)
 
     def _decoded(self, task: PrefillTask) -> None:
@@ -188,10 +191,10 @@ class SimulatedNodes:
         decode.results.append(self._result(task))
         self._flush_soon(decode, time.monotonic())
 
-    def _flush_soon(self, engine: _Engine, now: float) -> None:
+    def _flush_soon(self, engine: _Engine, now: float, delay_s: float | None = None) -> None:
         if not engine.flush_due:
             engine.flush_due = True
-            self._at(now + self.timing.step_s, self._flush, engine)
+            self._at(now + (self.timing.step_s if delay_s is None else delay_s), self._flush, engine)
 
     def _flush(self, engine: _Engine) -> None:
         """The engine's step ends: one report with its handoffs taken and turns ended."""

@@ -44,7 +44,11 @@ class LRUEviction:
         self._order: OrderedDict[str, None] = OrderedDict((key, None) for key in index.keys())
 
     def touch(self, keys: Iterable[str]) -> None:
-        """These blocks were just hit (or published): most recently used."""
+        """These blocks were just hit (or published): most recently used. Without a capacity
+        nothing is ever evicted and the order is never read, so nothing is recorded (a lookup
+        touches every hit block: hundreds per turn of a long context)."""
+        if self.capacity_blocks is None:
+            return
         for key in keys:
             if key in self.index:
                 self._order[key] = None

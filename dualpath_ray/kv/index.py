@@ -93,11 +93,16 @@ def block_keys(token_ids: Sequence[int] | np.ndarray, block_size: int, namespace
     tokens = _token_array(token_ids)
     n_full = tokens.size // block_size
     namespace_bytes = _namespace_field(namespace)
-    blocks = tokens[: n_full * block_size].reshape(n_full, block_size)
+    # The chain of `_chain`, one hash call per block over the joined bytes (the same input, so
+    # the same digest): the scheduler hashes every prompt it is given, tens of thousands of
+    # tokens a turn at the paper's contexts.
+    raw = memoryview(tokens[: n_full * block_size].tobytes())
+    stride = block_size * _TOKEN_DTYPE.itemsize
     digest = _root_digest(namespace_bytes)
+    hash128, join = xxhash.xxh3_128_digest, b"".join
     keys: list[str] = []
-    for row in blocks:
-        digest = _chain(digest, namespace_bytes, row)
+    for start in range(0, n_full * stride, stride):
+        digest = hash128(join((digest, namespace_bytes, raw[start : start + stride])))
         keys.append(digest.hex())
     return keys
 

@@ -6,7 +6,7 @@ buffer extent into its pages: one read of whole Full Blocks) -> RUNNING (decoded
 -> DONE; or FAILED from any of them. Oracle mode skips LOADING: the prompt's KV is materialised
 in the pages directly (hits from the store, the rest computed here). Taking handoffs and
 loading their KV is runtime/decode_intake.py's (a mixin of this class). What a step produced for
-the scheduler (handoffs taken, turns ended, streamed tokens) leaves in one report at its end.
+the scheduler (turns ended, streamed tokens) leaves in one report at its end.
 
 Persistence has one owner per block: the request that filled it. Prompt blocks that were not hits
 are written by the node's reader straight from the extent (they are already in the buffer), which
@@ -88,9 +88,8 @@ class DecodeCore(DecodeIntake):
         self._filling: list[tuple[DecodeJob, PageFill]] = []  # oracle handoffs of this step, to compute at once
         self._cancelled = CancelledAttempts(settings.cancel_horizon_s, ports.clock)
         self._aborting: set[str] = set()
-        # This step's report (sent at its end, when not empty): handoffs taken, turns ended,
-        # tokens sampled by streamed requests.
-        self._noted: dict[str, Holding] = {}
+        # This step's report (sent at its end, when not empty): turns ended, tokens sampled by
+        # streamed requests.
         self._results: list[TurnResult] = []
         self._streamed: list[TokenChunk] = []
         self.outbox = Outbox()  # results not yet delivered to the scheduler
@@ -269,14 +268,14 @@ class DecodeCore(DecodeIntake):
                                              tuple(job.log_probs[start:])))
 
     def _send_report(self) -> None:
-        """One call per step carries what the scheduler must know of it: the handoffs taken,
-        the turns that ended (each held by the outbox until the call is delivered) and the
-        tokens streamed requests sampled."""
-        noted, results, chunks = self._noted, self._results, self._streamed
-        if not (noted or results or chunks):
+        """One call per step carries what the scheduler must know of it: the turns that ended
+        (each held by the outbox until the call is delivered) and the tokens streamed requests
+        sampled."""
+        results, chunks = self._results, self._streamed
+        if not (results or chunks):
             return
-        self._noted, self._results, self._streamed = {}, [], []
-        call = self.ports.scheduler.report(noted, results, chunks)
+        self._results, self._streamed = [], []
+        call = self.ports.scheduler.report({}, results, chunks)
         for result in results:
             self.outbox.sent(result.owner, result.request_id, Holding.of(result, True), call)
 

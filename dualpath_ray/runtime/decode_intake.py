@@ -3,9 +3,9 @@
 A mixin of DecodeCore (runtime/decode_core.py), kept apart as one stage of a request's life
 there: a handoff is claimed under the lock, its pages reserved there and then (the scheduler
 counted them when it placed the request here, so they are free; a cancel cannot slip between the
-check and the reservation), the scheduler is told it was taken (in the step's report), and the
-prompt's KV moves from the decode node's buffer extent into the request's pages in one transport
-read of whole Full Blocks (RESERVED -> LOADING). A landed load is checked against the
+check and the reservation), and the prompt's KV moves from the decode node's buffer extent into
+the request's pages in one transport read of whole Full Blocks (RESERVED -> LOADING). The
+scheduler learns of the handoff from the prefill engine, once its call here was delivered. A landed load is checked against the
 prefill engine's digests (one reload on a first mismatch) and, with runtime.verify_kv, against
 the store and a recompute, before the request runs. Oracle mode fills the pages in place.
 """
@@ -66,7 +66,6 @@ class DecodeIntake:
     _arrived: deque[DecodeHandoff]
     _taking: dict[str, tuple[str, Holding]]
     _waiting_since: dict[str, float]
-    _noted: dict[str, Holding]
     _filling: list[tuple[DecodeJob, PageFill]]
     _cancelled: CancelledAttempts
     _lock: threading.Lock
@@ -95,7 +94,6 @@ class DecodeIntake:
             if job is None:
                 self._drop_handoff(handoff, verdict)
                 continue
-            self._noted[job.request_id] = Holding.of(handoff.task.request, True)
             try:
                 self._start_load(job)
             except Exception as exc:  # noqa: BLE001 - fail this request, keep serving the others

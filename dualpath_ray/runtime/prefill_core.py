@@ -166,6 +166,7 @@ class PrefillCore:
         self._to_cancel: list[str] = []
         self.outbox = Outbox()  # handoffs and failure reports not yet delivered
         self._failed: list[TurnResult] = []  # this step's failures, reported at its end
+        self._noted: dict[str, Holding] = {}  # handoffs delivered since the last report
         self._lock = threading.Lock()
 
     # --- what the actor's control thread calls ------------------------------------------
@@ -228,7 +229,7 @@ class PrefillCore:
     def step(self) -> bool:
         """Advance staging and run at most one batch; False when there was nothing to do."""
         self._reap_orphans()
-        self.outbox.settle()
+        self._note_delivered(self.outbox.settle())
         self._drop_cancelled()
         self._poll_staging()
         batch = self._next_batch()
@@ -444,12 +445,21 @@ class PrefillCore:
             self.stats.failures += 1
             self._failed.append(failure_of(job.task.request, self.settings.engine_id, error))
 
+    def _note_delivered(self, delivered: list[tuple[str, Holding]]) -> None:
+        """Handoffs whose call reached their decode engine: the next report says so, and from
+        then on those requests no longer depend on this engine (failure reports, also settled
+        here, are not handed off)."""
+        for request_id, holding in delivered:
+            if holding.handed_off:
+                self._noted[request_id] = holding
+
     def _send_report(self) -> None:
-        """The failures of one step in one call; each stays named by this engine's heartbeat
-        (the outbox) until the call is delivered."""
-        failed, self._failed = self._failed, []
-        if not failed:
+        """One step's news in one call: the handoffs its decode engines got, and its failures
+        (each named by this engine's heartbeat, the outbox, until the call is delivered)."""
+        noted, failed = self._noted, self._failed
+        if not (noted or failed):
             return
-        call = self.ports.scheduler.report({}, failed, ())
+        self._noted, self._failed = {}, []
+        call = self.ports.scheduler.report(noted, failed, ())
         for result in failed:
             self.outbox.sent(result.owner, result.request_id, Holding.of(result, False), call)

@@ -106,7 +106,10 @@ class Scheduler:
         self.servings = 0  # requests this incarnation began serving (RequestSpec.epoch)
         self.mailboxes = Mailboxes(expiry_s=cfg.runtime.request_timeout_s + 4 * COLLECT_WAIT_S)
         self.calls: Counter[str] = Counter({name: 0 for name in COUNTED})
-        self.liveness = Liveness(cfg.runtime.heartbeat_timeout_s, time.monotonic)
+        runtime = cfg.runtime
+        self.liveness = Liveness(
+            runtime.heartbeat_timeout_s, time.monotonic, max(runtime.heartbeat_s, runtime.heartbeat_timeout_s / 3)
+        )
         self.readers = ReaderStates()
         self.faults = FaultInjector(cfg.faults, "scheduler", self.restarted)
         self.metrics = SchedulerMetrics.start(cfg, mode, self.calls)

@@ -4,9 +4,11 @@ The Scheduler actor asks every engine that holds requests what it holds (`holds`
 runtime.heartbeat_s) and feeds the answers here; this class owns every deadline of that watch
 and returns verdicts the actor acts on. No Ray, no wall clock: tests drive it with a fake clock.
 
-- An engine that answers is alive. One that does not is *silent*; silent for `grace_s` in a
-  row, it is presumed dead (Ray reporting it dead or restarting is a death at once, decided by
-  the actor, which sees Ray's error).
+- An engine (or reader) that reports or answers is alive. Each beat asks only those not heard
+  from since the last beat; every `sweep_s` a sweep asks all of them, since judging attempts
+  needs what every engine holds (`plan`). One that does not answer is *silent*; silent for
+  `grace_s` in a row, it is presumed dead (Ray reporting it dead or restarting is a death at
+  once, decided by the actor, which sees Ray's error).
 - An attempt is *held* while an engine names it: its prefill engine from its task's delivery
   to its handoff (the prefill engine keeps naming it while the handoff call is on its way), its
   decode engine from the handoff to the result (kept named while the result is on its way). An
@@ -42,18 +44,45 @@ class Verdicts:
     handed_off: list[str] = field(default_factory=list)  # request ids a decode engine holds: decoding
 
 
+@dataclass(frozen=True)
+class BeatPlan:
+    """Whom one heartbeat round asks, and whether it is a sweep (attempts are judged)."""
+
+    ask: frozenset[str]
+    sweep: bool
+
+
 class Liveness:
-    def __init__(self, grace_s: float, clock: Callable[[], float]) -> None:
+    def __init__(self, grace_s: float, clock: Callable[[], float], sweep_s: float | None = None) -> None:
         self.grace_s = grace_s
         self.clock = clock
+        self.sweep_s = grace_s / 3 if sweep_s is None else sweep_s
         self._silent_since: dict[str, float] = {}  # engine -> since when it has not answered
+        self._heard: dict[str, float] = {}  # engine or reader -> when it last reported or answered
+        self._last_beat = float("-inf")
+        self._next_sweep = float("-inf")
         self._unheld_since: dict[str, float] = {}  # attempt owner -> since when no engine names it
         self._delivering: dict[str, int] = {}  # attempt owner -> task pushes of it not answered yet
 
     # --- engines --------------------------------------------------------------------------
 
-    def answered(self, engine: str) -> None:
-        self._silent_since.pop(engine, None)
+    def answered(self, name: str) -> None:
+        """`name` reported or answered: alive, and heard from now."""
+        self._heard[name] = self.clock()
+        self._silent_since.pop(name, None)
+
+    def plan(self, watched: set[str], always: set[str] = frozenset()) -> BeatPlan:
+        """This beat: on a sweep every name `watched`, otherwise only those not heard from since
+        the last beat; and `always` (engines presumed dead, asked until they answer)."""
+        now = self.clock()
+        sweep = now >= self._next_sweep
+        if sweep:
+            self._next_sweep = now + self.sweep_s
+            for name in set(self._heard) - watched - always:
+                del self._heard[name]  # nothing grows with names no longer watched
+        since, self._last_beat = self._last_beat, now
+        ask = watched if sweep else {name for name in watched if self._heard.get(name, float("-inf")) < since}
+        return BeatPlan(frozenset(ask | always), sweep)
 
     def missed(self, engine: str) -> bool:
         """`engine` did not answer this round; True once it has been silent for grace_s (it is
@@ -130,3 +159,7 @@ class Liveness:
         """(silent engines, unheld attempts, attempts in delivery): what this object holds, for
         tests that check it returns to empty."""
         return len(self._silent_since), len(self._unheld_since), len(self._delivering)
+
+    def heard_of(self) -> int:
+        """Engines and readers whose last report or answer is remembered."""
+        return len(self._heard)

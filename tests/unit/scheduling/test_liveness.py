@@ -129,3 +129,35 @@ def test_nothing_is_left_tracked_once_requests_leave() -> None:
         live.forget(r.spec.owner)
     live.check([], {PE: {}, DE: {}}, set())
     assert live.tracked() == (0, 0, 0), "forgotten or no longer in flight: nothing is kept"
+
+
+def test_a_beat_asks_only_whom_it_has_not_heard_from_and_a_sweep_asks_everyone() -> None:
+    clock = FakeClock()
+    live = Liveness(GRACE, clock, sweep_s=3.0)
+    watched = {PE, DE, "reader/p0"}
+    first = live.plan(watched)
+    assert first.sweep and first.ask == watched, "the first beat is a sweep: everyone is asked"
+    clock.t += 0.1
+    for name in watched:
+        live.answered(name)  # their answers to it
+    clock.t += 0.9
+    assert live.plan(watched).ask == set(), "whoever answered the last beat is not asked again at once"
+    clock.t += 0.5
+    live.answered(DE)  # its step's report
+    clock.t += 0.5
+    third = live.plan(watched, always={"decode/d0/g1"})
+    assert not third.sweep and third.ask == {PE, "reader/p0", "decode/d0/g1"}, (
+        "a busy engine that reported is not asked; the others are, and an engine presumed dead always is"
+    )
+    clock.t += 1.0
+    assert live.plan(watched).sweep, "every sweep_s a sweep asks everyone again (attempts are judged then)"
+
+
+def test_names_no_longer_watched_are_forgotten_at_a_sweep() -> None:
+    clock = FakeClock()
+    live = Liveness(GRACE, clock, sweep_s=3.0)
+    for i in range(20):
+        live.answered(f"prefill/p1/g{i}")
+    clock.t += 3.0
+    live.plan({PE})
+    assert live.heard_of() == 0, "engines that hold nothing any more are not remembered"
