@@ -5,7 +5,7 @@ there: a handoff is claimed under the lock, its pages reserved there and then (t
 counted them when it placed the request here, so they are free; a cancel cannot slip between the
 check and the reservation), and the prompt's KV moves from the decode node's buffer extent into
 the request's pages in one transport read of whole Full Blocks (RESERVED -> LOADING). The
-scheduler learns of the handoff from the prefill engine, once its call here was delivered. A landed load is checked against the
+scheduler learns of the handoff from the prefill engine's report of the step that sent it. A landed load is checked against the
 prefill engine's digests (one reload on a first mismatch) and, with runtime.verify_kv, against
 the store and a recompute, before the request runs. Oracle mode fills the pages in place.
 """

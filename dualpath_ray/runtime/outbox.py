@@ -31,32 +31,28 @@ class Outbox:
         with self._lock:
             self._calls[owner] = (request_id, holding, call)
 
-    def settle(self) -> list[tuple[str, Holding]]:
-        """Forget the calls that were delivered or failed; returns (request id, holding) of the
-        delivered ones. A failed one is the receiver's death (or a lost message): the
-        scheduler's heartbeat or its death detection takes it from there, exactly as if the
-        call had never been made."""
+    def settle(self) -> None:
+        """Forget the calls that were delivered or failed. A failed one is the receiver's death
+        (or a lost message): the scheduler's heartbeat or its death detection takes it from
+        there, exactly as if the call had never been made."""
         with self._lock:
             calls = list(self._calls.items())
-        finished, delivered = [], []
-        for owner, (request_id, holding, call) in calls:
+        finished = []
+        for owner, (_, _, call) in calls:
             try:
                 if not call.done():
                     continue
-                delivered.append((request_id, holding))
             except Exception:  # noqa: BLE001 - see the docstring
                 self.undelivered += 1
             finished.append(owner)
         with self._lock:
             for owner in finished:
                 self._calls.pop(owner, None)
-        return delivered
 
     def drain(self, timeout_s: float) -> None:
         """Wait up to timeout_s for the calls on their way to be delivered, then settle. Between
         rollouts the receiver has them all but their replies may still be on the wire: an engine
-        asked to sleep right after its last turn must not count them as work. What this settles
-        is not reported anywhere (nothing runs after a drain but sleep or a weight update)."""
+        asked to sleep right after its last turn must not count them as work."""
         deadline = time.monotonic() + timeout_s
         with self._lock:
             calls = [call for _, _, call in self._calls.values()]

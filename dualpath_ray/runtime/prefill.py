@@ -35,7 +35,7 @@ class PrefillEngine(EngineBase):
         ports = PrefillPorts(
             RayReaders(self.directory, self.id.engine_id, self.wake, self.sent), self.hbm.transport_port(),
             RayScheduler(self.directory, self.id.engine_id, lambda: self.incarnation, self.sent),
-            RayDecodeTargets(self.directory, self.wake, self.sent), SystemClock(),
+            RayDecodeTargets(self.directory, self.sent), SystemClock(),
         )
         if self.faults.active:
             ports = with_faults(ports, self.faults, self.hbm.view)

@@ -166,7 +166,7 @@ class PrefillCore:
         self._to_cancel: list[str] = []
         self.outbox = Outbox()  # handoffs and failure reports not yet delivered
         self._failed: list[TurnResult] = []  # this step's failures, reported at its end
-        self._noted: dict[str, Holding] = {}  # handoffs delivered since the last report
+        self._noted: dict[str, Holding] = {}  # this step's handoffs, reported at its end
         self._lock = threading.Lock()
 
     # --- what the actor's control thread calls ------------------------------------------
@@ -229,7 +229,7 @@ class PrefillCore:
     def step(self) -> bool:
         """Advance staging and run at most one batch; False when there was nothing to do."""
         self._reap_orphans()
-        self._note_delivered(self.outbox.settle())
+        self.outbox.settle()
         self._drop_cancelled()
         self._poll_staging()
         batch = self._next_batch()
@@ -420,8 +420,13 @@ class PrefillCore:
                 with self._lock:
                     del self.jobs[job.owner]
                 # On its way to its decode engine: named as handed off, no longer the prefill
-                # engine's to cancel (the decode engine holds it once the call lands).
-                self.outbox.sent(job.owner, job.request_id, Holding.of(job.task.request, True), delivery)
+                # engine's to cancel (the decode engine holds it once the call lands), and so
+                # reported in this step's report: the scheduler takes its load off this engine
+                # as the engine itself just did. A handoff lost on the way leaves the attempt
+                # held by no one once the outbox gives up on it: the heartbeat fails it then.
+                holding = Holding.of(job.task.request, True)
+                self._noted[job.request_id] = holding
+                self.outbox.sent(job.owner, job.request_id, holding, delivery)
 
     def _fail(self, job: PrefillJob, error: BaseException, report: bool = True) -> None:
         """Free what the request holds, report the error (unless cancelled), forget it."""
@@ -445,17 +450,9 @@ class PrefillCore:
             self.stats.failures += 1
             self._failed.append(failure_of(job.task.request, self.settings.engine_id, error))
 
-    def _note_delivered(self, delivered: list[tuple[str, Holding]]) -> None:
-        """Handoffs whose call reached their decode engine: the next report says so, and from
-        then on those requests no longer depend on this engine (failure reports, also settled
-        here, are not handed off)."""
-        for request_id, holding in delivered:
-            if holding.handed_off:
-                self._noted[request_id] = holding
-
     def _send_report(self) -> None:
-        """One step's news in one call: the handoffs its decode engines got, and its failures
-        (each named by this engine's heartbeat, the outbox, until the call is delivered)."""
+        """One step's news in one call: the handoffs it sent, and its failures (each named by
+        this engine's heartbeat, the outbox, until the call is delivered)."""
         noted, failed = self._noted, self._failed
         if not (noted or failed):
             return

@@ -107,16 +107,13 @@ class RayScheduler:
 class RayDecodeTargets:
     """DecodePort: decode engines by name."""
 
-    def __init__(
-        self, directory: ActorDirectory, wake: threading.Event | None = None, sent: Counter[str] | None = None,
-    ) -> None:
+    def __init__(self, directory: ActorDirectory, sent: Counter[str] | None = None) -> None:
         self.directory = directory
-        self.wake = wake  # a delivered handoff is news for the scheduler: the worker reports it
         self.sent = sent if sent is not None else Counter()
 
     def hand_off(self, engine: str, handoffs: Sequence[DecodeHandoff]) -> RefPending:
         self.sent["handoff"] += 1
-        return RefPending(self.directory.get(engine).handoff.remote(list(handoffs)), self.wake)
+        return RefPending(self.directory.get(engine).handoff.remote(list(handoffs)))
 
 
 class SystemClock:

@@ -205,12 +205,12 @@ def test_a_result_on_its_way_to_the_scheduler_is_still_held(make, monkeypatch) -
     h.assert_idle()
 
 
-def test_a_delivered_handoff_is_noted_in_the_prefill_engines_next_report(make) -> None:
+def test_a_handoff_is_noted_in_the_report_of_the_prefill_step_that_sent_it(make) -> None:
     h = make()
     results = h.serve([Request(f"r{i}", tokens(24, i), "de" if i % 2 else "pe", max_new_tokens=3) for i in range(4)])
     noted = {rid: held for note in h.collector.handed_off_notes for rid, held in note.items()}
     assert set(noted) == {r.request_id for r in results}, (
-        "every request's handoff was noted to the scheduler once its call reached the decode engine"
+        "every request's handoff was noted to the scheduler by the prefill engine that sent it"
     )
     for result in results:
         assert noted[result.request_id] == Holding(result.attempt, True, result.epoch), (
