@@ -401,7 +401,7 @@ class DualPathCluster:
         return version
 
     def health(self) -> dict[str, str]:
-        """Engines whose worker or leader thread failed, with the error."""
+        """Engines whose worker thread failed, with the error."""
         assert self.deployment is not None
         reports = ray.get([e.health.remote() for e in self.deployment.engines.values()])
         return {name: err for name, err in zip(self.deployment.engines, reports) if err}

@@ -137,7 +137,7 @@ KV_LOAD_SECONDS = MetricSpec(
 )
 DECISION_SECONDS = MetricSpec(
     "dualpath_scheduler_decision_seconds", MetricKind.HISTOGRAM,
-    "Time of one scheduling decision: the policy's placement of one group leader's fetch.",
+    "Time of one scheduling decision: the policy's placement for one group in a round.",
     ("role",), "seconds", _SECONDS_DECISION,
 )
 TRAJECTORY_JCT_SECONDS = MetricSpec(

@@ -130,7 +130,7 @@ ENGINE_ROW = Row(300, "Engines and scheduler", (
           "short", (Target(
               f"max by (role) ({sel(m.ENGINE_TOKENS)}) / avg by (role) ({sel(m.ENGINE_TOKENS)})", "{{role}}"),)),
     Panel(304, "Scheduler decision latency (p50 / p99)",
-          "Time of the pure policy's placement in one group leader's fetch, by the role of the group.",
+          "Time of one ask of the pure policy for one group in a round, by the role of the group.",
           "s", quantiles(m.DECISION_SECONDS, (0.5, 0.99), "role")),
 ))
 

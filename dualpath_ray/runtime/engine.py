@@ -168,7 +168,7 @@ class EngineBase(TransportEndpoint):
     def load(self) -> EngineLoad:
         if self.error is not None:
             # A dead worker loop must not look like an idle engine, or it would be given work
-            # it never runs; failing here makes leaders and the scheduler's heartbeat drop it.
+            # it never runs; failing here makes the scheduler's heartbeat drop it.
             raise RuntimeError(f"{self.id.engine_id}: worker loop died: {self.error!r}")
         return self.core.load()
 

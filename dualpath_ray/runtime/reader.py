@@ -388,7 +388,7 @@ class StorageReader(TransportEndpoint):
 
     @ray.method(concurrency_group="ctl")
     def queue_report(self) -> tuple[str, int]:
-        """(this process's incarnation, read_q): what a group leader reports of its node."""
+        """(this process's incarnation, read_q): the scheduler's heartbeat to a reader of a node in use."""
         return self.incarnation, self.core.read_q()
 
     @ray.method(concurrency_group="ctl")

@@ -239,8 +239,8 @@ class Dispatcher:
         return [request for request in self.requests.values() if engine_id in request.engines()]
 
     def forget_engine(self, engine_id: str) -> None:
-        """A dead engine's groups stop receiving requests until their leader reports again
-        (without it); what waited in their private queues goes back to the global queue."""
+        """A dead engine's groups stop receiving requests until they are asked again (without
+        it); what waited in their private queues goes back to the global queue."""
         for group, loads in list(self.decode_loads.items()):
             if any(load.engine_id == engine_id for load in loads):
                 del self.decode_loads[group]

@@ -145,13 +145,11 @@ class SchedulerCore:
 
     def _live(self, report: GroupReport) -> tuple:
         """The report's engines that may take work. An engine only presumed dead (silent past
-        the heartbeat timeout) that its group leader reached again is readmitted: a loaded host
-        is slow, not dead, and dropping it for good could leave a role with no engine at all.
-        Its earlier attempts were failed already; the heartbeat cancels what they still hold."""
+        the heartbeat timeout) that a report names is readmitted (see `readmit`): whoever made
+        the report reached it. (The runtime's reports leave out engines out of service, and its
+        heartbeat readmits one that answers.)"""
         for load in report.engines:
-            if load.engine_id in self.presumed_dead:
-                self.presumed_dead.discard(load.engine_id)
-                self.readmitted += 1
+            self.readmit(load.engine_id)
         out = self.out_of_service()
         return tuple(e for e in report.engines if e.engine_id not in out)
 
