@@ -55,6 +55,7 @@ from dualpath_ray.runtime.restarts import was_restarted
 from dualpath_ray.runtime.watchdog import Watchdog
 from dualpath_ray.scheduling.dispatcher import Constants
 from dualpath_ray.scheduling.liveness import Liveness, is_attempt
+from dualpath_ray.scheduling.requests import Request
 from dualpath_ray.scheduling.scheduler import CoreSettings, SchedulerCore
 
 LOG = logging.getLogger("dualpath_ray.scheduler")
@@ -104,6 +105,8 @@ class Scheduler:
         self.pending: dict[str, asyncio.Future[TurnResult]] = {}
         self.clients: dict[str, str] = {}  # request id -> the client that submitted it (submit/collect)
         self.servings = 0  # requests this incarnation began serving (RequestSpec.epoch)
+        # Failed attempts whose peer died -> the peers to ask before their retry is placed.
+        self.suspects: dict[str, set[str]] = {}
         self.mailboxes = Mailboxes(expiry_s=cfg.runtime.request_timeout_s + 4 * COLLECT_WAIT_S)
         self.calls: Counter[str] = Counter({name: 0 for name in COUNTED})
         runtime = cfg.runtime
@@ -284,8 +287,14 @@ class Scheduler:
         spec = dataclasses.replace(spec, epoch=self.core.epoch + self.servings)  # see RequestSpec.epoch
         while not self.aborts.is_aborted(spec.request_id):
             result = await self._attempt(spec, deadline)
+            suspects = self.suspects.pop(spec.owner, set())
             if not self.core.should_retry(result) or self.aborts.is_aborted(spec.request_id):
                 break
+            if suspects:
+                # A peer of the attempt died: learn which before the retry is placed, or it may
+                # land on the same dead peer (the heartbeat would tell only a beat later).
+                assert self.watchdog is not None
+                await self.watchdog.probe(suspects)
             self.calls["retries"] += 1
             self.calls["unindexed_blocks"] += self.core.repair(result)
             spec = dataclasses.replace(spec, attempt=spec.attempt + 1)
@@ -414,6 +423,8 @@ class Scheduler:
         self.calls["complete"] += 1
         current = self.core.is_current(result)
         request = self.core.requests.get(result.request_id)
+        if current and request is not None and result.error_kind is ErrorKind.PEER_DIED:
+            self.suspects[result.owner] = self._peers_of(request)
         decode_engine = result.decode_engine or (request.decode_engine if request is not None else "")
         holders = self.decisions.rounds.finish(result, self.decisions.decode_group_of.get(decode_engine))
         self._cancel_at(holders, result.owner)
@@ -428,6 +439,12 @@ class Scheduler:
         future = self.pending.get(result.request_id)
         if future is not None and not future.done():
             future.set_result(result)
+
+    def _peers_of(self, request: Request) -> set[str]:
+        """The engines an attempt used and the readers of their nodes."""
+        engines = {e for e in (request.prefill_engine, request.decode_engine) if e}
+        nodes = {n for n in (request.prefill_node, request.decode_node) if n}
+        return engines | {f"reader/{node}" for node in nodes}
 
     # --- aborts -------------------------------------------------------------------------
 
@@ -521,6 +538,7 @@ class Scheduler:
         their starting size once the turns are done)."""
         silent, unheld, delivering = self.liveness.tracked()
         return {"requests": len(self.core.requests), "pending": len(self.pending), "clients": len(self.clients),
+                "suspects": len(self.suspects),
                 "streams": len(self.streams), "running": len(self.aborts.running),
                 "silent": silent, "unheld": unheld, "delivering": delivering}
 

@@ -106,6 +106,23 @@ class Watchdog:
         plan = self.liveness.plan(in_use | readers, always)
         engines = sorted(name for name in plan.ask if not name.startswith("reader/"))
         nodes = sorted(name.removeprefix("reader/") for name in plan.ask if name.startswith("reader/"))
+        held, silent = await self._ask_all(engines, nodes, timeout_s)
+        if plan.sweep:
+            self._judge(held, silent, timeout_s)
+
+    async def probe(self, names: set[str]) -> None:
+        """Ask these engines and readers now (the peers of an attempt that failed because one
+        of them died), so that its retry is placed knowing which are gone; a silent one is left
+        to the heartbeat."""
+        names = names - {f"reader/{n}" for n in self.core.readers_dead} - self.core.dead
+        engines = sorted(name for name in names if not name.startswith("reader/"))
+        nodes = sorted(name.removeprefix("reader/") for name in names if name.startswith("reader/"))
+        await self._ask_all(engines, nodes, self.cfg.runtime.heartbeat_timeout_s)
+
+    async def _ask_all(
+        self, engines: list[str], nodes: list[str], timeout_s: float,
+    ) -> tuple[dict[str, dict[str, Holding]], set[str]]:
+        """Ask and act on the answers: (what each engine that answered holds, those silent)."""
         answers, queues = await asyncio.gather(
             asyncio.gather(*(self._holds(e, timeout_s) for e in engines)),
             asyncio.gather(*(self._queue(n, timeout_s) for n in nodes)),
@@ -120,7 +137,8 @@ class Watchdog:
                 self.observe(engine, answer.incarnation)
                 held[engine] = answer.held
             elif engine in self.core.presumed_dead:
-                continue  # still silent: nothing more to decide
+                if state is PeerState.DEAD:
+                    self._confirm_death(engine)
             elif state in (PeerState.DEAD, PeerState.RESTARTING) or self.liveness.missed(engine):
                 # Ray restarting it means its process died: its attempts are lost, so they are
                 # retried at once; its extents are reclaimed once the new incarnation shows.
@@ -128,8 +146,13 @@ class Watchdog:
                 self.engine_died(engine, confirmed=state is PeerState.DEAD)
             else:
                 silent.add(engine)
-        if plan.sweep:
-            self._judge(held, silent, timeout_s)
+        return held, silent
+
+    def _confirm_death(self, engine: str) -> None:
+        """An engine presumed dead from its silence that Ray now reports gone for good: it never
+        comes back, and the extents its failed attempts leased are reclaimed."""
+        self.core.engine_died(engine, confirmed=True)
+        self._reclaim(self.unreclaimed.pop(engine, []))
 
     def _judge(self, held: dict[str, dict[str, Holding]], silent: set[str], timeout_s: float) -> None:
         """With what every engine in use holds: lost attempts failed, lost handoff notes made
