@@ -39,7 +39,7 @@ import os
 import sys
 import threading
 import time
-from collections import Counter, defaultdict
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable
 

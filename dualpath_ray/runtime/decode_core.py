@@ -28,7 +28,7 @@ from typing import Sequence
 from dualpath_ray.kv.block_store import BlockStore
 from dualpath_ray.kv.index import next_block_key
 from dualpath_ray.kv.layout import KVLayout
-from dualpath_ray.kv.paged import PagedKVPool, PagePoolFullError
+from dualpath_ray.kv.paged import PagedKVPool
 from dualpath_ray.runtime.accounting import NodeCounters
 from dualpath_ray.runtime.cancelled import CancelledAttempts
 from dualpath_ray.runtime.compute import DecodeSeq, EngineCompute, PageFill

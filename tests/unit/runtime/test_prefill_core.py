@@ -13,7 +13,7 @@ import pytest
 
 from dualpath_ray.config import DualPathConfig, parse_config
 from dualpath_ray.runtime.messages import Holding
-from tests.engine_harness import DE, EngineHarness, Request
+from tests.engine_harness import EngineHarness, Request
 
 BLOCK = 16
 
