@@ -34,7 +34,7 @@ import ray  # noqa: E402
 
 from dualpath_ray.cluster import DualPathCluster  # noqa: E402
 from dualpath_ray.local_cluster import free_port  # noqa: E402
-from dualpath_ray.metrics import ALL_METRICS, READ_QUEUE_TOKENS, MetricKind  # noqa: E402
+from dualpath_ray.metrics import ALL_METRICS, READ_QUEUE_TOKENS, TRAJECTORY_JCT_SECONDS, MetricKind  # noqa: E402
 from dualpath_ray.observability.grafana import panel_targets  # noqa: E402
 from dualpath_ray.observability.prometheus import PrometheusServer, find_prometheus  # noqa: E402
 from dualpath_ray.workload.trace import write_trace  # noqa: E402
@@ -151,6 +151,12 @@ def runtime_snic(counters: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def prometheus_trajectories(server: PrometheusServer) -> float:
+    """Trajectories the driver's JCT histogram has counted, as Prometheus last scraped them."""
+    counted = server.query(f"sum({TRAJECTORY_JCT_SECONDS.exported_name}_count)")
+    return float(counted[0]["value"][1]) if counted else 0.0
+
+
 def needs_prometheus(observed: dict[str, Any]) -> PrometheusServer:
     if observed["server"] is None:
         pytest.skip(NO_PROMETHEUS)
@@ -177,6 +183,11 @@ def test_every_dashboard_query_returns_data_from_prometheus(observed):
     server = needs_prometheus(observed)
     wait_for(lambda: prometheus_snic(server) == runtime_snic(observed["counters"]),
              "the last exports scraped", lambda: "SNIC counters still behind the runtime's")
+    # The driver exports its own metrics (trajectory JCT) on its own cadence, apart from the
+    # readers': a fast second rollout can be scraped from the readers before it is from the driver.
+    finished = sum(len(set(r.table["trajectory_id"].to_pylist()) | set(r.failures)) for r in observed["results"])
+    wait_for(lambda: prometheus_trajectories(server) == finished, "the driver's last export scraped",
+             lambda: f"Prometheus counts {prometheus_trajectories(server)} trajectories, the rollouts finished {finished}")
     sessions = server.label_values("SessionName", READ_QUEUE_TOKENS.exported_name)
     assert len(sessions) == 1, f"the dashboard's SessionName variable lists this cluster's one session: {sessions}"
     document = json.loads(DASHBOARD.read_text())
