@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/scale_harness.py --agents 1500 --measure-s 60 --json out.json
 
 The scheduler under test is the deployment's own Scheduler actor (runtime/scheduler.py), with
-its rounds, books, heartbeat watchdog, client mailboxes and Ray calls. Everything around it is
+its rounds, books, heartbeat watchdog, client mailboxes, report channel and Ray calls. Everything around it is
 simulated, in two processes, so that one 2-core machine can drive a 1,152-GPU cluster:
 
 - **engines and readers** (`SimulatedNodes`, one Ray actor answering for all 48 prefill and 96
@@ -57,6 +57,7 @@ from dualpath_ray.runtime.messages import (  # noqa: E402
     EngineHoldings, EngineReport, Holding, PersistedBlock, PrefillTask, ReaderReport, SamplingParams, TurnResult,
     newest_holdings,
 )
+from dualpath_ray.runtime.report_channel import ChannelAddress, ReportClient  # noqa: E402
 from dualpath_ray.runtime.scheduler import Scheduler  # noqa: E402
 from dualpath_ray.runtime.topology import plan_nodes  # noqa: E402
 from dualpath_ray.scheduling.types import ReadPath, StopReason  # noqa: E402
@@ -116,6 +117,7 @@ class SimulatedNodes:
         self.report_due: set[str] = set()
         self.rng = np.random.default_rng(output_seed)
         self.calls: Counter[str] = Counter()
+        self.channels: dict[str, ReportClient] = {}
         self._events: list[tuple[float, int, Callable[[Any], None], Any]] = []
         self._sequence = itertools.count()
         self._cond = threading.Condition()
@@ -204,7 +206,7 @@ class SimulatedNodes:
         for result in results:
             engine.held.pop(result.request_id, None)
         self.calls["report"] += 1
-        self.scheduler.report.remote(EngineReport(engine.name, INCARNATION, noted, tuple(results)))
+        self._channel(engine.name).send(EngineReport(engine.name, INCARNATION, noted, tuple(results)))
 
     def _queue_reader_report(self, node: str, now: float) -> None:
         if node not in self.report_due:
@@ -218,7 +220,19 @@ class SimulatedNodes:
             return
         self.reported_q[node] = tokens
         self.calls["reader_report"] += 1
-        self.scheduler.reader_report.remote(ReaderReport(node, f"reader/{node}", INCARNATION, tokens))
+        reader = f"reader/{node}"
+        self._channel(reader).send(ReaderReport(node, reader, INCARNATION, tokens))
+
+    def _channel(self, sender: str) -> ReportClient:
+        """The sender's own report channel to the scheduler, as each real engine and reader has."""
+        channel = self.channels.get(sender)
+        if channel is None:
+            channel = self.channels[sender] = ReportClient(self._resolve, name=sender)
+        return channel
+
+    def _resolve(self) -> ChannelAddress:
+        address: ChannelAddress = ray.get(self.scheduler.report_channel.remote())
+        return address
 
     def _result(self, task: PrefillTask) -> TurnResult:
         """What the decode engine reports: its output and the full blocks the turn persisted

@@ -206,6 +206,12 @@ class SchedulerConfig(_Section):
         "choice compares these queues). Nothing is sent while nothing changes. The default is the cadence "
         "the simulator's committed figures were made with (benchmarks/README.md).",
     )
+    report_port: int = Field(
+        0, ge=0, le=65535,
+        description="TCP port on the scheduler's node where engines and readers send their reports (the report "
+        "channel: authenticated with a per-incarnation secret handed out through Ray). 0 picks a free port at "
+        "each start; set one where a firewall must allow it between the nodes.",
+    )
     read_split: Literal["whole", "proportional"] = Field(
         "whole",
         description="How one request's hit blocks are read: whole = all through the side with the shorter read "

@@ -13,6 +13,7 @@ from typing import Any, Callable, Sequence
 import ray
 
 from dualpath_ray.runtime.directory import ActorDirectory
+from dualpath_ray.runtime.report_channel import ChannelAddress, ReportClient, SentReport
 from dualpath_ray.runtime.messages import (
     DecodeHandoff, EngineReport, ExtentGrant, Holding, PersistedBlock, TokenChunk, TurnResult,
 )
@@ -85,23 +86,36 @@ class RayReaders:
 
 
 class RayScheduler:
-    """SchedulerPort: the singleton `scheduler` actor. Reports carry this engine's name and its
+    """SchedulerPort: the singleton `scheduler` actor, reached through its report channel
+    (runtime/report_channel.py), found with one Ray call. Reports carry this engine's name and its
     process's incarnation (which a wake from sleep renews: `incarnation` is read per report)."""
 
     def __init__(
         self, directory: ActorDirectory, engine: str, incarnation: Callable[[], str], sent: Counter[str] | None = None,
     ) -> None:
-        self.directory = directory
         self.engine = engine
         self.incarnation = incarnation
         self.sent = sent if sent is not None else Counter()
+        self.channel = ReportClient(scheduler_channel(directory), name=f"{engine}-reports")
 
     def report(
         self, handed_off: dict[str, Holding], results: Sequence[TurnResult], chunks: Sequence[TokenChunk]
-    ) -> RefPending:
+    ) -> SentReport:
         self.sent["report"] += 1
-        report = EngineReport(self.engine, self.incarnation(), dict(handed_off), tuple(results), tuple(chunks))
-        return RefPending(self.directory.get("scheduler").report.remote(report))
+        return self.channel.send(
+            EngineReport(self.engine, self.incarnation(), dict(handed_off), tuple(results), tuple(chunks))
+        )
+
+
+def scheduler_channel(directory: ActorDirectory) -> Callable[[], ChannelAddress]:
+    """How a sender finds the scheduler's report channel: a Ray call, which waits while Ray
+    restarts the scheduler (max_task_retries=-1), so a new incarnation's address is found."""
+
+    def resolve() -> ChannelAddress:
+        address: ChannelAddress = ray.get(directory.get("scheduler").report_channel.remote())
+        return address
+
+    return resolve
 
 
 class RayDecodeTargets:

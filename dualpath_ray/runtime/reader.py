@@ -38,6 +38,8 @@ from dualpath_ray.runtime.emulation import FifoTurns, make_link
 from dualpath_ray.runtime.directory import ActorDirectory
 from dualpath_ray.runtime.messages import ExtentGrant, PersistedBlock, ReaderReport
 from dualpath_ray.runtime.queue_reporter import QueueReporter
+from dualpath_ray.runtime.ray_ports import scheduler_channel
+from dualpath_ray.runtime.report_channel import ReportClient
 from dualpath_ray.runtime.qos import kv_transport_knobs
 from dualpath_ray.runtime.restarts import TransportKeeper, was_restarted
 from dualpath_ray.runtime.transport import (
@@ -304,6 +306,7 @@ class StorageReader(TransportEndpoint):
         )
         self.core.on_read_q = self.reporter.changed
         self.directory = ActorDirectory(cfg.runtime.namespace)
+        self.reports = ReportClient(scheduler_channel(self.directory), name=f"{endpoint}-reports")
         self.reporter.start()
         self.keeper = TransportKeeper(self.transport, cfg.runtime.namespace, cfg.runtime.request_timeout_s)
         if restarted:
@@ -315,7 +318,7 @@ class StorageReader(TransportEndpoint):
 
     def _send_report(self, read_q: int) -> None:
         report = ReaderReport(self.core.node_id, self.name, self.incarnation, read_q)
-        self.directory.get("scheduler").reader_report.remote(report)
+        self.reports.send(report)
 
     def node_labels(self) -> dict[str, str]:
         return dict(ray.get_runtime_context().get_node_labels())

@@ -4,8 +4,9 @@ A thin async shell around the pure scheduler core. Callers submit turns in batch
 from a `SchedulerClient`: api/client.py) and collect their results with one long-poll
 (`collect`), or await one turn (`generate`, `generate_stream`). Decisions are event-driven and
 pushed (runtime/decisions.py: the rounds the simulator runs too), engines tell it what a step
-produced in one report (`report`: handoffs taken, turns ended, streamed tokens), readers tell it
-their read queues when they change (`reader_report`), and the heartbeat watchdog
+produced in one report (an EngineReport: handoffs taken, turns ended, streamed tokens), readers
+tell it their read queues when they change (a ReaderReport), both on the report channel
+(runtime/report_channel.py: a socket its event loop reads, not Ray calls), and the heartbeat watchdog
 (runtime/watchdog.py) judges who is alive. The prefix index lives here (rebuilt from the store
 at start) and learns every persisted block from the turn result before that result is
 answered, so the next turn of a trajectory always sees its predecessor's blocks. An idle
@@ -51,6 +52,7 @@ from dualpath_ray.runtime.messages import (
     aborted_result,
     failed_result,
 )
+from dualpath_ray.runtime.report_channel import ChannelAddress, ReportServer
 from dualpath_ray.runtime.restarts import was_restarted
 from dualpath_ray.runtime.watchdog import Watchdog
 from dualpath_ray.scheduling.dispatcher import Constants
@@ -119,6 +121,7 @@ class Scheduler:
         # Both need the running event loop: made by the first call (see _started).
         self.decisions: Decisions | None = None
         self.watchdog: Watchdog | None = None
+        self.reports: ReportServer | None = None
 
     def __repr__(self) -> str:
         # Ray prefixes this actor's log lines with it and shows it as the dashboard's repr name.
@@ -148,6 +151,10 @@ class Scheduler:
             await self.watchdog.learn_holdings()
         self.decisions.rounds.start()
         asyncio.get_running_loop().create_task(self.watchdog.run())
+        # Last: a report handled before the holdings were learnt would race the adoption.
+        self.reports = await ReportServer.start(
+            self._received, ray.util.get_node_ip_address(), self.cfg.scheduler.report_port
+        )
 
     def _accepted(self, engine: str, incarnation: str) -> None:
         assert self.watchdog is not None
@@ -380,10 +387,25 @@ class Scheduler:
 
     # --- what engines and readers tell -------------------------------------------------------
 
-    async def report(self, report: EngineReport) -> None:
+    async def report_channel(self) -> ChannelAddress:
+        """Where this incarnation reads engines' and readers' reports (runtime/report_channel.py),
+        and the secret a sender proves: handed out only through this (authenticated) Ray call."""
+        await self._started()
+        assert self.reports is not None and self.reports.address is not None
+        return self.reports.address
+
+    def _received(self, message: EngineReport | ReaderReport) -> None:
+        """A message from the report channel, on this actor's event loop."""
+        if isinstance(message, EngineReport):
+            self._engine_report(message)
+        elif isinstance(message, ReaderReport):
+            self._reader_report(message)
+        else:
+            raise TypeError(f"the report channel carries EngineReport and ReaderReport, not {type(message).__name__}")
+
+    def _engine_report(self, report: EngineReport) -> None:
         """One step of an engine: the handoffs it took (those attempts are decoding and no
         longer depend on their prefill engines), the turns that ended, the tokens it streamed."""
-        await self._started()
         assert self.decisions is not None and self.watchdog is not None
         self.calls["report"] += 1
         self.watchdog.observe(report.engine, report.incarnation)
@@ -395,9 +417,8 @@ class Scheduler:
             self._complete(result)
         self._stream(report.chunks)
 
-    async def reader_report(self, report: ReaderReport) -> None:
+    def _reader_report(self, report: ReaderReport) -> None:
         """A reader's read queue changed (or the reader just started)."""
-        await self._started()
         assert self.watchdog is not None
         self.calls["reader_report"] += 1
         self.watchdog.observe(report.reader, report.incarnation)
