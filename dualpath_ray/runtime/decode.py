@@ -14,7 +14,7 @@ from dualpath_ray.runtime.decode_core import HBM_POOL, DecodeCore
 from dualpath_ray.runtime.decode_job import DecodePorts, DecodeSettings
 from dualpath_ray.runtime.engine import EngineBase
 from dualpath_ray.runtime.messages import DecodeHandoff
-from dualpath_ray.runtime.ray_ports import RayReaders, RayScheduler, SystemClock
+from dualpath_ray.runtime.ray_ports import RayReaders, SystemClock
 from dualpath_ray.runtime.transport import endpoint_actor_options
 from dualpath_ray.scheduling.types import Role
 
@@ -36,7 +36,7 @@ class DecodeEngine(EngineBase):
         readers = RayReaders(self.directory, self.id.engine_id, self.wake, self.sent)
         ports = DecodePorts(
             self.hbm.readers_port(readers, self.layout.full_block_bytes, HBM_POOL), self.hbm.transport_port(),
-            RayScheduler(self.directory, self.id.engine_id, lambda: self.incarnation, self.sent), SystemClock(),
+            self.scheduler_port, SystemClock(),
         )
         if self.faults.active:
             ports = with_faults(ports, self.faults, self.hbm.view)

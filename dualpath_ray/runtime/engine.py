@@ -33,6 +33,7 @@ from dualpath_ray.runtime.directory import ActorDirectory
 from dualpath_ray.runtime.messages import EngineHoldings, TensorSpec
 from dualpath_ray.runtime.hbm_moves import HbmMoves
 from dualpath_ray.runtime.qos import kv_transport_knobs
+from dualpath_ray.runtime.ray_ports import RayScheduler
 from dualpath_ray.runtime.restarts import TransportKeeper, was_restarted
 from dualpath_ray.runtime.transport import TransportEndpoint, make_transport
 from dualpath_ray.runtime.weight_sync import WeightGroup
@@ -105,6 +106,7 @@ class EngineBase(TransportEndpoint):
         self.wake = threading.Event()
         self.hbm = HbmMoves(cfg.runtime.hbm_moves, self.transport)
         self.sent: Counter[str] = Counter()  # actor calls this engine made, by method (its ports count them)
+        self.scheduler_port = RayScheduler(self.directory, identity.engine_id, lambda: self.incarnation, self.sent)
         self.core = self._build_core()
         self.transport.seal()
         self.metrics = EngineMetrics.start(cfg, identity.engine_id, identity.node_id, self.role, self.core)
@@ -139,6 +141,10 @@ class EngineBase(TransportEndpoint):
                 return True
             self.started = True
         threading.Thread(target=self._work, name=f"{self.role}-{self.id.engine_id}", daemon=True).start()
+        # An empty report tells the scheduler this incarnation at once: a restarted engine's new
+        # process may have nothing else to say for a long time (a decode engine is never called
+        # by the scheduler, and heartbeats run only while turns are in flight).
+        self.scheduler_port.report({}, (), ())
         return True
 
     def _work(self) -> None:

@@ -15,7 +15,7 @@ from dualpath_ray.faults.ports import with_faults
 from dualpath_ray.runtime.messages import PrefillTask
 from dualpath_ray.runtime.prefill_core import PrefillCore, PrefillPorts, PrefillSettings
 from dualpath_ray.runtime.prefill_pipeline import WINDOW_POOL
-from dualpath_ray.runtime.ray_ports import RayDecodeTargets, RayReaders, RayScheduler, SystemClock
+from dualpath_ray.runtime.ray_ports import RayDecodeTargets, RayReaders, SystemClock
 from dualpath_ray.runtime.transport import endpoint_actor_options
 from dualpath_ray.scheduling.types import Role
 
@@ -34,7 +34,7 @@ class PrefillEngine(EngineBase):
         )
         ports = PrefillPorts(
             RayReaders(self.directory, self.id.engine_id, self.wake, self.sent), self.hbm.transport_port(),
-            RayScheduler(self.directory, self.id.engine_id, lambda: self.incarnation, self.sent),
+            self.scheduler_port,
             RayDecodeTargets(self.directory, self.sent), SystemClock(),
         )
         if self.faults.active:
