@@ -29,7 +29,7 @@ import ray
 
 from dualpath_ray.cluster import DualPathCluster
 from dualpath_ray.config import DualPathConfig, parse_config
-from dualpath_ray.demo import demo_trajectories
+from dualpath_ray.demos.demo import demo_trajectories
 
 
 def config(transport: str, faults: list[dict[str, Any]] | None = None) -> DualPathConfig:

@@ -37,7 +37,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 import ray  # noqa: E402
 
 from dualpath_ray.cluster import DualPathCluster, Deployment  # noqa: E402
-from dualpath_ray.demo import demo_config, demo_trajectories  # noqa: E402
+from dualpath_ray.demos.demo import demo_config, demo_trajectories  # noqa: E402
 
 TICK = os.sysconf("SC_CLK_TCK")
 

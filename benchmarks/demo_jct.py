@@ -4,7 +4,7 @@
     .venv/bin/dualpath bench --config cluster_configs/bench-1p1d.yaml --modes basic,dualpath
 
 The measurement (fresh store per mode, first turns untimed, the I/O bound, SNIC balance) lives in
-dualpath_ray/bench.py; add `--modes basic,dualpath,oracle --repeat 3 --json --plot F.png` or any
+dualpath_ray/bench/run.py; add `--modes basic,dualpath,oracle --repeat 3 --json --plot F.png` or any
 other `dualpath bench` flag (later flags override these defaults). benchmarks/README.md has the
 committed results.
 """

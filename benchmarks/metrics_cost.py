@@ -18,7 +18,7 @@ import time
 
 from dualpath_ray.cluster import DualPathCluster
 from dualpath_ray.config import DualPathConfig, load_config
-from dualpath_ray.demo import demo_trajectories
+from dualpath_ray.demos.demo import demo_trajectories
 from dualpath_ray.workload.trace import Trajectory
 
 

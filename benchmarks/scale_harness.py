@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/scale_harness.py                       # about 2 minutes
     .venv/bin/python benchmarks/scale_harness.py --agents 1500 --measure-s 60 --json out.json
 
-The scheduler under test is the deployment's own Scheduler actor (runtime/scheduler.py), with
+The scheduler under test is the deployment's own Scheduler actor (runtime/control/scheduler.py), with
 its rounds, books, heartbeat watchdog, client mailboxes, report channel and Ray calls. Everything around it is
 simulated, in two processes, so that one 2-core machine can drive a 1,152-GPU cluster:
 
@@ -53,13 +53,13 @@ from dualpath_ray.api.client import SchedulerClient  # noqa: E402
 from dualpath_ray.api.validation import make_spec  # noqa: E402
 from dualpath_ray.config import DualPathConfig, parse_config  # noqa: E402
 from dualpath_ray.kv.index import next_block_key  # noqa: E402
-from dualpath_ray.runtime.messages import (  # noqa: E402
+from dualpath_ray.protocol.messages import (  # noqa: E402
     EngineHoldings, EngineReport, Holding, PersistedBlock, PrefillTask, ReaderReport, SamplingParams, TurnResult,
     newest_holdings,
 )
-from dualpath_ray.runtime.report_channel import ChannelAddress, ReportClient  # noqa: E402
-from dualpath_ray.runtime.scheduler import Scheduler  # noqa: E402
-from dualpath_ray.runtime.topology import plan_nodes  # noqa: E402
+from dualpath_ray.runtime.control.report_channel import ChannelAddress, ReportClient  # noqa: E402
+from dualpath_ray.runtime.control.scheduler import Scheduler  # noqa: E402
+from dualpath_ray.runtime.deploy.topology import plan_nodes  # noqa: E402
 from dualpath_ray.scheduling.types import ReadPath, StopReason  # noqa: E402
 
 NAMESPACE = "dualpath-scale"

@@ -27,7 +27,7 @@ import ray
 import torch
 from ray.cluster_utils import Cluster
 
-from dualpath_ray.runtime.transport import (
+from dualpath_ray.runtime.transport.base import (
     Region,
     TransportEndpoint,
     endpoint_actor_options,

@@ -20,15 +20,15 @@ import ray
 from dualpath_ray.config import DualPathConfig
 from dualpath_ray.faults.injector import FaultCount, merge_counts
 from dualpath_ray.observability.job_metadata import driver_job_config
-from dualpath_ray.runtime.decode import DecodeEngine
-from dualpath_ray.runtime.accounting import NodeCounters
-from dualpath_ray.runtime.engine import EngineIdentity
-from dualpath_ray.runtime.messages import TurnResult
-from dualpath_ray.runtime.prefill import PrefillEngine
-from dualpath_ray.runtime.qos import ActorKind, actor_environment, engine_kind
-from dualpath_ray.runtime.reader import StorageReader
-from dualpath_ray.runtime.scheduler import Scheduler
-from dualpath_ray.runtime.topology import (
+from dualpath_ray.runtime.decode.actor import DecodeEngine
+from dualpath_ray.protocol.counters import NodeCounters
+from dualpath_ray.runtime.engine.base import EngineIdentity
+from dualpath_ray.protocol.messages import TurnResult
+from dualpath_ray.runtime.prefill.actor import PrefillEngine
+from dualpath_ray.runtime.deploy.qos import ActorKind, actor_environment, engine_kind
+from dualpath_ray.runtime.reader.actor import StorageReader
+from dualpath_ray.runtime.control.scheduler import Scheduler
+from dualpath_ray.runtime.deploy.topology import (
     HEAD_RESOURCE,
     ROLE_LABEL,
     NodeSpec,
@@ -40,8 +40,8 @@ from dualpath_ray.runtime.topology import (
     verify_placement,
     warn_if_outside_bounds,
 )
-from dualpath_ray.runtime.transport import setup_gloo_world
-from dualpath_ray.runtime.weight_sync import WeightSender, manifest_of
+from dualpath_ray.runtime.transport.base import setup_gloo_world
+from dualpath_ray.runtime.deploy.weight_sync import WeightSender, manifest_of
 from dualpath_ray.workload.trace import Trajectory
 
 
@@ -189,7 +189,7 @@ class DualPathCluster:
         clear_leftover_actors(ns, replace_existing)
         groups = create_role_groups(cfg, cfg.runtime.placement_timeout_s)
         # Restarted by Ray when its process dies, with the calls in flight resent to the new
-        # incarnation, which takes over from the engines (runtime/adoption.py).
+        # incarnation, which takes over from the engines (runtime/control/adoption.py).
         scheduler = Scheduler.options(
             name="scheduler", namespace=ns, lifetime="detached", max_restarts=-1, max_task_retries=-1,
             resources={HEAD_RESOURCE: 0.01} if self.local_cluster else None,

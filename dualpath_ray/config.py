@@ -15,8 +15,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
 
 from dualpath_ray.faults.plan import FaultMode, FaultPlan, FaultSite
-from dualpath_ray.runtime.qos import QosConfig
-from dualpath_ray.runtime.verbs_config import VerbsConfig
+from dualpath_ray.runtime.deploy.qos import QosConfig
+from dualpath_ray.runtime.transport.verbs_config import VerbsConfig
 from dualpath_ray.scheduling.types import Mode
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 # Run as a script from a job's working directory: import the package shipped beside it.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dualpath_ray.analysis import classify_ratio, pd_bounds
+from dualpath_ray.analysis.report import classify_ratio, pd_bounds
 from dualpath_ray.commands.bounds import as_json
 from dualpath_ray.config import load_config
 

@@ -18,7 +18,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from dualpath_ray.runtime.verbs_layer import (
+from dualpath_ray.runtime.transport.verbs_layer import (
     LINK_INFINIBAND,
     Completion,
     MemoryKeys,

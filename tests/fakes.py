@@ -19,10 +19,10 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from dualpath_ray.runtime.messages import DecodeHandoff, ExtentGrant, Holding, PersistedBlock, TokenChunk, TurnResult
-from dualpath_ray.runtime.ports import Failed, Ready
-from dualpath_ray.runtime.reader import BUFFER_POOL, HBM_POOL, ReaderCore
-from dualpath_ray.runtime.transport import Move, Region, RegionError
+from dualpath_ray.protocol.messages import DecodeHandoff, ExtentGrant, Holding, PersistedBlock, TokenChunk, TurnResult
+from dualpath_ray.runtime.engine.ports import Failed, Ready
+from dualpath_ray.runtime.reader.actor import BUFFER_POOL, HBM_POOL, ReaderCore
+from dualpath_ray.runtime.transport.base import Move, Region, RegionError
 
 
 class Fabric:

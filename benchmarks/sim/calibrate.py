@@ -4,7 +4,7 @@
 For each config the script (1) waits for a quiet machine (no Ray cluster here, load average
 below 1.0, at most 30 min); (2) fits this machine's engine-time profile for the config's model
 with `dualpath profile` (the runtime computes with the real model; the simulator needs its
-times); (3) measures the runtime with `dualpath bench`'s harness (dualpath_ray.bench.run_bench:
+times); (3) measures the runtime with `dualpath bench`'s harness (dualpath_ray.bench.run.run_bench:
 an embedded Ray cluster, every mode on a fresh store, the first turn of every trajectory untimed,
 JCT = wall time of the remaining turns); (4) simulates the same trajectories on the same config
 with that profile, first turns untimed too, twice: with the engine-time model alone, and with
@@ -33,7 +33,7 @@ from common import ROOT, figure, load_average, parser, save, wait_for_quiet
 
 from dualpath_ray.config import load_config
 from dualpath_ray.model.cost import DecodeModel
-from dualpath_ray.demo import demo_trajectories
+from dualpath_ray.demos.demo import demo_trajectories
 from dualpath_ray.sim.settings import SimOptions
 from dualpath_ray.sim.simulator import simulate
 from dualpath_ray.sim.workload import from_trajectories
@@ -60,7 +60,7 @@ def fit_profile(config: str, out) -> str:
 
 def measure_runtime(config: str, trajectories: list) -> dict:
     """JCT, TTFT p50 and TPOT p50 per mode, from `dualpath bench`'s harness."""
-    from dualpath_ray.bench import BenchWorkload, run_bench
+    from dualpath_ray.bench.run import BenchWorkload, run_bench
 
     report = run_bench(load_config(config_path(config)), BenchWorkload(trajectories, 1), MODES, 1, config_source=config,
                        progress=lambda line: print(f"  runtime {line}", flush=True))

@@ -9,7 +9,7 @@ returns as soon as there is one). The scheduler's cost per turn then falls with 
 A restarted scheduler (Ray restarts it; its new incarnation has another epoch) knows nothing of
 what was submitted to the one that died: the client notices the new epoch in an answer and
 submits again every turn it still waits for. The new incarnation takes over attempts the
-engines still hold (runtime/adoption.py), so nothing runs twice.
+engines still hold (runtime/control/adoption.py), so nothing runs twice.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from dualpath_ray.runtime.messages import Collected, RequestSpec, TurnResult
+from dualpath_ray.protocol.messages import Collected, RequestSpec, TurnResult
 
 LOG = logging.getLogger("dualpath_ray.client")
 

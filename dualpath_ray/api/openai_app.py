@@ -29,7 +29,7 @@ from dualpath_ray.api.sessions import SessionIds
 from dualpath_ray.api.tokenizer import HFTokenizer, IncrementalDetokenizer, TokenizerError
 from dualpath_ray.api.validation import RequestError, parse_sampling_request, validate_prompt
 from dualpath_ray.config import DualPathConfig
-from dualpath_ray.runtime.messages import StreamDelta
+from dualpath_ray.protocol.messages import StreamDelta
 
 LOG = logging.getLogger("dualpath_ray.openai")
 

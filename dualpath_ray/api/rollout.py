@@ -22,7 +22,7 @@ from dualpath_ray.api.client import SchedulerClient
 from dualpath_ray.api.validation import make_spec, validate_prompt
 from dualpath_ray.config import DualPathConfig
 from dualpath_ray.metrics import TRAJECTORY_JCT_SECONDS, MetricSink, RayMetrics
-from dualpath_ray.runtime.messages import SamplingParams, TurnResult
+from dualpath_ray.protocol.messages import SamplingParams, TurnResult
 from dualpath_ray.scheduling.types import ReadPath, StopReason
 from dualpath_ray.workload.trace import Trajectory
 

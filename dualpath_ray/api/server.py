@@ -24,7 +24,7 @@ from dualpath_ray.api.sessions import SessionIds, check_session_id, session_pref
 from dualpath_ray.api.validation import RequestError, make_spec, parse_sampling_request, validate_prompt
 from dualpath_ray.api.verl_adapter import SubmissionGate, VerlServerMethods
 from dualpath_ray.config import DualPathConfig
-from dualpath_ray.runtime.messages import RequestSpec, StreamDelta, TurnResult, aborted_result
+from dualpath_ray.protocol.messages import RequestSpec, StreamDelta, TurnResult, aborted_result
 from dualpath_ray.scheduling.types import StopReason
 
 SERVER_NAME = "rollout-server"
@@ -230,7 +230,7 @@ class RolloutServer(VerlServerMethods):
 
     async def join_weight_group(self, host: str, port: int, group_name: str = "policy", timeout_s: float = 300.0) -> int:
         """Every engine joins the trainer's broadcast group as ranks 1..N (the trainer joins as
-        rank 0 beside this call: runtime/weight_sync.py). Returns the world size."""
+        rank 0 beside this call: runtime/deploy/weight_sync.py). Returns the world size."""
         return int(await self.scheduler.join_weight_group.remote(host, port, group_name, timeout_s))
 
     async def update_weights_from_group(self, version: int, manifest: list[Any]) -> int:

@@ -15,7 +15,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from dualpath_ray.config import ModelConfig
-from dualpath_ray.runtime.messages import RequestSpec, SamplingParams
+from dualpath_ray.protocol.messages import RequestSpec, SamplingParams
 
 # Keys that are only accepted at the value that means "off": the sampler has no such knob.
 _NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {

@@ -5,7 +5,7 @@ over --repeat rounds. Reports per mode (medians over the rounds): JCT, TTFT and 
 SNIC bytes per node, SNIC balance in the high-load window, requests per read path, and the
 workload's bounds (I/O: hit bytes / the SNIC rate the mode can use; compute: the Oracle JCT).
 The first turn of each trajectory runs untimed by default (--warmup-turns); what is timed and
-how each figure is defined: dualpath_ray/bench.py, dualpath_ray/bench_figures.py.
+how each figure is defined: dualpath_ray/bench/run.py, dualpath_ray/bench/figures.py.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-from dualpath_ray.bench_figures import parse_modes
+from dualpath_ray.bench.figures import parse_modes
 from dualpath_ray.config import DualPathConfig, load_config
 from dualpath_ray.workload.trace import Trajectory, TraceError
 
@@ -75,7 +75,7 @@ def check_flags(args: argparse.Namespace) -> tuple[str, ...]:
                             ("--appended", args.appended), ("--gen", args.gen)):
             _at_least(flag, value, 1, "8")
     if args.plot is not None:
-        from dualpath_ray.bench_plot import PlotUnavailableError, require_matplotlib
+        from dualpath_ray.bench.plot import PlotUnavailableError, require_matplotlib
 
         try:
             require_matplotlib()
@@ -95,7 +95,7 @@ def load_workload(args: argparse.Namespace, cfg: DualPathConfig) -> list[Traject
             fix = exc.fix or TRACE_FIX
             raise BenchInputError(f"--trace: {TraceError(exc.problem, **{**exc.location(), 'fix': fix})}") from None
     else:
-        from dualpath_ray.demo import demo_trajectories
+        from dualpath_ray.demos.demo import demo_trajectories
 
         trajectories = demo_trajectories(args.agents, args.turns, args.first, args.appended, args.gen,
                                          cfg.model.vocab_size, seed=args.seed)
@@ -121,8 +121,8 @@ def run(args: argparse.Namespace) -> int:
     except BenchInputError as exc:
         print(f"dualpath bench: {exc}", file=sys.stderr)
         return 2
-    from dualpath_ray.bench import BenchWorkload, run_bench
-    from dualpath_ray.bench_report import format_text
+    from dualpath_ray.bench.run import BenchWorkload, run_bench
+    from dualpath_ray.bench.report import format_text
 
     report = run_bench(
         cfg, BenchWorkload(trajectories, args.warmup_turns), modes, args.repeat,
@@ -134,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(data, indent=2) + "\n")
     if args.plot is not None:
-        from dualpath_ray.bench_plot import plot_report
+        from dualpath_ray.bench.plot import plot_report
 
         plot_report(report, args.plot)
     print(json.dumps(data, indent=2) if args.json else format_text(report))
@@ -145,6 +145,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _demo_config() -> DualPathConfig:
-    from dualpath_ray.demo import demo_config
+    from dualpath_ray.demos.demo import demo_config
 
     return demo_config()

@@ -7,7 +7,7 @@ import json
 import sys
 from typing import Any
 
-from dualpath_ray.analysis import RESOURCE_OF, PDBounds, RatioCheck, classify_ratio, pd_bounds
+from dualpath_ray.analysis.report import RESOURCE_OF, PDBounds, RatioCheck, classify_ratio, pd_bounds
 
 
 def register(subparsers: Any) -> None:

@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 
 from dualpath_ray.config import load_config
-from dualpath_ray.local_demo import LOGIT_RTOL, LocalDemoResult, run_local_demo
+from dualpath_ray.demos.local import LOGIT_RTOL, LocalDemoResult, run_local_demo
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -83,8 +83,8 @@ def describe(result: LocalDemoResult) -> str:
 
 
 def run_ray_demo(args: argparse.Namespace) -> int:
-    from dualpath_ray.demo import demo_config, demo_trajectories, format_report
-    from dualpath_ray.demo import run_demo as run_cluster_demo
+    from dualpath_ray.demos.demo import demo_config, demo_trajectories, format_report
+    from dualpath_ray.demos.demo import run_demo as run_cluster_demo
 
     if args.agents < 1 or args.turns < 1 or args.first_tokens < 1:
         print("dualpath demo: --agents, --turns and --first-tokens must be >= 1", file=sys.stderr)

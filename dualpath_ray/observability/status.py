@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from dualpath_ray.runtime.accounting import PATHS
-from dualpath_ray.runtime.topology import HEAD_RESOURCE, ROLE_LABEL
+from dualpath_ray.protocol.counters import PATHS
+from dualpath_ray.runtime.deploy.topology import HEAD_RESOURCE, ROLE_LABEL
 
 ENGINE_PREFIXES = ("prefill/", "decode/")
 READER_PREFIX = "reader/"

@@ -6,7 +6,7 @@ import time
 from typing import Sequence
 
 from dualpath_ray.observability.status import ClusterStatus, LatencyView
-from dualpath_ray.runtime.accounting import PATHS
+from dualpath_ray.protocol.counters import PATHS
 
 CLEAR_SCREEN = "\x1b[H\x1b[2J"
 

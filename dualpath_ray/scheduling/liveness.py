@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
-from dualpath_ray.runtime.messages import Holding, RequestSpec
+from dualpath_ray.protocol.messages import Holding, RequestSpec
 from dualpath_ray.scheduling.requests import Request, RequestState
 
 

@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence
 
-from dualpath_ray.runtime.messages import DecodeReservation, GroupReport, PeerState, PrefillTask, RequestSpec, TurnResult
+from dualpath_ray.protocol.messages import DecodeReservation, GroupReport, PeerState, PrefillTask, RequestSpec, TurnResult
 from dualpath_ray.scheduling.loads import EngineLoad
 from dualpath_ray.scheduling.requests import Request
 from dualpath_ray.scheduling.scheduler import SchedulerCore

@@ -4,7 +4,7 @@ It owns one `Request` record per request in flight (scheduling/requests.py), the
 that finds each prompt's hit blocks (leaving one token to compute), the constants alpha and
 beta, decode and prefill placement and the read path (the dispatcher and the policy), the
 tasks handed to the engines, and which engines and readers may take work. The runtime's
-Scheduler actor (runtime/scheduler.py) is a shell around it that adds futures, heartbeats and
+Scheduler actor (runtime/control/scheduler.py) is a shell around it that adds futures, heartbeats and
 Ray calls; the cluster simulator (sim/) drives the very same object with simulated reports.
 """
 
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from dualpath_ray.kv.index import PrefixIndex
-from dualpath_ray.runtime.messages import (
+from dualpath_ray.protocol.messages import (
     DecodeReservation,
     ErrorKind,
     GroupReport,

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from dualpath_ray.config import ConfigError
-from dualpath_ray.runtime.messages import RequestSpec, SamplingParams
+from dualpath_ray.protocol.messages import RequestSpec, SamplingParams
 from dualpath_ray.sim.events import EventLoop
 from dualpath_ray.sim.index import SimPrompt
 from dualpath_ray.sim.workload import SimTrajectory, Workload

@@ -1,6 +1,6 @@
 """Simulated decode engines: reservations, H2D, batched decode steps in closed form, persistence.
 
-As the runtime's DecodeCore (runtime/decode_core.py): a reservation sets pages aside when the
+As the runtime's DecodeCore (runtime/decode/core.py): a reservation sets pages aside when the
 scheduler places a request; its handoff moves the prompt's KV from the decode node's buffer into
 HBM (H2D through the engine's CNIC); then every running request decodes one token per batched
 step, `gen - 1` steps (the first token came from prefill). Prompt blocks that were not hits are
@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
-from dualpath_ray.runtime.messages import DecodeReservation
+from dualpath_ray.protocol.messages import DecodeReservation
 from dualpath_ray.scheduling import EngineLoad
 from dualpath_ray.sim.events import EventLoop
 from dualpath_ray.sim.links import take_all

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from dualpath_ray.runtime.messages import PeerState
+from dualpath_ray.protocol.messages import PeerState
 from dualpath_ray.scheduling.loads import EngineLoad
 from dualpath_ray.scheduling.rounds import EventTimers, Outputs, Rounds
 from dualpath_ray.scheduling.scheduler import SchedulerCore

@@ -1,6 +1,6 @@
 """How long a layerwise prefill batch takes: the runtime's 3-slot pipeline in closed form.
 
-runtime/prefill_pipeline.py runs a batch of L layers as
+runtime/prefill/pipeline.py runs a batch of L layers as
 
     post_in(0), post_in(1)
     for l in 0..L-1:  finish_in(l); compute(l); post_out(l); finish_out(l-1); post_in(l+2)

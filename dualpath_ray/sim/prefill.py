@@ -1,6 +1,6 @@
 """Simulated prefill engines: staging through the readers, compute-quota batches, layerwise rounds.
 
-A job follows the runtime's PrefillCore (runtime/prefill_core.py): staged at accept (a buffer
+A job follows the runtime's PrefillCore (runtime/prefill/core.py): staged at accept (a buffer
 extent leased on the side(s) it reads from, its hit blocks read through that node's SNIC, and an
 extent on the decode node for the KV it sends), then ready; ready jobs are packed in FIFO order
 with `pack_prefill_batch` (the compute quota with the engine-time model as predictor, the layer
@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from dualpath_ray.runtime.messages import PrefillTask
+from dualpath_ray.protocol.messages import PrefillTask
 from dualpath_ray.scheduling import EngineLoad, pack_lockstep_round, pack_prefill_batch, prefill_tokens
 from dualpath_ray.sim.events import EventLoop
 from dualpath_ray.sim.links import Link

@@ -7,8 +7,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from dualpath_ray.bench_figures import HighLoadWindow, SnicSeries, high_load_window, window_bytes
-from dualpath_ray.bench_figures import snic_balance as bench_balance
+from dualpath_ray.bench.figures import HighLoadWindow, SnicSeries, high_load_window, window_bytes
+from dualpath_ray.bench.figures import snic_balance as bench_balance
 from dualpath_ray.scheduling.types import ReadPath
 
 
@@ -39,7 +39,7 @@ def snic_series(windows: dict[str, dict[int, int]], window_s: float, start_s: fl
 
 def high_load_balance(series: SnicSeries) -> tuple[float | None, HighLoadWindow | None]:
     """SNIC balance (max / mean bytes across every node's SNIC) inside the high-load window,
-    both defined as `dualpath bench` defines them (dualpath_ray/bench_figures.py), so the
+    both defined as `dualpath bench` defines them (dualpath_ray/bench/figures.py), so the
     simulator's figure and the runtime's are the same measure (paper: round-robin 1.53, the
     scheduler 1.18)."""
     window = high_load_window(series)

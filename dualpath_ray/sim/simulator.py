@@ -13,7 +13,7 @@ import time
 from typing import NamedTuple, Sequence
 
 from dualpath_ray.config import DualPathConfig
-from dualpath_ray.runtime.messages import DecodeReservation, PersistedBlock, PrefillTask, RequestSpec, TurnResult
+from dualpath_ray.protocol.messages import DecodeReservation, PersistedBlock, PrefillTask, RequestSpec, TurnResult
 from dualpath_ray.scheduling.scheduler import CoreSettings, SchedulerCore
 from dualpath_ray.scheduling.types import READ_SIDES, Mode, Role, StopReason
 from dualpath_ray.sim.agents import Agent, Agents

@@ -26,9 +26,9 @@ import torch  # noqa: E402
 
 from dualpath_ray.cluster import DualPathCluster  # noqa: E402
 from dualpath_ray.config import DualPathConfig, parse_config  # noqa: E402
-from dualpath_ray.demo import demo_trajectories  # noqa: E402
+from dualpath_ray.demos.demo import demo_trajectories  # noqa: E402
 from dualpath_ray.model.llama import DecoderModel  # noqa: E402
-from dualpath_ray.runtime.messages import TurnResult  # noqa: E402
+from dualpath_ray.protocol.messages import TurnResult  # noqa: E402
 from dualpath_ray.workload.trace import Trajectory  # noqa: E402
 
 # bf16 log-probs of a batched forward and a single-sequence one differ by rounding only.

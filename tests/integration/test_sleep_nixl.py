@@ -15,7 +15,7 @@ import ray  # noqa: E402
 
 from dualpath_ray.api.validation import make_spec  # noqa: E402
 from dualpath_ray.cluster import DualPathCluster  # noqa: E402
-from dualpath_ray.runtime.messages import SamplingParams  # noqa: E402
+from dualpath_ray.protocol.messages import SamplingParams  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.nixl]
 

@@ -23,7 +23,7 @@ import ray
 import torch
 from ray.cluster_utils import Cluster
 
-from dualpath_ray.runtime.transport import (
+from dualpath_ray.runtime.transport.base import (
     TRANSPORT_GROUP,
     PeerDiedError,
     Region,

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dualpath_ray.analysis import classify_ratio, pd_bounds
+from dualpath_ray.analysis.report import classify_ratio, pd_bounds
 from dualpath_ray.cli import main
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from dualpath_ray.bench_figures import (
+from dualpath_ray.bench.figures import (
     SnicSeries,
     high_load_window,
     io_bound_s,

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from dualpath_ray.bench_figures import Percentiles, SnicSeries
-from dualpath_ray.bench_plot import median_run, plot_report
-from dualpath_ray.bench_report import BenchReport, ModeRun, Topology, format_text, summarise
+from dualpath_ray.bench.figures import Percentiles, SnicSeries
+from dualpath_ray.bench.plot import median_run, plot_report
+from dualpath_ray.bench.report import BenchReport, ModeRun, Topology, format_text, summarise
 
 SNIC_BYTES_S = 2e6
 HIT_BYTES = 40_000_000

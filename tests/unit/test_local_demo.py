@@ -13,7 +13,7 @@ from dualpath_ray.config import DualPathConfig
 from dualpath_ray.kv.index import PrefixIndex, block_keys, namespace_for
 from dualpath_ray.kv.layout import KVLayout
 from dualpath_ray.kv.store import LocalDirStore, MemoryStore
-from dualpath_ray.local_demo import LOGIT_RTOL, persist_blocks, read_hit_kv, run_local_demo
+from dualpath_ray.demos.local import LOGIT_RTOL, persist_blocks, read_hit_kv, run_local_demo
 from dualpath_ray.model.llama import DecoderModel
 from tests.model_factories import random_tokens, tiny_model_config
 

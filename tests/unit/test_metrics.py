@@ -14,10 +14,10 @@ import pytest
 from dualpath_ray import metrics as m
 from dualpath_ray.config import ConfigError, DualPathConfig, parse_config
 from dualpath_ray.metrics import ALL_METRICS, TAGS, MetricKind, RayMetrics
-from dualpath_ray.runtime.accounting import PATHS
-from dualpath_ray.runtime.actor_metrics import EngineMetrics, ReaderMetrics, SchedulerMetrics, node_role
-from dualpath_ray.runtime.messages import ErrorKind, TurnResult
-from dualpath_ray.runtime.metrics_export import CounterTotals, PeriodicExport
+from dualpath_ray.protocol.counters import PATHS
+from dualpath_ray.runtime.telemetry.actor_metrics import EngineMetrics, ReaderMetrics, SchedulerMetrics, node_role
+from dualpath_ray.protocol.messages import ErrorKind, TurnResult
+from dualpath_ray.runtime.telemetry.metrics_export import CounterTotals, PeriodicExport
 from tests.engine_harness import DE, PE, EngineHarness, Request
 from tests.metric_sink import RecordingSink
 

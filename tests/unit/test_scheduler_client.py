@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from dualpath_ray.api.client import SchedulerClient
-from dualpath_ray.runtime.messages import (
+from dualpath_ray.protocol.messages import (
     Collected, Refusal, RequestSpec, SamplingParams, TurnResult, aborted_result,
 )
 

@@ -14,7 +14,7 @@ import torch
 
 from dualpath_ray.config import DualPathConfig
 from dualpath_ray.kv.layout import KVLayout
-from dualpath_ray.runtime.compute import EngineCompute
+from dualpath_ray.runtime.engine.compute import EngineCompute
 from dualpath_ray.runtime.emulation.links import FifoTurns, Link, TokenBucket, gbps_to_bytes_s, make_link
 
 __all__ = ["FifoTurns", "Link", "TokenBucket", "gbps_to_bytes_s", "make_compute", "make_link"]
@@ -26,6 +26,6 @@ def make_compute(cfg: DualPathConfig, layout: KVLayout, device: torch.device) ->
         from dualpath_ray.runtime.emulation.profile_compute import ProfileCompute
 
         return ProfileCompute(cfg, layout, device)
-    from dualpath_ray.runtime.compute import ModelCompute
+    from dualpath_ray.runtime.engine.compute import ModelCompute
 
     return ModelCompute(cfg, layout, device)

@@ -18,7 +18,7 @@ import torch
 
 from dualpath_ray.config import DualPathConfig
 from dualpath_ray.kv.layout import KVLayout
-from dualpath_ray.runtime.compute import (
+from dualpath_ray.runtime.engine.compute import (
     ChunkSpec,
     DecodeSeq,
     EngineCompute,
@@ -27,7 +27,7 @@ from dualpath_ray.runtime.compute import (
     page_token_views,
 )
 from dualpath_ray.runtime.emulation.stamps import extend_prefix, prefix_hashes, prefix_sum, stamp_kv, stamp_token
-from dualpath_ray.runtime.messages import SamplingParams
+from dualpath_ray.protocol.messages import SamplingParams
 
 
 @dataclass

@@ -11,7 +11,7 @@ import numpy as np
 from dualpath_ray.config import DualPathConfig, parse_config
 from dualpath_ray.faults.injector import FaultInjector
 from dualpath_ray.faults.ports import with_faults
-from dualpath_ray.runtime.messages import ErrorKind
+from dualpath_ray.protocol.messages import ErrorKind
 from tests.engine_harness import DE, PE, EngineHarness, Request
 
 

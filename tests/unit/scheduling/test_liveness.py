@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dualpath_ray.runtime.messages import Holding, RequestSpec, SamplingParams
+from dualpath_ray.protocol.messages import Holding, RequestSpec, SamplingParams
 from dualpath_ray.scheduling.liveness import Liveness
 from dualpath_ray.scheduling.requests import Request, RequestState
 

@@ -12,7 +12,7 @@ from typing import Any, Callable
 import numpy as np
 
 from dualpath_ray.kv.index import PrefixIndex
-from dualpath_ray.runtime.messages import PeerState, PrefillTask, RequestSpec, SamplingParams, TurnResult
+from dualpath_ray.protocol.messages import PeerState, PrefillTask, RequestSpec, SamplingParams, TurnResult
 from dualpath_ray.scheduling.dispatcher import Constants
 from dualpath_ray.scheduling.loads import EngineLoad
 from dualpath_ray.scheduling.rounds import Outputs, Rounds

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from dualpath_ray.kv.index import PrefixIndex, block_keys
-from dualpath_ray.runtime.messages import GroupReport, PersistedBlock, RequestSpec, SamplingParams, TurnResult
+from dualpath_ray.protocol.messages import GroupReport, PersistedBlock, RequestSpec, SamplingParams, TurnResult
 from dualpath_ray.scheduling import EngineLoad
 from dualpath_ray.scheduling.dispatcher import Constants
 from dualpath_ray.scheduling.requests import IllegalTransition, RequestState, transition

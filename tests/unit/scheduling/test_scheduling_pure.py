@@ -57,6 +57,6 @@ def test_the_scheduler_core_loads_neither_ray_nor_torch() -> None:
 def test_the_scheduler_actor_module_starts_without_torch() -> None:
     """A restarted scheduler imports only what it needs (no torch): the time Ray takes to bring
     it back is time no request is placed."""
-    probe = "import sys, dualpath_ray.runtime.scheduler\nprint('torch' in sys.modules)\n"
+    probe = "import sys, dualpath_ray.runtime.control.scheduler\nprint('torch' in sys.modules)\n"
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False", "importing the Scheduler actor's module loads torch"

@@ -10,7 +10,7 @@ from dualpath_ray.sim.pipeline import batch_seconds, layerwise_seconds
 
 
 def stepwise(layers: int, load: float, compute: float, send: float) -> float:
-    """runtime/prefill_pipeline.py's order, layer by layer: loads and sends each one at a time."""
+    """runtime/prefill/pipeline.py's order, layer by layer: loads and sends each one at a time."""
     loaded: list[float] = []
     computed: list[float] = []
     sent: list[float] = []

@@ -1,0 +1,217 @@
+"""`dualpath bench`: one workload through `basic`, `dualpath` and `oracle` on the Ray runtime.
+
+One embedded cluster serves every run. Each (round, mode) run gets a fresh deployment on a fresh
+store; the modes are interleaved round by round (round 1: basic, dualpath, oracle; round 2: ...)
+so that drift of the machine falls on all of them alike, and the report gives medians over the
+rounds next to every round's own figures (dualpath_ray.bench.report).
+
+What is timed. The first `warmup_turns` turns of every trajectory (by default its first one,
+the long initial context) run untimed and are persisted, as at the start of an agent session
+whose context is already stored; the timed phase then replays the remaining turns, resumed
+from them, so the JCT is the steady state of a multi-turn agent workload in which every turn
+hits the store. JCT is the wall time of that phase (driver clock); TTFT and TPOT are the timed
+turns' own (TurnResult: TTFT from the driver's submit to the prefill engine sampling the first
+token, TPOT the decode time per later token); byte figures are the runtime's exact counters
+(DualPathCluster.counters()) after the timed phase minus before it.
+
+SNIC traffic over time: while the timed phase runs, a driver thread samples every reader's
+exact SNIC read counter every `sample_interval_s` (a cheap call on the readers' control
+concurrency group, never queued behind I/O), giving per-node cumulative bytes over time for the
+high-load window, the balance and the plot (definitions in dualpath_ray.bench.figures).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from dualpath_ray.bench.figures import SnicSeries, high_load_window, percentiles, run_order, snic_balance, window_bytes
+from dualpath_ray.bench.report import BenchReport, ModeRun, Topology, summarise
+from dualpath_ray.cluster import DualPathCluster
+from dualpath_ray.config import DualPathConfig
+from dualpath_ray.demos.demo import describe_workload
+from dualpath_ray.kv.layout import KVLayout
+from dualpath_ray.protocol.counters import PATHS, NodeCounters
+from dualpath_ray.protocol.messages import TurnResult
+from dualpath_ray.workload.trace import Trajectory
+
+SAMPLE_INTERVAL_S = 0.25
+SAMPLE_TIMEOUT_S = 30.0
+
+Outputs = dict[str, list[tuple[int, ...]]]
+
+
+@dataclass(frozen=True)
+class BenchWorkload:
+    """The trajectories, and how many leading turns of each run untimed."""
+
+    trajectories: list[Trajectory]
+    warmup_turns: int = 1
+
+    def warmup(self) -> list[Trajectory]:
+        return [Trajectory(t.trajectory_id, t.turns[: self.warmup_turns], t.arrival_s) for t in self.trajectories]
+
+    def timed_description(self) -> str:
+        if self.warmup_turns == 0:
+            return "every turn"
+        return (f"turns {self.warmup_turns + 1}.. of each trajectory, after its first {self.warmup_turns} "
+                "ran untimed on the same fresh store")
+
+
+class SnicSampler:
+    """Samples each node's exact SNIC read counter from the driver on a thread, every
+    interval_s, from `with` entry (t = 0 at `started`) to exit (one sample each)."""
+
+    def __init__(self, readers: Mapping[str, Any], interval_s: float, started: float) -> None:
+        self.readers = dict(readers)
+        self.interval_s = interval_s
+        self.started = started
+        self.t_s: list[float] = []
+        self.read_bytes: dict[str, list[int]] = {node: [] for node in self.readers}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="snic-sampler", daemon=True)
+
+    def sample(self) -> None:
+        refs = [reader.counters.remote() for reader in self.readers.values()]
+        before = time.monotonic()
+        try:
+            counters: list[NodeCounters] = ray.get(refs, timeout=SAMPLE_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            return  # a reader too busy to answer: this sample is skipped, the next is exact again
+        # The counters were read somewhere between the call and the answer: stamp the middle.
+        self.t_s.append((before + time.monotonic()) / 2 - self.started)
+        for node, counter in zip(self.readers, counters):
+            self.read_bytes[node].append(sum(counter.snic_read.values()))
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.sample()
+
+    def __enter__(self) -> SnicSampler:
+        self.sample()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.sample()
+
+    def series(self) -> SnicSeries:
+        return SnicSeries(list(self.t_s), {node: list(v) for node, v in self.read_bytes.items()})
+
+
+def counter_delta(before: Mapping[str, NodeCounters], after: Mapping[str, NodeCounters]) -> dict[str, NodeCounters]:
+    """Per node, what the counters gained between two snapshots."""
+    delta = {}
+    for node, late in after.items():
+        early = before[node]
+        delta[node] = NodeCounters(
+            snic_read={p: late.snic_read[p] - early.snic_read[p] for p in PATHS},
+            snic_write=late.snic_write - early.snic_write,
+            cnic_in={p: late.cnic_in[p] - early.cnic_in[p] for p in PATHS},
+            cnic_out={p: late.cnic_out[p] - early.cnic_out[p] for p in PATHS},
+        )
+    return delta
+
+
+def measure_run(
+    round_index: int, mode: str, jct_s: float, results: Mapping[str, Sequence[TurnResult]],
+    delta: Mapping[str, NodeCounters], series: SnicSeries, bytes_per_token: int,
+) -> ModeRun:
+    """One run's figures from its timed turns, counter deltas and sampled series."""
+    turns = [r for rs in results.values() for r in rs]
+    window = high_load_window(series)
+    return ModeRun(
+        round=round_index, mode=mode, jct_s=jct_s, turns=len(turns),
+        hit_bytes=sum(r.hit_tokens for r in turns) * bytes_per_token,
+        ttft_s=percentiles([r.ttft_s for r in turns]),
+        tpot_s=percentiles([r.tpot_s for r in turns if len(r.output_tokens) > 1]),
+        snic_read_bytes={n: sum(c.snic_read.values()) for n, c in delta.items()},
+        snic_read_bytes_by_path={p: sum(c.snic_read[p] for c in delta.values()) for p in PATHS},
+        snic_write_bytes={n: c.snic_write for n, c in delta.items()},
+        requests_by_path={p: Counter(str(r.path) for r in turns if r.hit_tokens).get(p, 0) for p in PATHS},
+        snic_balance=snic_balance(window_bytes(series, window)) if window else None,
+        high_load_window_s=(window.start_s, window.end_s) if window else None,
+        series=series,
+    )
+
+
+def _check(cluster: DualPathCluster, mode: str, failures: Mapping[str, str]) -> None:
+    if failures:
+        raise RuntimeError(f"bench {mode}: trajectories failed: {dict(failures)}")
+    broken = cluster.health()
+    if broken:
+        raise RuntimeError(f"bench {mode}: engine failures: {broken}")
+
+
+def run_mode(
+    cluster: DualPathCluster, round_index: int, mode: str, workload: BenchWorkload, interval_s: float
+) -> tuple[ModeRun, Outputs]:
+    """Deploy `mode` on a fresh store, run the warm-up untimed, then time the rest."""
+    layout = KVLayout.from_model(cluster.cfg.model, cluster.cfg.store.block_size)
+    with tempfile.TemporaryDirectory(prefix="dualpath-bench-store-") as root:
+        deployment = cluster.deploy(mode, store_root=root)
+        try:
+            warm = None
+            if workload.warmup_turns:
+                warm = cluster.rollout(workload.warmup(), progress=False)
+                _check(cluster, mode, warm.failures)
+            before = cluster.counters()
+            readers = {spec.node_id: deployment.readers[spec.reader_name] for spec in cluster.nodes}
+            started = time.monotonic()
+            with SnicSampler(readers, interval_s, started) as sampler:
+                result = cluster.rollout(workload.trajectories, resume=warm, progress=False)
+                jct_s = time.monotonic() - started
+            _check(cluster, mode, result.failures)
+            delta = counter_delta(before, cluster.counters())
+        finally:
+            cluster.teardown()  # the actors let go of the store before its folder goes
+    run = measure_run(round_index, mode, jct_s, result.turn_results, delta, sampler.series(), layout.bytes_per_token)
+    return run, result.outputs()
+
+
+def load_average() -> list[float]:
+    """The 1, 5 and 15 minute load averages ([] where the OS has none)."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return []
+
+
+def run_bench(
+    cfg: DualPathConfig, workload: BenchWorkload, modes: Sequence[str], repeat: int, *,
+    config_source: str = "<embedded>", interval_s: float = SAMPLE_INTERVAL_S,
+    progress: Callable[[str], None] | None = None,
+) -> BenchReport:
+    """Every mode in every round on one embedded cluster; the summarised report."""
+    runs: list[ModeRun] = []
+    outputs: list[Outputs] = []
+    machine: dict[str, object] = {"cpus": os.cpu_count(), "loadavg_before": load_average()}
+    cluster = DualPathCluster.start(cfg)
+    try:
+        for round_index, mode in run_order(modes, repeat):
+            run, out = run_mode(cluster, round_index, mode, workload, interval_s)
+            runs.append(run)
+            outputs.append(out)
+            if progress is not None:
+                progress(f"round {round_index}/{repeat} {mode}: JCT {run.jct_s:.2f} s, "
+                         f"SNIC read {sum(run.snic_read_bytes.values()) / 1e6:.1f} MB")
+    finally:
+        cluster.shutdown()
+    machine["loadavg_after"] = load_average()
+    report = BenchReport(
+        config=config_source, workload=describe_workload(workload.trajectories), timed=workload.timed_description(),
+        transport=cfg.runtime.transport, repeat=repeat, runs=runs,
+        outputs_match=all(o == outputs[0] for o in outputs), machine=machine,
+    )
+    topology = Topology(cfg.cluster.prefill_nodes, cfg.cluster.decode_nodes, cfg.cluster.snic_gbps * 1e9 / 8)
+    return summarise(report, topology)

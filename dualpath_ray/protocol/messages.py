@@ -1,0 +1,382 @@
+"""Typed messages between the actors. Each carries the request id and the attempt number, so a
+retried request can never be confused with a stale message of an earlier attempt.
+
+A leaf module: plain frozen dataclasses and numpy arrays, no torch and no other project module at
+run time, so every process (and the simulator) can import it cheaply.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Iterable, NamedTuple
+
+import numpy as np
+
+from dualpath_ray.scheduling.types import ReadPath, StopReason
+
+if TYPE_CHECKING:
+    from dualpath_ray.scheduling.loads import EngineLoad
+
+
+
+class ErrorKind(str, enum.Enum):
+    """Why a turn failed; the scheduler retries the retryable kinds with attempt + 1."""
+
+    KV_MISSING = "kv_missing"  # a hit block was gone from the store (evicted, deleted)
+    KV_CORRUPT = "kv_corrupt"  # a hit block failed its checksum at read
+    KV_MISMATCH = "kv_mismatch"  # assembled KV differed at the decode side (runtime.verify_kv)
+    TRANSFER = "transfer"  # a KV transfer failed or timed out
+    CALL_FAILED = "call_failed"  # an actor call or its reply was lost (the callee is alive)
+    STORE_IO = "store_io"  # the store raised an I/O error (not a bad block)
+    PEER_DIED = "peer_died"  # an engine or reader this request depended on died
+    HBM_FULL = "hbm_full"  # its decode engine had no free pages for it in time (pages held by an abandoned attempt)
+    TIMEOUT = "timeout"  # runtime.request_timeout_s passed
+    INTERNAL = "internal"  # anything else: a bug, never retried
+
+    @property
+    def retryable(self) -> bool:
+        return self not in (ErrorKind.TIMEOUT, ErrorKind.INTERNAL)
+
+    @property
+    def about_stored_kv(self) -> bool:
+        """A failure of the store's blocks, which runtime.kv_failure_policy governs."""
+        return self in (ErrorKind.KV_MISSING, ErrorKind.KV_CORRUPT)
+
+
+class PeerState(str, enum.Enum):
+    """What the last call to an engine or reader said about it."""
+
+    ALIVE = "alive"
+    SILENT = "silent"  # did not answer in time: slow or hung, may answer again
+    RESTARTING = "restarting"  # Ray is restarting it: its incarnation's state is gone
+    DEAD = "dead"  # gone for good (no restarts left), or it refuses work (its worker loop died)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling; temperature 0 is greedy. Sampling is seeded by (seed, position)."""
+
+    max_new_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+
+
+def attempt_owner(request_id: str, attempt: int, epoch: int = 0) -> str:
+    """The name of one attempt of a request: what owns its extents, pages and decode job. The
+    epoch names the serving it belongs to (see RequestSpec.epoch): a request id served again (a
+    restarted scheduler's new incarnation, or a caller that reuses the id once its turn ended)
+    numbers its attempts from 0 again, and an engine's memory of the old attempt (a cancel it
+    remembers, say) must never apply to the new one."""
+    return f"{request_id}#{attempt}" if not epoch else f"{request_id}#{attempt}@{epoch}"
+
+
+class Holding(NamedTuple):
+    """One attempt an engine holds, as it answers the scheduler's heartbeat."""
+
+    attempt: int
+    handed_off: bool  # its handoff reached the decode engine (or its result is on its way)
+    epoch: int = 0  # the serving that dispatched it (RequestSpec.epoch)
+
+    @classmethod
+    def of(cls, attempt: RequestSpec | TurnResult, handed_off: bool) -> Holding:
+        """The holding of the attempt a request spec or a turn result is of."""
+        return cls(attempt.attempt, handed_off, attempt.epoch)
+
+    def owner(self, request_id: str) -> str:
+        return attempt_owner(request_id, self.attempt, self.epoch)
+
+    def newer_than(self, other: Holding) -> bool:
+        return (self.epoch, self.attempt) > (other.epoch, other.attempt)
+
+
+def newest_holdings(entries: Iterable[tuple[str, Holding]]) -> dict[str, Holding]:
+    """Request id -> its newest attempt among `entries`; one attempt seen twice is handed off
+    if either sighting says so."""
+    held: dict[str, Holding] = {}
+    for rid, holding in entries:
+        known = held.get(rid)
+        if known is None or holding.newer_than(known):
+            held[rid] = holding
+        elif not known.newer_than(holding) and holding.handed_off:
+            held[rid] = holding
+    return held
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    """One turn to serve: the whole prompt (cached + new tokens) and how to sample."""
+
+    request_id: str
+    attempt: int
+    prompt: np.ndarray
+    sampling: SamplingParams
+    namespace: str
+    submitted_at: float
+    # Set by the scheduler for each serving of a request id: its incarnation's start (time_ns)
+    # plus the number of servings it began before, so unique per serving, and every epoch of an
+    # incarnation is above every epoch of the one before (it started later than the old one
+    # served requests, one per nanosecond at the very most).
+    epoch: int = 0
+    stream: bool = False  # the decode engine sends its tokens as they are sampled (TokenChunk)
+
+    @property
+    def owner(self) -> str:
+        """The lease owner of this attempt's buffer extents."""
+        return attempt_owner(self.request_id, self.attempt, self.epoch)
+
+
+@dataclass(frozen=True)
+class PrefillTask:
+    """The scheduler's decision for one request, handed to the chosen prefill engine."""
+
+    request: RequestSpec
+    hit_keys: tuple[str, ...]
+    hit_tokens: int
+    path: ReadPath
+    oracle: bool
+    prefill_engine: str
+    prefill_node: str
+    decode_engine: str
+    decode_node: str
+    # Hit blocks the prefill-side reader reads: the first ones (all of them on the PE path, none
+    # on the DE path, some on a split read); the decode-side reader reads the rest.
+    pe_hit_blocks: int = 0
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def pe_blocks(self) -> int:
+        """Hit blocks the prefill-side reader reads (the first ones)."""
+        if self.path == ReadPath.SPLIT:
+            return self.pe_hit_blocks
+        return len(self.hit_keys) if self.path == ReadPath.PE else 0
+
+    @property
+    def pe_tokens(self) -> int:
+        """Tokens of past KV in the prefill node's extent at the first chunk: [0, pe_tokens)."""
+        return self.hit_tokens * self.pe_blocks // len(self.hit_keys) if self.hit_keys else 0
+
+
+@dataclass(frozen=True)
+class DecodeReservation:
+    """A decode engine's HBM for a request, set aside when the scheduler places it there. The
+    runtime sends it nowhere: the decode engine reserves the same pages when the handoff arrives
+    (scheduling/loads.py `decode_tokens`), which the scheduler's books keep free for it."""
+
+    request_id: str
+    attempt: int
+    tokens: int
+    decode_engine: str
+    epoch: int = 0
+
+
+@dataclass(frozen=True)
+class ExtentGrant:
+    """A leased extent of one node's host buffer: where a request's KV sits on that node.
+
+    `slots` are the buffer's Full Block slots in block order; peers address bytes of them
+    through the transport (the reader's pool "buffer"), so the grant is all they need.
+    """
+
+    node_id: str
+    reader: str
+    extent_id: int
+    slots: tuple[int, ...]
+    # Digests [n_layer, hit tokens] of the hit KV the reader verified into the extent
+    # (runtime.kv_digests; kv/digest.py), which the prefill engine checks what it loads against.
+    digests: np.ndarray | None = None
+    # Extent ids are per reader process: a restarted reader ignores frees and writes that name
+    # an extent of its dead incarnation (they could otherwise name a new lease with the same id).
+    incarnation: str = ""
+
+
+@dataclass(frozen=True)
+class DecodeHandoff:
+    """Prefill is done: the prompt's KV is in the decode node's buffer extent (or, in oracle
+    mode, to be materialised in place) and the first token is sampled."""
+
+    task: PrefillTask
+    extent: ExtentGrant | None
+    first_token: int
+    first_log_prob: float
+    first_token_at: float
+    # Digests [n_layer, prompt tokens] of the prompt's KV as the prefill engine computed (or
+    # checked) it; the decode engine checks its pages against them before decoding.
+    digests: np.ndarray | None = None
+
+
+@dataclass(frozen=True)
+class TokenChunk:
+    """Tokens of a streamed request as its decode engine sampled them: output positions
+    [start, start + len(tokens)) of one attempt. A retry streams from position 0 again; sampling
+    is seeded by (seed, position), so its tokens equal the ones already streamed."""
+
+    request_id: str
+    attempt: int
+    epoch: int
+    start: int
+    tokens: tuple[int, ...]
+    log_probs: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class StreamDelta:
+    """What a streaming caller receives: output positions [start, start + len(tokens))."""
+
+    start: int
+    tokens: tuple[int, ...]
+    log_probs: tuple[float, ...]
+
+    @classmethod
+    def after(cls, chunk: TokenChunk, sent: int) -> StreamDelta | None:
+        """The part of `chunk` past the first `sent` output tokens (None if nothing new, or if
+        it starts past them: a gap the final result fills)."""
+        if chunk.start > sent or chunk.start + len(chunk.tokens) <= sent:
+            return None
+        skip = sent - chunk.start
+        return cls(sent, chunk.tokens[skip:], chunk.log_probs[skip:])
+
+
+@dataclass(frozen=True)
+class PersistedBlock:
+    key: str
+    parent: str | None
+
+
+@dataclass(frozen=True)
+class TurnResult:
+    """What one served turn produced, with where and how it was served."""
+
+    request_id: str
+    attempt: int
+    output_tokens: tuple[int, ...]
+    log_probs: tuple[float, ...]
+    stop_reason: StopReason
+    prompt_tokens: int
+    hit_tokens: int
+    path: ReadPath
+    prefill_engine: str
+    decode_engine: str
+    ttft_s: float
+    tpot_s: float
+    kv_bytes_verified: int = 0
+    kv_mismatches: int = 0
+    persisted: tuple[PersistedBlock, ...] = ()
+    error: str | None = None
+    error_kind: ErrorKind | None = None
+    bad_keys: tuple[str, ...] = ()  # the stored blocks a KV_MISSING / KV_CORRUPT failure names
+    epoch: int = 0  # of the serving that dispatched the attempt (RequestSpec.epoch)
+
+    @property
+    def owner(self) -> str:
+        return attempt_owner(self.request_id, self.attempt, self.epoch)
+
+
+@dataclass(frozen=True)
+class GroupReport:
+    """A group's load report as the scheduler core is asked with it (scheduling/rounds.py): its
+    engines' loads and its node's storage read queue in tokens (None: nothing new is known since
+    the group's last report, so the core keeps its own count)."""
+
+    group_id: str
+    node_id: str
+    engines: tuple[EngineLoad, ...]
+    read_q_tokens: int | None
+    reader_state: PeerState = PeerState.ALIVE
+    # (engine or reader name, its incarnation) of every member that answered: a new one means
+    # that actor restarted and its old incarnation's attempts are gone.
+    incarnations: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def reader_alive(self) -> bool:
+        return self.reader_state is PeerState.ALIVE
+
+
+class EngineHoldings(NamedTuple):
+    """An engine's answer to the scheduler's heartbeat."""
+
+    incarnation: str
+    held: dict[str, Holding]
+
+
+@dataclass(frozen=True)
+class EngineReport:
+    """What an engine tells the scheduler after one step of its worker, in one call (sent only
+    when there is something to say): the attempts whose handoff it took (a decode engine: from
+    now on they no longer depend on their prefill engine), the turns that ended (served or
+    failed; persisted blocks included) and the tokens streamed requests sampled. `incarnation`
+    names the process, so a report of a restarted engine's new process is recognised."""
+
+    engine: str
+    incarnation: str
+    handed_off: dict[str, Holding] = field(default_factory=dict)
+    results: tuple[TurnResult, ...] = ()
+    chunks: tuple[TokenChunk, ...] = ()
+
+
+@dataclass(frozen=True)
+class ReaderReport:
+    """A storage reader's read queue (hit tokens waiting for or in its SNIC), sent when it
+    changed (at most every scheduler.report_interval_ms), and once when the reader starts."""
+
+    node_id: str
+    reader: str
+    incarnation: str
+    read_q_tokens: int
+
+
+class Refusal(str, enum.Enum):
+    """Why the scheduler refused a submitted turn (`Scheduler.submit`); the client raises it."""
+
+    DUPLICATE = "duplicate"  # a request of that id is already in flight (from another caller)
+    ASLEEP = "asleep"  # the cluster sleeps: wake_up() first
+
+    def error(self, request_id: str) -> Exception:
+        if self is Refusal.DUPLICATE:
+            return ValueError(f"request id {request_id!r} is already in flight; ids must be unique")
+        return RuntimeError("the cluster is asleep: call wake_up() before generating")
+
+
+@dataclass(frozen=True)
+class Collected:
+    """A client's finished turns (`Scheduler.collect`) and the scheduler incarnation that
+    answered: a new epoch means the scheduler restarted and forgot what was submitted to it."""
+
+    epoch: int
+    results: tuple[TurnResult, ...] = ()
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One tensor of a trainer's weight broadcast, in manifest order (runtime/deploy/weight_sync.py)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # "float32", "bfloat16", ...
+
+
+def aborted_result(spec: RequestSpec) -> TurnResult:
+    """What the caller of an aborted request gets: no output, stop reason ABORTED, no error."""
+    return TurnResult(
+        request_id=spec.request_id, attempt=spec.attempt, output_tokens=(), log_probs=(),
+        stop_reason=StopReason.ABORTED, prompt_tokens=len(spec.prompt), hit_tokens=0, path=ReadPath.PE,
+        prefill_engine="", decode_engine="", ttft_s=0.0, tpot_s=0.0, epoch=spec.epoch,
+    )
+
+
+def failed_result(
+    spec: RequestSpec, engine: str, error: BaseException | str, kind: ErrorKind = ErrorKind.INTERNAL,
+    bad_keys: tuple[str, ...] = (),
+) -> TurnResult:
+    """The result of a request an engine could not serve: the caller gets the error, not a hang."""
+    return TurnResult(
+        request_id=spec.request_id, attempt=spec.attempt, output_tokens=(), log_probs=(),
+        stop_reason=StopReason.ERROR, prompt_tokens=len(spec.prompt), hit_tokens=0, path=ReadPath.PE,
+        prefill_engine=engine, decode_engine="", ttft_s=0.0, tpot_s=0.0, error=f"{engine}: {error!r}",
+        error_kind=kind, bad_keys=bad_keys, epoch=spec.epoch,
+    )

@@ -1,0 +1,55 @@
+"""DecodeEngine (`decode/<node>/<gpu>`): the actor shell around DecodeCore.
+
+It owns the paged KV pool ("HBM", registered with the transport as "hbm" so the node's reader can
+pull filled pages to persist them), the worker thread that runs the core, and the Ray ports.
+"""
+
+from __future__ import annotations
+
+import ray
+
+from dualpath_ray.faults.ports import with_faults
+from dualpath_ray.kv.paged import PagedKVPool
+from dualpath_ray.runtime.decode.core import HBM_POOL, DecodeCore
+from dualpath_ray.runtime.decode.job import DecodePorts, DecodeSettings
+from dualpath_ray.runtime.engine.base import EngineBase
+from dualpath_ray.protocol.messages import DecodeHandoff
+from dualpath_ray.runtime.engine.ray_ports import RayReaders, SystemClock
+from dualpath_ray.runtime.transport.base import endpoint_actor_options
+from dualpath_ray.scheduling.types import Role
+
+
+@ray.remote(**endpoint_actor_options(extra_concurrency_groups={"control": 4, "io": 4}))
+class DecodeEngine(EngineBase):
+    role = Role.DECODE
+
+    def _build_core(self) -> DecodeCore:
+        cfg = self.cfg
+        n_pages = cfg.cluster.hbm_tokens_per_engine // self.layout.block_size
+        pages = PagedKVPool(max(1, n_pages), self.layout, self.device)
+        self.hbm.register(HBM_POOL, pages.tensor)
+        settings = DecodeSettings(
+            self.id.engine_id, self.id.node_id, cfg.model.max_context, cfg.runtime.max_persists_in_flight,
+            cfg.runtime.transfer_timeout_s, cfg.runtime.verify_kv, cfg.runtime.kv_digests,
+            cfg.runtime.request_timeout_s,
+        )
+        readers = RayReaders(self.directory, self.id.engine_id, self.wake, self.sent)
+        ports = DecodePorts(
+            self.hbm.readers_port(readers, self.layout.full_block_bytes, HBM_POOL), self.hbm.transport_port(),
+            self.scheduler_port, SystemClock(),
+        )
+        if self.faults.active:
+            ports = with_faults(ports, self.faults, self.hbm.view)
+        return DecodeCore(settings, self.layout, self.compute, pages, ports, self.store, self.links)
+
+    @ray.method(concurrency_group="io")
+    def handoff(self, handoffs: list[DecodeHandoff]) -> None:
+        """Prefill engines' handoffs (one call per prefill batch): their pages are reserved when
+        the worker takes them."""
+        self.core.hand_off(handoffs)
+        self.wake.set()
+
+    @ray.method(concurrency_group="control")
+    def page_integrity(self) -> tuple[int, int, int, int]:
+        counts = self.core.pages.check_integrity()
+        return (counts.free, counts.allocated, counts.reserved, counts.capacity)

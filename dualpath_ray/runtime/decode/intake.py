@@ -1,0 +1,292 @@
+"""A decode engine's intake: handoffs taken, their prompt KV moved from the buffer into pages.
+
+A mixin of DecodeCore (runtime/decode/core.py), kept apart as one stage of a request's life
+there: a handoff is claimed under the lock, its pages reserved there and then (the scheduler
+counted them when it placed the request here, so they are free; a cancel cannot slip between the
+check and the reservation), and the prompt's KV moves from the decode node's buffer extent into
+the request's pages in one transport read of whole Full Blocks (RESERVED -> LOADING). The
+scheduler learns of the handoff from the prefill engine's report of the step that sent it. A landed load is checked against the
+prefill engine's digests (one reload on a first mismatch) and, with runtime.verify_kv, against
+the store and a recompute, before the request runs. Oracle mode fills the pages in place.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+import time
+from collections import deque
+from typing import Callable, Sequence
+
+import numpy as np
+
+from dualpath_ray.kv.block_store import BlockStore
+from dualpath_ray.kv.layout import KVLayout
+from dualpath_ray.kv.paged import PagedKVPool, PagePoolFullError
+from dualpath_ray.protocol.counters import NodeCounters
+from dualpath_ray.runtime.engine.cancelled import CancelledAttempts
+from dualpath_ray.runtime.engine.compute import EngineCompute, PageFill
+from dualpath_ray.runtime.decode.job import DecodeJob, DecodePorts, DecodeSettings, DecodeState, DecodeStats, transition
+from dualpath_ray.runtime.emulation.links import Link
+from dualpath_ray.runtime.engine.failures import KVMismatchError
+from dualpath_ray.protocol.messages import DecodeHandoff, ErrorKind, Holding, TurnResult, failed_result
+from dualpath_ray.runtime.transport.base import Move, Region
+from dualpath_ray.runtime.decode.verify import landed_mismatches, verify_prompt_kv
+from dualpath_ray.scheduling.loads import decode_tokens
+from dualpath_ray.scheduling.types import ReadPath
+
+LOG = logging.getLogger("dualpath_ray.decode")
+HBM_POOL = "hbm"
+BUFFER_POOL = "buffer"
+
+
+class Claim(enum.Enum):
+    """What taking one handoff came to."""
+
+    CLAIMED = "claimed"  # its pages are reserved: it loads
+    CANCELLED = "cancelled"  # the scheduler gave up on the attempt (or its caller aborted it)
+    DUPLICATE = "duplicate"  # the attempt is here already
+    NO_ROOM = "no_room"  # no free pages yet: it waits (_may_wait_for_pages), then fails
+
+
+class DecodeIntake:
+    """What DecodeCore's __init__ sets up, and the calls of its own this stage uses."""
+
+    settings: DecodeSettings
+    layout: KVLayout
+    compute: EngineCompute
+    pages: PagedKVPool
+    ports: DecodePorts
+    store: BlockStore | None
+    cnic_in: Link
+    counters: NodeCounters
+    stats: DecodeStats
+    jobs: dict[str, DecodeJob]
+    _arrived: deque[DecodeHandoff]
+    _taking: dict[str, tuple[str, Holding]]
+    _waiting_since: dict[str, float]
+    _filling: list[tuple[DecodeJob, PageFill]]
+    _cancelled: CancelledAttempts
+    _lock: threading.Lock
+    _fail: Callable[..., None]
+    _report: Callable[[TurnResult], None]
+    _jobs_in: Callable[..., list[DecodeJob]]
+    _persist_prompt: Callable[[DecodeJob], None]
+    _stream: Callable[[DecodeJob, int], None]
+
+    def _take_handoffs(self) -> bool:
+        """Claim every handoff that arrived: its pages are reserved and its load posted. One
+        that does not fit waits for pages (see _claim); True when any handoff was dealt with."""
+        with self._lock:
+            arrived, self._arrived = list(self._arrived), deque()
+            # Until each is claimed or dropped, heartbeats still count it as arrived.
+            self._taking = {h.task.request.owner: (h.task.request_id, Holding.of(h.task.request, True)) for h in arrived}
+        waiting, took = [], False
+        for handoff in arrived:
+            job, verdict = self._claim(handoff)
+            owner = handoff.task.request.owner
+            if verdict is Claim.NO_ROOM and self._may_wait_for_pages(owner):
+                waiting.append(handoff)
+                continue
+            self._waiting_since.pop(owner, None)
+            took = True
+            if job is None:
+                self._drop_handoff(handoff, verdict)
+                continue
+            try:
+                self._start_load(job)
+            except Exception as exc:  # noqa: BLE001 - fail this request, keep serving the others
+                self._fail(job, exc)
+        self._materialise()
+        with self._lock:
+            self._arrived.extendleft(reversed(waiting))
+            self._taking = {}
+        return took
+
+    def _claim(self, handoff: DecodeHandoff) -> tuple[DecodeJob | None, Claim]:
+        """Reserve the handoff's pages and make it a job, under the lock (a cancel or abort
+        cannot slip between the check and the reservation): (job, CLAIMED), or (None, why not).
+        Its pages are prompt + max new tokens, as the scheduler counted them when it placed the
+        request here (scheduling/loads.py decode_tokens); they are free unless an attempt the
+        scheduler already gave up on still holds pages here (NO_ROOM: it waits for them)."""
+        spec = handoff.task.request
+        owner = spec.owner
+        with self._lock:
+            if owner in self._cancelled:
+                return None, Claim.CANCELLED
+            if owner in self.jobs:
+                return None, Claim.DUPLICATE
+            tokens = decode_tokens(len(spec.prompt), spec.sampling.max_new_tokens, self.layout.block_size)
+            try:
+                self.pages.reserve(owner, self.pages.pages_for(tokens))
+            except PagePoolFullError:
+                return None, Claim.NO_ROOM
+            # Keyed by owner (request id and attempt): a retry never meets an earlier attempt's
+            # job, and a late cancel of that attempt cannot touch the retry.
+            job = DecodeJob(spec.request_id, spec.attempt, tokens, spec.epoch, handoff=handoff)
+            self.jobs[owner] = job
+            return job, Claim.CLAIMED
+
+    def _may_wait_for_pages(self, owner: str) -> bool:
+        """A handoff with no free pages waits up to transfer_timeout_s for an attempt that still
+        holds pages here to finish (one the scheduler gave up on keeps decoding to its end)."""
+        now = time.monotonic()
+        first = self._waiting_since.setdefault(owner, now)
+        return now - first < self.settings.transfer_timeout_s
+
+    def _drop_handoff(self, handoff: DecodeHandoff, why: Claim) -> None:
+        """A handoff that will not be loaded: its buffer extent goes back at once. Only one that
+        found no pages in time needs a result (the scheduler still waits for it)."""
+        spec = handoff.task.request
+        if why is Claim.CANCELLED:
+            self.stats.cancelled_handoffs += 1
+        elif why is Claim.DUPLICATE:
+            LOG.warning("%s: ignored a second handoff of %s", self.settings.engine_id, spec.owner)
+        else:
+            LOG.error("%s: no free HBM pages for %s within %ss", self.settings.engine_id, spec.owner,
+                      self.settings.transfer_timeout_s)
+            self._report(failed_result(
+                spec, self.settings.engine_id, "no free HBM pages for the handoff", ErrorKind.HBM_FULL
+            ))
+        if handoff.extent is not None:
+            self.ports.readers.free(handoff.extent)
+
+    def _start_load(self, job: DecodeJob) -> None:
+        assert job.handoff is not None
+        task = job.handoff.task
+        prompt = np.asarray(task.request.prompt, dtype=np.int64)
+        job.tokens = [int(t) for t in prompt] + [job.handoff.first_token]
+        job.log_probs = [job.handoff.first_log_prob]
+        job.kv_len = len(prompt)
+        job.parent_key = task.hit_keys[-1] if task.hit_keys else None
+        table = self.pages.ensure(job.owner, len(prompt))
+        if task.oracle:
+            self._read_hits(job, table)
+            self._filling.append((job, PageFill(prompt, task.hit_tokens, len(prompt), table)))
+            return
+        self._post_load(job, table, len(prompt))
+        transition(job, DecodeState.LOADING)
+
+    def _post_load(self, job: DecodeJob, table: Sequence[int], tokens: int) -> None:
+        assert job.handoff is not None
+        extent = job.handoff.extent
+        assert extent is not None, f"request {job.request_id}: a non-oracle handoff names an extent"
+        moves = self._prompt_moves(table, extent.slots, tokens)
+        nbytes = sum(m[0].nbytes for m in moves)
+        self.cnic_in.take(nbytes)
+        self.counters.cnic_in[ReadPath(job.handoff.task.path).side.value] += nbytes
+        job.load = self.ports.transport.read(extent.reader, moves)
+
+    def _prompt_moves(self, table: Sequence[int], slots: Sequence[int], tokens: int) -> list[Move]:
+        """Whole Full Blocks page <- slot, and the partial last block layer by layer."""
+        layout = self.layout
+        full, tail = divmod(tokens, layout.block_size)
+        moves = [
+            (Region(HBM_POOL, table[b] * layout.full_block_bytes, layout.full_block_bytes),
+             Region(BUFFER_POOL, slots[b] * layout.full_block_bytes, layout.full_block_bytes))
+            for b in range(full)
+        ]
+        for layer in range(layout.n_layer if tail else 0):
+            nbytes = tail * layout.bytes_per_token_per_layer
+            moves.append((
+                Region(HBM_POOL, layout.slot_byte_offset(table[full], layer, 0), nbytes),
+                Region(BUFFER_POOL, layout.slot_byte_offset(slots[full], layer, 0), nbytes),
+            ))
+        return moves
+
+    def _read_hits(self, job: DecodeJob, table: Sequence[int]) -> None:
+        """Oracle mode: hit KV straight from the store into pages (the rest is computed in
+        place by _materialise, for every handoff of the step at once)."""
+        assert self.store is not None and job.handoff is not None
+        for block, key in enumerate(job.handoff.task.hit_keys):
+            self._store_read(key, table[block])
+
+    def _materialise(self) -> None:
+        """Oracle mode: the computed tokens' KV of this step's handoffs, in one batched forward;
+        then they run. A failed forward fails them all."""
+        filling, self._filling = self._filling, []
+        if not filling:
+            return
+        try:
+            self.compute.fill_pages_many([fill for _, fill in filling], self.pages.tensor)
+        except Exception as exc:  # noqa: BLE001 - fail these requests, keep serving the others
+            for job, _ in filling:
+                self._fail(job, exc)
+            return
+        for job, _ in filling:
+            try:
+                self._start_running(job)
+            except Exception as exc:  # noqa: BLE001
+                self._fail(job, exc)
+
+    def _store_read(self, key: str, page: int) -> None:
+        assert self.store is not None
+        target = self.pages.page(page)
+        if target.device.type == "cpu":
+            self.store.get_into(key, target)
+            return
+        host = self.layout.empty_full_block()
+        self.store.get_into(key, host)
+        target.copy_(host)
+
+    def _poll_loads(self) -> bool:
+        did = False
+        for job in self._jobs_in(DecodeState.LOADING):
+            try:
+                if not job.load.done():  # type: ignore[union-attr]
+                    continue
+                job.load.wait(0)  # type: ignore[union-attr]
+            except Exception as exc:  # noqa: BLE001 - fail this request only
+                self._fail(job, exc)
+                continue
+            job.load = None
+            self.stats.loads += 1
+            try:
+                if self._reloading(job):
+                    continue
+                self._start_running(job)
+            except Exception as exc:  # noqa: BLE001
+                self._fail(job, exc)
+            did = True
+        return did
+
+    def _reloading(self, job: DecodeJob) -> bool:
+        """Check the landed prompt KV against the prefill engine's digests. A first mismatch is
+        loaded once more (the copy went wrong); a second means the buffer itself holds bad KV
+        (the transfer into it went wrong): the attempt fails before any decode step."""
+        assert job.handoff is not None
+        digests = job.handoff.digests
+        if not self.settings.kv_digests or digests is None:
+            return False
+        bad = landed_mismatches(self.pages.tensor, self.pages.table(job.owner), digests)
+        seen = job.bad_tokens if job.bad_tokens is not None else np.zeros(0, dtype=np.int64)
+        self.stats.digest_mismatches += len(np.setdiff1d(bad, seen))
+        if not len(bad):
+            self.stats.digest_reloads += int(job.bad_tokens is not None)
+            return False
+        if job.bad_tokens is not None:
+            raise KVMismatchError(
+                f"{job.request_id}: prompt KV in the decode buffer differs from the prefill engine's "
+                f"digests at {len(bad)} (layer, token)s after a second load"
+            )
+        job.bad_tokens = bad
+        self._post_load(job, self.pages.table(job.owner), digests.shape[1])
+        return True
+
+    def _start_running(self, job: DecodeJob) -> None:
+        assert job.handoff is not None
+        task = job.handoff.task
+        if self.settings.verify_kv:
+            assert self.store is not None
+            job.check = verify_prompt_kv(self.compute, self.store, task, self.pages.tensor, self.pages.table(job.owner))
+            if job.check.mismatches:
+                # Never decode on KV that differs from what the store and a recompute say.
+                raise KVMismatchError(
+                    f"{job.request_id}: assembled prompt KV differs from the store / a recompute "
+                    f"({job.check.mismatches} of hit and computed parts)"
+                )
+        job.compute_state = self.compute.decode_state(job.tokens)
+        self._persist_prompt(job)
+        transition(job, DecodeState.RUNNING)
+        self._stream(job, 0)  # the first token, sampled by the prefill engine

@@ -1,0 +1,129 @@
+"""A decode engine's request record and what its core is built from: the job's lifecycle (one
+transition function), its ports, settings and statistics. runtime/decode/core.py has the logic.
+
+RESERVED (pages set aside when the scheduler placed it) -> LOADING (its prompt's KV moves from the
+decode node's buffer extent into its pages) -> RUNNING (decoded in batched steps) -> FINISHING
+(its last blocks are on their way to the store) -> DONE; or FAILED from any of them.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from dualpath_ray.protocol.messages import DecodeHandoff, PersistedBlock, attempt_owner
+from dualpath_ray.runtime.engine.ports import (
+    Clock,
+    Pending,
+    ReaderPort,
+    SchedulerPort,
+    TransportPort,
+)
+from dualpath_ray.runtime.decode.verify import KVCheck
+from dualpath_ray.scheduling.types import StopReason
+
+
+class DecodeState(enum.Enum):
+    RESERVED = "reserved"
+    LOADING = "loading"
+    RUNNING = "running"
+    FINISHING = "finishing"
+    DONE = "done"
+    FAILED = "failed"
+
+
+_MOVES = {
+    DecodeState.RESERVED: {DecodeState.LOADING, DecodeState.RUNNING, DecodeState.FAILED},
+    DecodeState.LOADING: {DecodeState.RUNNING, DecodeState.FAILED},
+    DecodeState.RUNNING: {DecodeState.FINISHING, DecodeState.FAILED},
+    DecodeState.FINISHING: {DecodeState.DONE, DecodeState.FAILED},
+    DecodeState.DONE: set(),
+    DecodeState.FAILED: set(),
+}
+
+
+class DecodeTransitionError(RuntimeError):
+    pass
+
+
+@dataclass
+class DecodeJob:
+    request_id: str
+    attempt: int
+    reserved_tokens: int
+    epoch: int = 0
+    state: DecodeState = DecodeState.RESERVED
+    handoff: DecodeHandoff | None = None
+    tokens: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    kv_len: int = 0
+    compute_state: Any = None
+    load: Pending[int] | None = None
+    persists: list[tuple[Pending[int], tuple[PersistedBlock, ...]]] = field(default_factory=list)
+    extent_persist: Pending[int] | None = None
+    extent_blocks: tuple[PersistedBlock, ...] = ()
+    queued: deque[tuple[int, PersistedBlock]] = field(default_factory=deque)
+    parent_key: str | None = None
+    persisted: list[PersistedBlock] = field(default_factory=list)
+    stop_reason: StopReason | None = None
+    check: KVCheck = field(default_factory=KVCheck)
+    bad_tokens: np.ndarray | None = None  # what the first check of the landed KV found wrong
+
+    @property
+    def owner(self) -> str:
+        """This attempt's name: what owns its pages and its extents."""
+        return attempt_owner(self.request_id, self.attempt, self.epoch)
+
+    @property
+    def prompt_len(self) -> int:
+        assert self.handoff is not None
+        return len(self.handoff.task.request.prompt)
+
+
+def transition(job: DecodeJob, target: DecodeState) -> None:
+    """The one way a decode job's state changes; an illegal move raises."""
+    if target not in _MOVES[job.state]:
+        raise DecodeTransitionError(f"request {job.request_id}: {job.state.value} -> {target.value}")
+    job.state = target
+
+
+@dataclass(frozen=True)
+class DecodePorts:
+    readers: ReaderPort
+    transport: TransportPort
+    scheduler: SchedulerPort
+    clock: Clock
+
+
+@dataclass(frozen=True)
+class DecodeSettings:
+    engine_id: str
+    node_id: str
+    max_context: int
+    max_persists_in_flight: int
+    transfer_timeout_s: float
+    verify_kv: bool
+    kv_digests: bool = True
+    cancel_horizon_s: float = 900.0  # how long a cancel that found nothing is remembered
+
+
+@dataclass
+class DecodeStats:
+    steps: int = 0
+    tokens: int = 0
+    max_batch: int = 0
+    loads: int = 0
+    persisted_blocks: int = 0
+    max_persists_in_flight: int = 0
+    persist_waits: int = 0
+    finished: int = 0
+    failures: int = 0
+    digest_mismatches: int = 0  # (layer, token)s of landed prompt KV that differed from its digests
+    digest_reloads: int = 0  # loads done once more after a mismatch, and then right
+    cancelled_handoffs: int = 0  # handoffs of attempts the scheduler had cancelled, dropped
+    aborted: int = 0  # attempts dropped mid-way because their caller aborted them
+    compute_s: float = 0.0  # inside the model's decode steps

@@ -1,0 +1,69 @@
+"""The decode side's check of a prompt's assembled KV (runtime.verify_kv): every byte of it.
+
+Hit tokens must equal the store's Full Blocks byte for byte. Computed tokens are recomputed here
+in one sequence (`fill_pages`); the prefill engine computed them inside a batch, whose kernels may
+round differently, so they must be byte-equal or equal within float noise of the model dtype (float32: rtol 1e-4,
+atol 1e-5; bfloat16 and float16: a few units in the last place, see TOLERANCES).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from dualpath_ray.kv.block_store import BlockStore
+from dualpath_ray.kv.digest import block_digests, mismatched_tokens
+from dualpath_ray.runtime.engine.compute import EngineCompute, page_token_views
+from dualpath_ray.protocol.messages import PrefillTask
+
+RTOL, ATOL = 1e-4, 1e-5
+# (rtol, atol) by KV dtype: float32 kernels differ in the last bits only; 16-bit KV is rounded
+# once per value after float32 accumulation, so batch and single-sequence kernels may land one
+# or two ulps apart (bf16 ulp = 2^-8 relative, fp16 2^-11).
+TOLERANCES = {torch.float32: (RTOL, ATOL), torch.bfloat16: (2 ** -6, 2 ** -8), torch.float16: (2 ** -9, 2 ** -11)}
+
+
+@dataclass(frozen=True)
+class KVCheck:
+    bytes_verified: int = 0
+    mismatches: int = 0
+
+
+def _layer_tokens(pages: torch.Tensor, layer: int, table: Sequence[int], start: int, end: int) -> torch.Tensor:
+    return torch.cat(page_token_views(pages, layer, table, start, end))
+
+
+def verify_prompt_kv(
+    compute: EngineCompute, store: BlockStore, task: PrefillTask, pages: torch.Tensor, table: Sequence[int]
+) -> KVCheck:
+    layout = compute.layout
+    prompt = np.asarray(task.request.prompt, dtype=np.int64)
+    n, hit = len(prompt), task.hit_tokens
+    expected = torch.empty((layout.blocks_for(n), *layout.full_block_shape), dtype=torch.uint8, device=pages.device)
+    own = list(range(expected.shape[0]))
+    host = layout.empty_full_block()
+    for block, key in enumerate(task.hit_keys):
+        store.get_into(key, host)
+        expected[block].copy_(host)
+    compute.fill_pages(prompt, hit, n, expected, own)
+    exact = close = True
+    for layer in range(layout.n_layer):
+        if hit:
+            exact &= torch.equal(_layer_tokens(pages, layer, table, 0, hit), _layer_tokens(expected, layer, own, 0, hit))
+        got, want = _layer_tokens(pages, layer, table, hit, n), _layer_tokens(expected, layer, own, hit, n)
+        if not torch.equal(got, want):
+            got_kv, want_kv = layout.bytes_as_kv(got), layout.bytes_as_kv(want)
+            rtol, atol = TOLERANCES.get(got_kv.dtype, (RTOL, ATOL))
+            close &= torch.allclose(got_kv.float(), want_kv.float(), rtol=rtol, atol=atol)
+    return KVCheck(bytes_verified=n * layout.bytes_per_token, mismatches=int(not exact) + int(not close))
+
+
+def landed_mismatches(pages: torch.Tensor, table: Sequence[int], digests: np.ndarray) -> np.ndarray:
+    """Flat (layer, token) positions where a prompt's KV in its pages differs from the digests
+    [n_layer, prompt tokens] the prefill engine sent with it (runtime.kv_digests)."""
+    tokens = digests.shape[1]
+    blocks = pages[list(table[: -(-tokens // pages.shape[2])])]
+    return mismatched_tokens(block_digests(blocks, tokens), digests)

@@ -1,0 +1,73 @@
+"""What kind of failure an exception is, wherever it was raised (in this process or, wrapped by
+Ray, in another actor): the engines put the kind and the bad block keys into the failed
+TurnResult, and the scheduler decides from them whether and how to retry."""
+
+from __future__ import annotations
+
+import logging
+
+from dualpath_ray.faults.injector import InjectedFault
+from dualpath_ray.kv.errors import BadBlockError, BlockCorruptedError, BlockNotFoundError
+from dualpath_ray.protocol.messages import ErrorKind, RequestSpec, TurnResult, failed_result
+from dualpath_ray.runtime.transport.base import PeerDiedError, TransportError
+
+
+class KVMismatchError(RuntimeError):
+    """The decode side's check found assembled KV that differs from the store / a recompute."""
+
+
+def _cause(error: BaseException) -> BaseException:
+    # A RayTaskError is an instance of its cause's class but does not carry its attributes;
+    # the original exception is its `cause`.
+    cause = getattr(error, "cause", None)
+    return cause if isinstance(cause, BaseException) else error
+
+
+def classify(error: BaseException) -> tuple[ErrorKind, tuple[str, ...]]:
+    """The kind of `error` and the stored blocks it names."""
+    cause = _cause(error)
+    if isinstance(cause, BadBlockError):
+        kind = ErrorKind.KV_MISSING if cause.kind == "missing" else ErrorKind.KV_CORRUPT
+        return kind, (cause.key,)
+    if isinstance(cause, BlockNotFoundError):
+        return ErrorKind.KV_MISSING, ()
+    if isinstance(cause, BlockCorruptedError):
+        return ErrorKind.KV_CORRUPT, ()
+    if isinstance(cause, KVMismatchError):
+        return ErrorKind.KV_MISMATCH, ()
+    if isinstance(cause, PeerDiedError) or _is_dead_actor(cause):
+        return ErrorKind.PEER_DIED, ()
+    if isinstance(cause, (TransportError, TimeoutError)):
+        return ErrorKind.TRANSFER, ()
+    if isinstance(cause, InjectedFault):
+        return _INJECTED_KINDS.get(cause.site, ErrorKind.TRANSFER), ()
+    if isinstance(cause, OSError):
+        return ErrorKind.STORE_IO, ()
+    return ErrorKind.INTERNAL, ()
+
+
+_INJECTED_KINDS = {"actor_call": ErrorKind.CALL_FAILED, "store_read": ErrorKind.STORE_IO, "store_publish": ErrorKind.STORE_IO}
+
+
+_DEAD_ACTOR_ERRORS = frozenset({"RayActorError", "ActorDiedError", "ActorUnavailableError"})
+
+
+def _is_dead_actor(error: BaseException) -> bool:
+    # By class name, so the engine cores that classify their failures never import Ray.
+    return any(cls.__name__ in _DEAD_ACTOR_ERRORS for cls in type(error).__mro__)
+
+
+def failure_of(spec: RequestSpec, engine: str, error: BaseException) -> TurnResult:
+    """The failed TurnResult of `spec`, classified."""
+    kind, keys = classify(error)
+    return failed_result(spec, engine, error, kind, keys)
+
+
+def log_failure(log: logging.Logger, what: str, error: BaseException) -> None:
+    """A failure the scheduler retries (a dead peer, a failed transfer, a bad block) is one
+    warning line; only an unexpected one (INTERNAL: a bug) carries its traceback."""
+    kind, _ = classify(error)
+    if kind is ErrorKind.INTERNAL:
+        log.exception("%s failed", what)
+    else:
+        log.warning("%s failed (%s): %s", what, kind.value, error)

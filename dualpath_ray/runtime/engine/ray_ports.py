@@ -1,0 +1,135 @@
+"""The engine cores' ports implemented with Ray actor calls (the actor shells use these). Each
+counts the calls it makes, by method (`sent`), for the engine's stats and the control-plane
+benchmark."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+from collections import Counter
+from typing import Any, Callable, Sequence
+
+import ray
+
+from dualpath_ray.runtime.engine.directory import ActorDirectory
+from dualpath_ray.runtime.control.report_channel import ChannelAddress, ReportClient, SentReport
+from dualpath_ray.protocol.messages import (
+    DecodeHandoff, EngineReport, ExtentGrant, Holding, PersistedBlock, TokenChunk, TurnResult,
+)
+
+
+class RefPending:
+    """A Ray call in flight as a `Pending`. Ray resolves the reply's future on its own thread,
+    so polling is a flag check (no RPC), and `wake` tells the engine's worker to look again."""
+
+    def __init__(self, ref: ray.ObjectRef, wake: threading.Event | None = None) -> None:
+        self.ref = ref
+        self._future = ref.future()
+        if wake is not None:
+            self._future.add_done_callback(lambda _: wake.set())
+
+    def done(self) -> bool:
+        if not self._future.done():
+            return False
+        self._future.result()
+        return True
+
+    def wait(self, timeout_s: float | None = None) -> Any:
+        try:
+            return self._future.result(timeout_s)
+        except concurrent.futures.TimeoutError:
+            raise ray.exceptions.GetTimeoutError(f"no reply from {self.ref} within {timeout_s}s") from None
+
+
+class RayReaders:
+    """ReaderPort: the `reader/<node>` actors."""
+
+    def __init__(
+        self, directory: ActorDirectory, engine: str, wake: threading.Event | None = None, sent: Counter[str] | None = None,
+    ) -> None:
+        self.directory = directory
+        self.engine = engine
+        self.wake = wake
+        self.sent = sent if sent is not None else Counter()  # calls made, by method
+
+    def _reader(self, node_id: str) -> Any:
+        return self.directory.get(f"reader/{node_id}")
+
+    def stage(
+        self, node_id: str, owner: str, keys: Sequence[str], total_blocks: int, path: str, first_block: int = 0
+    ) -> RefPending:
+        self.sent["stage"] += 1
+        reader = self._reader(node_id)
+        return RefPending(reader.stage.remote(owner, list(keys), total_blocks, path, first_block), self.wake)
+
+    def lease(self, node_id: str, owner: str, n_blocks: int) -> RefPending:
+        self.sent["lease"] += 1
+        return RefPending(self._reader(node_id).lease.remote(owner, n_blocks), self.wake)
+
+    def free(self, grant: ExtentGrant) -> None:
+        self.sent["free"] += 1
+        self.directory.get(grant.reader).free.remote(grant.extent_id, grant.incarnation)
+
+    def reclaim(self, node_id: str, owner: str) -> None:
+        self.sent["reclaim"] += 1
+        self._reader(node_id).reclaim.remote(owner)
+
+    def persist_extent(self, grant: ExtentGrant, blocks: Sequence[tuple[int, PersistedBlock]]) -> RefPending:
+        self.sent["persist_extent"] += 1
+        reader = self.directory.get(grant.reader)
+        return RefPending(reader.persist_extent.remote(grant.extent_id, list(blocks), grant.incarnation), self.wake)
+
+    def persist_pages(self, node_id: str, owner: str, blocks: Sequence[tuple[int, PersistedBlock]]) -> RefPending:
+        self.sent["persist_pages"] += 1
+        return RefPending(self._reader(node_id).persist_pages.remote(owner, self.engine, list(blocks)), self.wake)
+
+
+class RayScheduler:
+    """SchedulerPort: the singleton `scheduler` actor, reached through its report channel
+    (runtime/control/report_channel.py), found with one Ray call. Reports carry this engine's name and its
+    process's incarnation (which a wake from sleep renews: `incarnation` is read per report)."""
+
+    def __init__(
+        self, directory: ActorDirectory, engine: str, incarnation: Callable[[], str], sent: Counter[str] | None = None,
+    ) -> None:
+        self.engine = engine
+        self.incarnation = incarnation
+        self.sent = sent if sent is not None else Counter()
+        self.channel = ReportClient(scheduler_channel(directory), name=f"{engine}-reports")
+
+    def report(
+        self, handed_off: dict[str, Holding], results: Sequence[TurnResult], chunks: Sequence[TokenChunk]
+    ) -> SentReport:
+        self.sent["report"] += 1
+        return self.channel.send(
+            EngineReport(self.engine, self.incarnation(), dict(handed_off), tuple(results), tuple(chunks))
+        )
+
+
+def scheduler_channel(directory: ActorDirectory) -> Callable[[], ChannelAddress]:
+    """How a sender finds the scheduler's report channel: a Ray call, which waits while Ray
+    restarts the scheduler (max_task_retries=-1), so a new incarnation's address is found."""
+
+    def resolve() -> ChannelAddress:
+        address: ChannelAddress = ray.get(directory.get("scheduler").report_channel.remote())
+        return address
+
+    return resolve
+
+
+class RayDecodeTargets:
+    """DecodePort: decode engines by name."""
+
+    def __init__(self, directory: ActorDirectory, sent: Counter[str] | None = None) -> None:
+        self.directory = directory
+        self.sent = sent if sent is not None else Counter()
+
+    def hand_off(self, engine: str, handoffs: Sequence[DecodeHandoff]) -> RefPending:
+        self.sent["handoff"] += 1
+        return RefPending(self.directory.get(engine).handoff.remote(list(handoffs)))
+
+
+class SystemClock:
+    def now(self) -> float:
+        return time.time()

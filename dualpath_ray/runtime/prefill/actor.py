@@ -1,0 +1,54 @@
+"""PrefillEngine (`prefill/<node>/<gpu>`): the actor shell around PrefillCore.
+
+It owns the layer window (registered with the transport as "window", on the engine's device),
+the worker thread that runs the core, and the Ray ports; everything else is in prefill_core.py.
+"""
+
+from __future__ import annotations
+
+import ray
+
+from dualpath_ray.kv.window import LayerWindow
+from dualpath_ray.model.profile import attention_predictor
+from dualpath_ray.runtime.engine.base import EngineBase
+from dualpath_ray.faults.ports import with_faults
+from dualpath_ray.protocol.messages import PrefillTask
+from dualpath_ray.runtime.prefill.core import PrefillCore, PrefillPorts, PrefillSettings
+from dualpath_ray.runtime.prefill.pipeline import WINDOW_POOL
+from dualpath_ray.runtime.engine.ray_ports import RayDecodeTargets, RayReaders, SystemClock
+from dualpath_ray.runtime.transport.base import endpoint_actor_options
+from dualpath_ray.scheduling.types import Role
+
+
+@ray.remote(**endpoint_actor_options(extra_concurrency_groups={"control": 4}))
+class PrefillEngine(EngineBase):
+    role = Role.PREFILL
+
+    def _build_core(self) -> PrefillCore:
+        cfg = self.cfg
+        window = LayerWindow(cfg.cluster.prefill_hbm_tokens, self.layout, self.device)
+        self.hbm.register(WINDOW_POOL, window.tensor)
+        settings = PrefillSettings(
+            self.id.engine_id, self.id.node_id, self.id.reader, cfg.scheduler.compute_quota_ms,
+            cfg.runtime.transfer_timeout_s, cfg.runtime.kv_digests, cfg.runtime.request_timeout_s,
+        )
+        ports = PrefillPorts(
+            RayReaders(self.directory, self.id.engine_id, self.wake, self.sent), self.hbm.transport_port(),
+            self.scheduler_port,
+            RayDecodeTargets(self.directory, self.sent), SystemClock(),
+        )
+        if self.faults.active:
+            ports = with_faults(ports, self.faults, self.hbm.view)
+        return PrefillCore(
+            settings, self.layout, self.compute, window, attention_predictor(cfg), ports, self.store, self.links
+        )
+
+    @ray.method(concurrency_group="control")
+    def accept(self, tasks: list[PrefillTask]) -> str:
+        """The scheduler's push of this engine's tasks (decided in one of its rounds); returns
+        the incarnation that took them (a new one proves the engine restarted)."""
+        for task in tasks:
+            self._addressed(task.prefill_engine)
+        self.core.accept(tasks)
+        self.wake.set()
+        return self.incarnation

@@ -1,0 +1,462 @@
+"""The prefill engine's logic, without Ray: staging, compute-quota batches, layerwise prefill.
+
+A request (a `PrefillTask` from the scheduler) goes STAGING -> READY -> BATCHED -> HANDED_OFF,
+or back to READY after a chunk that does not end its prompt, or FAILED (`transition`).
+- Staging: the reader of the chosen side leases an extent and reads the hit Full Blocks into
+  it (PE path: this node's reader, plus an empty extent on the decode node for the KV to send;
+  DE path: the decode node's reader, one extent for hits and computed KV alike).
+- A batch: READY requests in FIFO order packed by the compute quota and the window's capacity
+  (`pack_prefill_batch`), laid out in the layer window (kv/window.py).
+- Layer by layer with double buffering (`_LayerPipeline`): layer l+1's past KV is on its way in
+  while layer l computes, and layer l-1's KV on its way out; one read per (layer, source reader)
+  and one write per (layer, destination reader) for the whole batch. The past KV of a first chunk
+  comes from the side its hits were read on; a later chunk's from the decode node's extent,
+  which by then holds every token before it. A chunk sends the decode node everything not yet
+  there: hits + new tokens on the PE path's first chunk, only new tokens otherwise.
+- Handoff: after the last layer the first token is sampled, the PE extent is freed, and the
+  decode engine gets a `DecodeHandoff` naming the decode node's extent (one call per decode
+  engine for all of a batch's requests that go there).
+Oracle mode moves nothing: hit KV comes straight from the store and nothing is sent.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+from dualpath_ray.kv.block_store import BlockStore
+from dualpath_ray.kv.layout import KVLayout
+from dualpath_ray.kv.window import LayerWindow, span_offsets
+from dualpath_ray.protocol.counters import NodeCounters
+from dualpath_ray.runtime.engine.compute import ChunkSpec, EngineCompute
+from dualpath_ray.runtime.emulation.links import Link
+from dualpath_ray.runtime.engine.failures import failure_of, log_failure
+from dualpath_ray.runtime.engine.cancelled import CancelledAttempts
+from dualpath_ray.protocol.messages import DecodeHandoff, ExtentGrant, Holding, PrefillTask, TurnResult, newest_holdings
+from dualpath_ray.runtime.engine.outbox import Outbox
+from dualpath_ray.runtime.engine.ports import Clock, DecodePort, Pending, ReaderPort, SchedulerPort, TransportPort
+from dualpath_ray.runtime.prefill.pipeline import LayerPipeline, PipelineStats, oracle_kv_for
+from dualpath_ray.scheduling import EngineLoad, pack_prefill_batch, prefill_tokens
+from dualpath_ray.scheduling.types import ReadPath
+
+LOG = logging.getLogger("dualpath_ray.prefill")
+
+
+class PrefillState(enum.Enum):
+    STAGING = "staging"
+    READY = "ready"
+    BATCHED = "batched"
+    HANDED_OFF = "handed_off"
+    FAILED = "failed"
+
+
+_MOVES = {
+    PrefillState.STAGING: {PrefillState.READY, PrefillState.FAILED},
+    PrefillState.READY: {PrefillState.BATCHED, PrefillState.FAILED},
+    PrefillState.BATCHED: {PrefillState.READY, PrefillState.HANDED_OFF, PrefillState.FAILED},
+    PrefillState.HANDED_OFF: set(),
+    PrefillState.FAILED: set(),
+}
+
+
+class PrefillTransitionError(RuntimeError):
+    pass
+
+
+@dataclass
+class PrefillJob:
+    """One request on this engine, from assignment to handoff."""
+
+    task: PrefillTask
+    prompt: np.ndarray
+    state: PrefillState = PrefillState.STAGING
+    computed: int = 0
+    staging: dict[str, Pending[ExtentGrant]] = field(default_factory=dict)
+    pe: ExtentGrant | None = None
+    de: ExtentGrant | None = None
+    oracle_kv: torch.Tensor | None = None
+    # Digests [n_layer, computed] of the KV of tokens [0, computed) as last verified or computed
+    # (None: runtime.kv_digests is off); the first chunk's come from the reader's grant.
+    digests: np.ndarray | None = None
+    chunks: int = 0
+
+    @property
+    def request_id(self) -> str:
+        return self.task.request.request_id
+
+    @property
+    def owner(self) -> str:
+        return self.task.request.owner
+
+
+def transition(job: PrefillJob, target: PrefillState) -> None:
+    """The one way a prefill job's state changes; an illegal move raises."""
+    if target not in _MOVES[job.state]:
+        raise PrefillTransitionError(f"request {job.request_id}: {job.state.value} -> {target.value}")
+    job.state = target
+
+
+@dataclass(frozen=True)
+class PrefillPorts:
+    readers: ReaderPort
+    transport: TransportPort
+    scheduler: SchedulerPort
+    decode: DecodePort
+    clock: Clock
+
+
+@dataclass
+class PrefillStats:
+    """What the engine did, for its `stats()`: batches, chunks, and the pipeline's figures."""
+
+    batches: int = 0
+    chunks: int = 0
+    handoffs: int = 0
+    failures: int = 0
+    cancelled: int = 0  # attempts the scheduler cancelled, dropped before their compute
+    tokens_computed: int = 0
+    port_calls: int = 0
+    pipeline: PipelineStats = field(default_factory=PipelineStats)
+
+
+@dataclass(frozen=True)
+class PrefillSettings:
+    engine_id: str
+    node_id: str
+    reader: str
+    quota_ms: float
+    transfer_timeout_s: float
+    kv_digests: bool = True
+    cancel_horizon_s: float = 900.0  # how long a cancel is remembered (see runtime/engine/cancelled.py)
+
+
+class PrefillCore:
+    """Every decision and state change of one prefill engine; the actor only runs `step`."""
+
+    def __init__(
+        self,
+        settings: PrefillSettings,
+        layout: KVLayout,
+        compute: EngineCompute,
+        window: LayerWindow,
+        predict_ms: Callable[[list[tuple[int, int]]], float],
+        ports: PrefillPorts,
+        store: BlockStore | None,
+        links: tuple[Link, Link],
+    ) -> None:
+        self.settings = settings
+        self.layout = layout
+        self.compute = compute
+        self.window = window
+        self.predict_ms = predict_ms
+        self.ports = ports
+        self.store = store
+        self.cnic_in, self.cnic_out = links
+        self.counters = NodeCounters()
+        self.stats = PrefillStats()
+        self.jobs: dict[str, PrefillJob] = {}
+        self._orphans: list[Pending[ExtentGrant]] = []
+        self._cancelled = CancelledAttempts(settings.cancel_horizon_s, ports.clock)
+        self._to_cancel: list[str] = []
+        self.outbox = Outbox()  # handoffs and failure reports not yet delivered
+        self._failed: list[TurnResult] = []  # this step's failures, reported at its end
+        self._noted: dict[str, Holding] = {}  # this step's handoffs, reported at its end
+        self._lock = threading.Lock()
+
+    # --- what the actor's control thread calls ------------------------------------------
+
+    def load(self) -> EngineLoad:
+        with self._lock:
+            tokens = sum(prefill_tokens(len(job.prompt), job.task.hit_tokens) for job in self.jobs.values())
+            return EngineLoad(self.settings.engine_id, self.settings.node_id, len(self.jobs), tokens)
+
+    def holds(self) -> dict[str, Holding]:
+        """Each request on this engine: its newest attempt here (not handed off). An earlier
+        attempt still finishing is not what the scheduler waits for. A handoff on its way to its
+        decode engine (named handed off) or a failure report on its way to the scheduler is held
+        too (runtime/engine/outbox.py)."""
+        with self._lock:
+            entries = [(job.request_id, Holding.of(job.task.request, False)) for job in self.jobs.values()]
+        return newest_holdings(entries + self.outbox.holdings())
+
+    def accept(self, tasks: Sequence[PrefillTask]) -> None:
+        """Stage every task. Jobs are keyed by owner (request id and attempt): a retry may land
+        here while its earlier attempt still runs, and each frees only its own extents. A task
+        already here is a duplicate delivery: it is refused before anything is leased for it."""
+        fresh, refused = [], []
+        with self._lock:
+            for t in tasks:
+                owner = t.request.owner
+                (refused if owner in self.jobs or owner in self._cancelled else fresh).append(t)
+        for task in fresh:
+            # Each job is held (and heartbeats name it) as soon as it is staged, not after the
+            # whole batch: staging a large batch on a loaded host takes a while.
+            job = self._stage(task)
+            with self._lock:
+                self.jobs[job.owner] = job
+                if job.owner in self._cancelled:  # its cancel came while it was being staged
+                    self._to_cancel.append(job.owner)
+        if refused:
+            LOG.warning("%s: refused deliveries of attempts already here or cancelled: %s",
+                        self.settings.engine_id, [t.request.owner for t in refused])
+
+    def cancel(self, owner: str) -> None:
+        """The scheduler gave up on this attempt ("request#attempt"): a job of it that has not
+        started computing is dropped at the next step; an accept still on its way is refused."""
+        with self._lock:
+            self._cancelled.add(owner)
+            if owner in self.jobs:
+                self._to_cancel.append(owner)
+
+    def abort(self, owner: str) -> None:
+        """The caller gave up on this attempt: like a cancel, a job not yet computing is dropped
+        with its extents; one in the running batch hands off, and its decode engine, which got
+        the abort too, drops the handoff and frees its extent."""
+        self.cancel(owner)
+
+    def busy(self) -> bool:
+        with self._lock:
+            return bool(self.jobs or self._orphans or len(self.outbox))
+
+    # --- what the actor's worker thread calls ---------------------------------------------
+
+    def step(self) -> bool:
+        """Advance staging and run at most one batch; False when there was nothing to do."""
+        self._reap_orphans()
+        self.outbox.settle()
+        self._drop_cancelled()
+        self._poll_staging()
+        batch = self._next_batch()
+        if batch:
+            self._run_batch(batch)
+        self._send_report()
+        return bool(batch)
+
+    def polling(self) -> bool:
+        """Whether the worker must look again without being woken: never here. Staging replies
+        wake it (runtime/engine/ray_ports.py RefPending) and a batch's transfers are waited for inside
+        the batch."""
+        return False
+
+    def fail_all(self, error: BaseException) -> None:
+        """The worker is dying: every request still here gets an error result."""
+        with self._lock:
+            jobs = [j for j in self.jobs.values() if j.state is not PrefillState.FAILED]
+        for job in jobs:
+            self._fail(job, error)
+        self._send_report()
+
+    # --- staging ------------------------------------------------------------------------
+
+    def _stage(self, task: PrefillTask) -> PrefillJob:
+        prompt = np.asarray(task.request.prompt, dtype=np.int64)
+        job = PrefillJob(task, prompt, computed=task.hit_tokens)
+        owner = task.request.owner
+        blocks = self.layout.blocks_for(len(prompt))
+        keys = list(task.hit_keys)
+        readers = self.ports.readers
+        pe_blocks = task.pe_blocks
+        if task.oracle:
+            job.oracle_kv = oracle_kv_for(self.layout, len(prompt), self._read_oracle_hits(keys))
+        else:
+            # The first pe_blocks hits (all on the PE path, none on the DE path) into this
+            # node's buffer; the rest into the decode node's extent at their own block
+            # positions, so that extent ends up holding the whole prompt.
+            if pe_blocks:
+                job.staging["pe"] = readers.stage(self.settings.node_id, owner, keys[:pe_blocks], pe_blocks, "pe")
+            if keys[pe_blocks:]:
+                job.staging["de"] = readers.stage(task.decode_node, owner, keys[pe_blocks:], blocks, "de", pe_blocks)
+            else:
+                job.staging["de"] = readers.lease(task.decode_node, owner, blocks)
+        self.stats.port_calls += len(job.staging)
+        return job
+
+    def _read_oracle_hits(self, keys: list[str]) -> torch.Tensor | None:
+        """Oracle mode materialises hit KV from the store in place: no SNIC, buffer or transfer."""
+        if not keys:
+            return None
+        assert self.store is not None, "oracle mode needs the engine's store handle"
+        blocks = torch.empty((len(keys), *self.layout.full_block_shape), dtype=torch.uint8)
+        self.store.get_many_into(keys, list(blocks))
+        return blocks
+
+    def _reap_orphans(self) -> None:
+        """Free the extents of failed requests' staging calls as their replies arrive. A lease
+        may wait for free blocks longer than any bound here, and one granted after its request
+        failed has no other owner: never waiting for it here is what keeps it from leaking."""
+        with self._lock:
+            orphans, self._orphans = self._orphans, []
+        waiting = []
+        for pending in orphans:
+            try:
+                if not pending.done():
+                    waiting.append(pending)
+                    continue
+                grant = pending.wait(0)
+            except Exception:  # noqa: BLE001 - that side never leased anything
+                continue
+            self.ports.readers.free(grant)
+        with self._lock:
+            self._orphans.extend(waiting)
+
+    def _drop_cancelled(self) -> None:
+        """Cancelled jobs still staging or ready free their extents without a result (the
+        scheduler already failed the attempt); one in a batch finishes, and its decode engine
+        drops the handoff."""
+        with self._lock:
+            owners, self._to_cancel = self._to_cancel, []
+            jobs = [self.jobs[o] for o in owners if o in self.jobs]
+        for job in jobs:
+            if job.state in (PrefillState.STAGING, PrefillState.READY):
+                self.stats.cancelled += 1
+                self._fail(job, RuntimeError("cancelled by the scheduler"), report=False)
+
+    def orphans(self) -> int:
+        with self._lock:
+            return len(self._orphans)
+
+    def _poll_staging(self) -> None:
+        with self._lock:
+            staging = [j for j in self.jobs.values() if j.state is PrefillState.STAGING]
+        for job in staging:
+            try:
+                if not all(p.done() for p in job.staging.values()):
+                    continue
+            except Exception as exc:  # noqa: BLE001 - a failed read fails this request only
+                self._fail(job, exc)
+                continue
+            for side, pending in job.staging.items():
+                setattr(job, side, pending.wait(0))
+            job.staging = {}
+            job.digests = self._first_digests(job)
+            transition(job, PrefillState.READY)
+
+    def _first_digests(self, job: PrefillJob) -> np.ndarray | None:
+        if not self.settings.kv_digests or job.task.oracle:
+            return None
+        if job.task.hit_tokens == 0:
+            return np.zeros((self.layout.n_layer, 0), dtype=np.int64)
+        parts = [grant.digests for grant in (job.pe, job.de) if grant is not None and grant.digests is not None]
+        if job.task.path != ReadPath.SPLIT:
+            source = job.pe if job.task.path == ReadPath.PE else job.de
+            return source.digests if source is not None else None
+        return np.concatenate(parts, axis=1) if len(parts) == 2 else None
+
+    # --- batches ------------------------------------------------------------------------
+
+    def _next_batch(self) -> list[tuple[PrefillJob, int, int]]:
+        with self._lock:
+            ready = [j for j in self.jobs.values() if j.state is PrefillState.READY]
+        if not ready:
+            return []
+        queue = [(j.owner, j.computed, len(j.prompt) - j.computed) for j in ready]
+        by_id = {j.owner: j for j in ready}
+        packed = pack_prefill_batch(queue, self.predict_ms, self.settings.quota_ms, self.window.capacity_tokens)
+        batch = [(by_id[rid], cached, bsz) for rid, cached, bsz in packed]
+        for job, _, _ in batch:
+            transition(job, PrefillState.BATCHED)
+        return batch
+
+    def _run_batch(self, batch: list[tuple[PrefillJob, int, int]]) -> None:
+        offsets = span_offsets([cached + bsz for _, cached, bsz in batch])
+        chunks = [ChunkSpec(job.prompt, cached, cached + bsz, off) for (job, cached, bsz), off in zip(batch, offsets)]
+        jobs = [job for job, _, _ in batch]
+        pipeline = LayerPipeline(
+            self.layout, self.window, self.ports.transport, self.settings.transfer_timeout_s,
+            self.stats.pipeline, self.counters, (self.cnic_in, self.cnic_out), self.settings.kv_digests,
+        )
+        try:
+            state = self.compute.begin_prefill(chunks)
+            pipeline.run(jobs, chunks, lambda layer: self.compute.prefill_layer(state, layer, self.window.slot(layer)))
+            finished = [i for i, c in enumerate(chunks) if c.end == len(c.prompt)]
+            sampled = self.compute.sample_last(state, finished, [jobs[i].task.request.sampling for i in finished])
+        except Exception as exc:  # noqa: BLE001 - fail this batch's requests, keep serving the others
+            log_failure(LOG, f"{self.settings.engine_id}: batch of {len(jobs)}", exc)
+            pipeline.drain()
+            self.window.reset()
+            for job in jobs:
+                self._fail(job, exc)
+            return
+        self.stats.batches += 1
+        self.stats.chunks += len(jobs)
+        self.stats.tokens_computed += sum(c.new_tokens for c in chunks)
+        for job, chunk in zip(jobs, chunks):
+            job.computed = chunk.end
+            job.chunks += 1
+            job.digests = pipeline.digests.get(job.owner)
+            if chunk.end < len(job.prompt):
+                transition(job, PrefillState.READY)
+        self._hand_off([(jobs[index], token.token, token.log_prob) for index, token in zip(finished, sampled)])
+
+    def _hand_off(self, done: list[tuple[PrefillJob, int, float]]) -> None:
+        """Give the finished requests of a batch to their decode engines: one call per decode
+        engine for all of the batch's that go there. Each stays named by this engine's heartbeat
+        (the outbox) until its call is delivered."""
+        now = self.ports.clock.now()
+        by_engine: dict[str, list[tuple[PrefillJob, DecodeHandoff]]] = {}
+        for job, token, log_prob in done:
+            if job.pe is not None:
+                self.ports.readers.free(job.pe)
+                job.pe = None
+            handoff = DecodeHandoff(job.task, job.de, token, log_prob, now, job.digests)
+            by_engine.setdefault(job.task.decode_engine, []).append((job, handoff))
+        for engine, pairs in by_engine.items():
+            try:
+                delivery = self.ports.decode.hand_off(engine, [handoff for _, handoff in pairs])
+            except Exception as exc:  # noqa: BLE001 - e.g. the decode engine is gone: these requests fail, not the engine
+                for job, _ in pairs:
+                    self._fail(job, exc)
+                continue
+            self.stats.port_calls += 1
+            for job, _ in pairs:
+                self.stats.handoffs += 1
+                transition(job, PrefillState.HANDED_OFF)
+                with self._lock:
+                    del self.jobs[job.owner]
+                # On its way to its decode engine: named as handed off, no longer the prefill
+                # engine's to cancel (the decode engine holds it once the call lands), and so
+                # reported in this step's report: the scheduler takes its load off this engine
+                # as the engine itself just did. A handoff lost on the way leaves the attempt
+                # held by no one once the outbox gives up on it: the heartbeat fails it then.
+                holding = Holding.of(job.task.request, True)
+                self._noted[job.request_id] = holding
+                self.outbox.sent(job.owner, job.request_id, holding, delivery)
+
+    def _fail(self, job: PrefillJob, error: BaseException, report: bool = True) -> None:
+        """Free what the request holds, report the error (unless cancelled), forget it."""
+        with self._lock:
+            self._orphans.extend(job.staging.values())
+        job.staging = {}
+        self._reap_orphans()
+        for grant in (job.pe, job.de):
+            if grant is not None:
+                self.ports.readers.free(grant)
+        job.pe = job.de = None
+        if not job.task.oracle:
+            # A staging call whose reply was lost leased an extent no grant names: the readers
+            # free whatever this attempt still holds (nothing else of it is live any more).
+            for node in {self.settings.node_id, job.task.decode_node}:
+                self.ports.readers.reclaim(node, job.owner)
+        transition(job, PrefillState.FAILED)
+        with self._lock:
+            self.jobs.pop(job.owner, None)
+        if report:
+            self.stats.failures += 1
+            self._failed.append(failure_of(job.task.request, self.settings.engine_id, error))
+
+    def _send_report(self) -> None:
+        """One step's news in one call: the handoffs it sent, and its failures (each named by
+        this engine's heartbeat, the outbox, until the call is delivered)."""
+        noted, failed = self._noted, self._failed
+        if not (noted or failed):
+            return
+        self._noted, self._failed = {}, []
+        call = self.ports.scheduler.report(noted, failed, ())
+        for result in failed:
+            self.outbox.sent(result.owner, result.request_id, Holding.of(result, False), call)

@@ -1,0 +1,38 @@
+"""The P/D plan and its bottleneck-free check, without a cluster."""
+
+from __future__ import annotations
+
+import logging
+
+from dualpath_ray.config import DualPathConfig
+from dualpath_ray.runtime.deploy.topology import plan_nodes, slot_resource, warn_if_outside_bounds
+
+
+def test_plan_names_nodes_engines_and_readers():
+    cfg = DualPathConfig().with_overrides(cluster={"prefill_nodes": 2, "decode_nodes": 1, "gpus_per_node": 3})
+    nodes = plan_nodes(cfg)
+    assert [(n.node_id, n.role, n.bundle_index) for n in nodes] == [
+        ("p0", "prefill", 0), ("p1", "prefill", 1), ("d0", "decode", 0)
+    ], "one logical node per configured node, bundle index within its role"
+    assert nodes[1].engine_names() == ["prefill/p1/g0", "prefill/p1/g1", "prefill/p1/g2"], "g engines per node"
+    assert nodes[2].reader_name == "reader/d0", "one reader per node"
+    assert slot_resource("decode") == "dualpath_decode_slot", "the per-node slot resource of a role"
+
+
+def test_ratio_inside_the_bottleneck_free_range_gives_no_warning():
+    cfg = DualPathConfig().with_overrides(
+        cluster={"gpus_per_node": 8, "snic_gbps": 400, "cnic_gbps": 400, "dram_gbs": 500, "prefill_nodes": 1, "decode_nodes": 2}
+    )
+    assert warn_if_outside_bounds(cfg) is None, "1/2 is inside [1/7, 3.5]"
+
+
+def test_ratio_outside_the_range_warns_naming_the_saturating_resource(caplog):
+    cfg = DualPathConfig().with_overrides(
+        cluster={"gpus_per_node": 8, "snic_gbps": 400, "cnic_gbps": 400, "dram_gbs": 500, "prefill_nodes": 4, "decode_nodes": 1}
+    )
+    with caplog.at_level(logging.WARNING, logger="dualpath_ray.topology"):
+        message = warn_if_outside_bounds(cfg)
+    assert message is not None and "de_" in message, f"4/1 > 3.5 saturates a decode-side resource: {message}"
+    assert message in caplog.text, "the warning is logged"
+    low = cfg.with_overrides(cluster={"prefill_nodes": 1, "decode_nodes": 8})
+    assert "pe_cnic_write" in (warn_if_outside_bounds(low) or ""), "1/8 < 1/7 saturates the PE CNIC"

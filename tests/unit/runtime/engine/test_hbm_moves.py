@@ -1,0 +1,108 @@
+"""`runtime.hbm_moves` (runtime/engine/hbm_moves.py) without a GPU: the cuda_copy staging logic is the
+same for any device, so CPU pools are staged here ("cpu" in staged_devices) and every byte checked;
+on a GPU machine tests/gpu/device_check.py runs both modes through the whole runtime."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+import torch
+
+from dualpath_ray.runtime.engine.hbm_moves import HbmMoves, merged_ranges
+from dualpath_ray.runtime.engine.ports import Ready
+from dualpath_ray.runtime.transport.base import Region, TransportError, make_transport
+
+ME = "decode/d0/g0"
+
+
+def staged_engine() -> tuple[HbmMoves, torch.Tensor, torch.Tensor]:
+    """A transport with a host "buffer" and an engine pool "hbm" staged through a host mirror."""
+    transport = make_transport("gloo", ME, namespace="dualpath")
+    moves = HbmMoves("cuda_copy", transport, staged_devices=frozenset({"cpu"}))
+    buffer = torch.arange(256, dtype=torch.int32).view(torch.uint8)[:512].clone()
+    hbm = torch.zeros(512, dtype=torch.uint8)
+    transport.register("buffer", buffer)
+    moves.register("hbm", hbm)
+    transport.seal()
+    return moves, buffer, hbm
+
+
+def test_transport_mode_registers_engine_pools_directly() -> None:
+    transport = make_transport("gloo", ME, namespace="dualpath")
+    moves = HbmMoves("transport", transport)
+    pool = torch.zeros(64, dtype=torch.uint8)
+    moves.register("hbm", pool)
+    transport.seal()
+    assert transport.view(Region("hbm", 0, 8)).data_ptr() == pool.data_ptr(), "the transport addresses the pool itself"
+    assert moves.transport_port() is transport, "the core uses the transport unchanged"
+    with pytest.raises(TransportError, match="unknown mode"):
+        HbmMoves("dma", transport)
+
+
+def test_cuda_copy_read_lands_in_the_mirror_then_in_the_pool() -> None:
+    moves, buffer, hbm = staged_engine()
+    pairs = [(Region("hbm", 0, 16), Region("buffer", 64, 16)), (Region("hbm", 16, 16), Region("buffer", 200, 16))]
+    pending = moves.transport_port().read(ME, pairs)
+    assert pending.done() and pending.wait() == 32, "the staged read completes and reports its bytes"
+    assert torch.equal(hbm[:16], buffer[64:80]) and torch.equal(hbm[16:32], buffer[200:216]), (
+        "the bytes reached the engine's own pool, not only the mirror"
+    )
+    assert moves.stats.h2d_bytes == 32 and moves.stats.copies == 1, "one copy for the two adjacent local ranges"
+    assert torch.equal(moves.view(Region("hbm", 0, 32)), hbm[:32]), "view() shows the engine's pool"
+
+
+def test_cuda_copy_write_copies_the_pool_out_before_sending() -> None:
+    moves, buffer, hbm = staged_engine()
+    hbm[100:140] = torch.arange(40, dtype=torch.uint8)
+    moves.transport_port().write(ME, [(Region("hbm", 100, 40), Region("buffer", 0, 40))]).wait()
+    assert torch.equal(buffer[:40], hbm[100:140]), "what was computed in the pool is what is sent"
+    assert moves.stats.d2h_bytes == 40, "one D2H of the written range"
+
+
+class _Readers:
+    """A ReaderPort stand-in that records what the mirror held when a page pull was asked."""
+
+    def __init__(self, moves: HbmMoves) -> None:
+        self.moves = moves
+        self.seen: list[bytes] = []
+
+    def persist_pages(self, node_id: str, owner: str, blocks: Sequence[tuple[int, Any]]) -> Ready[int]:
+        mirror = self.moves.transport.view(Region("hbm", 64, 64))
+        self.seen.append(mirror.numpy().tobytes())
+        return Ready(len(blocks))
+
+
+def test_a_page_pull_finds_the_page_in_the_mirror() -> None:
+    moves, _, hbm = staged_engine()
+    readers = _Readers(moves)
+    port = moves.readers_port(readers, page_bytes=64, pool="hbm")  # type: ignore[arg-type]
+    hbm[64:128] = 7
+    assert port.persist_pages("d0", "r#0", [(1, "block")]).wait() == 1, "the call reaches the reader"
+    assert readers.seen == [bytes([7]) * 64], "page 1 was copied to the mirror before the reader was asked"
+
+
+def test_merged_ranges_union_overlapping_and_adjacent_regions_per_pool() -> None:
+    regions = [Region("a", 10, 5), Region("a", 0, 10), Region("b", 0, 4), Region("a", 12, 10), Region("a", 40, 1)]
+    assert merged_ranges(regions) == {"a": [(0, 22), (40, 41)], "b": [(0, 4)]}, "sorted unions per pool"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (none on this machine)")
+def test_cuda_copy_moves_bytes_into_and_out_of_gpu_memory() -> None:
+    transport = make_transport("gloo", ME, namespace="dualpath")
+    moves = HbmMoves("cuda_copy", transport)
+    buffer = torch.randint(0, 256, (1024,), dtype=torch.uint8)
+    hbm = torch.zeros(1024, dtype=torch.uint8, device="cuda")
+    transport.register("buffer", buffer)
+    moves.register("hbm", hbm)
+    transport.seal()
+    moves.transport_port().read(ME, [(Region("hbm", 0, 256), Region("buffer", 512, 256))]).wait()
+    assert torch.equal(hbm[:256].cpu(), buffer[512:768]), "H2D after the read: the bytes are in GPU memory"
+    hbm[256:512] = 9
+    moves.transport_port().write(ME, [(Region("hbm", 256, 256), Region("buffer", 0, 256))]).wait()
+    assert bool((buffer[:256] == 9).all()), "D2H before the write: what the GPU holds is what is sent"
+    direct = HbmMoves("transport", make_transport("gloo", "prefill/p0/g0", namespace="dualpath"))
+    with pytest.raises(TransportError, match="use runtime.hbm_moves: cuda_copy"):
+        direct.register("window", torch.zeros(8, dtype=torch.uint8, device="cuda"))

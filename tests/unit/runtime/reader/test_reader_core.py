@@ -1,0 +1,222 @@
+"""ReaderCore without Ray: read queue and SNIC accounting per verified block, failed reads, writes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from dualpath_ray.config import DualPathConfig
+from dualpath_ray.kv.index import block_keys, namespace_for
+from dualpath_ray.kv.errors import BadBlockError
+from dualpath_ray.protocol.messages import PersistedBlock
+from dualpath_ray.runtime.reader.actor import ReaderCore
+
+
+def reader_config(tmp_path: Path) -> DualPathConfig:
+    cfg = DualPathConfig()
+    return cfg.model_copy(
+        update={
+            "cluster": cfg.cluster.model_copy(update={"buffer_blocks_per_node": 8}),
+            "emulation": cfg.emulation.model_copy(update={"enabled": False}),
+            "store": cfg.store.model_copy(update={"root": str(tmp_path)}),
+        }
+    )
+
+
+def test_reader_read_queue_drops_per_verified_block(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    core = ReaderCore(reader_config(tmp_path), "n0", str(tmp_path))
+    layout = core.layout
+    keys = block_keys(list(range(4 * layout.block_size)), layout.block_size, namespace_for("reader", 0))
+    for i, key in enumerate(keys):
+        core.store.put(key, torch.full(layout.full_block_shape, i + 1, dtype=torch.uint8))
+    seen: list[tuple[int, int, int]] = []
+    inner = core.store.get_many_into
+
+    def recording(keys, outs, before_read=None, on_verified=None):  # type: ignore[no-untyped-def]
+        def verified(i: int) -> None:
+            on_verified(i)
+            seen.append((i, core.read_q(), core.counters.snic_read["pe"]))
+
+        inner(keys, outs, before_read=before_read, on_verified=verified)
+
+    monkeypatch.setattr(core.store, "get_many_into", recording)
+    extent = core.read_blocks("r1", keys, 6, "pe")
+    expected = [(i, (3 - i) * layout.block_size, (i + 1) * layout.full_block_bytes) for i in range(4)]
+    assert seen == expected, "each verified block must leave the read queue and enter the SNIC counter at once"
+    assert core.read_q() == 0, "the read queue must be exactly empty after the read"
+    assert core.snic_read.bytes_total == 4 * layout.full_block_bytes, "the SNIC read direction is charged once per block"
+    for i in range(4):
+        assert int(core.pool.full_block(extent.slots[i])[0, 0, 0]) == i + 1, f"hit block {i} must land in slot {i}"
+    core.free(extent.extent_id)
+    core.store.close()
+
+
+@pytest.mark.parametrize(("path", "counted_while_waiting"), [("pe", True), ("de", False)])
+def test_a_read_waiting_for_its_extent_counts_in_the_read_queue_only_on_the_pe_path(
+    tmp_path: Path, path: str, counted_while_waiting: bool
+) -> None:
+    import threading
+    import time
+
+    core = ReaderCore(reader_config(tmp_path), "n0", str(tmp_path))
+    layout = core.layout
+    keys = block_keys(list(range(2 * layout.block_size)), layout.block_size, namespace_for("wait", 0))
+    for key in keys:
+        core.store.put(key, torch.zeros(layout.full_block_shape, dtype=torch.uint8))
+    hog = core.lease("hog", core.pool.capacity)
+    done: list[int] = []
+    reading = threading.Thread(target=lambda: done.append(core.read_blocks("r1", keys, 2, path).extent_id))
+    reading.start()
+    time.sleep(0.3)
+    expected = 2 * layout.block_size if counted_while_waiting else 0
+    assert not done and core.read_q() == expected, (
+        "hits waiting for a PE extent are that path's cost and count; a DE read's decode-node extent is "
+        "leased by every request whatever its path, so waiting for it does not"
+    )
+    core.free(hog.extent_id)
+    reading.join(timeout=10)
+    assert done and core.read_q() == 0, "once leased and read, the queue is empty again"
+    core.free(done[0])
+    assert core.pool.check_integrity().free == core.pool.capacity, "every extent is back"
+    core.store.close()
+
+
+def test_reader_failed_read_frees_the_extent_and_empties_the_queue(tmp_path: Path) -> None:
+    core = ReaderCore(reader_config(tmp_path), "n0", str(tmp_path))
+    layout = core.layout
+    keys = block_keys(list(range(4 * layout.block_size)), layout.block_size, namespace_for("reader", 1))
+    for i, key in enumerate(keys[:2]):
+        core.store.put(key, torch.full(layout.full_block_shape, i + 1, dtype=torch.uint8))
+    free_before = core.pool.check_integrity().free
+    with pytest.raises(BadBlockError) as failed:
+        core.read_blocks("r1", keys, 4, "de")
+    assert (failed.value.kind, failed.value.key) == ("missing", keys[2]), "the error names the first bad block"
+    assert core.read_q() == 0, "a failed read must leave no tokens in the read queue"
+    assert core.counters.snic_read["de"] == 2 * layout.full_block_bytes, "only the verified blocks are counted"
+    assert core.pool.check_integrity().free == free_before, "a failed read must free the extent it leased"
+    core.store.close()
+
+
+def test_an_emulated_snic_serves_whole_reads_first_come_first_served(tmp_path: Path) -> None:
+    """Concurrent reads on an emulated SNIC finish one after another in arrival order, as the
+    paper's FIFO read queue and the simulator's link do, not all together at the end; a read that
+    fails gives its turn up to the next."""
+    import threading
+    import time
+
+    cfg = reader_config(tmp_path)
+    layout = ReaderCore(cfg, "probe", str(tmp_path / "probe")).layout
+    # 4 blocks per read at 20 blocks/s: 0.2 s a read alone.
+    gbps = 20 * layout.full_block_bytes * 8 / 1e9
+    cfg = cfg.model_copy(update={
+        "emulation": cfg.emulation.model_copy(update={"enabled": True, "burst_seconds": 0.001}),
+        "cluster": cfg.cluster.model_copy(update={"snic_gbps": gbps, "buffer_blocks_per_node": 16}),
+    })
+    core = ReaderCore(cfg, "n0", str(tmp_path))
+    reads = {}
+    for name in ("a", "b", "c"):
+        keys = block_keys(list(range(4 * layout.block_size)), layout.block_size, namespace_for(name, 0))
+        for key in keys:
+            core.store.put(key, torch.zeros(layout.full_block_shape, dtype=torch.uint8))
+        reads[name] = keys
+    missing = block_keys(list(range(4 * layout.block_size)), layout.block_size, namespace_for("gone", 0))
+    core.store.put(missing[0], torch.zeros(layout.full_block_shape, dtype=torch.uint8))
+    finished: list[tuple[str, float]] = []
+    started = time.monotonic()
+
+    def read(name: str, keys: list[str]) -> None:
+        try:
+            extent = core.read_blocks(name, keys, 4, "pe")
+            core.free(extent.extent_id)
+        except BadBlockError:
+            pass
+        finished.append((name, time.monotonic() - started))
+
+    threads = []
+    for name, keys in [("a", reads["a"]), ("gone", missing), ("b", reads["b"]), ("c", reads["c"])]:
+        thread = threading.Thread(target=read, args=(name, keys))
+        thread.start()
+        threads.append(thread)
+        time.sleep(0.02)
+    for thread in threads:
+        thread.join(timeout=10)
+    order = [name for name, _ in finished if name != "gone"]
+    assert order == ["a", "b", "c"], "whole reads finish in arrival order"
+    times = dict(finished)
+    assert times["a"] < 0.75 * times["c"], "the first read does not wait for the whole wave (no processor sharing)"
+    assert core.read_q() == 0, "every read left the queue, the failed one included"
+    core.store.close()
+
+
+def test_write_extent_stores_its_blocks_and_frees_the_extent_even_on_failure(tmp_path: Path) -> None:
+    core = ReaderCore(reader_config(tmp_path), "n0", str(tmp_path))
+    layout = core.layout
+    keys = block_keys(list(range(2 * layout.block_size)), layout.block_size, namespace_for("reader", 2))
+    extent = core.lease("r1", 3)
+    for i in range(2):
+        core.pool.full_block(extent.slots[i]).fill_(i + 5)
+    blocks = [(0, PersistedBlock(keys[0], None)), (1, PersistedBlock(keys[1], keys[0]))]
+    assert core.write_extent(extent.extent_id, blocks) == 2, "both blocks are new in the store"
+    assert core.counters.snic_write == 2 * layout.full_block_bytes, "each written block is charged to the SNIC"
+    assert core.snic_write.bytes_total == 2 * layout.full_block_bytes, "persists take the SNIC's write direction"
+    assert core.snic_read.bytes_total == 0, "persists never take read bandwidth (the NIC is full duplex)"
+    out = layout.empty_full_block()
+    core.store.get_into(keys[1], out)
+    assert bool((out == 6).all()), "the stored bytes are the extent slot's"
+    assert core.pool.check_integrity().free == core.pool.capacity, "the extent is freed after its writes"
+    bad = core.lease("r2", 1)
+    with pytest.raises(ValueError, match="invalid block key"):
+        core.write_extent(bad.extent_id, [(0, PersistedBlock("not-a-key", None))])
+    assert core.pool.check_integrity().free == core.pool.capacity, "a failed write still frees its extent"
+    core.store.close()
+
+
+def test_a_starting_reader_sweeps_temporaries_of_crashed_puts_only_once_they_are_stale(tmp_path: Path) -> None:
+    import os
+    import time
+
+    first = ReaderCore(reader_config(tmp_path), "n0", str(tmp_path))
+    key = block_keys(list(range(first.layout.block_size)), first.layout.block_size, namespace_for("reader", 3))[0]
+    folder = first.store.path_of(key).parent
+    folder.mkdir(parents=True, exist_ok=True)
+    stale, fresh = folder / f".{key}.1.aaaa.tmp", folder / f".{key}.2.bbbb.tmp"
+    for temp in (stale, fresh):
+        temp.write_bytes(b"half a block")
+    old = time.time() - 2 * first.cfg.store.stale_temporary_s
+    os.utime(stale, (old, old))
+    restarted = ReaderCore(reader_config(tmp_path), "n0", str(tmp_path))
+    assert restarted.swept_temporaries == 1, "exactly the stale temporary is swept at start"
+    assert not stale.exists() and fresh.exists(), "a young temporary may be a put still running elsewhere"
+    assert not restarted.store.contains(key), "a temporary never becomes a block"
+
+
+def test_a_corrupt_block_is_named_by_key_and_its_extent_freed(tmp_path: Path) -> None:
+    core = ReaderCore(reader_config(tmp_path), "n0", str(tmp_path))
+    layout = core.layout
+    keys = block_keys(list(range(3 * layout.block_size)), layout.block_size, namespace_for("reader", 4))
+    for i, key in enumerate(keys):
+        core.store.put(key, torch.full(layout.full_block_shape, i + 1, dtype=torch.uint8))
+    path = core.store.path_of(keys[1])
+    raw = bytearray(path.read_bytes())
+    raw[-1] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    free_before = core.pool.check_integrity().free
+    with pytest.raises(BadBlockError) as failed:
+        core.read_blocks("r1", keys, 3, "pe")
+    assert (failed.value.kind, failed.value.key) == ("corrupt", keys[1]), "the flipped payload byte is caught at read"
+    assert core.pool.check_integrity().free == free_before, "the failed read's extent is free again"
+    core.store.close()
+
+
+def test_reclaim_frees_a_dead_attempts_extents_and_a_late_free_is_harmless(tmp_path: Path) -> None:
+    core = ReaderCore(reader_config(tmp_path), "n0", str(tmp_path))
+    dead, alive = core.lease("r1#0", 2), core.lease("r2#0", 3)
+    assert core.reclaim("r1#0") == 1, "the dead attempt's one extent is reclaimed"
+    counts = core.pool.check_integrity()
+    assert counts.leased == 3 and counts.free == counts.capacity - 3, "only the other request's blocks stay leased"
+    core.free(dead.extent_id)  # the late free of the engine that leased it
+    assert core.pool.check_integrity().leased == 3, "a late free of a reclaimed extent frees nothing else"
+    core.free(alive.extent_id)
+    assert core.pool.check_integrity().free == core.pool.capacity, "every slot is free again"
