@@ -29,7 +29,7 @@ LOGIT_RTOL = 1e-5
 
 
 @dataclass(frozen=True)
-class TurnResult:
+class LocalTurn:
     turn: int
     prompt_tokens: int
     hit_tokens: int
@@ -44,7 +44,7 @@ class TurnResult:
 
 @dataclass(frozen=True)
 class LocalDemoResult:
-    turns: list[TurnResult]
+    turns: list[LocalTurn]
     hit_tokens: int
     bytes_read: int
     bytes_written: int
@@ -167,7 +167,7 @@ class _Demo:
     max_new_tokens: int
 
 
-def _demo_turn(demo: _Demo, number: int, conversation: list[int]) -> tuple[TurnResult, list[int]]:
+def _demo_turn(demo: _Demo, number: int, conversation: list[int]) -> tuple[LocalTurn, list[int]]:
     """One turn with reuse and from scratch; returns its result and the generated tokens."""
     block_size = demo.layout.block_size
     prompt = torch.tensor(conversation)
@@ -181,7 +181,7 @@ def _demo_turn(demo: _Demo, number: int, conversation: list[int]) -> tuple[TurnR
     reference = demo.model.prefill(prompt).logits[hit_tokens:]
     with_kv = (conversation + reused.generated)[: reused.kv[0].shape[0]]
     chain = block_keys(with_kv, block_size, demo.namespace)
-    result = TurnResult(
+    result = LocalTurn(
         turn=number,
         prompt_tokens=len(conversation),
         hit_tokens=hit_tokens,
@@ -210,7 +210,7 @@ def run_local_demo(
     layout = KVLayout.from_model(cfg.model, cfg.store.block_size)
     store = open_store(cfg.store, layout, root=store_root)
     conversation: list[int] = []
-    turns: list[TurnResult] = []
+    turns: list[LocalTurn] = []
     try:
         demo = _Demo(
             model=DecoderModel(cfg.model),

@@ -16,7 +16,7 @@ from typing import Callable
 Granted = Callable[[float], None]
 
 
-class BufferPool:
+class SimBufferPool:
     __slots__ = ("node_id", "capacity", "free", "_waiting", "peak")
 
     def __init__(self, node_id: str, capacity_blocks: int) -> None:

@@ -27,16 +27,16 @@ from dualpath_ray.scheduling import EngineLoad
 from dualpath_ray.sim.events import EventLoop
 from dualpath_ray.sim.links import take_all
 from dualpath_ray.sim.nodes import EngineLinks, SimNode
-from dualpath_ray.sim.prefill import PrefillJob
+from dualpath_ray.sim.prefill import SimPrefillJob
 from dualpath_ray.sim.settings import SimSettings
 
 
 @dataclass(eq=False)
-class DecodeJob:
+class SimDecodeJob:
     request_id: str
     reserved_tokens: int
     pages: int
-    job: PrefillJob | None = None
+    job: SimPrefillJob | None = None
     remaining: int = 0  # decode steps still to run
     kv_len: int = 0  # tokens whose KV is in HBM (the step's position)
     ready_at: float = 0.0  # its prompt KV is in HBM
@@ -44,19 +44,19 @@ class DecodeJob:
 
 
 @dataclass
-class DecodeStats:
+class SimDecodeStats:
     steps: int = 0
     tokens: int = 0
     max_batch: int = 0
 
 
-Finished = Callable[["DecodeEngine", DecodeJob, float], None]
+Finished = Callable[["SimDecodeEngine", SimDecodeJob, float], None]
 
 
-class DecodeEngine:
+class SimDecodeEngine:
     def __init__(
         self, engine_id: str, node: SimNode, settings: SimSettings, loop: EventLoop, finished: Finished,
-        stats: DecodeStats,
+        stats: SimDecodeStats,
     ) -> None:
         self.engine_id = engine_id
         self.node = node
@@ -65,11 +65,11 @@ class DecodeEngine:
         self.finished = finished
         self.stats = stats
         self.links = EngineLinks(engine_id, settings)
-        self.jobs: dict[str, DecodeJob] = {}
+        self.jobs: dict[str, SimDecodeJob] = {}
         self.tok = 0
         self.free_pages = settings.hbm_pages
-        self.running: list[DecodeJob] = []
-        self.waiting: list[DecodeJob] = []  # loaded, joining at the next step boundary
+        self.running: list[SimDecodeJob] = []
+        self.waiting: list[SimDecodeJob] = []  # loaded, joining at the next step boundary
         self.epoch_start = 0.0
         self.step_a = 0.0  # seconds of the epoch's first step
         self.step_d = 0.0  # seconds each later step adds
@@ -95,11 +95,11 @@ class DecodeEngine:
         self.free_pages -= pages
         self.tok += reservation.tokens
         self._load = None
-        self.jobs[reservation.request_id] = DecodeJob(reservation.request_id, reservation.tokens, pages)
+        self.jobs[reservation.request_id] = SimDecodeJob(reservation.request_id, reservation.tokens, pages)
 
     # --- handoff and load ---------------------------------------------------------------
 
-    def hand_off(self, job: PrefillJob, now: float) -> None:
+    def hand_off(self, job: SimPrefillJob, now: float) -> None:
         decode = self.jobs[job.request_id]
         decode.job = job
         decode.kv_len = job.prompt
@@ -111,7 +111,7 @@ class DecodeEngine:
         done = take_all(now, ((self.links.cnic_in, nbytes), (self.node.dram, nbytes)))
         self.loop.at(done, self._loaded, decode)
 
-    def _loaded(self, decode: DecodeJob) -> None:
+    def _loaded(self, decode: SimDecodeJob) -> None:
         now = self.loop.now
         job = decode.job
         assert job is not None
@@ -208,7 +208,7 @@ class DecodeEngine:
 
     # --- the end of a turn ----------------------------------------------------------------
 
-    def _end(self, decode: DecodeJob, now: float) -> None:
+    def _end(self, decode: SimDecodeJob, now: float) -> None:
         """Its last step ran: persist the blocks decode filled, then report."""
         job = decode.job
         assert job is not None
@@ -221,7 +221,7 @@ class DecodeEngine:
             finish = max(finish, pulled, self.node.write(now, nbytes))
         self.loop.at(finish, self._report, decode)
 
-    def _report(self, decode: DecodeJob) -> None:
+    def _report(self, decode: SimDecodeJob) -> None:
         del self.jobs[decode.request_id]
         self.free_pages += decode.pages
         self.tok -= decode.reserved_tokens

@@ -17,10 +17,10 @@ from dualpath_ray.protocol.messages import PeerState
 from dualpath_ray.scheduling.loads import EngineLoad
 from dualpath_ray.scheduling.rounds import EventTimers, Outputs, Rounds
 from dualpath_ray.scheduling.scheduler import SchedulerCore
-from dualpath_ray.sim.decode import DecodeEngine
+from dualpath_ray.sim.decode import SimDecodeEngine
 from dualpath_ray.sim.events import EventLoop
 from dualpath_ray.sim.nodes import SimNode
-from dualpath_ray.sim.prefill import PrefillEngine
+from dualpath_ray.sim.prefill import SimPrefillEngine
 
 
 @dataclass(eq=False)
@@ -29,7 +29,7 @@ class SimGroup:
 
     group_id: str
     node: SimNode
-    engines: Sequence[PrefillEngine] | Sequence[DecodeEngine]
+    engines: Sequence[SimPrefillEngine] | Sequence[SimDecodeEngine]
 
     @property
     def node_id(self) -> str:

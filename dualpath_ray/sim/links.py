@@ -1,6 +1,6 @@
 """Bandwidth resources: NIC directions and DRAM, with FIFO queues and analytic completion times.
 
-A `Link` is the runtime's token bucket (runtime/emulation/links.py) in simulated time: credit
+A `SimLink` is the runtime's token bucket (runtime/emulation/links.py) in simulated time: credit
 accrues at the link's rate up to `burst` bytes, a transfer takes its bytes at once (the bucket
 may go into debt) and completes when the debt is paid. With burst 0 this is a FIFO queue at the
 link's rate: a transfer submitted at t completes at max(t, previous completion) + bytes / rate.
@@ -21,7 +21,7 @@ from collections import deque
 from typing import Iterable
 
 
-class Link:
+class SimLink:
     """One direction of one NIC, or one node's DRAM: a rate in bytes/s and a burst in bytes."""
 
     __slots__ = ("name", "rate", "burst", "credit", "stamp", "bytes_total", "busy_until")
@@ -54,7 +54,7 @@ class Link:
         return done
 
 
-def take_all(now: float, transfers: Iterable[tuple[Link, int]]) -> float:
+def take_all(now: float, transfers: Iterable[tuple[SimLink, int]]) -> float:
     """Submit each (link, bytes) at `now`; the transfer is through when the slowest link is."""
     done = now
     for link, nbytes in transfers:

@@ -20,8 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from dualpath_ray.scheduling.types import ReadPath, Role
-from dualpath_ray.sim.buffers import BufferPool
-from dualpath_ray.sim.links import Link, ReadQueue
+from dualpath_ray.sim.buffers import SimBufferPool
+from dualpath_ray.sim.links import SimLink, ReadQueue
 from dualpath_ray.sim.settings import SimSettings
 
 
@@ -42,10 +42,10 @@ class SimNode:
         burst = settings.burst_s
         self.node_id = node_id
         self.role = role
-        self.snic_read = Link(f"snic-read/{node_id}", settings.snic_bytes_s, settings.snic_bytes_s * burst)
-        self.snic_write = Link(f"snic-write/{node_id}", settings.snic_bytes_s, settings.snic_bytes_s * burst)
-        self.dram = Link(f"dram/{node_id}", settings.dram_bytes_s)
-        self.buffer = BufferPool(node_id, settings.buffer_blocks)
+        self.snic_read = SimLink(f"snic-read/{node_id}", settings.snic_bytes_s, settings.snic_bytes_s * burst)
+        self.snic_write = SimLink(f"snic-write/{node_id}", settings.snic_bytes_s, settings.snic_bytes_s * burst)
+        self.dram = SimLink(f"dram/{node_id}", settings.dram_bytes_s)
+        self.buffer = SimBufferPool(node_id, settings.buffer_blocks)
         self.read_queue = ReadQueue()
         self.snic_windows = SnicWindows(settings.options.snic_window_s)
         self.read_bytes_by_path = {ReadPath.PE: 0, ReadPath.DE: 0}
@@ -70,8 +70,8 @@ class EngineLinks:
 
     def __init__(self, engine_id: str, settings: SimSettings) -> None:
         burst = settings.cnic_bytes_s * settings.burst_s
-        self.cnic_in = Link(f"cnic-in/{engine_id}", settings.cnic_bytes_s, burst)
-        self.cnic_out = Link(f"cnic-out/{engine_id}", settings.cnic_bytes_s, burst)
+        self.cnic_in = SimLink(f"cnic-in/{engine_id}", settings.cnic_bytes_s, burst)
+        self.cnic_out = SimLink(f"cnic-out/{engine_id}", settings.cnic_bytes_s, burst)
 
 
 def node_ids(role: Role, count: int) -> list[str]:

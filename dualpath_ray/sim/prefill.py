@@ -24,14 +24,14 @@ from typing import Callable
 from dualpath_ray.protocol.messages import PrefillTask
 from dualpath_ray.scheduling import EngineLoad, pack_lockstep_round, pack_prefill_batch, prefill_tokens
 from dualpath_ray.sim.events import EventLoop
-from dualpath_ray.sim.links import Link
+from dualpath_ray.sim.links import SimLink
 from dualpath_ray.sim.nodes import EngineLinks, SimNode
 from dualpath_ray.sim.pipeline import batch_seconds
 from dualpath_ray.sim.settings import SimSettings
 
 
 @dataclass(eq=False)
-class PrefillJob:
+class SimPrefillJob:
     """One request on a prefill engine, from accept to handoff. pe_blocks / de_blocks: its hit
     blocks read through the prefill node / the decode node (one of them 0 unless split)."""
 
@@ -40,7 +40,7 @@ class PrefillJob:
     computed: int
     pe_blocks: int
     de_blocks: int
-    decode_engine: object  # the DecodeEngine its KV goes to (sim/decode.py)
+    decode_engine: object  # the SimDecodeEngine its KV goes to (sim/decode.py)
     decode_node: SimNode
     decode_links: EngineLinks
     owner: str = ""  # the attempt's name (request#attempt), what the engine keys it by
@@ -67,7 +67,7 @@ class PrefillJob:
 
 
 @dataclass
-class PrefillStats:
+class SimPrefillStats:
     rounds: int = 0
     batches: int = 0
     chunks: int = 0
@@ -79,13 +79,13 @@ class PrefillStats:
     engine_ms: dict[str, dict[int, float]] = field(default_factory=dict)
 
 
-class PrefillEngine:
+class SimPrefillEngine:
     def __init__(self, engine_id: str, node: SimNode, settings: SimSettings) -> None:
         self.engine_id = engine_id
         self.node = node
         self.settings = settings
         self.links = EngineLinks(engine_id, settings)
-        self.jobs: dict[str, PrefillJob] = {}
+        self.jobs: dict[str, SimPrefillJob] = {}
         self.tok = 0
         self.unit: PrefillUnit | None = None
         self._load: EngineLoad | None = None  # the report, kept until the load changes
@@ -98,26 +98,26 @@ class PrefillEngine:
     def queue(self) -> list[tuple[str, int, int]]:
         return [(j.owner, j.computed, j.prompt - j.computed) for j in self.jobs.values() if j.ready]
 
-    def add(self, job: PrefillJob) -> None:
+    def add(self, job: SimPrefillJob) -> None:
         self.jobs[job.owner] = job
         self.tok += job.load_tokens
         self._load = None
 
-    def remove(self, job: PrefillJob) -> None:
+    def remove(self, job: SimPrefillJob) -> None:
         del self.jobs[job.owner]
         self.tok -= job.load_tokens
         self._load = None
 
 
-HandOff = Callable[[PrefillJob, PrefillEngine, float], None]
+HandOff = Callable[[SimPrefillJob, SimPrefillEngine, float], None]
 
 
 class PrefillUnit:
     """Engines that step their layers together (one engine, or a whole EP node)."""
 
     def __init__(
-        self, engines: list[PrefillEngine], loop: EventLoop, settings: SimSettings, hand_off: HandOff,
-        stats: PrefillStats,
+        self, engines: list[SimPrefillEngine], loop: EventLoop, settings: SimSettings, hand_off: HandOff,
+        stats: SimPrefillStats,
     ) -> None:
         self.engines = engines
         self.loop = loop
@@ -149,7 +149,7 @@ class PrefillUnit:
         self.stats.busy_s += end - now
         self.loop.at(end, self._finish, batches)
 
-    def _pack(self) -> list[list[tuple[PrefillJob, int, int]]]:
+    def _pack(self) -> list[list[tuple[SimPrefillJob, int, int]]]:
         """Every engine's batch for the next round. A lockstep unit binds at the round
         (`pack_lockstep_round`): an engine short of the quota runs ready jobs its peers cannot fit,
         which then move to it (their staged KV is in node DRAM or a decode buffer, which every
@@ -171,7 +171,7 @@ class PrefillUnit:
             batches.append(jobs)
         return batches
 
-    def _move(self, owner: str, engine: PrefillEngine) -> PrefillJob:
+    def _move(self, owner: str, engine: SimPrefillEngine) -> SimPrefillJob:
         """Rebind a peer's job to `engine` (its tok goes with it, so the next report shows it)."""
         source = next(peer for peer in self.engines if owner in peer.jobs)
         job = source.jobs[owner]
@@ -179,13 +179,13 @@ class PrefillUnit:
         engine.add(job)
         return job
 
-    def _round_end(self, now: float, batches: list[tuple[PrefillEngine, list]]) -> float:
+    def _round_end(self, now: float, batches: list[tuple[SimPrefillEngine, list]]) -> float:
         settings = self.settings
         layers = settings.n_layer
         per_layer = settings.kv_bytes_per_token_per_layer
         load = compute = send = 0.0
-        shared_loads: dict[Link, int] = {}
-        shared_sends: dict[Link, int] = {}
+        shared_loads: dict[SimLink, int] = {}
+        shared_sends: dict[SimLink, int] = {}
         layer_ms = []
         for engine, batch in batches:
             in_bytes = out_bytes = 0
@@ -224,14 +224,14 @@ class PrefillUnit:
         if mean > 0:
             self.stats.balance.append((now, length, max(layer_ms) / mean, mean / self.quota_layer_ms))
 
-    def _record_engine_ms(self, now: float, engine: PrefillEngine, ms: float) -> None:
+    def _record_engine_ms(self, now: float, engine: SimPrefillEngine, ms: float) -> None:
         if len(self.engines) < 2:
             return
         by_window = self.stats.engine_ms.setdefault(engine.engine_id, {})
         window = int(now / self.settings.options.snic_window_s)
         by_window[window] = by_window.get(window, 0.0) + ms
 
-    def _finish(self, batches: list[tuple[PrefillEngine, list]]) -> None:
+    def _finish(self, batches: list[tuple[SimPrefillEngine, list]]) -> None:
         now = self.loop.now
         self.running = False
         for engine, batch in batches:
@@ -248,6 +248,6 @@ class PrefillUnit:
         self.kick(now)
 
 
-def _add(totals: dict[Link, int], link: Link, nbytes: int) -> None:
+def _add(totals: dict[SimLink, int], link: SimLink, nbytes: int) -> None:
     if nbytes:
         totals[link] = totals.get(link, 0) + nbytes

@@ -17,13 +17,13 @@ from dualpath_ray.protocol.messages import DecodeReservation, PersistedBlock, Pr
 from dualpath_ray.scheduling.scheduler import CoreSettings, SchedulerCore
 from dualpath_ray.scheduling.types import READ_SIDES, Mode, Role, StopReason
 from dualpath_ray.sim.agents import Agent, Agents
-from dualpath_ray.sim.decode import DecodeEngine, DecodeJob, DecodeStats
+from dualpath_ray.sim.decode import SimDecodeEngine, SimDecodeJob, SimDecodeStats
 from dualpath_ray.scheduling.rounds import Outputs
 from dualpath_ray.sim.driver import SimGroup, sim_rounds
 from dualpath_ray.sim.events import EventLoop
 from dualpath_ray.sim.index import ChainIndex, TreeIndex
 from dualpath_ray.sim.nodes import SimNode, engine_ids, node_ids
-from dualpath_ray.sim.prefill import PrefillEngine, PrefillJob, PrefillStats, PrefillUnit
+from dualpath_ray.sim.prefill import SimPrefillEngine, SimPrefillJob, SimPrefillStats, PrefillUnit
 from dualpath_ray.sim.results import (
     SimResult, TurnLog, engine_totals_balance, high_load_balance, snic_series, summary, weighted_balance, weighted_fill,
 )
@@ -50,14 +50,14 @@ class Simulation:
         cluster = cfg.cluster
         self.prefill_nodes = [SimNode(n, Role.PREFILL, settings) for n in node_ids(Role.PREFILL, cluster.prefill_nodes)]
         self.decode_nodes = [SimNode(n, Role.DECODE, settings) for n in node_ids(Role.DECODE, cluster.decode_nodes)]
-        self.prefill_stats, self.decode_stats = PrefillStats(), DecodeStats()
-        self.prefill_engines: dict[str, PrefillEngine] = {}
+        self.prefill_stats, self.decode_stats = SimPrefillStats(), SimDecodeStats()
+        self.prefill_engines: dict[str, SimPrefillEngine] = {}
         self.units: dict[str, PrefillUnit] = {}
         prefill_groups = [self._prefill_node(node) for node in self.prefill_nodes]
-        self.decode_engines: dict[str, DecodeEngine] = {}
+        self.decode_engines: dict[str, SimDecodeEngine] = {}
         self.decode_groups: dict[str, SimGroup] = {}
         for node in self.decode_nodes:
-            engines = [DecodeEngine(e, node, settings, loop, self._finished, self.decode_stats)
+            engines = [SimDecodeEngine(e, node, settings, loop, self._finished, self.decode_stats)
                        for e in engine_ids(Role.DECODE, node.node_id, cluster.gpus_per_node)]
             self.decode_engines.update({e.engine_id: e for e in engines})
             group = SimGroup(f"{Role.DECODE}/{node.node_id}", node, engines)
@@ -82,7 +82,7 @@ class Simulation:
         return core
 
     def _prefill_node(self, node: SimNode) -> SimGroup:
-        engines = [PrefillEngine(e, node, self.settings)
+        engines = [SimPrefillEngine(e, node, self.settings)
                    for e in engine_ids(Role.PREFILL, node.node_id, self.cfg.cluster.gpus_per_node)]
         self.prefill_engines.update({e.engine_id: e for e in engines})
         members = [engines] if self.settings.lockstep_prefill else [[e] for e in engines]
@@ -107,7 +107,7 @@ class Simulation:
             pe_blocks = task.pe_blocks  # the dispatcher's: all hits (PE), none (DE) or a share (split)
             de_blocks = task.hit_tokens // size - pe_blocks
             decode = self.decode_engines[task.decode_engine]
-            job = PrefillJob(
+            job = SimPrefillJob(
                 task, len(task.request.prompt), task.hit_tokens, pe_blocks, de_blocks, decode, decode.node, decode.links,
                 reserved_at=self._reserved_at.pop(task.request_id, now), assigned_at=now,
             )
@@ -132,13 +132,13 @@ class Simulation:
     def _kick(self, engine_id: str, now: float) -> None:
         self.units[engine_id].kick(now)
 
-    def _hand_off(self, job: PrefillJob, engine: PrefillEngine, now: float) -> None:
+    def _hand_off(self, job: SimPrefillJob, engine: SimPrefillEngine, now: float) -> None:
         if job.pe_blocks and not job.task.oracle:
             engine.node.buffer.release(now, job.pe_blocks)
         job.decode_engine.hand_off(job, now)  # type: ignore[attr-defined]
         self.driver.handed_off(job.request_id)
 
-    def _finished(self, engine: DecodeEngine, decode: DecodeJob, now: float) -> None:
+    def _finished(self, engine: SimDecodeEngine, decode: SimDecodeJob, now: float) -> None:
         job = decode.job
         assert job is not None
         agent = self.agents.by_request.pop(job.request_id)
@@ -165,7 +165,7 @@ class Simulation:
         else:
             self.agents.turn_done(agent)
 
-    def _log_ttft_parts(self, job: PrefillJob) -> None:
+    def _log_ttft_parts(self, job: SimPrefillJob) -> None:
         parts = self.log.ttft_parts
         parts["decode_wait"] += job.reserved_at - job.task.request.submitted_at
         parts["prefill_wait"] += job.assigned_at - job.reserved_at

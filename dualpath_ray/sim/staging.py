@@ -16,7 +16,7 @@ from typing import Callable
 from dualpath_ray.scheduling.types import ReadPath
 from dualpath_ray.sim.events import EventLoop
 from dualpath_ray.sim.nodes import SimNode
-from dualpath_ray.sim.prefill import PrefillJob
+from dualpath_ray.sim.prefill import SimPrefillJob
 from dualpath_ray.sim.settings import SimSettings
 
 
@@ -30,7 +30,7 @@ class Stager:
         self.kick = kick  # kick(prefill engine id, now): a job of that engine became ready
         self.read_started = read_started  # read_started(node id): its read queue changed
 
-    def stage(self, job: PrefillJob, prefill_node: SimNode, now: float) -> None:
+    def stage(self, job: SimPrefillJob, prefill_node: SimNode, now: float) -> None:
         """Start staging `job`; it becomes ready (and its unit is kicked) once every part is done."""
         if job.task.oracle:
             self._ready(job)
@@ -46,7 +46,7 @@ class Stager:
         prompt_blocks = -(-job.prompt // size)
         decode_node.buffer.lease(now, prompt_blocks, lambda t: self._read(job, decode_node, job.de_blocks, ReadPath.DE, t))
 
-    def _read(self, job: PrefillJob, node: SimNode, blocks: int, path: ReadPath, now: float) -> None:
+    def _read(self, job: SimPrefillJob, node: SimNode, blocks: int, path: ReadPath, now: float) -> None:
         if not blocks:
             self._part_done(job)
             return
@@ -57,12 +57,12 @@ class Stager:
         self.read_started(node.node_id)
         self.loop.at(done, self._part_done, job)
 
-    def _part_done(self, job: PrefillJob) -> None:
+    def _part_done(self, job: SimPrefillJob) -> None:
         job.pending -= 1
         if job.pending == 0:
             self._ready(job)
 
-    def _ready(self, job: PrefillJob) -> None:
+    def _ready(self, job: SimPrefillJob) -> None:
         job.ready = True
         job.staged_at = self.loop.now
         self.kick(job.task.prefill_engine, self.loop.now)

@@ -8,10 +8,10 @@ from dualpath_ray.model.latency import LayerModel
 from dualpath_ray.model.profile import HardwareProfile, describe_model
 from dualpath_ray.protocol.messages import DecodeReservation, PrefillTask, RequestSpec, SamplingParams
 from dualpath_ray.scheduling.types import ReadPath, Role
-from dualpath_ray.sim.decode import DecodeEngine, DecodeStats
+from dualpath_ray.sim.decode import SimDecodeEngine, SimDecodeStats
 from dualpath_ray.sim.events import EventLoop
 from dualpath_ray.sim.nodes import SimNode
-from dualpath_ray.sim.prefill import PrefillJob
+from dualpath_ray.sim.prefill import SimPrefillJob
 from dualpath_ray.sim.settings import settings_for
 from tests.unit.sim.simcases import case_config
 
@@ -44,10 +44,10 @@ def stepwise(arrivals: list[tuple[str, float, int, int]]) -> dict[str, float]:
     return done
 
 
-def oracle_job(rid: str, prompt: int, gen: int, decode_node: SimNode) -> PrefillJob:
+def oracle_job(rid: str, prompt: int, gen: int, decode_node: SimNode) -> SimPrefillJob:
     spec = RequestSpec(rid, 0, list(range(prompt)), SamplingParams(max_new_tokens=gen), "ns", 0.0)  # type: ignore[arg-type]
     task = PrefillTask(spec, (), 0, ReadPath.PE, True, "prefill/p0/g0", "p0", "decode/d0/g0", "d0")
-    return PrefillJob(task, prompt, prompt, 0, 0, None, decode_node, None)  # type: ignore[arg-type]
+    return SimPrefillJob(task, prompt, prompt, 0, 0, None, decode_node, None)  # type: ignore[arg-type]
 
 
 def test_closed_form_decode_matches_step_by_step(tmp_path):
@@ -59,8 +59,8 @@ def test_closed_form_decode_matches_step_by_step(tmp_path):
     loop = EventLoop()
     finished: dict[str, float] = {}
     node = SimNode("d0", Role.DECODE, settings)
-    engine = DecodeEngine("decode/d0/g0", node, settings, loop, lambda e, job, now: finished.update({job.request_id: now}),
-                          DecodeStats())
+    engine = SimDecodeEngine("decode/d0/g0", node, settings, loop, lambda e, job, now: finished.update({job.request_id: now}),
+                          SimDecodeStats())
     arrivals = [("r1", 0.0, 100, 5), ("r2", 0.0031, 300, 3), ("r3", 0.02, 50, 4), ("r4", 0.5, 10, 2)]
     for rid, at, prompt, steps in arrivals:
         engine.accept(DecodeReservation(rid, 0, 64 * 8, engine.engine_id))

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from dualpath_ray.sim.buffers import BufferPool
-from dualpath_ray.sim.links import Link, ReadQueue, take_all
+from dualpath_ray.sim.buffers import SimBufferPool
+from dualpath_ray.sim.links import SimLink, ReadQueue, take_all
 
 
 def test_without_burst_a_link_is_a_fifo_queue():
-    link = Link("l", rate_bytes_s=100.0)
+    link = SimLink("l", rate_bytes_s=100.0)
     assert link.take(0.0, 100) == pytest.approx(1.0)
     assert link.take(0.5, 100) == pytest.approx(2.0), "the second waits for the first"
     assert link.take(5.0, 50) == pytest.approx(5.5), "an idle link starts at once"
@@ -17,13 +17,13 @@ def test_without_burst_a_link_is_a_fifo_queue():
 
 
 def test_a_burst_lets_a_transfer_through_on_credit_like_the_runtimes_bucket():
-    link = Link("l", rate_bytes_s=100.0, burst_bytes=50.0)
+    link = SimLink("l", rate_bytes_s=100.0, burst_bytes=50.0)
     assert link.take(10.0, 40) == pytest.approx(10.0), "within the burst: no wait"
     assert link.take(10.0, 40) == pytest.approx(10.3), "30 bytes of debt take 0.3 s"
 
 
 def test_a_transfer_over_several_links_ends_with_the_slowest():
-    fast, slow = Link("fast", 1000.0), Link("slow", 10.0)
+    fast, slow = SimLink("fast", 1000.0), SimLink("slow", 10.0)
     assert take_all(0.0, ((fast, 100), (slow, 100))) == pytest.approx(10.0)
 
 
@@ -39,7 +39,7 @@ def test_read_queue_counts_unread_tokens():
 
 
 def test_buffer_leases_wait_in_order_until_blocks_are_freed():
-    pool = BufferPool("n", 10)
+    pool = SimBufferPool("n", 10)
     granted: list[tuple[str, float]] = []
     pool.lease(0.0, 6, lambda t: granted.append(("a", t)))
     pool.lease(0.0, 6, lambda t: granted.append(("b", t)))
