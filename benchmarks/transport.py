@@ -27,13 +27,10 @@ import ray
 import torch
 from ray.cluster_utils import Cluster
 
-from dualpath_ray.runtime.transport.base import (
-    Region,
-    TransportEndpoint,
-    endpoint_actor_options,
-    make_transport,
-    setup_gloo_world,
-)
+from dualpath_ray.runtime.transport.base import Region
+from dualpath_ray.runtime.transport.endpoint import TransportEndpoint, endpoint_actor_options
+from dualpath_ray.runtime.transport.factory import make_transport
+from dualpath_ray.runtime.transport.gloo_world import setup_gloo_world
 
 SIZES = (64, 4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20)
 GOAL_FIXED_MS = 0.5

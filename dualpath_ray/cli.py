@@ -30,7 +30,7 @@ def user_errors() -> tuple[type[Exception], ...]:
     from dualpath_ray.cluster import DeploymentConflictError
     from dualpath_ray.commands.status import StatusError
     from dualpath_ray.local_cluster import LocalClusterError
-    from dualpath_ray.model.weights import WeightsError
+    from dualpath_ray.config.hf import WeightsError
     from dualpath_ray.workload.validate import TraceError
 
     return (ConfigError, TraceError, RequestError, WeightsError, DeploymentConflictError, LocalClusterError, StatusError,

@@ -11,8 +11,6 @@ import asyncio
 import os
 import shutil
 import tempfile
-import time
-from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import ray
@@ -20,44 +18,16 @@ import ray
 from dualpath_ray.config import DualPathConfig
 from dualpath_ray.faults.injector import FaultCount, merge_counts
 from dualpath_ray.observability.job_metadata import driver_job_config
-from dualpath_ray.runtime.decode.actor import DecodeEngine
 from dualpath_ray.protocol.counters import NodeCounters
-from dualpath_ray.runtime.engine.base import EngineIdentity
 from dualpath_ray.protocol.messages import TurnResult
-from dualpath_ray.runtime.prefill.actor import PrefillEngine
-from dualpath_ray.runtime.deploy.qos import ActorKind, actor_environment, engine_kind
-from dualpath_ray.runtime.reader.actor import StorageReader
-from dualpath_ray.runtime.control.scheduler import Scheduler
-from dualpath_ray.runtime.deploy.topology import (
-    HEAD_RESOURCE,
-    ROLE_LABEL,
-    NodeSpec,
-    create_role_groups,
-    engine_options,
-    plan_nodes,
-    reader_options,
-    slot_resource,
-    verify_placement,
-    warn_if_outside_bounds,
-)
-from dualpath_ray.runtime.transport.base import setup_gloo_world
+from dualpath_ray.runtime.deploy.deployment import Deployment, DeploymentConflictError, create_deployment, tear_down
+from dualpath_ray.runtime.deploy.topology import HEAD_RESOURCE, ROLE_LABEL, NodeSpec, plan_nodes, slot_resource
 from dualpath_ray.runtime.deploy.weight_sync import WeightSender, manifest_of
 from dualpath_ray.workload.trace import Trajectory
 
-
-@dataclass
-class Deployment:
-    """The actors of one mode's run, and where they are."""
-
-    mode: str
-    store_root: str
-    scheduler: Any
-    readers: dict[str, Any]
-    engines: dict[str, Any]
-    groups: dict[str, Any]
-    placement: dict[str, str]
-    warnings: list[str] = field(default_factory=list)
-    server: Any = None
+# Deployment and DeploymentConflictError live in runtime/deploy/deployment.py; callers (the CLI,
+# tests, benchmarks) import them from here, beside the driver that makes and refuses them.
+__all__ = ["Deployment", "DeploymentConflictError", "DualPathCluster"]
 
 
 def _embedded_env() -> None:
@@ -68,59 +38,6 @@ def _embedded_env() -> None:
 def _check_version(version: object) -> None:
     if isinstance(version, bool) or not isinstance(version, int) or version < 0:
         raise ValueError(f"update_weights: version must be an int >= 0 (got {version!r})")
-
-
-class DeploymentConflictError(RuntimeError):
-    """Actors of another deployment are alive in this deployment's namespace."""
-
-
-def _remove_leftover_groups(namespace: str) -> None:
-    """Placement groups of a deployment its driver forgot (one that crashed takes its own along)."""
-    from ray.util.placement_group import get_placement_group, remove_placement_group
-
-    for info in ray.util.placement_group_table().values():
-        if info.get("name", "").startswith(f"{namespace}-") and info.get("state") != "REMOVED":
-            try:
-                remove_placement_group(get_placement_group(info["name"]))
-            except ValueError:
-                continue  # removed meanwhile
-
-
-def clear_leftover_actors(namespace: str, replace: bool) -> None:
-    """Refuse (or, asked to, kill) named actors already alive in `namespace`."""
-    alive = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == namespace]
-    if replace:
-        _remove_leftover_groups(namespace)
-    if not alive:
-        return
-    if not replace:
-        shown = ", ".join(sorted(alive)[:6]) + (" ..." if len(alive) > 6 else "")
-        raise DeploymentConflictError(
-            f"namespace {namespace!r} already has {len(alive)} actors of another deployment ({shown}), "
-            "e.g. a detached scheduler left by a driver that crashed; reusing them would serve this run "
-            "with their config, mode and store. Pass replace_existing=True (CLI: --replace) to kill "
-            "them, or set runtime.namespace to another name"
-        )
-    for name in alive:
-        try:
-            ray.kill(ray.get_actor(name, namespace=namespace), no_restart=True)
-        except ValueError:
-            continue  # it died between the listing and the kill
-    if not _named_actors_gone(namespace, timeout_s=30.0):
-        raise DeploymentConflictError(f"namespace {namespace!r}: leftover actors did not exit within 30 s")
-
-
-def _named_actors_gone(namespace: str, timeout_s: float, names: frozenset[str] | None = None) -> bool:
-    """Wait until no named actor (of `names`, when given) is listed in `namespace`; False if
-    some still are after timeout_s. `ray.kill` returns before the GCS drops the actor's name."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        listed = ray.util.list_named_actors(all_namespaces=True)
-        if not any(a["namespace"] == namespace and (names is None or a["name"] in names) for a in listed):
-            return True
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.1)
 
 
 class DualPathCluster:
@@ -184,40 +101,10 @@ class DualPathCluster:
         cfg = self.cfg
         mode = mode or cfg.runtime.mode
         root = store_root or (str(cfg.store.root) if cfg.store.root else self._fresh_root())
-        ns = cfg.runtime.namespace
-        warnings = [w for w in [warn_if_outside_bounds(cfg)] if w]
-        clear_leftover_actors(ns, replace_existing)
-        groups = create_role_groups(cfg, cfg.runtime.placement_timeout_s)
-        # Restarted by Ray when its process dies, with the calls in flight resent to the new
-        # incarnation, which takes over from the engines (runtime/control/adoption.py).
-        scheduler = Scheduler.options(
-            name="scheduler", namespace=ns, lifetime="detached", max_restarts=-1, max_task_retries=-1,
-            resources={HEAD_RESOURCE: 0.01} if self.local_cluster else None,
-        ).remote(cfg, root, mode)
-        ray.get(scheduler.ready.remote())
-        readers: dict[str, Any] = {}
-        engines: dict[str, Any] = {}
-        restarts = cfg.runtime.max_actor_restarts
-        for spec in self.nodes:
-            group = groups[spec.role]
-            reader_env = actor_environment(cfg.qos, ActorKind.READER)
-            readers[spec.reader_name] = StorageReader.options(**reader_options(group, spec, ns, restarts, reader_env)).remote(
-                cfg, spec.node_id, root, spec.reader_name
-            )
-            actor_cls = PrefillEngine if spec.role == "prefill" else DecodeEngine
-            for gpu, name in enumerate(spec.engine_names()):
-                identity = EngineIdentity(name, spec.node_id, gpu, spec.reader_name)
-                engine_env = actor_environment(cfg.qos, engine_kind(spec.role))
-                engines[name] = actor_cls.options(**engine_options(group, spec, name, ns, restarts, engine_env)).remote(
-                    cfg, identity, root
-                )
-        actors = {**readers, **engines}
-        where = dict(zip(actors, ray.get([a.node_labels.remote() for a in actors.values()])))
-        placement = verify_placement(groups, self.nodes, {n: labels["ray.io/node-id"] for n, labels in where.items()})
-        if cfg.runtime.transport == "gloo":
-            setup_gloo_world(list(actors.values()))
-        ray.get([engine.start.remote() for engine in engines.values()])
-        self.deployment = Deployment(mode, root, scheduler, readers, engines, groups, placement, warnings)
+        self.deployment = create_deployment(
+            cfg, self.nodes, mode, root, replace_existing=replace_existing,
+            scheduler_on_head=self.local_cluster is not None,
+        )
         return self.deployment
 
     def _fresh_root(self) -> str:
@@ -410,29 +297,12 @@ class DualPathCluster:
 
     def teardown(self) -> None:
         """Stop and remove every actor and placement group of the current deployment."""
-        from ray.util.placement_group import remove_placement_group
-
         from dualpath_ray.api import SERVER_NAME
 
-        d = self.deployment
-        if d is None:
+        if self.deployment is None:
             return
-        for engine in d.engines.values():
-            try:
-                ray.get(engine.stop.remote(), timeout=self.cfg.runtime.heartbeat_timeout_s)
-            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-                continue  # a dead (or hung) engine is killed below all the same
-        extra = [d.server] if d.server is not None else []
-        for actor in [*d.engines.values(), *d.readers.values(), d.scheduler, *extra]:
-            ray.kill(actor, no_restart=True)
-        for group in d.groups.values():
-            remove_placement_group(group)
+        tear_down(self.deployment, self.cfg.runtime.namespace, self.cfg.runtime.heartbeat_timeout_s, SERVER_NAME)
         self.deployment = None
-        # The next deploy refuses named actors it finds alive in the namespace; without this wait
-        # it could find this deployment's own, killed but not yet gone (a demo's second mode
-        # failed so on a fresh clone). One that outlives the wait is reported by that check.
-        names = frozenset([*d.engines, *d.readers, "scheduler"] + ([SERVER_NAME] if d.server is not None else []))
-        _named_actors_gone(self.cfg.runtime.namespace, timeout_s=30.0, names=names)
 
     def shutdown(self) -> None:
         self.teardown()

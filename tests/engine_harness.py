@@ -26,13 +26,15 @@ from dualpath_ray.kv.store import open_store
 from dualpath_ray.kv.window import LayerWindow
 from dualpath_ray.model.profile import attention_predictor
 from dualpath_ray.runtime.engine.compute import EngineCompute
-from dualpath_ray.runtime.decode.core import HBM_POOL, DecodeCore
+from dualpath_ray.runtime.decode.core import DecodeCore
+from dualpath_ray.runtime.decode.intake import HBM_POOL
 from dualpath_ray.runtime.decode.job import DecodePorts, DecodeSettings
 from dualpath_ray.runtime.emulation import make_compute, make_link
 from dualpath_ray.protocol.messages import PrefillTask, RequestSpec, SamplingParams, TurnResult, attempt_owner
-from dualpath_ray.runtime.prefill.core import PrefillCore, PrefillPorts, PrefillSettings
+from dualpath_ray.runtime.prefill.core import PrefillCore
+from dualpath_ray.runtime.prefill.job import PrefillPorts, PrefillSettings
 from dualpath_ray.runtime.prefill.pipeline import WINDOW_POOL
-from dualpath_ray.runtime.reader.actor import ReaderCore
+from dualpath_ray.runtime.reader.actor import build_core as ReaderCore  # a ReaderCore built from the config
 from tests.fakes import Collector, DirectHandoff, Fabric, FakeClock, FakeReaders, FakeTransport
 
 PE, DE = "prefill/p0/g0", "decode/d0/g0"

@@ -5,12 +5,15 @@
   or holding transfers until released (to prove the pipeline overlaps and waits correctly).
 - `FakeReaders`: the real `ReaderCore` of each node (real store, real buffer pool, real SNIC
   accounting), called synchronously or on a thread (`slow_writes_s` delays every persist).
+- `FakeSnicLink`, `ScriptedFaults`: a ReaderCore's own SNIC links and fault plan, recorded and
+  scripted, to run the reader core with no real link or plan.
 - `Collector`: the scheduler port, keeping every reported TurnResult, handoff note and chunk;
   `DirectHandoff`: the decode port, handing straight to in-process DecodeCores.
 """
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -19,9 +22,12 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from dualpath_ray.faults.injector import FaultCount, fault_label
+from dualpath_ray.faults.plan import FaultMode, FaultSite, FaultSpec
 from dualpath_ray.protocol.messages import DecodeHandoff, ExtentGrant, Holding, PersistedBlock, TokenChunk, TurnResult
 from dualpath_ray.runtime.engine.ports import Failed, Ready
-from dualpath_ray.runtime.reader.actor import BUFFER_POOL, HBM_POOL, ReaderCore
+from dualpath_ray.runtime.reader.actor import BUFFER_POOL, HBM_POOL
+from dualpath_ray.runtime.reader.core import ReaderCore
 from dualpath_ray.runtime.transport.base import Move, Region, RegionError
 
 
@@ -263,3 +269,61 @@ class FakeClock:
     def now(self) -> float:
         self.value += 0.001
         return self.value
+
+
+# --- a storage reader's own collaborators (runtime/reader/core.py) --------------------------
+
+
+@dataclass
+class FakeSnicLink:
+    """SnicLink (runtime/reader/snic.py) that records every charge and never waits: a test sees
+    exactly which blocks a reader core paid for, and in what order relative to `events`."""
+
+    name: str
+    takes: list[int] = field(default_factory=list)
+    events: list[str] | None = None
+
+    @property
+    def turns(self) -> None:
+        return None  # never emulated: no FIFO turns to take
+
+    @property
+    def bytes_total(self) -> int:
+        return sum(self.takes)
+
+    def take(self, nbytes: int) -> None:
+        self.takes.append(nbytes)
+        if self.events is not None:
+            self.events.append(f"take {self.name}")
+
+
+class ScriptedFaults:
+    """ReaderFaults with a script instead of a plan: each `decide` at a site pops that site's next
+    mode (None: no fault; an empty script: no fault either), so a test picks the exact event a
+    fault hits. Without any script it is inactive, and a core that asks it anyway fails loudly."""
+
+    def __init__(self, script: dict[FaultSite, list[FaultMode | None]] | None = None, seed: int = 0) -> None:
+        self.script = {site: list(modes) for site, modes in (script or {}).items()}
+        self.corruption_rng = random.Random(seed)
+        self.asked: list[FaultSite] = []
+        self._counts: dict[str, FaultCount] = {}
+
+    @property
+    def active(self) -> bool:
+        return bool(self.script)
+
+    def decide(self, site: FaultSite, method: str | None = None) -> FaultSpec | None:
+        assert self.active, "an inactive fault plan must never be asked"
+        self.asked.append(site)
+        modes = self.script.get(site, [])
+        mode = modes.pop(0) if modes else None
+        if mode is None:
+            return None
+        spec = FaultSpec(site=site, mode=mode, nth=1)
+        count = self._counts.setdefault(fault_label(spec), FaultCount())
+        count.events += 1
+        count.injected += 1
+        return spec
+
+    def counts(self) -> dict[str, FaultCount]:
+        return {label: FaultCount(c.events, c.injected) for label, c in self._counts.items()}

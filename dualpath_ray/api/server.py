@@ -2,9 +2,9 @@
 generation, streaming, abort, sleep and wake, weight updates and the prefix cache.
 
 Every adapter goes through this one actor: verl's agent loop uses it as its server handle (the
-verl method names come from `VerlServerMethods`, api/verl_adapter.py), OpenRLHF's engine actor
-and the OpenAI endpoint call it. It owns the weight version that names the KV namespace of new
-requests, so a version moved here (by a weight update through any adapter, or by
+verl method names delegate to its `VerlServerControl`, api/verl_server.py), OpenRLHF's engine
+actor and the OpenAI endpoint call it. It owns the weight version that names the KV namespace of
+new requests, so a version moved here (by a weight update through any adapter, or by
 `DualPathCluster.update_weights`) holds for all of them, and KV of an old policy is never served.
 Cluster-wide control fans out through the Scheduler, the one actor every process can reach.
 """
@@ -22,7 +22,7 @@ from pydantic import BaseModel
 from dualpath_ray.api.client import SchedulerClient
 from dualpath_ray.api.sessions import SessionIds, check_session_id, session_prefix
 from dualpath_ray.api.validation import RequestError, make_spec, parse_sampling_request, validate_prompt
-from dualpath_ray.api.verl_adapter import SubmissionGate, VerlServerMethods
+from dualpath_ray.api.verl_server import VerlServerControl
 from dualpath_ray.config import DualPathConfig
 from dualpath_ray.protocol.messages import RequestSpec, StreamDelta, TurnResult, aborted_result
 from dualpath_ray.scheduling.types import StopReason
@@ -69,7 +69,7 @@ def check_version(version: object) -> int:
 
 
 @ray.remote(num_cpus=0, max_concurrency=4096)
-class RolloutServer(VerlServerMethods):
+class RolloutServer:
     """Token-in/token-out server in front of the scheduler; see the module docstring."""
 
     def __init__(self, cfg: DualPathConfig) -> None:
@@ -80,8 +80,8 @@ class RolloutServer(VerlServerMethods):
         self.client: SchedulerClient | None = None
         self.sessions = SessionIds()
         self.in_flight: dict[str, str] = {}  # caller's request id -> the scheduler's
-        self.global_steps: int | None = None  # verl's step counter of the served weights
-        self.gate = SubmissionGate()  # closed by verl's abort_all_requests until resume_generation
+        # verl's control methods and their state (the submission gate, verl's global steps).
+        self.verl = VerlServerControl(self)
 
     # --- generation ---------------------------------------------------------------------
 
@@ -112,7 +112,7 @@ class RolloutServer(VerlServerMethods):
                 "prompt_tokens": result.prompt_tokens, "hit_tokens": result.hit_tokens, "path": str(result.path),
                 "prefill_engine": result.prefill_engine, "decode_engine": result.decode_engine,
                 "ttft_s": result.ttft_s, "tpot_s": result.tpot_s, "weight_version": self.weight_version,
-                "global_steps": self.global_steps,
+                "global_steps": self.verl.global_steps,
             },
         )
 
@@ -136,7 +136,7 @@ class RolloutServer(VerlServerMethods):
         `priority`) are accepted when empty."""
         self._check_kwargs(request_id, kwargs)
         spec, want_log_probs = self._prepare(request_id, prompt_ids, sampling_params, session_id)
-        if not await self.gate.admit():
+        if not await self.verl.admit():
             return self._token_output(aborted_result(spec), want_log_probs)
         self.in_flight[request_id] = spec.request_id
         try:
@@ -156,7 +156,7 @@ class RolloutServer(VerlServerMethods):
         """`generate`, streamed (a Ray streaming generator): StreamDeltas in order, no token
         twice, then the TokenOutput of the whole turn."""
         spec, want_log_probs = self._prepare(request_id, prompt_ids, sampling_params, session_id)
-        if not await self.gate.admit():
+        if not await self.verl.admit():
             yield self._token_output(aborted_result(spec), want_log_probs)
             return
         self.in_flight[request_id] = spec.request_id
@@ -253,3 +253,52 @@ class RolloutServer(VerlServerMethods):
     async def reset_prefix_cache(self) -> None:
         """Forget every indexed block: no later request hits KV stored before."""
         await self.scheduler.reset_prefix_cache.remote()
+
+    # --- verl's control methods (called by name on this actor; api/verl_server.py) ----------
+
+    async def abort_all_requests(self, reset_prefix_cache: bool = True, reject_request: bool = False) -> dict[str, Any]:
+        """verl's partial rollout: abort everything in flight and hold new requests until
+        `resume_generation` (see `VerlServerControl.abort_all_requests`)."""
+        return await self.verl.abort_all_requests(reset_prefix_cache, reject_request)
+
+    async def resume_engine_generation(self) -> None:
+        await self.verl.resume_engine_generation()
+
+    async def open_submission_gate(self) -> None:
+        await self.verl.open_submission_gate()
+
+    async def resume_generation(self) -> None:
+        """Take new requests again after `abort_all_requests`."""
+        await self.verl.resume_generation()
+
+    async def abort_request(self, request_id: str, reset_prefix_cache: bool = True) -> dict[str, Any]:
+        """`abort`, with verl's result dict."""
+        return await self.verl.abort_request(request_id, reset_prefix_cache)
+
+    async def clear_kv_cache(self) -> None:
+        await self.verl.clear_kv_cache()
+
+    async def release_kv_cache(self) -> None:
+        await self.verl.release_kv_cache()
+
+    async def resume_kv_cache(self) -> None:
+        await self.verl.resume_kv_cache()
+
+    async def wait_for_requests_to_drain(self, poll_s: float = 0.05) -> None:
+        await self.verl.wait_for_requests_to_drain(poll_s)
+
+    async def set_global_steps(self, global_steps: int) -> None:
+        self.verl.set_global_steps(global_steps)
+
+    async def start_profile(self, **_: Any) -> None:
+        await self.verl.start_profile(**_)
+
+    async def stop_profile(self) -> None:
+        await self.verl.stop_profile()
+
+    async def set_server_address(self, host: str, port: int) -> None:
+        """Called by the OpenAI endpoint (api/openai_server.py) once it listens."""
+        self.verl.set_server_address(host, port)
+
+    async def get_server_address(self) -> tuple[str, int] | None:
+        return self.verl.server_address()

@@ -15,13 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from dualpath_ray.config import ConfigError, load_config
-from dualpath_ray.runtime.deploy.qos import (
-    ActorKind,
-    QosConfig,
-    actor_environment,
-    collective_class,
-    kv_class,
-)
+from dualpath_ray.config.qos import QosConfig
+from dualpath_ray.runtime.deploy.qos import ActorKind, actor_environment, collective_class, kv_class
 from dualpath_ray.runtime.deploy.qos_fabric import opensm_policy, roce_policy
 
 FABRICS = ("ib", "roce")

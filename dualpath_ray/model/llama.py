@@ -32,13 +32,8 @@ from dualpath_ray.model.attention import paged_attention, sequence_attention, sp
 from dualpath_ray.model.modules import Backbone, DecoderLayer, Linear
 from dualpath_ray.model.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from dualpath_ray.model.sampling import sample_token
-from dualpath_ray.model.weights import (
-    Architecture,
-    WeightsError,
-    detect_architecture,
-    read_checkpoint,
-    validate_checkpoint,
-)
+from dualpath_ray.config.hf import WeightsError
+from dualpath_ray.model.weights import Architecture, detect_architecture, read_checkpoint, validate_checkpoint
 
 __all__ = ["DecodeOutput", "DecoderModel", "GenerateOutput", "PrefillOutput", "sample_token"]
 

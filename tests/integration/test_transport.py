@@ -28,13 +28,12 @@ from dualpath_ray.runtime.transport.base import (
     PeerDiedError,
     Region,
     RegionError,
-    TransportEndpoint,
     TransportError,
     TransportStats,
-    endpoint_actor_options,
-    make_transport,
-    setup_gloo_world,
 )
+from dualpath_ray.runtime.transport.endpoint import TransportEndpoint, endpoint_actor_options
+from dualpath_ray.runtime.transport.factory import make_transport
+from dualpath_ray.runtime.transport.gloo_world import setup_gloo_world
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 

@@ -1,8 +1,10 @@
 """The RL front ends' pure parts: sampling keys as verl/vLLM send them, session request ids, the
 OpenAI request checks and response shapes, the tokenizer's chat template and incremental
-detokenizing, OpenRLHF's per-sample seeds. No Ray."""
+detokenizing, OpenRLHF's per-sample seeds, verl's control methods on a fake server. No Ray."""
 
 from __future__ import annotations
+
+import asyncio
 
 import pytest
 
@@ -10,6 +12,7 @@ from dualpath_ray.api.openai_protocol import APIError, parse_chat, parse_complet
 from dualpath_ray.api.openrlhf_adapter import sample_seeds, sampling_dict
 from dualpath_ray.api.sessions import SessionIds, check_session_id
 from dualpath_ray.api.validation import RequestError, parse_sampling_request
+from dualpath_ray.api.verl_server import VerlServerControl
 
 MODEL = "dualpath-tiny"
 
@@ -105,3 +108,92 @@ def test_tokenizer_chat_template_and_incremental_detokenizer(tmp_path) -> None:
     assert streamed == tokenizer.decode(ids), "the pieces add up to the whole decoding"
     with pytest.raises(TokenizerError, match="vocab_size"):
         HFTokenizer.from_dir(tmp_path, 100)
+
+
+class FakeServer:
+    """The part of the rollout-server verl's control methods use (`ServerCore`), recording calls."""
+
+    def __init__(self, in_flight: dict[str, str] | None = None) -> None:
+        self.in_flight: dict[str, str] = dict(in_flight or {})
+        self.calls: list[str] = []
+
+    async def abort(self, request_id: str) -> bool:
+        self.calls.append(f"abort {request_id}")
+        return self.in_flight.pop(request_id, None) is not None
+
+    async def abort_all(self) -> int:
+        self.calls.append("abort_all")
+        aborted = len(self.in_flight)
+        self.in_flight.clear()
+        return aborted
+
+    async def reset_prefix_cache(self) -> None:
+        self.calls.append("reset_prefix_cache")
+
+    async def sleep(self, level: int = 1) -> int:
+        self.calls.append("sleep")
+        return 0
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        self.calls.append("wake_up")
+
+
+def test_verl_abort_all_requests_holds_new_requests_until_resume_generation() -> None:
+    async def scenario() -> None:
+        server = FakeServer({"b": "s-b", "a": "s-a"})
+        verl = VerlServerControl(server)
+        result = await verl.abort_all_requests()
+        assert result == {"aborted_count": 2, "request_ids": ["a", "b"]}, "verl's result: the count and the ids"
+        assert server.calls == ["abort_all", "reset_prefix_cache"], "the prefix cache is reset by default"
+        waiting = asyncio.ensure_future(verl.admit())
+        await asyncio.sleep(0.01)
+        assert not waiting.done(), "a request arriving behind the closed gate waits"
+        await verl.resume_generation()
+        assert await asyncio.wait_for(waiting, 1.0), "resume_generation lets the waiting request run"
+
+    asyncio.run(scenario())
+
+
+def test_verl_abort_all_requests_can_reject_arrivals_and_keep_the_prefix_cache() -> None:
+    async def scenario() -> None:
+        server = FakeServer()
+        verl = VerlServerControl(server)
+        await verl.abort_all_requests(reset_prefix_cache=False, reject_request=True)
+        assert server.calls == ["abort_all"], "reset_prefix_cache=False keeps the prefix cache"
+        assert not await asyncio.wait_for(verl.admit(), 1.0), "reject_request: arrivals are answered at once"
+        await verl.open_submission_gate()
+        assert await verl.admit(), "an open gate admits"
+
+    asyncio.run(scenario())
+
+
+def test_verl_abort_request_and_the_kv_cache_hooks_go_to_the_server() -> None:
+    async def scenario() -> None:
+        server = FakeServer({"r": "s-r"})
+        verl = VerlServerControl(server)
+        missing = await verl.abort_request("x")
+        assert missing == {"aborted": False, "request_id": "x", "error": "Request x not found"}
+        assert await verl.abort_request("r", reset_prefix_cache=False) == {"aborted": True, "request_id": "r"}
+        await verl.clear_kv_cache()
+        await verl.release_kv_cache()
+        await verl.resume_kv_cache()
+        assert server.calls == ["abort x", "abort r", "reset_prefix_cache", "sleep", "wake_up"]
+
+    asyncio.run(scenario())
+
+
+def test_verl_drain_global_steps_and_server_address() -> None:
+    async def scenario() -> None:
+        server = FakeServer({"r": "s-r"})
+        verl = VerlServerControl(server)
+        draining = asyncio.ensure_future(verl.wait_for_requests_to_drain(poll_s=0.001))
+        await asyncio.sleep(0.01)
+        assert not draining.done(), "drain waits while a request is in flight"
+        server.in_flight.clear()
+        await asyncio.wait_for(draining, 1.0)
+        assert verl.global_steps is None and verl.server_address() is None, "nothing set yet"
+        verl.set_global_steps(7)
+        verl.set_server_address("10.0.0.1", "8000")  # type: ignore[arg-type]
+        assert verl.global_steps == 7 and verl.server_address() == ("10.0.0.1", 8000), "the port is an int"
+
+    asyncio.run(scenario())

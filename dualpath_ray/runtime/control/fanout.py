@@ -129,7 +129,7 @@ class ClusterControl:
             return True
 
     def _form_world(self) -> None:
-        from dualpath_ray.runtime.transport.base import setup_gloo_world
+        from dualpath_ray.runtime.transport.gloo_world import setup_gloo_world
 
         handles = [self.handle(name) for name in [*self.readers, *self.engines]]
         setup_gloo_world(handles, timeout_s=self.cfg.runtime.transfer_timeout_s)

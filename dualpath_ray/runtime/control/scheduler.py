@@ -10,13 +10,15 @@ tell it their read queues when they change (a ReaderReport), both on the report 
 (runtime/control/watchdog.py) judges who is alive. The prefix index lives here (rebuilt from the store
 at start) and learns every persisted block from the turn result before that result is
 answered, so the next turn of a trajectory always sees its predecessor's blocks. An idle
-scheduler makes no call and wakes for nothing.
+scheduler makes no call and wakes for nothing. Each turn is served, attempt by attempt, by the
+Serving it holds (runtime/control/serving.py); streamed tokens go through its TokenStreams
+(runtime/control/streaming.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
+import contextlib
 import logging
 import time
 from collections import Counter
@@ -26,17 +28,6 @@ import ray
 
 from dualpath_ray.config import DualPathConfig
 from dualpath_ray.faults.injector import FaultInjector
-from dualpath_ray.kv.eviction import LRUEviction
-from dualpath_ray.kv.index import PrefixIndex
-from dualpath_ray.kv.layout import KVLayout
-from dualpath_ray.kv.store import open_store
-from dualpath_ray.model.profile import derive_alpha_beta
-from dualpath_ray.runtime.control.aborts import Aborts
-from dualpath_ray.runtime.telemetry.actor_metrics import SchedulerMetrics
-from dualpath_ray.runtime.control.adoption import Adoptions
-from dualpath_ray.runtime.control.fanout import ClusterControl
-from dualpath_ray.runtime.control.decisions import Decisions, ReaderStates
-from dualpath_ray.runtime.control.mailboxes import Mailboxes
 from dualpath_ray.protocol.messages import (
     Collected,
     EngineReport,
@@ -47,18 +38,22 @@ from dualpath_ray.protocol.messages import (
     RequestSpec,
     StreamDelta,
     TensorSpec,
-    TokenChunk,
     TurnResult,
-    aborted_result,
     failed_result,
 )
+from dualpath_ray.runtime.control.aborts import Aborts
+from dualpath_ray.runtime.control.adoption import Adoptions
+from dualpath_ray.runtime.control.decisions import Decisions, ReaderStates
+from dualpath_ray.runtime.control.fanout import ClusterControl
+from dualpath_ray.runtime.control.mailboxes import Mailboxes
 from dualpath_ray.runtime.control.report_channel import ChannelAddress, ReportServer
-from dualpath_ray.runtime.engine.restarts import was_restarted
+from dualpath_ray.runtime.control.scheduler_core import build_core
+from dualpath_ray.runtime.control.serving import Serving
+from dualpath_ray.runtime.control.streaming import TokenStreams
 from dualpath_ray.runtime.control.watchdog import Watchdog
-from dualpath_ray.scheduling.dispatcher import Constants
+from dualpath_ray.runtime.engine.restarts import was_restarted
+from dualpath_ray.runtime.telemetry.actor_metrics import SchedulerMetrics
 from dualpath_ray.scheduling.liveness import Liveness, is_attempt
-from dualpath_ray.scheduling.requests import Request
-from dualpath_ray.scheduling.scheduler import CoreSettings, SchedulerCore
 
 LOG = logging.getLogger("dualpath_ray.scheduler")
 # How long a client's `collect` waits for a first result before it answers with none (the
@@ -72,18 +67,6 @@ COUNTED = (
     "dead_engines", "presumed_dead", "restarted_engines", "lost_assignments", "stale_holdings", "dead_readers",
     "reader_unavailable", "restarted_readers", "worlds_formed",
 )
-
-
-def build_core(cfg: DualPathConfig, store_root: str | None, mode: str, epoch: int = 0) -> SchedulerCore:
-    """The scheduler core of a deployment: its index rebuilt from the store, the store's
-    capacity, and alpha/beta of the configured cluster and model."""
-    layout = KVLayout.from_model(cfg.model, cfg.store.block_size)
-    store = open_store(cfg.store, layout, root=store_root)
-    index = PrefixIndex.rebuild(store, cfg.store.block_size)
-    eviction = LRUEviction(index, store, cfg.store.capacity_bytes, layout.full_block_bytes)
-    alpha, beta = derive_alpha_beta(cfg, layout)
-    settings = CoreSettings.of(cfg, mode, Constants(alpha, beta, cfg.scheduler.z_margin), epoch)
-    return SchedulerCore(settings, index, eviction, store)
 
 
 @ray.remote(num_cpus=0, max_concurrency=4096)
@@ -100,15 +83,11 @@ class Scheduler:
         self.restarted = was_restarted()
         self.adoptions = Adoptions()
         self.aborts = Aborts()
-        self.streams: dict[str, asyncio.Queue[TokenChunk]] = {}  # request id -> its tokens as sampled
+        self.streams = TokenStreams()
         self.control = ClusterControl(cfg, routes)
         self.asleep = False
         self.starting: asyncio.Task[None] | None = None
-        self.pending: dict[str, asyncio.Future[TurnResult]] = {}
         self.clients: dict[str, str] = {}  # request id -> the client that submitted it (submit/collect)
-        self.servings = 0  # requests this incarnation began serving (RequestSpec.epoch)
-        # Failed attempts whose peer died -> the peers to ask before their retry is placed.
-        self.suspects: dict[str, set[str]] = {}
         self.mailboxes = Mailboxes(expiry_s=cfg.runtime.request_timeout_s + 4 * COLLECT_WAIT_S)
         self.calls: Counter[str] = Counter({name: 0 for name in COUNTED})
         runtime = cfg.runtime
@@ -118,6 +97,9 @@ class Scheduler:
         self.readers = ReaderStates()
         self.faults = FaultInjector(cfg.faults, "scheduler", self.restarted)
         self.metrics = SchedulerMetrics.start(cfg, mode, self.calls)
+        self.serving = Serving(
+            cfg, self.core, self.control, self.liveness, self.aborts, self.adoptions, self.calls, self.metrics
+        )
         # Both need the running event loop: made by the first call (see _started).
         self.decisions: Decisions | None = None
         self.watchdog: Watchdog | None = None
@@ -145,8 +127,9 @@ class Scheduler:
         )
         self.watchdog = Watchdog(
             self.cfg, self.core, self.control, self.liveness, self.adoptions, self.readers, self.calls,
-            self._fail, self.decisions.rounds.everything_changed,
+            self.serving.fail, self.decisions.rounds.everything_changed,
         )
+        self.serving.bind(self.decisions, self.watchdog)
         if self.restarted:
             await self.watchdog.learn_holdings()
         self.decisions.rounds.start()
@@ -246,7 +229,7 @@ class Scheduler:
 
     async def _serve_for(self, client: str, spec: RequestSpec) -> None:
         try:
-            result = await self._generate(spec)
+            result = await self.serving.generate(spec)
         except Exception as exc:  # noqa: BLE001 - a bug must reach the caller, not hang it
             LOG.exception("serving %s failed", spec.request_id)
             result = failed_result(spec, "scheduler", exc, ErrorKind.INTERNAL)
@@ -272,40 +255,7 @@ class Scheduler:
         refusal = self._refusal(spec)
         if refusal is not None:
             raise refusal.error(spec.request_id)
-        return await self._generate(spec)
-
-    async def _generate(self, spec: RequestSpec) -> TurnResult:
-        self.calls["generate"] += 1
-        if not self.aborts.start(spec.request_id):
-            return aborted_result(spec)  # its trajectory was aborted
-        assert self.watchdog is not None
-        self.watchdog.work.set()
-        try:
-            return await self._serve(spec)
-        finally:
-            self.aborts.end(spec.request_id)
-
-    async def _serve(self, spec: RequestSpec) -> TurnResult:
-        deadline = time.monotonic() + self.cfg.runtime.request_timeout_s
-        adopted = await self._adopt(spec.request_id, deadline)
-        if adopted is not None and not self.core.should_retry(adopted):
-            return adopted
-        self.servings += 1
-        spec = dataclasses.replace(spec, epoch=self.core.epoch + self.servings)  # see RequestSpec.epoch
-        while not self.aborts.is_aborted(spec.request_id):
-            result = await self._attempt(spec, deadline)
-            suspects = self.suspects.pop(spec.owner, set())
-            if not self.core.should_retry(result) or self.aborts.is_aborted(spec.request_id):
-                break
-            if suspects:
-                # A peer of the attempt died: learn which before the retry is placed, or it may
-                # land on the same dead peer (the heartbeat would tell only a beat later).
-                assert self.watchdog is not None
-                await self.watchdog.probe(suspects)
-            self.calls["retries"] += 1
-            self.calls["unindexed_blocks"] += self.core.repair(result)
-            spec = dataclasses.replace(spec, attempt=spec.attempt + 1)
-        return aborted_result(spec) if self.aborts.is_aborted(spec.request_id) else result
+        return await self.serving.generate(spec)
 
     async def generate_stream(self, spec: RequestSpec) -> AsyncIterator[StreamDelta | TurnResult]:
         """`generate`, streamed (a Ray streaming generator): the output tokens as the decode
@@ -313,77 +263,11 @@ class Scheduler:
         A retried attempt streams from its first token again; sampling is seeded by (seed,
         position), so its tokens equal the ones already sent and only new positions go out. A
         chunk lost on the way is made up from the final result."""
-        queue: asyncio.Queue[TokenChunk] = asyncio.Queue()
-        self.streams[spec.request_id] = queue
-        served = asyncio.ensure_future(self.generate(dataclasses.replace(spec, stream=True)))
-        sent = 0
-        try:
-            while not served.done() or not queue.empty():
-                chunk = await self._next_chunk(queue, served)
-                if chunk is None:
-                    continue
-                delta = StreamDelta.after(chunk, sent)
-                if delta is not None:
-                    sent += len(delta.tokens)
-                    yield delta
-            result = served.result()
-            if len(result.output_tokens) > sent:
-                yield StreamDelta(sent, result.output_tokens[sent:], result.log_probs[sent:])
-            yield result
-        finally:
-            self.streams.pop(spec.request_id, None)
-            if not served.done():
-                served.cancel()
-
-    @staticmethod
-    async def _next_chunk(queue: asyncio.Queue[TokenChunk], served: asyncio.Future[TurnResult]) -> TokenChunk | None:
-        """The next chunk, or None once the request was served (and nothing is queued)."""
-        if not queue.empty():
-            return queue.get_nowait()
-        getter = asyncio.ensure_future(queue.get())
-        await asyncio.wait({getter, served}, return_when=asyncio.FIRST_COMPLETED)
-        if getter.done():
-            return getter.result()
-        getter.cancel()
-        return None
-
-    async def _adopt(self, request_id: str, deadline: float) -> TurnResult | None:
-        """The result of a dead incarnation's attempt that an engine still holds (None: there
-        is none, or it was dropped; the request is then dispatched afresh)."""
-        result = self.adoptions.claim(request_id)
-        if result is not None or request_id not in self.adoptions.holders:
-            return result
-        try:
-            return await asyncio.wait_for(self.adoptions.wait_for(request_id), max(0.0, deadline - time.monotonic()))
-        except asyncio.TimeoutError:
-            return None
-        finally:
-            self.adoptions.forget(request_id)
-
-    async def _attempt(self, spec: RequestSpec, deadline: float) -> TurnResult:
-        assert self.decisions is not None
-        future: asyncio.Future[TurnResult] = asyncio.get_running_loop().create_future()
-        self.pending[spec.request_id] = future
-        try:
-            self.decisions.rounds.submit(spec)
-            return await asyncio.wait_for(future, max(0.0, deadline - time.monotonic()))
-        except asyncio.TimeoutError:
-            self.calls["timeouts"] += 1
-            self._cancel_at(self.core.abandon(spec.request_id), spec.owner)
-            self.decisions.rounds.everything_changed()  # what it held is free again
-            return failed_result(
-                spec, "scheduler", f"no result within runtime.request_timeout_s={self.cfg.runtime.request_timeout_s}",
-                ErrorKind.TIMEOUT,
-            )
-        finally:
-            self.pending.pop(spec.request_id, None)
-            self.liveness.forget(spec.owner)
-
-    def _cancel_at(self, engines: tuple[str, ...], owner: str) -> None:
-        """Drop what one attempt ("request#attempt") holds at these engines and has not started
-        (a queued prefill, a handoff not taken yet); one that already started finishes on its own."""
-        for engine in engines:
-            self.control.cancel(engine, owner)
+        # Closed with this generator (a reader that stops reading): its queue goes and the
+        # serving is cancelled at once, not when the garbage collector finds it.
+        async with contextlib.aclosing(self.streams.serve(spec, self.generate)) as stream:
+            async for item in stream:
+                yield item
 
     # --- what engines and readers tell -------------------------------------------------------
 
@@ -414,8 +298,8 @@ class Scheduler:
             if request is not None and is_attempt(holding, request.spec):
                 self.decisions.rounds.handed_off(rid)
         for result in report.results:
-            self._complete(result)
-        self._stream(report.chunks)
+            self.serving.complete(result)
+        self.streams.pass_on(report.chunks, self.core.requests)
 
     def _reader_report(self, report: ReaderReport) -> None:
         """A reader's read queue changed (or the reader just started)."""
@@ -426,47 +310,6 @@ class Scheduler:
         if self.readers.state(report.node_id) is not PeerState.ALIVE and report.node_id not in self.core.readers_dead:
             self.watchdog.reader_state(report.node_id, PeerState.ALIVE)
 
-    def _stream(self, chunks: tuple[TokenChunk, ...]) -> None:
-        """Streamed tokens of one step; only the attempt in flight is passed on."""
-        for chunk in chunks:
-            queue = self.streams.get(chunk.request_id)
-            request = self.core.requests.get(chunk.request_id)
-            if queue is not None and request is not None and (request.spec.attempt, request.spec.epoch) == (
-                chunk.attempt, chunk.epoch
-            ):
-                queue.put_nowait(chunk)
-
-    def _fail(self, spec: RequestSpec, by: str, why: str) -> None:
-        self._complete(failed_result(spec, by, why, ErrorKind.PEER_DIED))
-
-    def _complete(self, result: TurnResult) -> None:
-        assert self.decisions is not None
-        self.calls["complete"] += 1
-        current = self.core.is_current(result)
-        request = self.core.requests.get(result.request_id)
-        if current and request is not None and result.error_kind is ErrorKind.PEER_DIED:
-            self.suspects[result.owner] = self._peers_of(request)
-        decode_engine = result.decode_engine or (request.decode_engine if request is not None else "")
-        holders = self.decisions.rounds.finish(result, self.decisions.decode_group_of.get(decode_engine))
-        self._cancel_at(holders, result.owner)
-        if not current:
-            if result.epoch < self.core.epoch and self.adoptions.deliver(result):
-                self.calls["adopted"] = self.adoptions.adopted
-                return
-            self.calls["stale_results"] += 1
-            return
-        self.liveness.forget(result.owner)
-        self.metrics.finished(result)
-        future = self.pending.get(result.request_id)
-        if future is not None and not future.done():
-            future.set_result(result)
-
-    def _peers_of(self, request: Request) -> set[str]:
-        """The engines an attempt used and the readers of their nodes."""
-        engines = {e for e in (request.prefill_engine, request.decode_engine) if e}
-        nodes = {n for n in (request.prefill_node, request.decode_node) if n}
-        return engines | {f"reader/{node}" for node in nodes}
-
     # --- aborts -------------------------------------------------------------------------
 
     async def abort(self, request_id: str) -> bool:
@@ -475,42 +318,23 @@ class Scheduler:
         pages freed, nothing more of it persisted), and it is not retried. False when no
         request of that id is in flight."""
         await self._started()
-        return self._abort(request_id)
+        return self.serving.abort(request_id)
 
     async def abort_prefix(self, prefix: str) -> int:
         """Abort a whole trajectory (its request ids start with `prefix`, e.g. "traj7/"): every
         turn of it in flight now, and every later one until `clear_aborts([prefix])`. Returns how
         many were in flight."""
         await self._started()
-        return sum(self._abort(rid) for rid in self.aborts.abort_prefix(prefix))
+        return sum(self.serving.abort(rid) for rid in self.aborts.abort_prefix(prefix))
 
     async def abort_all(self) -> int:
         """Abort every request in flight (later ones run as usual); returns how many."""
         await self._started()
-        return sum(self._abort(rid) for rid in sorted(self.aborts.running))
+        return sum(self.serving.abort(rid) for rid in sorted(self.aborts.running))
 
     async def clear_aborts(self, prefixes: list[str] | None = None) -> None:
         """Let the requests of these aborted trajectories (all, with None) run again."""
         self.aborts.clear(prefixes)
-
-    def _abort(self, request_id: str) -> bool:
-        if not self.aborts.abort(request_id):
-            return False
-        self.calls["aborted"] = self.aborts.count
-        request = self.core.requests.get(request_id)
-        if request is not None:
-            self.liveness.forget(request.spec.owner)
-            for engine in self.core.abandon(request_id):
-                self.control.abort(engine, request.spec.owner)
-            assert self.decisions is not None
-            self.decisions.rounds.everything_changed()  # what it held is free again
-            future = self.pending.get(request_id)
-            if future is not None and not future.done():
-                future.set_result(aborted_result(request.spec))
-        waiting = self.adoptions.waiting.get(request_id)
-        if waiting is not None and not waiting.done():
-            waiting.set_result(None)  # stop waiting for a dead incarnation's attempt
-        return True
 
     # --- views --------------------------------------------------------------------------
 
@@ -558,8 +382,8 @@ class Scheduler:
         """Sizes of every per-request table this actor keeps (a soak test checks they return to
         their starting size once the turns are done)."""
         silent, unheld, delivering = self.liveness.tracked()
-        return {"requests": len(self.core.requests), "pending": len(self.pending), "clients": len(self.clients),
-                "suspects": len(self.suspects),
+        return {"requests": len(self.core.requests), "pending": len(self.serving.pending),
+                "clients": len(self.clients), "suspects": len(self.serving.suspects),
                 "streams": len(self.streams), "running": len(self.aborts.running),
                 "silent": silent, "unheld": unheld, "delivering": delivering}
 

@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import ray
 
-from dualpath_ray.faults.ports import with_faults
+from dualpath_ray.runtime.engine.faulty_ports import with_faults
 from dualpath_ray.kv.paged import PagedKVPool
-from dualpath_ray.runtime.decode.core import HBM_POOL, DecodeCore
+from dualpath_ray.runtime.decode.core import DecodeCore
+from dualpath_ray.runtime.decode.intake import HBM_POOL
 from dualpath_ray.runtime.decode.job import DecodePorts, DecodeSettings
 from dualpath_ray.runtime.engine.base import EngineBase
 from dualpath_ray.protocol.messages import DecodeHandoff
 from dualpath_ray.runtime.engine.ray_ports import RayReaders, SystemClock
-from dualpath_ray.runtime.transport.base import endpoint_actor_options
+from dualpath_ray.runtime.transport.endpoint import endpoint_actor_options
 from dualpath_ray.scheduling.types import Role
 
 

@@ -2,19 +2,15 @@
 
 A request's life here (runtime/decode/job.py, one transition function): RESERVED (its handoff
 arrived and its pages are reserved) -> LOADING (its prompt's KV moves from the decode node's
-buffer extent into its pages: one read of whole Full Blocks) -> RUNNING (decoded in one batched step with every other running request) -> FINISHING
--> DONE; or FAILED from any of them. Oracle mode skips LOADING: the prompt's KV is materialised
-in the pages directly (hits from the store, the rest computed here). Taking handoffs and
-loading their KV is runtime/decode/intake.py's (a mixin of this class). What a step produced for
-the scheduler (turns ended, streamed tokens) leaves in one report at its end.
-
-Persistence has one owner per block: the request that filled it. Prompt blocks that were not hits
-are written by the node's reader straight from the extent (they are already in the buffer), which
-is freed after; a block that fills up while decoding is pulled from its page by the reader (D2H)
-and written. At most `max_persists_in_flight` blocks are on their way at once; more wait in the
-request's queue (back-pressure, never a failure), and a turn is reported only after every one of
-its blocks is published, so the next turn never misses a block this one produced. Keys extend
-the chain block by block (`next_block_key`), O(n) per request.
+buffer extent into its pages: one read of whole Full Blocks) -> RUNNING (decoded in one batched
+step with every other running request) -> FINISHING -> DONE; or FAILED from any of them. Oracle
+mode skips LOADING: the prompt's KV is materialised in the pages directly (hits from the store,
+the rest computed here). The core holds one object per stage around its batched decode: the
+intake (runtime/decode/intake.py) takes handoffs and loads their KV, the persistence
+(runtime/decode/persistence.py) moves every filled block to the store; both share the job table
+(`DecodeJobTable`) and hand failures back to the core, which frees what a request holds and
+reports it. What a step produced for the scheduler (turns ended, streamed tokens) leaves in one
+report at its end, and a turn ends only once every block it filled is published.
 """
 
 from __future__ import annotations
@@ -22,18 +18,17 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
 from typing import Sequence
 
 from dualpath_ray.kv.block_store import BlockStore
-from dualpath_ray.kv.index import next_block_key
 from dualpath_ray.kv.layout import KVLayout
 from dualpath_ray.kv.paged import PagedKVPool
 from dualpath_ray.protocol.counters import NodeCounters
 from dualpath_ray.runtime.engine.cancelled import CancelledAttempts
-from dualpath_ray.runtime.engine.compute import DecodeSeq, EngineCompute, PageFill
+from dualpath_ray.runtime.engine.compute import DecodeSeq, EngineCompute
 from dualpath_ray.runtime.decode.job import (
     DecodeJob,
+    DecodeJobTable,
     DecodePorts,
     DecodeSettings,
     DecodeState,
@@ -41,25 +36,24 @@ from dualpath_ray.runtime.decode.job import (
     transition,
 )
 from dualpath_ray.runtime.emulation.links import Link
-from dualpath_ray.runtime.decode.intake import BUFFER_POOL, HBM_POOL, DecodeIntake
+from dualpath_ray.runtime.decode.intake import DecodeIntake, IntakeHooks
+from dualpath_ray.runtime.decode.persistence import DecodePersistence
 from dualpath_ray.runtime.engine.failures import failure_of, log_failure
 from dualpath_ray.protocol.messages import (
     DecodeHandoff,
     Holding,
-    PersistedBlock,
     TokenChunk,
     TurnResult,
     newest_holdings,
 )
 from dualpath_ray.runtime.engine.outbox import Outbox
 from dualpath_ray.scheduling import EngineLoad
-from dualpath_ray.scheduling.types import ReadPath, StopReason
+from dualpath_ray.scheduling.types import StopReason
 
 LOG = logging.getLogger("dualpath_ray.decode")
-__all__ = ["BUFFER_POOL", "HBM_POOL", "DecodeCore"]
 
 
-class DecodeCore(DecodeIntake):
+class DecodeCore:
     """Every decision and state change of one decode engine; the actor only runs `step`."""
 
     def __init__(
@@ -76,25 +70,41 @@ class DecodeCore(DecodeIntake):
         self.layout = layout
         self.compute = compute
         self.pages = pages
-        self.ports = ports
+        self._ports = ports
         self.store = store
         self.cnic_in, self.cnic_out = links
         self.counters = NodeCounters()
         self.stats = DecodeStats()
         self.jobs: dict[str, DecodeJob] = {}
-        self._arrived: deque[DecodeHandoff] = deque()
-        self._taking: dict[str, tuple[str, Holding]] = {}  # owner -> what holds() names while it is claimed
-        self._waiting_since: dict[str, float] = {}  # owner -> since when its handoff waits for pages
-        self._filling: list[tuple[DecodeJob, PageFill]] = []  # oracle handoffs of this step, to compute at once
+        self._lock = threading.Lock()
         self._cancelled = CancelledAttempts(settings.cancel_horizon_s, ports.clock)
+        self._table = DecodeJobTable(self.jobs, self._lock, self._cancelled)
         self._aborting: set[str] = set()
+        self.intake = DecodeIntake(
+            settings, layout, compute, pages, ports, store, self._table,
+            IntakeHooks(run=self._run, fail=self._fail, report=self._report),
+            (self.cnic_in, self.counters, self.stats),
+        )
+        self.persistence = DecodePersistence(
+            settings, layout, pages, ports.readers, store, (self.cnic_out, self.counters, self.stats)
+        )
         # This step's report (sent at its end, when not empty): turns ended, tokens sampled by
         # streamed requests.
         self._results: list[TurnResult] = []
         self._streamed: list[TokenChunk] = []
         self.outbox = Outbox()  # results not yet delivered to the scheduler
-        self._lock = threading.Lock()
-        self._in_flight = 0
+
+    @property
+    def ports(self) -> DecodePorts:
+        return self._ports
+
+    @ports.setter
+    def ports(self, ports: DecodePorts) -> None:
+        """Swap the ports between steps (a test wraps them with the fault plan once the engine is
+        built): the intake and the persistence use the new ones from then on too."""
+        self._ports = ports
+        self.intake.ports = ports
+        self.persistence.readers = ports.readers
 
     # --- what the actor's control and io threads call -----------------------------------
 
@@ -137,26 +147,24 @@ class DecodeCore(DecodeIntake):
         taken, and a result on its way to the scheduler (runtime/engine/outbox.py), count as held."""
         with self._lock:
             entries = [(job.request_id, Holding(job.attempt, True, job.epoch)) for job in self.jobs.values()]
-            entries += [(h.task.request_id, Holding.of(h.task.request, True))
-                        for h in self._arrived if h.task.request.owner not in self.jobs]
-            entries += [entry for owner, entry in self._taking.items() if owner not in self.jobs]
+            entries += self.intake.holdings_locked()
         entries += self.outbox.holdings()
         return newest_holdings(entries)
 
     def hand_off(self, handoffs: Sequence[DecodeHandoff]) -> None:
-        with self._lock:
-            self._arrived.extend(handoffs)
+        self.intake.arrive(handoffs)
 
     def polling(self) -> bool:
         """Whether the worker must look again without being woken: a prompt load is a transport
         transfer (polled, it signals nothing), and a handoff waiting for pages has a deadline.
         Everything else that finishes wakes the worker (runtime/engine/ray_ports.py RefPending)."""
         with self._lock:
-            return bool(self._arrived) or any(job.state is DecodeState.LOADING for job in self.jobs.values())
+            loading = any(job.state is DecodeState.LOADING for job in self.jobs.values())
+            return self.intake.has_arrivals_locked() or loading
 
     def busy(self) -> bool:
         with self._lock:
-            return bool(self.jobs) or bool(self._arrived) or bool(len(self.outbox))
+            return bool(self.jobs) or self.intake.has_arrivals_locked() or bool(len(self.outbox))
 
     # --- the worker thread ----------------------------------------------------------------
 
@@ -164,8 +172,8 @@ class DecodeCore(DecodeIntake):
         """One round: take handoffs, finish loads, one decode step, persists, finished turns."""
         self.outbox.settle()
         did = self._drop_aborted()
-        did |= self._take_handoffs()
-        did |= self._poll_loads()
+        did |= self.intake.take_handoffs()
+        did |= self.intake.poll_loads()
         did |= self._decode_once()
         did |= self._advance_persists()
         did |= self._finish_ready()
@@ -179,42 +187,12 @@ class DecodeCore(DecodeIntake):
             self._fail(job, error)
         self._send_report()
 
-    def _persist_prompt(self, job: DecodeJob) -> None:
-        """Prompt blocks that were not hits: written from the extent, which is then freed."""
-        assert job.handoff is not None
-        task = job.handoff.task
-        size = self.layout.block_size
-        first = task.hit_tokens // size
-        blocks = []
-        for block in range(first, job.prompt_len // size):
-            blocks.append((block, self._next_key(job, block)))
-        if task.oracle:
-            for block, persisted in blocks:
-                self._oracle_write(job, block, persisted)
-            return
-        extent = job.handoff.extent
-        assert extent is not None
-        if not blocks:
-            self.ports.readers.free(extent)
-            return
-        # Not counted against max_persists_in_flight: these blocks already sit in a leased extent
-        # and need no staging slot; the budget bounds the D2H staging of filled pages.
-        job.extent_persist = self.ports.readers.persist_extent(extent, blocks)
-        job.extent_blocks = tuple(p for _, p in blocks)
-
-    def _next_key(self, job: DecodeJob, block: int) -> PersistedBlock:
-        assert job.handoff is not None
-        size = self.layout.block_size
-        key = next_block_key(job.parent_key, job.tokens[block * size : (block + 1) * size], job.handoff.task.request.namespace)
-        persisted = PersistedBlock(key, job.parent_key)
-        job.parent_key = key
-        return persisted
-
-    def _oracle_write(self, job: DecodeJob, block: int, persisted: PersistedBlock) -> None:
-        assert self.store is not None
-        page = self.pages.page(self.pages.table(job.owner)[block])
-        self.store.put(persisted.key, page.cpu() if page.device.type != "cpu" else page, parent=persisted.parent)
-        job.persisted.append(persisted)
+    def _run(self, job: DecodeJob) -> None:
+        """The intake loaded and checked the job's prompt KV: its prompt blocks start on their way
+        to the store, and it joins the decode batch from the next step."""
+        self.persistence.persist_prompt(job)
+        transition(job, DecodeState.RUNNING)
+        self._stream(job, 0)  # the first token, sampled by the prefill engine
 
     # --- decode -------------------------------------------------------------------------
 
@@ -251,12 +229,7 @@ class DecodeCore(DecodeIntake):
             job.log_probs.append(token.log_prob)
             self._stream(job, len(job.tokens) - job.prompt_len - 1)
             if job.kv_len % size == 0:
-                block = job.kv_len // size - 1
-                persisted = self._next_key(job, block)
-                if job.handoff.task.oracle:  # type: ignore[union-attr]
-                    self._oracle_write(job, block, persisted)
-                else:
-                    job.queued.append((self.pages.table(job.owner)[block], persisted))
+                self.persistence.block_filled(job, job.kv_len // size - 1)
         return True
 
     def _stream(self, job: DecodeJob, start: int) -> None:
@@ -293,65 +266,21 @@ class DecodeCore(DecodeIntake):
     # --- persistence --------------------------------------------------------------------
 
     def _advance_persists(self) -> bool:
+        """Collect finished persists (a failed one fails its request), then post queued blocks."""
         did = False
         for job in self._jobs_in(DecodeState.RUNNING, DecodeState.FINISHING):
-            did |= self._settle(job)
-        for job in self._jobs_in(DecodeState.RUNNING, DecodeState.FINISHING):
-            if not job.queued:
-                continue
-            room = self.settings.max_persists_in_flight - self._in_flight
-            if room <= 0:
-                self.stats.persist_waits += 1
-                break
-            blocks = [job.queued.popleft() for _ in range(min(room, len(job.queued)))]
-            nbytes = len(blocks) * self.layout.full_block_bytes
-            self.cnic_out.take(nbytes)
-            self.counters.cnic_out[ReadPath(job.handoff.task.path).side.value] += nbytes  # type: ignore[union-attr]
-            pending = self.ports.readers.persist_pages(self.settings.node_id, job.owner, blocks)
-            job.persists.append((pending, tuple(p for _, p in blocks)))
-            self._in_flight += len(blocks)
-            self.stats.max_persists_in_flight = max(self.stats.max_persists_in_flight, self._in_flight)
-            did = True
-        return did
-
-    def _settle(self, job: DecodeJob) -> bool:
-        """Collect the job's finished persists; a failed one fails the request."""
-        still, settled, error = [], False, None
-        if job.extent_persist is not None:
-            try:
-                if job.extent_persist.done():
-                    job.extent_persist.wait(0)
-                    job.persisted[:0] = job.extent_blocks
-                    self.stats.persisted_blocks += len(job.extent_blocks)
-                    job.extent_persist, settled = None, True
-            except Exception as exc:  # noqa: BLE001 - the turn cannot be reported without its blocks
-                job.extent_persist, error = None, exc
-        for pending, blocks in job.persists:
-            try:
-                done = pending.done()
-                if done:
-                    pending.wait(0)
-            except Exception as exc:  # noqa: BLE001 - the turn cannot be reported without its blocks
-                self._in_flight -= len(blocks)
-                error = exc
-                continue
-            if done:
-                self._in_flight -= len(blocks)
-                job.persisted.extend(blocks)
-                self.stats.persisted_blocks += len(blocks)
+            settled, error = self.persistence.settle(job)
+            if error is not None:
+                self._fail(job, error)
                 settled = True
-            else:
-                still.append((pending, blocks))
-        job.persists = still
-        if error is not None:
-            self._fail(job, error)
-            return True
-        return settled
+            did |= settled
+        did |= self.persistence.post(self._jobs_in(DecodeState.RUNNING, DecodeState.FINISHING))
+        return did
 
     def _finish_ready(self) -> bool:
         did = False
         for job in self._jobs_in(DecodeState.FINISHING):
-            if job.persists or job.queued or job.extent_persist is not None:
+            if self.persistence.pending(job):
                 continue
             self._finish(job)
             did = True
@@ -391,8 +320,8 @@ class DecodeCore(DecodeIntake):
                 pending.wait(self.settings.transfer_timeout_s)
             except Exception:  # noqa: BLE001 - only that it ended matters now
                 pass
-        self._in_flight -= sum(len(blocks) for _, blocks in job.persists)
-        job.persists, job.queued, job.load, job.extent_persist = [], deque(), None, None
+        self.persistence.abandon(job)
+        job.load = None
         if job.handoff is not None and job.handoff.extent is not None:
             if job.state in (DecodeState.RESERVED, DecodeState.LOADING):
                 self.ports.readers.free(job.handoff.extent)
@@ -417,5 +346,4 @@ class DecodeCore(DecodeIntake):
         self._results.append(result)
 
     def _jobs_in(self, *states: DecodeState) -> list[DecodeJob]:
-        with self._lock:
-            return [job for job in self.jobs.values() if job.state in states]
+        return self._table.in_states(*states)

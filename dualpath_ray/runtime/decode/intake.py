@@ -1,22 +1,25 @@
 """A decode engine's intake: handoffs taken, their prompt KV moved from the buffer into pages.
 
-A mixin of DecodeCore (runtime/decode/core.py), kept apart as one stage of a request's life
-there: a handoff is claimed under the lock, its pages reserved there and then (the scheduler
-counted them when it placed the request here, so they are free; a cancel cannot slip between the
-check and the reservation), and the prompt's KV moves from the decode node's buffer extent into
-the request's pages in one transport read of whole Full Blocks (RESERVED -> LOADING). The
-scheduler learns of the handoff from the prefill engine's report of the step that sent it. A landed load is checked against the
-prefill engine's digests (one reload on a first mismatch) and, with runtime.verify_kv, against
-the store and a recompute, before the request runs. Oracle mode fills the pages in place.
+One stage of a request's life on a decode engine, an object its DecodeCore (runtime/decode/core.py)
+holds: the intake owns the handoffs that arrived and wait to be taken (some of them for pages),
+the claims under way and this step's oracle fills. A handoff is claimed under the engine's lock,
+its pages reserved there and then (the scheduler counted them when it placed the request here,
+so they are free; a cancel cannot slip between the check and the reservation), and the prompt's
+KV moves from the decode node's buffer extent into the request's pages in one transport read of
+whole Full Blocks (RESERVED -> LOADING). The scheduler learns of the handoff from the prefill
+engine's report of the step that sent it. A landed load is checked against the prefill engine's
+digests (one reload on a first mismatch) and, with runtime.verify_kv, against the store and a
+recompute, before the request is handed back to the core to run. Oracle mode fills the pages in
+place.
 """
 
 from __future__ import annotations
 
 import enum
 import logging
-import threading
 import time
 from collections import deque
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
@@ -25,9 +28,16 @@ from dualpath_ray.kv.block_store import BlockStore
 from dualpath_ray.kv.layout import KVLayout
 from dualpath_ray.kv.paged import PagedKVPool, PagePoolFullError
 from dualpath_ray.protocol.counters import NodeCounters
-from dualpath_ray.runtime.engine.cancelled import CancelledAttempts
 from dualpath_ray.runtime.engine.compute import EngineCompute, PageFill
-from dualpath_ray.runtime.decode.job import DecodeJob, DecodePorts, DecodeSettings, DecodeState, DecodeStats, transition
+from dualpath_ray.runtime.decode.job import (
+    DecodeJob,
+    DecodeJobTable,
+    DecodePorts,
+    DecodeSettings,
+    DecodeState,
+    DecodeStats,
+    transition,
+)
 from dualpath_ray.runtime.emulation.links import Link
 from dualpath_ray.runtime.engine.failures import KVMismatchError
 from dualpath_ray.protocol.messages import DecodeHandoff, ErrorKind, Holding, TurnResult, failed_result
@@ -50,35 +60,76 @@ class Claim(enum.Enum):
     NO_ROOM = "no_room"  # no free pages yet: it waits (_may_wait_for_pages), then fails
 
 
+@dataclass(frozen=True)
+class IntakeHooks:
+    """What the intake hands back to its core."""
+
+    run: Callable[[DecodeJob], None]  # its prompt KV is in its pages and checked: the core decodes it
+    fail: Callable[[DecodeJob, BaseException], None]  # free what it holds, report the error
+    report: Callable[[TurnResult], None]  # a turn's result for the core's report of this step
+
+
 class DecodeIntake:
-    """What DecodeCore's __init__ sets up, and the calls of its own this stage uses."""
+    """Handoffs from their arrival to a running job: what waits to be taken, the claims under way,
+    the prompt loads and their checks. Its core hands it what it uses and steps it
+    (`take_handoffs`, `poll_loads`); a job whose prompt KV is in its pages and checked goes back to
+    the core (`hooks.run`), as does every failure (`hooks.fail`) and a handoff's result when no
+    pages came for it in time (`hooks.report`)."""
 
-    settings: DecodeSettings
-    layout: KVLayout
-    compute: EngineCompute
-    pages: PagedKVPool
-    ports: DecodePorts
-    store: BlockStore | None
-    cnic_in: Link
-    counters: NodeCounters
-    stats: DecodeStats
-    jobs: dict[str, DecodeJob]
-    _arrived: deque[DecodeHandoff]
-    _taking: dict[str, tuple[str, Holding]]
-    _waiting_since: dict[str, float]
-    _filling: list[tuple[DecodeJob, PageFill]]
-    _cancelled: CancelledAttempts
-    _lock: threading.Lock
-    _fail: Callable[..., None]
-    _report: Callable[[TurnResult], None]
-    _jobs_in: Callable[..., list[DecodeJob]]
-    _persist_prompt: Callable[[DecodeJob], None]
-    _stream: Callable[[DecodeJob, int], None]
+    def __init__(
+        self,
+        settings: DecodeSettings,
+        layout: KVLayout,
+        compute: EngineCompute,
+        pages: PagedKVPool,
+        ports: DecodePorts,
+        store: BlockStore | None,
+        table: DecodeJobTable,
+        hooks: IntakeHooks,
+        metering: tuple[Link, NodeCounters, DecodeStats],
+    ) -> None:
+        self.settings = settings
+        self.layout = layout
+        self.compute = compute
+        self.pages = pages
+        self.ports = ports
+        self.store = store
+        self.table = table
+        self.hooks = hooks
+        self.cnic_in, self.counters, self.stats = metering
+        # Guarded by table.lock, so that holds() sees each handoff as arrived, being taken or a job.
+        self._arrived: deque[DecodeHandoff] = deque()
+        self._taking: dict[str, tuple[str, Holding]] = {}  # owner -> what holds() names while it is claimed
+        # Only the worker thread touches these.
+        self._waiting_since: dict[str, float] = {}  # owner -> since when its handoff waits for pages
+        self._filling: list[tuple[DecodeJob, PageFill]] = []  # oracle handoffs of this step, to compute at once
 
-    def _take_handoffs(self) -> bool:
+    # --- what the core calls from the actor's control and io threads ----------------------
+
+    def arrive(self, handoffs: Sequence[DecodeHandoff]) -> None:
+        """Prefill engines' handoffs, taken at the worker's next step."""
+        with self.table.lock:
+            self._arrived.extend(handoffs)
+
+    def holdings_locked(self) -> list[tuple[str, Holding]]:
+        """The attempts of handoffs that arrived or are being claimed and are not jobs yet (the
+        caller holds table.lock, and reads the job table under the same hold)."""
+        jobs = self.table.jobs
+        entries = [(h.task.request_id, Holding.of(h.task.request, True))
+                   for h in self._arrived if h.task.request.owner not in jobs]
+        entries += [entry for owner, entry in self._taking.items() if owner not in jobs]
+        return entries
+
+    def has_arrivals_locked(self) -> bool:
+        """Whether a handoff waits to be taken (the caller holds table.lock)."""
+        return bool(self._arrived)
+
+    # --- the worker thread ----------------------------------------------------------------
+
+    def take_handoffs(self) -> bool:
         """Claim every handoff that arrived: its pages are reserved and its load posted. One
         that does not fit waits for pages (see _claim); True when any handoff was dealt with."""
-        with self._lock:
+        with self.table.lock:
             arrived, self._arrived = list(self._arrived), deque()
             # Until each is claimed or dropped, heartbeats still count it as arrived.
             self._taking = {h.task.request.owner: (h.task.request_id, Holding.of(h.task.request, True)) for h in arrived}
@@ -97,9 +148,9 @@ class DecodeIntake:
             try:
                 self._start_load(job)
             except Exception as exc:  # noqa: BLE001 - fail this request, keep serving the others
-                self._fail(job, exc)
+                self.hooks.fail(job, exc)
         self._materialise()
-        with self._lock:
+        with self.table.lock:
             self._arrived.extendleft(reversed(waiting))
             self._taking = {}
         return took
@@ -112,10 +163,10 @@ class DecodeIntake:
         scheduler already gave up on still holds pages here (NO_ROOM: it waits for them)."""
         spec = handoff.task.request
         owner = spec.owner
-        with self._lock:
-            if owner in self._cancelled:
+        with self.table.lock:
+            if owner in self.table.cancelled:
                 return None, Claim.CANCELLED
-            if owner in self.jobs:
+            if owner in self.table.jobs:
                 return None, Claim.DUPLICATE
             tokens = decode_tokens(len(spec.prompt), spec.sampling.max_new_tokens, self.layout.block_size)
             try:
@@ -125,7 +176,7 @@ class DecodeIntake:
             # Keyed by owner (request id and attempt): a retry never meets an earlier attempt's
             # job, and a late cancel of that attempt cannot touch the retry.
             job = DecodeJob(spec.request_id, spec.attempt, tokens, spec.epoch, handoff=handoff)
-            self.jobs[owner] = job
+            self.table.jobs[owner] = job
             return job, Claim.CLAIMED
 
     def _may_wait_for_pages(self, owner: str) -> bool:
@@ -146,7 +197,7 @@ class DecodeIntake:
         else:
             LOG.error("%s: no free HBM pages for %s within %ss", self.settings.engine_id, spec.owner,
                       self.settings.transfer_timeout_s)
-            self._report(failed_result(
+            self.hooks.report(failed_result(
                 spec, self.settings.engine_id, "no free HBM pages for the handoff", ErrorKind.HBM_FULL
             ))
         if handoff.extent is not None:
@@ -212,13 +263,13 @@ class DecodeIntake:
             self.compute.fill_pages_many([fill for _, fill in filling], self.pages.tensor)
         except Exception as exc:  # noqa: BLE001 - fail these requests, keep serving the others
             for job, _ in filling:
-                self._fail(job, exc)
+                self.hooks.fail(job, exc)
             return
         for job, _ in filling:
             try:
                 self._start_running(job)
             except Exception as exc:  # noqa: BLE001
-                self._fail(job, exc)
+                self.hooks.fail(job, exc)
 
     def _store_read(self, key: str, page: int) -> None:
         assert self.store is not None
@@ -230,15 +281,15 @@ class DecodeIntake:
         self.store.get_into(key, host)
         target.copy_(host)
 
-    def _poll_loads(self) -> bool:
+    def poll_loads(self) -> bool:
         did = False
-        for job in self._jobs_in(DecodeState.LOADING):
+        for job in self.table.in_states(DecodeState.LOADING):
             try:
                 if not job.load.done():  # type: ignore[union-attr]
                     continue
                 job.load.wait(0)  # type: ignore[union-attr]
             except Exception as exc:  # noqa: BLE001 - fail this request only
-                self._fail(job, exc)
+                self.hooks.fail(job, exc)
                 continue
             job.load = None
             self.stats.loads += 1
@@ -247,7 +298,7 @@ class DecodeIntake:
                     continue
                 self._start_running(job)
             except Exception as exc:  # noqa: BLE001
-                self._fail(job, exc)
+                self.hooks.fail(job, exc)
             did = True
         return did
 
@@ -287,6 +338,5 @@ class DecodeIntake:
                     f"({job.check.mismatches} of hit and computed parts)"
                 )
         job.compute_state = self.compute.decode_state(job.tokens)
-        self._persist_prompt(job)
-        transition(job, DecodeState.RUNNING)
-        self._stream(job, 0)  # the first token, sampled by the prefill engine
+        self.hooks.run(job)
+

@@ -1,5 +1,6 @@
 """A decode engine's request record and what its core is built from: the job's lifecycle (one
-transition function), its ports, settings and statistics. runtime/decode/core.py has the logic.
+transition function), the job table its core and intake share, its ports, settings and
+statistics. runtime/decode/core.py has the logic.
 
 RESERVED (pages set aside when the scheduler placed it) -> LOADING (its prompt's KV moves from the
 decode node's buffer extent into its pages) -> RUNNING (decoded in batched steps) -> FINISHING
@@ -9,6 +10,7 @@ decode node's buffer extent into its pages) -> RUNNING (decoded in batched steps
 from __future__ import annotations
 
 import enum
+import threading
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from dualpath_ray.protocol.messages import DecodeHandoff, PersistedBlock, attempt_owner
+from dualpath_ray.runtime.engine.cancelled import CancelledAttempts
 from dualpath_ray.runtime.engine.ports import (
     Clock,
     Pending,
@@ -89,6 +92,21 @@ def transition(job: DecodeJob, target: DecodeState) -> None:
     if target not in _MOVES[job.state]:
         raise DecodeTransitionError(f"request {job.request_id}: {job.state.value} -> {target.value}")
     job.state = target
+
+
+@dataclass(frozen=True)
+class DecodeJobTable:
+    """A decode engine's jobs by owner, shared by its core and its intake (runtime/decode/intake.py).
+    `lock` guards the table, the intake's arrivals and claims, and `cancelled`: a claim checks the
+    cancels and reserves pages under one hold of it, so a cancel or abort cannot slip between."""
+
+    jobs: dict[str, DecodeJob]
+    lock: threading.Lock
+    cancelled: CancelledAttempts
+
+    def in_states(self, *states: DecodeState) -> list[DecodeJob]:
+        with self.lock:
+            return [job for job in self.jobs.values() if job.state in states]
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from dualpath_ray.runtime.deploy.qos import DROP_VL, ETHERNET_PRIORITIES, QosConfig, weight_of
+from dualpath_ray.config.qos import DROP_VL, ETHERNET_PRIORITIES, QosConfig, weight_of
 
 VL_CAPACITIES = (1, 2, 4, 8, 15)  # the data-VL counts a port can be configured with (VLCap)
 HIGH_LIMIT_SCALE = 256  # qos_high_limit 240 gives high priority ~240/256 of the link

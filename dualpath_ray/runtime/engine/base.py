@@ -35,7 +35,8 @@ from dualpath_ray.runtime.engine.hbm_moves import HbmMoves
 from dualpath_ray.runtime.deploy.qos import kv_transport_knobs
 from dualpath_ray.runtime.engine.ray_ports import RayScheduler
 from dualpath_ray.runtime.engine.restarts import TransportKeeper, was_restarted
-from dualpath_ray.runtime.transport.base import TransportEndpoint, make_transport
+from dualpath_ray.runtime.transport.endpoint import TransportEndpoint
+from dualpath_ray.runtime.transport.factory import make_transport
 from dualpath_ray.runtime.deploy.weight_sync import WeightGroup
 from dualpath_ray.scheduling import EngineLoad
 from dualpath_ray.scheduling.types import Role

@@ -1,7 +1,7 @@
 """PrefillEngine (`prefill/<node>/<gpu>`): the actor shell around PrefillCore.
 
 It owns the layer window (registered with the transport as "window", on the engine's device),
-the worker thread that runs the core, and the Ray ports; everything else is in prefill_core.py.
+the worker thread that runs the core, and the Ray ports; everything else is in runtime/prefill/core.py.
 """
 
 from __future__ import annotations
@@ -11,12 +11,13 @@ import ray
 from dualpath_ray.kv.window import LayerWindow
 from dualpath_ray.model.profile import attention_predictor
 from dualpath_ray.runtime.engine.base import EngineBase
-from dualpath_ray.faults.ports import with_faults
+from dualpath_ray.runtime.engine.faulty_ports import with_faults
 from dualpath_ray.protocol.messages import PrefillTask
-from dualpath_ray.runtime.prefill.core import PrefillCore, PrefillPorts, PrefillSettings
+from dualpath_ray.runtime.prefill.core import PrefillCore
+from dualpath_ray.runtime.prefill.job import PrefillPorts, PrefillSettings
 from dualpath_ray.runtime.prefill.pipeline import WINDOW_POOL
 from dualpath_ray.runtime.engine.ray_ports import RayDecodeTargets, RayReaders, SystemClock
-from dualpath_ray.runtime.transport.base import endpoint_actor_options
+from dualpath_ray.runtime.transport.endpoint import endpoint_actor_options
 from dualpath_ray.scheduling.types import Role
 
 

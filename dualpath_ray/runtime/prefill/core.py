@@ -1,18 +1,20 @@
 """The prefill engine's logic, without Ray: staging, compute-quota batches, layerwise prefill.
 
 A request (a `PrefillTask` from the scheduler) goes STAGING -> READY -> BATCHED -> HANDED_OFF,
-or back to READY after a chunk that does not end its prompt, or FAILED (`transition`).
+or back to READY after a chunk that does not end its prompt, or FAILED (`transition`, in
+runtime/prefill/job.py with the job record, the ports and the settings).
 - Staging: the reader of the chosen side leases an extent and reads the hit Full Blocks into
   it (PE path: this node's reader, plus an empty extent on the decode node for the KV to send;
   DE path: the decode node's reader, one extent for hits and computed KV alike).
 - A batch: READY requests in FIFO order packed by the compute quota and the window's capacity
   (`pack_prefill_batch`), laid out in the layer window (kv/window.py).
-- Layer by layer with double buffering (`_LayerPipeline`): layer l+1's past KV is on its way in
-  while layer l computes, and layer l-1's KV on its way out; one read per (layer, source reader)
-  and one write per (layer, destination reader) for the whole batch. The past KV of a first chunk
-  comes from the side its hits were read on; a later chunk's from the decode node's extent,
-  which by then holds every token before it. A chunk sends the decode node everything not yet
-  there: hits + new tokens on the PE path's first chunk, only new tokens otherwise.
+- Layer by layer with double buffering (`LayerPipeline`, runtime/prefill/pipeline.py): layer
+  l+1's past KV is on its way in while layer l computes, and layer l-1's KV on its way out; one
+  read per (layer, source reader) and one write per (layer, destination reader) for the whole
+  batch. The past KV of a first chunk comes from the side its hits were read on; a later chunk's
+  from the decode node's extent, which by then holds every token before it. A chunk sends the
+  decode node everything not yet there: hits + new tokens on the PE path's first chunk, only new
+  tokens otherwise.
 - Handoff: after the last layer the first token is sampled, the PE extent is freed, and the
   decode engine gets a `DecodeHandoff` naming the decode node's extent (one call per decode
   engine for all of a batch's requests that go there).
@@ -21,7 +23,6 @@ Oracle mode moves nothing: hit KV comes straight from the store and nothing is s
 
 from __future__ import annotations
 
-import enum
 import logging
 import threading
 from dataclasses import dataclass, field
@@ -40,75 +41,13 @@ from dualpath_ray.runtime.engine.failures import failure_of, log_failure
 from dualpath_ray.runtime.engine.cancelled import CancelledAttempts
 from dualpath_ray.protocol.messages import DecodeHandoff, ExtentGrant, Holding, PrefillTask, TurnResult, newest_holdings
 from dualpath_ray.runtime.engine.outbox import Outbox
-from dualpath_ray.runtime.engine.ports import Clock, DecodePort, Pending, ReaderPort, SchedulerPort, TransportPort
+from dualpath_ray.runtime.engine.ports import Pending
+from dualpath_ray.runtime.prefill.job import PrefillJob, PrefillPorts, PrefillSettings, PrefillState, transition
 from dualpath_ray.runtime.prefill.pipeline import LayerPipeline, PipelineStats, oracle_kv_for
 from dualpath_ray.scheduling import EngineLoad, pack_prefill_batch, prefill_tokens
 from dualpath_ray.scheduling.types import ReadPath
 
 LOG = logging.getLogger("dualpath_ray.prefill")
-
-
-class PrefillState(enum.Enum):
-    STAGING = "staging"
-    READY = "ready"
-    BATCHED = "batched"
-    HANDED_OFF = "handed_off"
-    FAILED = "failed"
-
-
-_MOVES = {
-    PrefillState.STAGING: {PrefillState.READY, PrefillState.FAILED},
-    PrefillState.READY: {PrefillState.BATCHED, PrefillState.FAILED},
-    PrefillState.BATCHED: {PrefillState.READY, PrefillState.HANDED_OFF, PrefillState.FAILED},
-    PrefillState.HANDED_OFF: set(),
-    PrefillState.FAILED: set(),
-}
-
-
-class PrefillTransitionError(RuntimeError):
-    pass
-
-
-@dataclass
-class PrefillJob:
-    """One request on this engine, from assignment to handoff."""
-
-    task: PrefillTask
-    prompt: np.ndarray
-    state: PrefillState = PrefillState.STAGING
-    computed: int = 0
-    staging: dict[str, Pending[ExtentGrant]] = field(default_factory=dict)
-    pe: ExtentGrant | None = None
-    de: ExtentGrant | None = None
-    oracle_kv: torch.Tensor | None = None
-    # Digests [n_layer, computed] of the KV of tokens [0, computed) as last verified or computed
-    # (None: runtime.kv_digests is off); the first chunk's come from the reader's grant.
-    digests: np.ndarray | None = None
-    chunks: int = 0
-
-    @property
-    def request_id(self) -> str:
-        return self.task.request.request_id
-
-    @property
-    def owner(self) -> str:
-        return self.task.request.owner
-
-
-def transition(job: PrefillJob, target: PrefillState) -> None:
-    """The one way a prefill job's state changes; an illegal move raises."""
-    if target not in _MOVES[job.state]:
-        raise PrefillTransitionError(f"request {job.request_id}: {job.state.value} -> {target.value}")
-    job.state = target
-
-
-@dataclass(frozen=True)
-class PrefillPorts:
-    readers: ReaderPort
-    transport: TransportPort
-    scheduler: SchedulerPort
-    decode: DecodePort
-    clock: Clock
 
 
 @dataclass
@@ -123,17 +62,6 @@ class PrefillStats:
     tokens_computed: int = 0
     port_calls: int = 0
     pipeline: PipelineStats = field(default_factory=PipelineStats)
-
-
-@dataclass(frozen=True)
-class PrefillSettings:
-    engine_id: str
-    node_id: str
-    reader: str
-    quota_ms: float
-    transfer_timeout_s: float
-    kv_digests: bool = True
-    cancel_horizon_s: float = 900.0  # how long a cancel is remembered (see runtime/engine/cancelled.py)
 
 
 class PrefillCore:

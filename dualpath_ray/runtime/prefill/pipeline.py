@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -34,11 +34,9 @@ from dualpath_ray.runtime.engine.compute import ChunkSpec
 from dualpath_ray.runtime.emulation.links import Link
 from dualpath_ray.runtime.engine.failures import KVMismatchError
 from dualpath_ray.runtime.engine.ports import Pending, TransportPort
+from dualpath_ray.runtime.prefill.job import PrefillJob
 from dualpath_ray.runtime.transport.base import Move, Region
 from dualpath_ray.scheduling.types import ReadPath
-
-if TYPE_CHECKING:
-    from dualpath_ray.runtime.prefill.core import PrefillJob
 
 WINDOW_POOL = "window"
 BUFFER_POOL = "buffer"

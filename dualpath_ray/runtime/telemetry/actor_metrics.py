@@ -10,17 +10,18 @@ from __future__ import annotations
 import time
 from collections import deque
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Protocol, Sequence
 
 from dualpath_ray import metrics as m
 from dualpath_ray.config import DualPathConfig
 from dualpath_ray.metrics import MetricSink, RayMetrics
-from dualpath_ray.protocol.counters import PATHS
+from dualpath_ray.protocol.counters import PATHS, NodeCounters
 from dualpath_ray.runtime.telemetry.metrics_export import CounterTotals, PeriodicExport
 
 if TYPE_CHECKING:
+    from dualpath_ray.kv.layout import KVLayout
+    from dualpath_ray.kv.pool import BufferPool
     from dualpath_ray.protocol.messages import TurnResult
-    from dualpath_ray.runtime.reader.actor import ReaderCore
 
 # Served turns the scheduler remembers for `dualpath status` (TTFT/TPOT of the recent ones).
 RECENT_TURNS = 512
@@ -42,10 +43,33 @@ def _periodic(cfg: DualPathConfig, name: str, collect: Callable[[], None]) -> Pe
     return PeriodicExport(name, cfg.runtime.metrics_interval_s, collect).start()
 
 
+class ReaderFigures(Protocol):
+    """What ReaderMetrics reads from a node's reader (ReaderCore, runtime/reader/core.py).
+
+    Declared here, by the reader of the figures, so this module never imports the reader: the
+    reader actor imports this module, and the other way round would be an import circle."""
+
+    @property
+    def node_id(self) -> str: ...
+
+    @property
+    def counters(self) -> NodeCounters: ...
+
+    @property
+    def layout(self) -> KVLayout: ...
+
+    @property
+    def pool(self) -> BufferPool: ...
+
+    def read_q(self) -> int: ...
+
+    def integrity_keys(self) -> tuple[list[str], list[str]]: ...
+
+
 class ReaderMetrics:
     """A node's storage NIC bytes, read queue, buffer use and bad stored blocks; KV load times."""
 
-    def __init__(self, sink: MetricSink, core: ReaderCore, role: str) -> None:
+    def __init__(self, sink: MetricSink, core: ReaderFigures, role: str) -> None:
         self.sink = sink
         self.core = core
         self.tags = {"node": core.node_id, "role": role}
@@ -53,7 +77,7 @@ class ReaderMetrics:
         self.export: PeriodicExport | None = None
 
     @classmethod
-    def start(cls, cfg: DualPathConfig, core: ReaderCore) -> ReaderMetrics:
+    def start(cls, cfg: DualPathConfig, core: ReaderFigures) -> ReaderMetrics:
         exporter = cls(RayMetrics(cfg.runtime.metrics), core, node_role(cfg, core.node_id))
         exporter.export = _periodic(cfg, f"reader/{core.node_id}", exporter.collect)
         return exporter

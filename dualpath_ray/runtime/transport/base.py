@@ -24,10 +24,12 @@ Actor requirements: every endpoint actor class inherits `TransportEndpoint`, is 
 named actor whose Ray name equals its endpoint name (``reader/n1``, ``prefill/n0/g1``), and calls
 ``self.attach_transport(make_transport(...))``, then `register` and `seal`, in ``__init__``.
 
-Where the pieces live: this module has the Transport base class (the checks every backend gets,
-the small backend hooks); transport_moves.py the typed errors, regions, lifecycle and
-`Transfer`; transport_endpoint.py the actor side (`TransportEndpoint`, `endpoint_actor_options`,
-`make_transport`). Every public name of the three is importable from here.
+Where the pieces live: this module is the contract every backend implements, the Transport base
+class (the checks every backend gets, the small backend hooks); moves.py its typed errors,
+regions, lifecycle and `Transfer` (importable from here too, as part of the contract);
+endpoint.py the actor side (`TransportEndpoint`, `endpoint_actor_options`); factory.py
+`make_transport`, which picks a backend; gloo_world.py `setup_gloo_world`. The backends import
+this module, so it never imports them (nor the factory, which does).
 """
 
 from __future__ import annotations
@@ -37,20 +39,12 @@ import time
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import ray
 import torch
 
-from dualpath_ray.runtime.transport.endpoint import (
-    TRANSPORT_GROUP,
-    TRANSPORT_KINDS,
-    TransportEndpoint,
-    endpoint_actor_options,
-    make_transport,
-    setup_gloo_world,
-)
 from dualpath_ray.runtime.transport.moves import (
     EndpointInfo,
     InfoRequest,
@@ -59,6 +53,7 @@ from dualpath_ray.runtime.transport.moves import (
     PoolInfo,
     Region,
     RegionError,
+    StatsCounter,
     Transfer,
     TransportError,
     TransportState,
@@ -70,29 +65,16 @@ from dualpath_ray.runtime.transport.moves import (
 )
 
 __all__ = [
-    "OPS", "TRANSPORT_GROUP", "TRANSPORT_KINDS", "EndpointInfo", "InfoRequest", "Move", "PeerDiedError", "PoolInfo",
-    "Region", "RegionError", "Transfer", "Transport", "TransportEndpoint", "TransportError", "TransportState",
-    "TransportStats", "check_moves", "check_region", "coalesce_moves", "endpoint_actor_options", "make_transport",
-    "next_state", "setup_gloo_world",
+    "OPS", "TRANSPORT_GROUP", "EndpointInfo", "InfoRequest", "Move", "PeerDiedError", "PoolInfo", "Region",
+    "RegionError", "Transfer", "Transport", "TransportError", "TransportState", "TransportStats", "check_moves",
+    "check_region", "coalesce_moves", "next_state",
 ]
 
 OPS = ("read", "write")
+# The Ray concurrency group every endpoint actor serves its peers' transport calls on
+# (endpoint.py declares it; a peer's call names it).
+TRANSPORT_GROUP = "transport"
 _PROBE_TIMEOUT_S = 5.0  # bound on the liveness probe that classifies a failed transfer
-
-
-class _Counters:
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._values = {f.name: 0 for f in fields(TransportStats)}
-
-    def add(self, **increments: int) -> None:
-        with self._lock:
-            for name, value in increments.items():
-                self._values[name] += value
-
-    def snapshot(self) -> TransportStats:
-        with self._lock:
-            return TransportStats(**self._values)
 
 
 @dataclass(frozen=True)
@@ -118,7 +100,7 @@ class Transport(ABC):
         self._info: EndpointInfo | None = None
         self._peers: dict[str, _Peer] = {}
         self._actors: dict[str, Any] = {}
-        self._counters = _Counters()
+        self._counters = StatsCounter()
         # Called (once per abort) when this endpoint's world becomes unusable (gloo's BROKEN),
         # so the actor can ask for a new one (runtime/engine/restarts.py TransportKeeper).
         self.on_broken: Callable[[], None] | None = None

@@ -2,8 +2,9 @@
 
 The world is a private ``ProcessGroupGloo`` over all endpoints (not torch's default group), so
 forming it again after an endpoint restarts needs no process-global state. The driver forms it
-(`form_gloo_world`): it asks every endpoint for its EndpointInfo (so all are sealed and gloo),
-rank 0 hosts the rendezvous ``TCPStore``, and every endpoint joins knowing all names by rank.
+(`setup_gloo_world`, gloo_world.py): it asks every endpoint for its EndpointInfo (so all are
+sealed and gloo), rank 0 hosts the rendezvous ``TCPStore`` (`HostStoreRequest`, served here), and
+every endpoint joins (`JoinRequest`, served here) knowing all names by rank.
 
 A transfer is one Ray call to the passive side plus one gloo op per coalesced region on each side:
 * read: post a recv per local region, then ask the peer (`SendRegions`) to send its regions; the
@@ -38,7 +39,6 @@ from __future__ import annotations
 
 import threading
 import time
-import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -49,8 +49,6 @@ import torch
 import torch.distributed as dist
 
 from dualpath_ray.runtime.transport.base import (
-    EndpointInfo,
-    InfoRequest,
     Move,
     PeerDiedError,
     Region,
@@ -61,47 +59,11 @@ from dualpath_ray.runtime.transport.base import (
     TransportState,
     next_state,
 )
+from dualpath_ray.runtime.transport.gloo_world import HostStoreRequest, Joined, JoinRequest, StoreAddress
 
 _MAX_TAG = 2**31 - 1
 _TAG_RANGES = {"read": (1, 2**30), "write": (2**30, _MAX_TAG)}
-_ANSWER_GRACE_S = 5.0
 _MIN_FINISH_S = 1.0  # local ops after a good answer get at least this long, even past the deadline
-
-
-@dataclass(frozen=True)
-class GlooWorld:
-    """A formed world: endpoint names in rank order."""
-
-    world_id: str
-    endpoints: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class HostStoreRequest:
-    world_id: str
-    timeout_s: float
-
-
-@dataclass(frozen=True)
-class StoreAddress:
-    host: str
-    port: int
-
-
-@dataclass(frozen=True)
-class JoinRequest:
-    world_id: str
-    host: str
-    port: int
-    rank: int
-    endpoints: tuple[str, ...]
-    timeout_s: float
-
-
-@dataclass(frozen=True)
-class Joined:
-    endpoint_name: str
-    rank: int
 
 
 @dataclass(frozen=True)
@@ -407,36 +369,3 @@ class GlooTransport(Transport):
             self._master_store, self._parked = None, []
         if world is not None:
             world.group.abort()
-
-
-def form_gloo_world(endpoints: Sequence[Any], *, timeout_s: float = 60.0) -> GlooWorld:
-    """Driver side: one world over these endpoint actor handles; rank = position in the list."""
-    if not endpoints:
-        raise TransportError("setup_gloo_world: endpoints is empty; pass every endpoint actor handle")
-    world_id = uuid.uuid4().hex
-    try:
-        infos = ray.get([e.transport_serve.remote(InfoRequest()) for e in endpoints], timeout=timeout_s)
-        names = _world_names(infos)
-        address = ray.get(endpoints[0].transport_serve.remote(HostStoreRequest(world_id, timeout_s)), timeout=timeout_s)
-        joins = [
-            endpoint.transport_serve.remote(JoinRequest(world_id, address.host, address.port, rank, names, timeout_s))
-            for rank, endpoint in enumerate(endpoints)
-        ]
-        ray.get(joins, timeout=timeout_s + _ANSWER_GRACE_S)
-    except (ray.exceptions.RayError, AssertionError) as exc:
-        raise TransportError(
-            "setup_gloo_world: forming the world failed (every endpoint must be a TransportEndpoint with "
-            f"a sealed gloo transport): {exc}"
-        ) from exc
-    return GlooWorld(world_id, names)
-
-
-def _world_names(infos: Sequence[object]) -> tuple[str, ...]:
-    names = []
-    for index, info in enumerate(infos):
-        if not isinstance(info, EndpointInfo) or info.kind != "gloo":
-            raise TransportError(f"setup_gloo_world: endpoints[{index}] is not a gloo endpoint ({info!r})")
-        names.append(info.endpoint)
-    if len(set(names)) != len(names):
-        raise TransportError(f"setup_gloo_world: endpoint names are not unique: {names}")
-    return tuple(names)

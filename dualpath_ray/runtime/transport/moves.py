@@ -1,7 +1,7 @@
 """What a transport moves and how a caller waits for it: typed errors, regions of registered
-pools and their checks, the transport lifecycle (one transition function), and `Transfer`, a
-posted move to poll or block on. Shared by the Transport base class (transport.py) and every
-backend; the checks live here so each backend gets them without repeating them.
+pools and their checks, the transport lifecycle (one transition function), `Transfer`, a posted
+move to poll or block on, and the stats counters. Shared by the Transport base class (base.py)
+and every backend; the checks live here so each backend gets them without repeating them.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 _SPIN_S = 0.001  # wait() polls without sleeping this long: NIXL moves of <= 4 MiB finish inside it
 _FIRST_PAUSE_S = 50e-6
@@ -70,6 +70,24 @@ class TransportStats:
     bytes_read: int = 0  # bytes of completed reads
     bytes_written: int = 0  # bytes of completed writes
     peer_calls: int = 0  # Ray actor calls this transport issued itself
+
+
+class StatsCounter:
+    """The running TransportStats of one transport: every thread of the endpoint adds to it, so
+    increments and snapshots take a lock."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._values = {f.name: 0 for f in fields(TransportStats)}
+
+    def add(self, **increments: int) -> None:
+        with self._lock:
+            for name, value in increments.items():
+                self._values[name] += value
+
+    def snapshot(self) -> TransportStats:
+        with self._lock:
+            return TransportStats(**self._values)
 
 
 @dataclass(frozen=True)

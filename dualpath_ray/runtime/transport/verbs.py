@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from dualpath_ray.config.verbs import VerbsConfig
 from dualpath_ray.runtime.transport.base import (
     EndpointInfo,
     Move,
@@ -39,7 +40,6 @@ from dualpath_ray.runtime.transport.base import (
     Transport,
     TransportError,
 )
-from dualpath_ray.runtime.transport.verbs_config import VerbsConfig
 from dualpath_ray.runtime.transport.verbs_layer import (
     LINK_ETHERNET,
     Completion,
@@ -380,23 +380,3 @@ class VerbsTransport(Transport):
             self._regions = {}
             for handle in (self._cq, self._pd, self._context):
                 self._layer.close(handle)
-
-
-def make_verbs_transport(
-    endpoint_name: str,
-    namespace: str,
-    timeout_s: float,
-    *,
-    settings: VerbsConfig | None,
-    device: str | None,
-    service_level: int | None,
-    traffic_class: int | None,
-) -> VerbsTransport:
-    """The verbs transport on pyverbs (make_transport's `verbs` kind). Without a service level
-    or traffic class (qos.enabled false) queue pairs use 0, the fabric's default class."""
-    from dualpath_ray.runtime.transport.verbs_pyverbs import PyverbsLayer
-
-    return VerbsTransport(
-        endpoint_name, namespace, timeout_s, layer=PyverbsLayer(), settings=settings or VerbsConfig(),
-        device=device, service_level=service_level or 0, traffic_class=traffic_class or 0,
-    )

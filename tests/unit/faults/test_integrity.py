@@ -10,8 +10,8 @@ import numpy as np
 
 from dualpath_ray.config import DualPathConfig, parse_config
 from dualpath_ray.faults.injector import FaultInjector
-from dualpath_ray.faults.ports import with_faults
 from dualpath_ray.protocol.messages import ErrorKind
+from dualpath_ray.runtime.engine.faulty_ports import with_faults
 from tests.engine_harness import DE, PE, EngineHarness, Request
 
 

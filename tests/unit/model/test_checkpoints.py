@@ -13,7 +13,8 @@ import torch
 from dualpath_ray.config import ConfigError, ModelConfig, load_config, parse_config
 from dualpath_ray.model.llama import DecoderModel
 from dualpath_ray.model.rope import rope_inv_freq
-from dualpath_ray.model.weights import WeightsError, model_fields_from_hf_config, write_checkpoint
+from dualpath_ray.config.hf import WeightsError, model_fields_from_hf_config
+from dualpath_ray.model.weights import write_checkpoint
 from tests.model_factories import random_tokens, tiny_model_config
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

@@ -9,13 +9,8 @@ import torch
 
 from dualpath_ray.kv.layout import KVLayout
 from dualpath_ray.model.llama import DecoderModel, sample_token
-from dualpath_ray.model.weights import (
-    INDEX_FILE,
-    Architecture,
-    WeightsError,
-    read_checkpoint,
-    write_checkpoint,
-)
+from dualpath_ray.config.hf import WeightsError
+from dualpath_ray.model.weights import INDEX_FILE, Architecture, read_checkpoint, write_checkpoint
 from tests.model_factories import random_tokens, tiny_model_config
 
 BLOCK = 16

@@ -10,13 +10,8 @@ import pytest
 
 from dualpath_ray.cli import main
 from dualpath_ray.config import ConfigError, DualPathConfig, parse_config
-from dualpath_ray.runtime.deploy.qos import (
-    ActorKind,
-    QosConfig,
-    actor_environment,
-    engine_kind,
-    kv_transport_knobs,
-)
+from dualpath_ray.config.qos import QosConfig
+from dualpath_ray.runtime.deploy.qos import ActorKind, actor_environment, engine_kind, kv_transport_knobs
 from dualpath_ray.runtime.deploy.qos_fabric import (
     ets_shares,
     largest_remainder,

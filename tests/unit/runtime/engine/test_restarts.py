@@ -13,7 +13,7 @@ from dualpath_ray.config import DualPathConfig
 from dualpath_ray.faults.injector import FaultInjector
 from dualpath_ray.faults.plan import FaultPlan, FaultSite
 from dualpath_ray.protocol.messages import GroupReport, PeerState
-from dualpath_ray.runtime.reader.actor import ReaderCore
+from dualpath_ray.runtime.reader.actor import build_core as ReaderCore  # a ReaderCore built from the config
 from dualpath_ray.runtime.engine.restarts import IncarnationTracker, TransportKeeper, peer_state_of, rejoin_transport
 from dualpath_ray.runtime.control.scheduler import build_core
 from dualpath_ray.scheduling.scheduler import SchedulerCore

@@ -1,4 +1,9 @@
-"""ReaderCore without Ray: read queue and SNIC accounting per verified block, failed reads, writes."""
+"""ReaderCore without Ray: read queue and SNIC accounting per verified block, failed reads, writes.
+
+Each core is built as the actor's `build_core` builds one, from plain settings and its
+collaborators: a local store in tmp_path, plain (unpaced) SNIC links and an empty fault plan,
+unless a test hands in an emulated link or the in-process fakes of tests/fakes.py.
+"""
 
 from __future__ import annotations
 
@@ -8,25 +13,50 @@ import pytest
 import torch
 
 from dualpath_ray.config import DualPathConfig
-from dualpath_ray.kv.index import block_keys, namespace_for
+from dualpath_ray.faults.injector import FaultInjector, InjectedFault
+from dualpath_ray.faults.plan import FaultMode, FaultPlan, FaultSite
 from dualpath_ray.kv.errors import BadBlockError
+from dualpath_ray.kv.index import block_keys, namespace_for
+from dualpath_ray.kv.layout import KVLayout
+from dualpath_ray.kv.local_store import LocalDirStore
 from dualpath_ray.protocol.messages import PersistedBlock
-from dualpath_ray.runtime.reader.actor import ReaderCore
+from dualpath_ray.runtime.emulation.links import FifoTurns, Link, TokenBucket
+from dualpath_ray.runtime.reader.core import ReaderCore, ReaderFaults, ReaderSettings
+from dualpath_ray.runtime.reader.snic import SnicLink
+from tests.fakes import FakeSnicLink, ScriptedFaults
+
+STALE_TEMPORARY_S = 600.0
 
 
-def reader_config(tmp_path: Path) -> DualPathConfig:
+def kv_layout() -> KVLayout:
+    """The default model's KV layout, at the default block size."""
     cfg = DualPathConfig()
-    return cfg.model_copy(
-        update={
-            "cluster": cfg.cluster.model_copy(update={"buffer_blocks_per_node": 8}),
-            "emulation": cfg.emulation.model_copy(update={"enabled": False}),
-            "store": cfg.store.model_copy(update={"root": str(tmp_path)}),
-        }
+    return KVLayout.from_model(cfg.model, cfg.store.block_size)
+
+
+def reader_core(
+    root: Path,
+    *,
+    buffer_blocks: int = 8,
+    links: tuple[SnicLink, SnicLink] | None = None,
+    faults: ReaderFaults | None = None,
+    incarnation: str = "",
+) -> ReaderCore:
+    """Node n0's reader over a local store at `root`; plain links and no faults unless given."""
+    layout = kv_layout()
+    settings = ReaderSettings(
+        node_id="n0", buffer_blocks=buffer_blocks, lease_timeout_s=60.0,
+        stale_temporary_s=STALE_TEMPORARY_S, incarnation=incarnation,
+    )
+    return ReaderCore(
+        settings, layout, LocalDirStore(root, layout),
+        links or (Link("snic-read/n0"), Link("snic-write/n0")),
+        faults or FaultInjector(FaultPlan(), "reader/n0"),
     )
 
 
 def test_reader_read_queue_drops_per_verified_block(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    core = ReaderCore(reader_config(tmp_path), "n0", str(tmp_path))
+    core = reader_core(tmp_path)
     layout = core.layout
     keys = block_keys(list(range(4 * layout.block_size)), layout.block_size, namespace_for("reader", 0))
     for i, key in enumerate(keys):
@@ -60,7 +90,7 @@ def test_a_read_waiting_for_its_extent_counts_in_the_read_queue_only_on_the_pe_p
     import threading
     import time
 
-    core = ReaderCore(reader_config(tmp_path), "n0", str(tmp_path))
+    core = reader_core(tmp_path)
     layout = core.layout
     keys = block_keys(list(range(2 * layout.block_size)), layout.block_size, namespace_for("wait", 0))
     for key in keys:
@@ -84,7 +114,7 @@ def test_a_read_waiting_for_its_extent_counts_in_the_read_queue_only_on_the_pe_p
 
 
 def test_reader_failed_read_frees_the_extent_and_empties_the_queue(tmp_path: Path) -> None:
-    core = ReaderCore(reader_config(tmp_path), "n0", str(tmp_path))
+    core = reader_core(tmp_path)
     layout = core.layout
     keys = block_keys(list(range(4 * layout.block_size)), layout.block_size, namespace_for("reader", 1))
     for i, key in enumerate(keys[:2]):
@@ -106,15 +136,12 @@ def test_an_emulated_snic_serves_whole_reads_first_come_first_served(tmp_path: P
     import threading
     import time
 
-    cfg = reader_config(tmp_path)
-    layout = ReaderCore(cfg, "probe", str(tmp_path / "probe")).layout
+    layout = kv_layout()
     # 4 blocks per read at 20 blocks/s: 0.2 s a read alone.
-    gbps = 20 * layout.full_block_bytes * 8 / 1e9
-    cfg = cfg.model_copy(update={
-        "emulation": cfg.emulation.model_copy(update={"enabled": True, "burst_seconds": 0.001}),
-        "cluster": cfg.cluster.model_copy(update={"snic_gbps": gbps, "buffer_blocks_per_node": 16}),
-    })
-    core = ReaderCore(cfg, "n0", str(tmp_path))
+    rate = 20 * layout.full_block_bytes
+    links = (Link("snic-read/n0", TokenBucket(rate, rate * 0.001), FifoTurns()),
+             Link("snic-write/n0", TokenBucket(rate, rate * 0.001), FifoTurns()))
+    core = reader_core(tmp_path, buffer_blocks=16, links=links)
     reads = {}
     for name in ("a", "b", "c"):
         keys = block_keys(list(range(4 * layout.block_size)), layout.block_size, namespace_for(name, 0))
@@ -151,7 +178,7 @@ def test_an_emulated_snic_serves_whole_reads_first_come_first_served(tmp_path: P
 
 
 def test_write_extent_stores_its_blocks_and_frees_the_extent_even_on_failure(tmp_path: Path) -> None:
-    core = ReaderCore(reader_config(tmp_path), "n0", str(tmp_path))
+    core = reader_core(tmp_path)
     layout = core.layout
     keys = block_keys(list(range(2 * layout.block_size)), layout.block_size, namespace_for("reader", 2))
     extent = core.lease("r1", 3)
@@ -177,23 +204,23 @@ def test_a_starting_reader_sweeps_temporaries_of_crashed_puts_only_once_they_are
     import os
     import time
 
-    first = ReaderCore(reader_config(tmp_path), "n0", str(tmp_path))
+    first = reader_core(tmp_path)
     key = block_keys(list(range(first.layout.block_size)), first.layout.block_size, namespace_for("reader", 3))[0]
     folder = first.store.path_of(key).parent
     folder.mkdir(parents=True, exist_ok=True)
     stale, fresh = folder / f".{key}.1.aaaa.tmp", folder / f".{key}.2.bbbb.tmp"
     for temp in (stale, fresh):
         temp.write_bytes(b"half a block")
-    old = time.time() - 2 * first.cfg.store.stale_temporary_s
+    old = time.time() - 2 * first.settings.stale_temporary_s
     os.utime(stale, (old, old))
-    restarted = ReaderCore(reader_config(tmp_path), "n0", str(tmp_path))
+    restarted = reader_core(tmp_path)
     assert restarted.swept_temporaries == 1, "exactly the stale temporary is swept at start"
     assert not stale.exists() and fresh.exists(), "a young temporary may be a put still running elsewhere"
     assert not restarted.store.contains(key), "a temporary never becomes a block"
 
 
 def test_a_corrupt_block_is_named_by_key_and_its_extent_freed(tmp_path: Path) -> None:
-    core = ReaderCore(reader_config(tmp_path), "n0", str(tmp_path))
+    core = reader_core(tmp_path)
     layout = core.layout
     keys = block_keys(list(range(3 * layout.block_size)), layout.block_size, namespace_for("reader", 4))
     for i, key in enumerate(keys):
@@ -211,7 +238,7 @@ def test_a_corrupt_block_is_named_by_key_and_its_extent_freed(tmp_path: Path) ->
 
 
 def test_reclaim_frees_a_dead_attempts_extents_and_a_late_free_is_harmless(tmp_path: Path) -> None:
-    core = ReaderCore(reader_config(tmp_path), "n0", str(tmp_path))
+    core = reader_core(tmp_path)
     dead, alive = core.lease("r1#0", 2), core.lease("r2#0", 3)
     assert core.reclaim("r1#0") == 1, "the dead attempt's one extent is reclaimed"
     counts = core.pool.check_integrity()
@@ -220,3 +247,72 @@ def test_reclaim_frees_a_dead_attempts_extents_and_a_late_free_is_harmless(tmp_p
     assert core.pool.check_integrity().leased == 3, "a late free of a reclaimed extent frees nothing else"
     core.free(alive.extent_id)
     assert core.pool.check_integrity().free == core.pool.capacity, "every slot is free again"
+
+
+def test_the_core_runs_on_in_process_fakes_of_its_links_and_fault_plan(tmp_path: Path) -> None:
+    """With recording SNIC links and a scripted fault plan (tests/fakes.py) the core's fault sites
+    are hit exactly where it says: a store_read fault is decided before that block pays the SNIC,
+    a corrupt one is caught by the real checksum and named on both sides of the integrity check,
+    and a dropped publish claims success, pays the SNIC but never reaches the store or the counter."""
+    events: list[str] = []
+    read_link, write_link = FakeSnicLink("snic-read/n0", events=events), FakeSnicLink("snic-write/n0", events=events)
+    # One block per read: the store reads a batch's blocks on several threads, so only a
+    # one-block read fixes which block meets which scripted decision.
+    faults = ScriptedFaults({
+        FaultSite.STORE_READ: [FaultMode.FAIL, FaultMode.CORRUPT, None],
+        FaultSite.STORE_PUBLISH: [FaultMode.DROP, None],
+    })
+    core = reader_core(tmp_path, links=(read_link, write_link), faults=faults)
+    layout = core.layout
+    block = layout.full_block_bytes
+    keys = block_keys(list(range(3 * layout.block_size)), layout.block_size, namespace_for("fakes", 0))
+    for i, key in enumerate(keys):
+        core.store.put(key, torch.full(layout.full_block_shape, i + 1, dtype=torch.uint8))
+
+    with pytest.raises(InjectedFault, match="store_read"):
+        core.read_blocks("r1", keys[:1], 1, "pe")
+    assert read_link.takes == [], "a failed block never pays the SNIC: its fault is decided first"
+    assert core.read_q() == 0 and core.pool.check_integrity().free == core.pool.capacity, (
+        "an injected read failure leaves no queued tokens and no leased slot"
+    )
+
+    with pytest.raises(BadBlockError) as failed:
+        core.read_blocks("r2", keys[1:2], 1, "de")
+    assert (failed.value.kind, failed.value.key) == ("corrupt", keys[1]), "the damaged block is caught at read"
+    assert core.integrity_keys() == ([keys[1]], [keys[1]]), "what the plan damaged is exactly what was found"
+    assert read_link.takes == [block], "a damaged block was read, so it paid the SNIC"
+
+    extent = core.read_blocks("r3", keys[2:], 2, "pe")
+    assert int(core.pool.full_block(extent.slots[0])[0, 0, 0]) == 3, "a block with no fault is read as stored"
+    assert (core.counters.snic_read["pe"], core.counters.snic_read["de"]) == (block, 0), (
+        "only verified blocks are counted, by their path"
+    )
+
+    events.clear()
+    core.pool.full_block(extent.slots[1]).fill_(7)
+    core.store.delete(keys[1])
+    blocks = [(1, PersistedBlock(keys[1], None)), (0, PersistedBlock(keys[2], keys[1]))]
+    assert core.write_extent(extent.extent_id, blocks) == 1, "the dropped write claims a new block; the other was stored already"
+    assert events == ["take snic-write/n0"] * 2, "persists pay the write direction only, once per block"
+    assert not core.store.contains(keys[1]), "a dropped publish never reaches the store"
+    assert core.counters.snic_write == block, "only the write that happened is counted"
+    assert faults.asked == [FaultSite.STORE_READ] * 3 + [FaultSite.STORE_PUBLISH] * 2, "every site event asked once"
+    assert {label: c.injected for label, c in core.fault_counts().items()} == {
+        "store_read:fail": 1, "store_read:corrupt": 1, "store_publish:drop": 1,
+    }, "the core reports its injector's counts"
+    assert core.pool.check_integrity().free == core.pool.capacity, "the persisted extent is freed"
+    core.store.close()
+
+
+def test_an_inactive_fault_plan_is_never_asked(tmp_path: Path) -> None:
+    """Without faults the core skips its fault sites entirely (the fake fails if asked)."""
+    link = FakeSnicLink("snic-read/n0")
+    core = reader_core(tmp_path, links=(link, FakeSnicLink("snic-write/n0")), faults=ScriptedFaults())
+    layout = core.layout
+    keys = block_keys(list(range(2 * layout.block_size)), layout.block_size, namespace_for("fakes", 1))
+    for key in keys:
+        core.store.put(key, torch.zeros(layout.full_block_shape, dtype=torch.uint8))
+    extent = core.read_blocks("r1", keys, 2, "pe")
+    assert link.takes == [layout.full_block_bytes] * 2, "each hit block pays the SNIC once"
+    assert core.write_extent(extent.extent_id, [(0, PersistedBlock(keys[0], None))]) == 0, "already stored"
+    core.store.close()

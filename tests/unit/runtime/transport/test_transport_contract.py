@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 
+from dualpath_ray.config.verbs import VerbsConfig
 from dualpath_ray.runtime.transport.base import (
     TRANSPORT_GROUP,
     PoolInfo,
@@ -24,13 +25,12 @@ from dualpath_ray.runtime.transport.base import (
     check_moves,
     check_region,
     coalesce_moves,
-    endpoint_actor_options,
-    make_transport,
     next_state,
 )
+from dualpath_ray.runtime.transport.endpoint import endpoint_actor_options
+from dualpath_ray.runtime.transport.factory import make_transport
 from dualpath_ray.runtime.transport.gloo import _MAX_TAG, _TAG_RANGES, _TagCounter
 from dualpath_ray.runtime.transport.verbs import VerbsTransport
-from dualpath_ray.runtime.transport.verbs_config import VerbsConfig
 from dualpath_ray.runtime.transport.nixl import (
     apply_ucx_environment,
     descriptor_groups,

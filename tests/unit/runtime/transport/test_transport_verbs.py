@@ -16,15 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from dualpath_ray.runtime.deploy.qos import QosConfig, kv_transport_knobs
-from dualpath_ray.runtime.transport.base import (
-    PeerDiedError,
-    Region,
-    TransportError,
-    make_transport,
-)
+from dualpath_ray.config.qos import QosConfig
+from dualpath_ray.config.verbs import VerbsConfig
+from dualpath_ray.runtime.deploy.qos import kv_transport_knobs
+from dualpath_ray.runtime.transport.base import PeerDiedError, Region, TransportError
+from dualpath_ray.runtime.transport.factory import make_transport
 from dualpath_ray.runtime.transport.verbs import VerbsTransport
-from dualpath_ray.runtime.transport.verbs_config import VerbsConfig
 from dualpath_ray.runtime.transport.verbs_layer import (
     LINK_ETHERNET,
     PathAttributes,

@@ -6,6 +6,10 @@ the callee did the work but the caller sees an error (only calls with a reply ca
 Transfers (layer_transfer, buffer_to_hbm): fail raises at the wait; corrupt flips one byte of
 what arrives (a read: the local destination after it landed; a write: the local source while
 it is in flight, restored afterwards, so only the peer's copy is damaged).
+
+These wrappers live on the runtime side: they wrap runtime/engine/ports.py's ports and raise
+the transport's errors, while faults/ (the plan and the injector that decides) stays a pure
+layer that never imports runtime/.
 """
 
 from __future__ import annotations

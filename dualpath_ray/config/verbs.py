@@ -1,7 +1,7 @@
 """The `verbs` config section: which RDMA port the pyverbs transport uses, and its queue pairs.
 
 Read only when `runtime.transport: verbs`. The KV service level / traffic class of the queue
-pairs come from the `qos` section (runtime/deploy/qos.py), not from here.
+pairs come from the `qos` section (config/qos.py), not from here.
 """
 
 from __future__ import annotations

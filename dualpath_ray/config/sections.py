@@ -1,0 +1,226 @@
+"""The sections of the tree that describe the cluster and how it runs: hardware and topology
+(`cluster`), the block store (`store`), the scheduler's constants (`scheduler`), emulated
+hardware (`emulation`), the simulator (`sim`) and the runtime (`runtime`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from dualpath_ray.config.section import Section
+from dualpath_ray.scheduling.types import Mode
+
+
+class ClusterConfig(Section):
+    """The P/D topology and the hardware rates of each node (paper section 4)."""
+
+    prefill_nodes: int = Field(1, ge=1)
+    decode_nodes: int = Field(1, ge=1)
+    gpus_per_node: int = Field(2, ge=1, description="g: engines per node, one per GPU.")
+    snic_gbps: float = Field(
+        400.0, gt=0, description="Per-node storage NIC, Gbit/s in each direction (reads and persists do not share it)."
+    )
+    cnic_gbps: float = Field(400.0, gt=0, description="Per-GPU compute NIC, Gbit/s.")
+    dram_gbs: float = Field(500.0, gt=0, description="Per-node DRAM bandwidth, GB/s.")
+    hbm_tokens_per_engine: int = Field(
+        65536, ge=1, description="KV capacity of one engine's HBM, in tokens."
+    )
+    buffer_blocks_per_node: int = Field(
+        1024, ge=1, description="Host staging buffer of each node, in Full Blocks."
+    )
+    cpus_per_node: float = Field(2.0, gt=0, description="Ray CPUs of each embedded node.")
+    prefill_hbm_tokens: int = Field(
+        65536,
+        ge=1,
+        description="KV tokens one prefill engine holds per layer of its window (hit + computed "
+        "tokens of a whole batch); must be >= model.max_context so any prompt fits alone.",
+    )
+    pin_host_buffers: bool = Field(
+        True, description="Pin the host buffers of nodes that have a GPU (never without CUDA)."
+    )
+
+
+class StoreConfig(Section):
+    """Where Full Blocks persist."""
+
+    backend: Literal["local_dir", "memory"] = Field(
+        "local_dir", description="local_dir (default; also a shared NFS/3FS mount) or memory (tests)."
+    )
+    root: Path | None = Field(None, description="Directory of local_dir; None = a fresh temporary folder.")
+    block_size: int = Field(64, ge=1, description="Tokens per block.")
+    capacity_bytes: int | None = Field(
+        None, ge=1,
+        description="Most bytes of indexed Full Blocks the store keeps; beyond it the least recently "
+        "used blocks are evicted (a later lookup misses them). None = no limit.",
+    )
+    stale_temporary_s: float = Field(
+        600.0, gt=0,
+        description="Each reader deletes, when it starts, temporaries of puts that crashed longer ago than "
+        "this (younger ones may be a put still running on another node of a shared mount).",
+    )
+
+
+class SchedulerConfig(Section):
+    """Scheduler constants of paper section 6."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_pull_settings(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for key in ("fetch_interval_ms", "fetch_wait_ms"):
+                if key in data:
+                    raise ValueError(
+                        f"{key} is gone: engines no longer pull work, the scheduler pushes it when it decides; "
+                        "remove the key (scheduler.report_interval_ms sets how often read queues are reported)"
+                    )
+        return data
+
+    alpha_seconds: float = Field(3.0, gt=0, description="alpha = tokens the SNIC reads in this many seconds.")
+    beta_seconds: float = Field(
+        5.0, gt=0,
+        description="beta = tokens one GPU prefills (computes: prompt minus hits) in this many seconds of typical "
+        "requests; a prefill engine with more than beta such tokens queued gets no new work.",
+    )
+    compute_quota_ms: float = Field(300.0, gt=0, description="Per-batch predicted attention time.")
+    z_margin: float = Field(1.05, ge=1.0, description="Z margin of the in-group decode assignment.")
+    report_interval_ms: float = Field(
+        51.0, gt=0,
+        description="A storage reader tells the scheduler its read queue when it changes, at most this often; "
+        "a decode group whose loads or read queue changed is asked again at most this often (the read-path "
+        "choice compares these queues). Nothing is sent while nothing changes. The default is the cadence "
+        "the simulator's committed figures were made with (benchmarks/README.md).",
+    )
+    report_port: int = Field(
+        0, ge=0, le=65535,
+        description="TCP port on the scheduler's node where engines and readers send their reports (the report "
+        "channel: authenticated with a per-incarnation secret handed out through Ray). 0 picks a free port at "
+        "each start; set one where a firewall must allow it between the nodes.",
+    )
+    read_split: Literal["whole", "proportional"] = Field(
+        "whole",
+        description="How one request's hit blocks are read: whole = all through the side with the shorter read "
+        "queue (the paper's); proportional = split between the prefill-side and decode-side readers in proportion "
+        "to their read-queue headroom below alpha (the paper's future work; so far the simulator only).",
+    )
+
+
+class EmulationConfig(Section):
+    """Emulated hardware for one machine; off on real hardware."""
+
+    enabled: bool = Field(True, description="Token buckets for SNIC/CNIC at the cluster rates.")
+    compute: Literal["model", "profile"] = Field(
+        "model", description="model: the real model computes; profile: time from the latency model."
+    )
+    profile_path: Path | None = Field(
+        None, description="Hardware profile JSON (`dualpath profile`); None = the built-in default."
+    )
+    burst_seconds: float = Field(0.05, gt=0, description="Token-bucket depth in seconds of rate.")
+
+
+class SimConfig(Section):
+    """The cluster simulator (`dualpath sim`, dualpath_ray/sim/); the runtime ignores this section.
+
+    With both profiles given, the simulator models that GPU-class node and model (engine time from
+    FLOPs and bytes, model/cost.py), and the cluster section's hardware fields it leaves out are
+    filled from the hardware profile. Without them it models this machine: engine time from the
+    emulation profile (emulation.profile_path) and the model section's KV layout.
+    """
+
+    hardware_profile: Path | None = Field(
+        None, description="GPU-class node profile YAML (cluster_configs/profiles/hardware/)."
+    )
+    model_profile: Path | None = Field(None, description="Model profile YAML (cluster_configs/profiles/models/).")
+
+    @model_validator(mode="after")
+    def _profiles_together(self) -> SimConfig:
+        if (self.hardware_profile is None) != (self.model_profile is None):
+            raise ValueError("give both hardware_profile and model_profile, or neither")
+        return self
+
+
+class RuntimeConfig(Section):
+    """How the runtime runs a workload."""
+
+    mode: Mode = Field(Mode.DUALPATH, description="dualpath (both read paths), basic (the prefill side only) or oracle (no I/O).")
+    transport: Literal["auto", "nixl", "gloo", "verbs"] = Field(
+        "auto",
+        description="KV transport between nodes: nixl (RDMA-capable, the nixl package), gloo (TCP "
+        "fallback), verbs (RC queue pairs through pyverbs, the rdma extra; needs an RDMA NIC, see the "
+        "verbs section), or auto = nixl when the nixl package is importable where the config is loaded, "
+        "else gloo (never verbs). The loaded config always holds the resolved kind.",
+    )
+    hbm_moves: Literal["transport", "cuda_copy"] = Field(
+        "transport",
+        description="How layer blocks move into and out of a GPU engine's HBM: transport = the HBM pools are "
+        "registered with the KV transport, so every move is an RDMA operation through the GPU's compute NIC "
+        "(the paper's CNIC-centric rule; needs nixl or verbs, and GPUDirect RDMA to avoid staging); cuda_copy "
+        "= the transport moves a pinned host mirror of each HBM pool and the engine copies it to and from HBM "
+        "with CUDA copies (works with every transport; costs host memory the size of the pools). CPU engines "
+        "have no HBM: both are the same there.",
+    )
+    namespace: str = Field("dualpath", min_length=1, description="Ray namespace of all actors.")
+    max_new_tokens: int = Field(16, ge=1, description="Default generation length per turn.")
+    placement_timeout_s: float = Field(
+        60.0, gt=0, description="How long to wait for the P/D placement groups before failing."
+    )
+    verify_kv: bool = Field(
+        False, description="Decode engines check every assembled KV byte (tests; costs a recompute)."
+    )
+    kv_digests: bool = Field(
+        True,
+        description="Check per-token digests of KV at every hop (buffer -> prefill window, window -> "
+        "decode buffer -> HBM) before it is used; a damaged transfer is read again once, then fails the attempt.",
+    )
+    @field_validator("transport")
+    @classmethod
+    def _resolve_auto_transport(cls, kind: str) -> str:
+        # Resolved once on the driver so every actor of a cluster gets the same concrete kind.
+        if kind != "auto":
+            return kind
+        import importlib.util
+
+        return "nixl" if importlib.util.find_spec("nixl") is not None else "gloo"
+
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="Where engines compute: auto = the GPU Ray gave the actor, else the CPU."
+    )
+    compute_threads: int = Field(1, ge=1, description="torch CPU threads of each engine on the CPU.")
+    transfer_timeout_s: float = Field(
+        60.0, gt=0, description="Longest wait for one KV transfer before it fails."
+    )
+    max_attempts: int = Field(
+        3, ge=1, description="Tries of one turn: a retryable failure (a bad or missing hit block, a "
+        "failed transfer, a dead engine or reader) is retried with attempt + 1 until this many.",
+    )
+    kv_failure_policy: Literal["recompute", "fail"] = Field(
+        "recompute",
+        description="A hit block that is missing or fails its checksum: recompute (drop it and the "
+        "blocks after it from the index, delete a corrupt one, retry from the longest valid prefix) "
+        "or fail (the turn ends with error_kind kv_missing / kv_corrupt).",
+    )
+    request_timeout_s: float = Field(
+        900.0, gt=0, description="Longest a turn may take, queueing and retries included; then it "
+        "ends with error_kind timeout instead of waiting on.",
+    )
+    heartbeat_s: float = Field(
+        1.0, gt=0, description="How often the scheduler checks that the engines holding requests are alive."
+    )
+    heartbeat_timeout_s: float = Field(
+        10.0, gt=0, description="An engine that does not answer a heartbeat this long counts as dead."
+    )
+    max_persists_in_flight: int = Field(
+        64, ge=1, description="Full Blocks one decode engine may have on their way to the store."
+    )
+    max_actor_restarts: int = Field(
+        3, ge=0, description="How often Ray restarts a dead engine or storage reader (per actor). A "
+        "restarted one rejoins with a new incarnation: what its dead incarnation held is failed and "
+        "retried, and it takes work again. 0: a dead engine or reader is left out for good.",
+    )
+    metrics: bool = Field(
+        True, description="Export the dualpath_* Ray metrics (docs/metrics.md) from every actor and driver."
+    )
+    metrics_interval_s: float = Field(
+        1.0, gt=0, description="How often each actor turns its byte counters and loads into Ray metrics."
+    )

@@ -1,0 +1,82 @@
+"""The root of the configuration tree, the checks that span sections, and validating a parsed
+mapping into it with errors that name the YAML path of each bad field."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import ValidationError, model_validator
+
+from dualpath_ray.config.model import ModelConfig
+from dualpath_ray.config.qos import QosConfig
+from dualpath_ray.config.section import ConfigError, Section
+from dualpath_ray.config.sections import (
+    ClusterConfig,
+    EmulationConfig,
+    RuntimeConfig,
+    SchedulerConfig,
+    SimConfig,
+    StoreConfig,
+)
+from dualpath_ray.config.verbs import VerbsConfig
+from dualpath_ray.faults.plan import FaultMode, FaultPlan, FaultSite
+
+
+class DualPathConfig(Section):
+    """The root of the configuration tree."""
+
+    model: ModelConfig = ModelConfig()
+    cluster: ClusterConfig = ClusterConfig()
+    store: StoreConfig = StoreConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    emulation: EmulationConfig = EmulationConfig()
+    runtime: RuntimeConfig = RuntimeConfig()
+    faults: FaultPlan = FaultPlan()
+    sim: SimConfig = SimConfig()
+    qos: QosConfig = QosConfig()
+    verbs: VerbsConfig = VerbsConfig()
+
+    @model_validator(mode="after")
+    def _prefill_window_holds_a_prompt(self) -> DualPathConfig:
+        if self.cluster.prefill_hbm_tokens < self.model.max_context:
+            raise ValueError(
+                f"cluster.prefill_hbm_tokens ({self.cluster.prefill_hbm_tokens}) must be >= "
+                f"model.max_context ({self.model.max_context}) so that any prompt fits a prefill engine"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _store_faults_need_files(self) -> DualPathConfig:
+        damages_files = any(f.site is FaultSite.STORE_READ and f.mode is FaultMode.CORRUPT for f in self.faults.faults)
+        if damages_files and self.store.backend != "local_dir":
+            raise ValueError("faults: store_read corrupt damages block files; it needs store.backend: local_dir")
+        return self
+
+    def with_overrides(self, **sections: dict[str, Any]) -> DualPathConfig:
+        """A copy with some fields of some sections replaced, validated like a file."""
+        data = self.model_dump()
+        for name, fields in sections.items():
+            if name not in data:
+                raise ConfigError(f"{name}: unknown section; allowed: {', '.join(data)}")
+            data[name].update(fields)
+        return parse_config(data, source="<overrides>")
+
+
+def _describe(error: dict[str, Any]) -> str:
+    path = ".".join(str(p) for p in error["loc"]) or "<root>"
+    if error["type"] == "extra_forbidden":
+        return f"{path}: unknown key; remove it or check its spelling"
+    return f"{path}: {error['msg']} (got {error.get('input')!r})"
+
+
+def parse_config(data: Any, source: str = "<dict>") -> DualPathConfig:
+    """Validate a parsed mapping; raise ConfigError naming every bad YAML path."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping of sections")
+    try:
+        return DualPathConfig.model_validate(data)
+    except ValidationError as exc:
+        lines = "\n  ".join(_describe(e) for e in exc.errors())
+        raise ConfigError(f"{source}: invalid configuration\n  {lines}") from None

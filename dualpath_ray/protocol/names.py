@@ -1,0 +1,33 @@
+"""The one place that spells the names processes find each other by.
+
+Actors are named in the deployment's Ray namespace (`ray.get_actor(name, namespace=...)`), and the
+same strings label metrics, log lines, fault plans (`actors: reader/*`) and heartbeats, so a name
+spelled twice is a lookup that silently finds nothing once one spelling changes. Transports
+register memory pools by name; a peer addresses a pool with the name the owner registered.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+SCHEDULER = "scheduler"  # the singleton Scheduler actor (runtime/control/scheduler.py)
+ROLLOUT_SERVER = "rollout-server"  # the RolloutServer front end (api/server.py), when deployed
+OPENAI_SERVER = "openai-server"  # the OpenAI-compatible HTTP front end (api/openai_server.py)
+
+
+def reader_name(node_id: str) -> str:
+    """The storage reader of a node: one per node, prefill and decode alike."""
+    return f"reader/{node_id}"
+
+
+def engine_name(role: str, node_id: str, gpu: int) -> str:
+    """An engine: role ("prefill" or "decode"), node and GPU index, e.g. prefill/p0/g1."""
+    return f"{role}/{node_id}/g{gpu}"
+
+
+class Pool(StrEnum):
+    """Memory pools a transport endpoint registers, by who owns them."""
+
+    BUFFER = "buffer"  # a reader's host buffer (kv/pool.py): staged hit KV and outgoing blocks
+    HBM = "hbm"  # a decode engine's KV pages (kv/paged.py)
+    WINDOW = "window"  # a prefill engine's layer window (kv/window.py)

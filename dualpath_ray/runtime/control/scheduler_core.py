@@ -1,0 +1,29 @@
+"""The scheduler core of a deployment, built from its configuration and its store.
+
+The pure core (scheduling/scheduler.py) takes its parts ready-made; this builds them the way a
+deployment needs them: the Scheduler actor (runtime/control/scheduler.py) builds one per
+incarnation, and tests build the same one without Ray.
+"""
+
+from __future__ import annotations
+
+from dualpath_ray.config import DualPathConfig
+from dualpath_ray.kv.eviction import LRUEviction
+from dualpath_ray.kv.index import PrefixIndex
+from dualpath_ray.kv.layout import KVLayout
+from dualpath_ray.kv.store import open_store
+from dualpath_ray.model.profile import derive_alpha_beta
+from dualpath_ray.scheduling.dispatcher import Constants
+from dualpath_ray.scheduling.scheduler import CoreSettings, SchedulerCore
+
+
+def build_core(cfg: DualPathConfig, store_root: str | None, mode: str, epoch: int = 0) -> SchedulerCore:
+    """The scheduler core of a deployment: its index rebuilt from the store, the store's
+    capacity, and alpha/beta of the configured cluster and model."""
+    layout = KVLayout.from_model(cfg.model, cfg.store.block_size)
+    store = open_store(cfg.store, layout, root=store_root)
+    index = PrefixIndex.rebuild(store, cfg.store.block_size)
+    eviction = LRUEviction(index, store, cfg.store.capacity_bytes, layout.full_block_bytes)
+    alpha, beta = derive_alpha_beta(cfg, layout)
+    settings = CoreSettings.of(cfg, mode, Constants(alpha, beta, cfg.scheduler.z_margin), epoch)
+    return SchedulerCore(settings, index, eviction, store)

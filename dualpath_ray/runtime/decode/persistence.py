@@ -1,0 +1,163 @@
+"""A decode engine's persistence: every block its requests fill, on its way to the store.
+
+One stage of a request's life on a decode engine, an object its DecodeCore (runtime/decode/core.py)
+holds. Persistence has one owner per block: the request that filled it. Prompt blocks that were
+not hits are written by the node's reader straight from the extent (they are already in the
+buffer), which is freed after; a block that fills up while decoding is pulled from its page by
+the reader (D2H) and written. At most `max_persists_in_flight` pulled blocks are on their way at
+once; more wait in the request's queue (back-pressure, never a failure). The core reports a turn
+only after every one of its blocks is published (`pending`), so the next turn never misses a
+block this one produced. Keys extend the chain block by block (`next_block_key`), O(n) per
+request. Oracle mode writes each block from its page into the store in place.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Sequence
+
+from dualpath_ray.kv.block_store import BlockStore
+from dualpath_ray.kv.index import next_block_key
+from dualpath_ray.kv.layout import KVLayout
+from dualpath_ray.kv.paged import PagedKVPool
+from dualpath_ray.protocol.counters import NodeCounters
+from dualpath_ray.protocol.messages import PersistedBlock
+from dualpath_ray.runtime.decode.job import DecodeJob, DecodeSettings, DecodeStats
+from dualpath_ray.runtime.emulation.links import Link
+from dualpath_ray.runtime.engine.ports import ReaderPort
+from dualpath_ray.scheduling.types import ReadPath
+
+
+class DecodePersistence:
+    """The blocks of every job on one decode engine from filled to published. It owns the count of
+    pulled blocks in flight (the back-pressure budget); each job carries its own queue, its
+    persists on their way and the blocks published so far."""
+
+    def __init__(
+        self,
+        settings: DecodeSettings,
+        layout: KVLayout,
+        pages: PagedKVPool,
+        readers: ReaderPort,
+        store: BlockStore | None,
+        metering: tuple[Link, NodeCounters, DecodeStats],
+    ) -> None:
+        self.settings = settings
+        self.layout = layout
+        self.pages = pages
+        self.readers = readers
+        self.store = store
+        self.cnic_out, self.counters, self.stats = metering
+        self._in_flight = 0  # pulled blocks posted and not yet settled, over all jobs
+
+    def persist_prompt(self, job: DecodeJob) -> None:
+        """Prompt blocks that were not hits: written from the extent, which is then freed."""
+        assert job.handoff is not None
+        task = job.handoff.task
+        size = self.layout.block_size
+        first = task.hit_tokens // size
+        blocks = []
+        for block in range(first, job.prompt_len // size):
+            blocks.append((block, self._next_key(job, block)))
+        if task.oracle:
+            for block, persisted in blocks:
+                self._oracle_write(job, block, persisted)
+            return
+        extent = job.handoff.extent
+        assert extent is not None
+        if not blocks:
+            self.readers.free(extent)
+            return
+        # Not counted against max_persists_in_flight: these blocks already sit in a leased extent
+        # and need no staging slot; the budget bounds the D2H staging of filled pages.
+        job.extent_persist = self.readers.persist_extent(extent, blocks)
+        job.extent_blocks = tuple(p for _, p in blocks)
+
+    def block_filled(self, job: DecodeJob, block: int) -> None:
+        """A decode step filled the job's `block`: keyed now (the chain is in token order), and
+        written at once in oracle mode or queued for the reader to pull from its page."""
+        assert job.handoff is not None
+        persisted = self._next_key(job, block)
+        if job.handoff.task.oracle:
+            self._oracle_write(job, block, persisted)
+        else:
+            job.queued.append((self.pages.table(job.owner)[block], persisted))
+
+    def pending(self, job: DecodeJob) -> bool:
+        """Whether a block of the job is still queued or on its way (its turn cannot end yet)."""
+        return bool(job.persists or job.queued or job.extent_persist is not None)
+
+    def post(self, jobs: Sequence[DecodeJob]) -> bool:
+        """Post queued blocks of `jobs`, in order, while the in-flight budget has room; True when
+        any was posted. A job that finds no room waits for the next step, as do those after it."""
+        did = False
+        for job in jobs:
+            if not job.queued:
+                continue
+            room = self.settings.max_persists_in_flight - self._in_flight
+            if room <= 0:
+                self.stats.persist_waits += 1
+                break
+            blocks = [job.queued.popleft() for _ in range(min(room, len(job.queued)))]
+            nbytes = len(blocks) * self.layout.full_block_bytes
+            self.cnic_out.take(nbytes)
+            self.counters.cnic_out[ReadPath(job.handoff.task.path).side.value] += nbytes  # type: ignore[union-attr]
+            pending = self.readers.persist_pages(self.settings.node_id, job.owner, blocks)
+            job.persists.append((pending, tuple(p for _, p in blocks)))
+            self._in_flight += len(blocks)
+            self.stats.max_persists_in_flight = max(self.stats.max_persists_in_flight, self._in_flight)
+            did = True
+        return did
+
+    def settle(self, job: DecodeJob) -> tuple[bool, BaseException | None]:
+        """Collect the job's finished persists: (whether any settled, the error of a failed one).
+        A failed persist fails the request (the turn cannot be reported without its blocks); the
+        caller does that."""
+        still, settled, error = [], False, None
+        if job.extent_persist is not None:
+            try:
+                if job.extent_persist.done():
+                    job.extent_persist.wait(0)
+                    job.persisted[:0] = job.extent_blocks
+                    self.stats.persisted_blocks += len(job.extent_blocks)
+                    job.extent_persist, settled = None, True
+            except Exception as exc:  # noqa: BLE001 - the turn cannot be reported without its blocks
+                job.extent_persist, error = None, exc
+        for pending, blocks in job.persists:
+            try:
+                done = pending.done()
+                if done:
+                    pending.wait(0)
+            except Exception as exc:  # noqa: BLE001 - the turn cannot be reported without its blocks
+                self._in_flight -= len(blocks)
+                error = exc
+                continue
+            if done:
+                self._in_flight -= len(blocks)
+                job.persisted.extend(blocks)
+                self.stats.persisted_blocks += len(blocks)
+                settled = True
+            else:
+                still.append((pending, blocks))
+        job.persists = still
+        return settled, error
+
+    def abandon(self, job: DecodeJob) -> None:
+        """The job failed and its transfers ended (the caller waited for them): its blocks in
+        flight leave the budget, and nothing more of it is persisted."""
+        self._in_flight -= sum(len(blocks) for _, blocks in job.persists)
+        job.persists, job.queued, job.extent_persist = [], deque(), None
+
+    def _next_key(self, job: DecodeJob, block: int) -> PersistedBlock:
+        assert job.handoff is not None
+        size = self.layout.block_size
+        key = next_block_key(job.parent_key, job.tokens[block * size : (block + 1) * size], job.handoff.task.request.namespace)
+        persisted = PersistedBlock(key, job.parent_key)
+        job.parent_key = key
+        return persisted
+
+    def _oracle_write(self, job: DecodeJob, block: int, persisted: PersistedBlock) -> None:
+        assert self.store is not None
+        page = self.pages.page(self.pages.table(job.owner)[block])
+        self.store.put(persisted.key, page.cpu() if page.device.type != "cpu" else page, parent=persisted.parent)
+        job.persisted.append(persisted)

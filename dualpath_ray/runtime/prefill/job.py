@@ -1,0 +1,93 @@
+"""A prefill engine's request record and what its core is built from: the job's lifecycle (one
+transition function), its ports and settings. runtime/prefill/core.py has the logic and
+runtime/prefill/pipeline.py runs a batch of jobs layer by layer; both import the job from here,
+so neither imports the other's caller.
+
+STAGING (the readers lease and fill its extents) -> READY -> BATCHED -> HANDED_OFF, or back to
+READY after a chunk that does not end its prompt, or FAILED from any state before the handoff.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from dualpath_ray.protocol.messages import ExtentGrant, PrefillTask
+from dualpath_ray.runtime.engine.ports import Clock, DecodePort, Pending, ReaderPort, SchedulerPort, TransportPort
+
+
+class PrefillState(enum.Enum):
+    STAGING = "staging"
+    READY = "ready"
+    BATCHED = "batched"
+    HANDED_OFF = "handed_off"
+    FAILED = "failed"
+
+
+_MOVES = {
+    PrefillState.STAGING: {PrefillState.READY, PrefillState.FAILED},
+    PrefillState.READY: {PrefillState.BATCHED, PrefillState.FAILED},
+    PrefillState.BATCHED: {PrefillState.READY, PrefillState.HANDED_OFF, PrefillState.FAILED},
+    PrefillState.HANDED_OFF: set(),
+    PrefillState.FAILED: set(),
+}
+
+
+class PrefillTransitionError(RuntimeError):
+    pass
+
+
+@dataclass
+class PrefillJob:
+    """One request on this engine, from assignment to handoff."""
+
+    task: PrefillTask
+    prompt: np.ndarray
+    state: PrefillState = PrefillState.STAGING
+    computed: int = 0
+    staging: dict[str, Pending[ExtentGrant]] = field(default_factory=dict)
+    pe: ExtentGrant | None = None
+    de: ExtentGrant | None = None
+    oracle_kv: torch.Tensor | None = None
+    # Digests [n_layer, computed] of the KV of tokens [0, computed) as last verified or computed
+    # (None: runtime.kv_digests is off); the first chunk's come from the reader's grant.
+    digests: np.ndarray | None = None
+    chunks: int = 0
+
+    @property
+    def request_id(self) -> str:
+        return self.task.request.request_id
+
+    @property
+    def owner(self) -> str:
+        return self.task.request.owner
+
+
+def transition(job: PrefillJob, target: PrefillState) -> None:
+    """The one way a prefill job's state changes; an illegal move raises."""
+    if target not in _MOVES[job.state]:
+        raise PrefillTransitionError(f"request {job.request_id}: {job.state.value} -> {target.value}")
+    job.state = target
+
+
+@dataclass(frozen=True)
+class PrefillPorts:
+    readers: ReaderPort
+    transport: TransportPort
+    scheduler: SchedulerPort
+    decode: DecodePort
+    clock: Clock
+
+
+@dataclass(frozen=True)
+class PrefillSettings:
+    engine_id: str
+    node_id: str
+    reader: str
+    quota_ms: float
+    transfer_timeout_s: float
+    kv_digests: bool = True
+    cancel_horizon_s: float = 900.0  # how long a cancel is remembered (see runtime/engine/cancelled.py)

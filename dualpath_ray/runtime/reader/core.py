@@ -1,0 +1,307 @@
+"""The storage reader's logic, without Ray: buffer extents, hit-block reads, persists.
+
+`ReaderCore` is what the reader actor (runtime/reader/actor.py) runs for its node, and what the
+unit tests and the in-process engine harness (tests/engine_harness.py) call directly. It is
+handed plain settings (`ReaderSettings`) and its collaborators: the block store, the two
+directions of the node's SNIC (runtime/reader/snic.py) and the fault injector (`ReaderFaults`);
+the actor builds those from the config (`build_core`), a test may hand in fakes (tests/fakes.py).
+
+The read queue it reports (`read_q`) is the number of hit tokens whose blocks are waiting for,
+or being read through, the SNIC. A PE-path read counts from the moment it is asked, while it
+waits for its extent too: that extent is a cost of the PE path alone. A DE-path read counts only
+once its extent is leased: every request leases that decode-node extent whichever path reads its
+hits (the KV it sends lands there), so waiting for it says nothing about which side should read,
+and counting it made congested decode buffers push reads onto the prefill nodes' SNICs.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Protocol, Sequence
+
+import torch
+
+from dualpath_ray.faults.injector import FaultCount, InjectedFault
+from dualpath_ray.faults.plan import FaultMode, FaultSite, FaultSpec
+from dualpath_ray.faults.store import damage_stored_block
+from dualpath_ray.kv.block_store import BlockStore
+from dualpath_ray.kv.digest import block_digests
+from dualpath_ray.kv.errors import BadBlockError, BlockCorruptedError, BlockNotFoundError
+from dualpath_ray.kv.layout import KVLayout
+from dualpath_ray.kv.pool import BufferPool, Extent, ExtentState
+from dualpath_ray.protocol.counters import NodeCounters
+from dualpath_ray.protocol.messages import ExtentGrant, PersistedBlock
+from dualpath_ray.runtime.reader.snic import ReadTurn, SnicLink
+
+
+@dataclass(frozen=True)
+class ReaderSettings:
+    """What one node's reader core needs to know, as plain values (the actor takes them from the
+    config: cluster.buffer_blocks_per_node and pin_host_buffers, twice runtime.transfer_timeout_s,
+    runtime.kv_digests, store.stale_temporary_s)."""
+
+    node_id: str
+    buffer_blocks: int
+    lease_timeout_s: float
+    kv_digests: bool = True
+    # Temporaries of crashed puts older than this are swept at start; younger ones may be a put
+    # still running on another node of a shared mount.
+    stale_temporary_s: float = 600.0
+    pin_host_buffers: bool = False
+    # This process's transport incarnation: grants name it, so a free or persist addressed to an
+    # extent of a dead incarnation is recognised as stale (the actor checks it).
+    incarnation: str = ""
+
+
+class ReaderFaults(Protocol):
+    """The fault plan as the reader core asks it (faults/injector.py FaultInjector, or a fake)."""
+
+    @property
+    def active(self) -> bool:
+        """Whether any fault applies to this reader: without one the core never calls `decide`."""
+        ...
+
+    @property
+    def corruption_rng(self) -> random.Random:
+        """Where a store_read corrupt fault flips its byte."""
+        ...
+
+    def decide(self, site: FaultSite, method: str | None = None) -> FaultSpec | None: ...
+
+    def counts(self) -> dict[str, FaultCount]: ...
+
+
+class ReaderCore:
+    """The reader's logic, independent of Ray so the tests and the actor share it.
+
+    One lock (`_cond`) guards the extents, the read queue, the counters and the integrity keys
+    together: a verified block leaves the read queue in the same critical section that charges it
+    to the SNIC read counter, and a freed extent wakes the leases waiting for room under it."""
+
+    def __init__(
+        self,
+        settings: ReaderSettings,
+        layout: KVLayout,
+        store: BlockStore,
+        links: tuple[SnicLink, SnicLink],
+        faults: ReaderFaults,
+    ) -> None:
+        self.settings = settings
+        self.node_id = settings.node_id
+        self.incarnation = settings.incarnation
+        self.layout = layout
+        self.store = store
+        # A writer that crashed between write and publish left a temporary no reader will ever
+        # see (publish is an atomic rename); sweep those once at start so they do not pile up.
+        self.swept_temporaries = store.remove_stale_temporaries(settings.stale_temporary_s)
+        self.pool = BufferPool(settings.buffer_blocks, layout, pin=settings.pin_host_buffers)
+        # (read, write): a NIC is full duplex, so persists (NIC transmit) never slow hit-KV reads
+        # (NIC receive), as the paper counts CNIC read and write separately.
+        self.snic_read, self.snic_write = links
+        self.counters = NodeCounters()
+        self.faults = faults
+        # Keys whose stored block this reader damaged (fault plan) and keys it found corrupt:
+        # a chaos test proves every damage was caught by comparing the two.
+        self.damaged_keys: set[str] = set()
+        self.corrupt_keys: set[str] = set()
+        self._read_q_tokens = 0
+        # Called (under this core's lock) whenever the read queue changed: the actor's reporter.
+        self.on_read_q: Callable[[], None] = lambda: None
+        self._extents: dict[int, Extent] = {}
+        self._cond = threading.Condition()
+
+    # --- extents ------------------------------------------------------------------------
+
+    def lease(self, owner: str, n_blocks: int) -> Extent:
+        """Lease n_blocks slots, waiting while the pool is full (back-pressure, not failure)."""
+        if n_blocks < 1:
+            raise ValueError(f"request {owner}: an extent needs at least one block")
+        if n_blocks > self.pool.capacity:
+            raise ValueError(
+                f"request {owner} needs {n_blocks} buffer blocks but node {self.node_id} has "
+                f"{self.pool.capacity}; raise cluster.buffer_blocks_per_node"
+            )
+        timeout_s = self.settings.lease_timeout_s
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while (extent := self.pool.lease(owner, n_blocks)) is None:
+                if not self._cond.wait(timeout=max(0.0, deadline - time.monotonic())):
+                    raise TimeoutError(f"node {self.node_id}: no {n_blocks} free buffer blocks in {timeout_s}s")
+            self._extents[extent.extent_id] = extent
+            return extent
+
+    def free(self, extent_id: int) -> None:
+        """Give an extent back. Freeing one already reclaimed is a no-op: extent ids are never
+        reused, so a late free can only name that extent, never another lease. One being
+        written to the store is freed by that write when it ends."""
+        with self._cond:
+            if extent_id not in self._extents or self.pool.state_of(extent_id) is ExtentState.IN_FLIGHT:
+                return
+            del self._extents[extent_id]
+            self.pool.release(extent_id)
+            self._cond.notify_all()
+
+    def begin_write(self, extent_id: int) -> Extent:
+        """The extent is a store write's source from now on: reclaim and free leave it alone."""
+        with self._cond:
+            extent = self._extents[extent_id]
+            self.pool.begin_transfer(extent_id)
+            return extent
+
+    def end_write(self, extent_id: int) -> None:
+        """The store write from the extent ended (either way): it is an ordinary lease again, and
+        freed at once, since its owner's free (if any) was ignored while the write ran."""
+        with self._cond:
+            self.pool.end_transfer(extent_id)
+        self.free(extent_id)
+
+    def reclaim(self, owner: str) -> int:
+        """Free the extents leased to one attempt whose engine died (the scheduler knows it did);
+        returns how many. One in a transfer is left to that transfer's own end."""
+        freed = 0
+        with self._cond:
+            for extent_id, extent in list(self._extents.items()):
+                if extent.owner == owner and self.pool.state_of(extent_id) is ExtentState.LEASED:
+                    del self._extents[extent_id]
+                    self.pool.release(extent_id)
+                    freed += 1
+            self._cond.notify_all()
+        return freed
+
+    def grant(self, extent: Extent, reader: str) -> ExtentGrant:
+        """The extent as an engine addresses it: `reader` is this reader's endpoint name (the
+        transport peer of the one-sided moves into its buffer)."""
+        return ExtentGrant(self.node_id, reader, extent.extent_id, extent.slots, incarnation=self.incarnation)
+
+    def stage(
+        self, owner: str, keys: Sequence[str], total_blocks: int, path: str, reader: str, first_block: int = 0
+    ) -> ExtentGrant:
+        """read_blocks, granted with the digests of the verified hit KV (runtime.kv_digests)."""
+        extent = self.read_blocks(owner, keys, total_blocks, path, first_block)
+        digests = None
+        if self.settings.kv_digests and keys:
+            hits = torch.stack([self.pool.full_block(slot) for slot in extent.slots[first_block : first_block + len(keys)]])
+            digests = block_digests(hits, len(keys) * self.layout.block_size)
+        return ExtentGrant(self.node_id, reader, extent.extent_id, extent.slots, digests, self.incarnation)
+
+    # --- storage I/O --------------------------------------------------------------------
+
+    def read_blocks(self, owner: str, keys: Sequence[str], total_blocks: int, path: str, first_block: int = 0) -> Extent:
+        """Lease an extent of total_blocks and read the hit blocks `keys` into its slots from
+        `first_block` on (the prompt's block positions; a split read's decode side starts past
+        the blocks the prefill side reads).
+
+        One store read of all hit blocks (the store overlaps them on its helper threads); the
+        SNIC bucket is taken per block just before that block's read, and each block leaves the
+        read queue (and enters the SNIC read counter) once it is verified. On a failure the
+        extent is freed and the queue drops every block that was not read.
+        """
+        if first_block < 0 or first_block + len(keys) > total_blocks:
+            raise ValueError(
+                f"request {owner}: blocks [{first_block}, {first_block + len(keys)}) do not fit an extent of {total_blocks}"
+            )
+        block_bytes = self.layout.full_block_bytes
+        block_tokens = self.layout.block_size
+        pending = len(keys) * block_tokens
+        verified = 0
+        queued = False  # whether pending is in the read queue yet (see the module doc)
+
+        def enqueue() -> None:
+            nonlocal queued
+            with self._cond:
+                self._read_q_tokens += pending
+                self.on_read_q()
+            queued = True
+
+        if path != "de":
+            enqueue()
+
+        turn = ReadTurn(self.snic_read.turns if keys else None, len(keys))
+
+        def before_read(index: int) -> None:
+            if self.faults.active:
+                self._store_read_fault(keys[index])
+            self.snic_read.take(block_bytes)
+            turn.took_one()
+
+        def on_verified(_: int) -> None:
+            nonlocal pending, verified
+            verified += 1
+            with self._cond:
+                self.counters.snic_read[path] += block_bytes
+                self._read_q_tokens -= block_tokens
+                pending -= block_tokens
+                self.on_read_q()
+
+        try:
+            extent = self.lease(owner, total_blocks)
+            if not queued:
+                enqueue()
+            try:
+                outs = [self.pool.full_block(slot) for slot in extent.slots[first_block : first_block + len(keys)]]
+                turn.begin()
+                self.store.get_many_into(list(keys), outs, before_read=before_read, on_verified=on_verified)
+            except (BlockNotFoundError, BlockCorruptedError) as exc:
+                # The store raises for the first bad block in key order, the one after the
+                # verified ones: name it, so the scheduler repairs that block and no other.
+                self.free(extent.extent_id)
+                kind = "missing" if isinstance(exc, BlockNotFoundError) else "corrupt"
+                if kind == "corrupt":
+                    with self._cond:
+                        self.corrupt_keys.add(keys[verified])
+                raise BadBlockError(kind, keys[verified], str(exc)) from None
+            except BaseException:
+                self.free(extent.extent_id)
+                raise
+            return extent
+        finally:
+            turn.end()
+            if queued and pending:
+                with self._cond:
+                    self._read_q_tokens -= pending
+                    self.on_read_q()
+
+    def _store_read_fault(self, key: str) -> None:
+        spec = self.faults.decide(FaultSite.STORE_READ)
+        if spec is None:
+            return
+        if spec.mode is FaultMode.FAIL:
+            raise InjectedFault("store_read", f"I/O error reading block {key}")
+        if damage_stored_block(self.store, key, self.faults.corruption_rng):
+            with self._cond:
+                self.damaged_keys.add(key)
+
+    def read_q(self) -> int:
+        with self._cond:
+            return self._read_q_tokens
+
+    def fault_counts(self) -> dict[str, FaultCount]:
+        return self.faults.counts()
+
+    def integrity_keys(self) -> tuple[list[str], list[str]]:
+        with self._cond:
+            return sorted(self.damaged_keys), sorted(self.corrupt_keys)
+
+    def write_block(self, block: PersistedBlock, data: torch.Tensor) -> bool:
+        """Persist one Full Block (already in this node's buffer) through the SNIC."""
+        self.snic_write.take(self.layout.full_block_bytes)
+        spec = self.faults.decide(FaultSite.STORE_PUBLISH) if self.faults.active else None
+        if spec is not None and spec.mode is FaultMode.FAIL:
+            raise InjectedFault("store_publish", f"I/O error writing block {block.key}")
+        if spec is not None and spec.mode is FaultMode.DROP:
+            return True  # a lost write that claims success: a later read of it is a miss
+        written = self.store.put(block.key, data, parent=block.parent)
+        with self._cond:
+            self.counters.snic_write += self.layout.full_block_bytes
+        return written
+
+    def write_extent(self, extent_id: int, blocks: Sequence[tuple[int, PersistedBlock]]) -> int:
+        """Write blocks (index in the extent, key) from an extent, then free it in any case."""
+        extent = self.begin_write(extent_id)
+        try:
+            return sum(self.write_block(block, self.pool.full_block(extent.slots[index])) for index, block in blocks)
+        finally:
+            self.end_write(extent_id)
