@@ -36,7 +36,8 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 import ray  # noqa: E402
 
-from dualpath_ray.cluster import DualPathCluster, Deployment  # noqa: E402
+from dualpath_ray.cluster import DualPathCluster  # noqa: E402
+from dualpath_ray.runtime.deploy.deployment import Deployment  # noqa: E402
 from dualpath_ray.demos.demo import demo_config, demo_trajectories  # noqa: E402
 
 TICK = os.sysconf("SC_CLK_TCK")

@@ -57,6 +57,7 @@ from dualpath_ray.protocol.messages import (  # noqa: E402
     EngineHoldings, EngineReport, Holding, PersistedBlock, PrefillTask, ReaderReport, SamplingParams, TurnResult,
     newest_holdings,
 )
+from dualpath_ray.protocol.names import SCHEDULER, reader_name  # noqa: E402
 from dualpath_ray.runtime.control.report_channel import ChannelAddress, ReportClient  # noqa: E402
 from dualpath_ray.runtime.control.scheduler import Scheduler  # noqa: E402
 from dualpath_ray.runtime.deploy.topology import plan_nodes  # noqa: E402
@@ -110,7 +111,7 @@ class SimulatedNodes:
         self.cfg = cfg
         self.timing = timing
         self.block = cfg.store.block_size
-        self.scheduler = ray.get_actor("scheduler", namespace=NAMESPACE)
+        self.scheduler = ray.get_actor(SCHEDULER, namespace=NAMESPACE)
         self.engines = {name: _Engine(name) for spec in plan_nodes(cfg) for name in spec.engine_names()}
         self.read_q: Counter[str] = Counter()
         self.reported_q: dict[str, int] = {}
@@ -220,7 +221,7 @@ class SimulatedNodes:
             return
         self.reported_q[node] = tokens
         self.calls["reader_report"] += 1
-        reader = f"reader/{node}"
+        reader = reader_name(node)
         self._channel(reader).send(ReaderReport(node, reader, INCARNATION, tokens))
 
     def _channel(self, sender: str) -> ReportClient:
@@ -346,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         nodes = plan_nodes(cfg)
         routes = {name: SIM for spec in nodes for name in [*spec.engine_names(), spec.reader_name]}
-        scheduler = Scheduler.options(name="scheduler", namespace=NAMESPACE).remote(cfg, None, "dualpath", routes)
+        scheduler = Scheduler.options(name=SCHEDULER, namespace=NAMESPACE).remote(cfg, None, "dualpath", routes)
         ray.get(scheduler.__ray_ready__.remote())
         timing = Timing(args.prefill_ms / 1000, args.decode_ms / 1000, args.step_ms / 1000,
                         cfg.scheduler.report_interval_ms / 1000)

@@ -27,7 +27,7 @@ import ray
 import torch
 from ray.cluster_utils import Cluster
 
-from dualpath_ray.runtime.transport.base import Region
+from dualpath_ray.runtime.transport.moves import Region
 from dualpath_ray.runtime.transport.endpoint import TransportEndpoint, endpoint_actor_options
 from dualpath_ray.runtime.transport.factory import make_transport
 from dualpath_ray.runtime.transport.gloo_world import setup_gloo_world

@@ -27,7 +27,7 @@ COMMAND_MODULES = (
 def user_errors() -> tuple[type[Exception], ...]:
     from dualpath_ray.api.tokenizer import TokenizerError
     from dualpath_ray.api.validation import RequestError
-    from dualpath_ray.cluster import DeploymentConflictError
+    from dualpath_ray.runtime.deploy.deployment import DeploymentConflictError
     from dualpath_ray.commands.status import StatusError
     from dualpath_ray.local_cluster import LocalClusterError
     from dualpath_ray.config.hf import WeightsError

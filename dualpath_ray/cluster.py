@@ -20,14 +20,11 @@ from dualpath_ray.faults.injector import FaultCount, merge_counts
 from dualpath_ray.observability.job_metadata import driver_job_config
 from dualpath_ray.protocol.counters import NodeCounters
 from dualpath_ray.protocol.messages import TurnResult
-from dualpath_ray.runtime.deploy.deployment import Deployment, DeploymentConflictError, create_deployment, tear_down
+from dualpath_ray.runtime.deploy.deployment import Deployment, create_deployment, tear_down
 from dualpath_ray.runtime.deploy.topology import HEAD_RESOURCE, ROLE_LABEL, NodeSpec, plan_nodes, slot_resource
 from dualpath_ray.runtime.deploy.weight_sync import WeightSender, manifest_of
 from dualpath_ray.workload.trace import Trajectory
 
-# Deployment and DeploymentConflictError live in runtime/deploy/deployment.py; callers (the CLI,
-# tests, benchmarks) import them from here, beside the driver that makes and refuses them.
-__all__ = ["Deployment", "DeploymentConflictError", "DualPathCluster"]
 
 
 def _embedded_env() -> None:

@@ -25,16 +25,15 @@ from dualpath_ray.kv.paged import PagedKVPool
 from dualpath_ray.kv.store import open_store
 from dualpath_ray.kv.window import LayerWindow
 from dualpath_ray.model.profile import attention_predictor
+from dualpath_ray.protocol.names import Pool
 from dualpath_ray.runtime.engine.compute import EngineCompute
 from dualpath_ray.runtime.decode.core import DecodeCore
-from dualpath_ray.runtime.decode.intake import HBM_POOL
 from dualpath_ray.runtime.decode.job import DecodePorts, DecodeSettings
 from dualpath_ray.runtime.emulation import make_compute, make_link
 from dualpath_ray.protocol.messages import PrefillTask, RequestSpec, SamplingParams, TurnResult, attempt_owner
 from dualpath_ray.runtime.prefill.core import PrefillCore
 from dualpath_ray.runtime.prefill.job import PrefillPorts, PrefillSettings
-from dualpath_ray.runtime.prefill.pipeline import WINDOW_POOL
-from dualpath_ray.runtime.reader.actor import build_core as ReaderCore  # a ReaderCore built from the config
+from dualpath_ray.runtime.reader.actor import build_core as build_reader_core
 from tests.fakes import Collector, DirectHandoff, Fabric, FakeClock, FakeReaders, FakeTransport
 
 PE, DE = "prefill/p0/g0", "decode/d0/g0"
@@ -60,7 +59,7 @@ class EngineHarness:
         self.namespace = cfg.model.kv_namespace()
         self.index = PrefixIndex(cfg.store.block_size)
         self.fabric = Fabric()
-        cores = {node: ReaderCore(cfg, node, str(root)) for node in ("p0", "d0")}
+        cores = {node: build_reader_core(cfg, node, str(root)) for node in ("p0", "d0")}
         self.readers = FakeReaders(cores, self.fabric, slow_writes_s)
         self.collector = Collector(on_result=self._index_blocks)
         self.handoff = DirectHandoff(readers=self.readers)
@@ -70,7 +69,7 @@ class EngineHarness:
         self.pe_transport = FakeTransport(self.fabric, PE, lazy=lazy)
         self.de_transport = FakeTransport(self.fabric, DE)
         self.window = LayerWindow(cfg.cluster.prefill_hbm_tokens, self.layout, self.device)
-        self.fabric.register(PE, WINDOW_POOL, self.window.tensor)
+        self.fabric.register(PE, Pool.WINDOW, self.window.tensor)
         self.prefill = PrefillCore(
             PrefillSettings(PE, "p0", "reader/p0", cfg.scheduler.compute_quota_ms, cfg.runtime.transfer_timeout_s,
                             cfg.runtime.kv_digests),
@@ -79,7 +78,7 @@ class EngineHarness:
             self.store, self._links("pe"),
         )
         self.pages = PagedKVPool(cfg.cluster.hbm_tokens_per_engine // self.layout.block_size, self.layout, self.device)
-        self.fabric.register(DE, HBM_POOL, self.pages.tensor)
+        self.fabric.register(DE, Pool.HBM, self.pages.tensor)
         self.decode = DecodeCore(
             DecodeSettings(DE, "d0", cfg.model.max_context, cfg.runtime.max_persists_in_flight,
                            cfg.runtime.transfer_timeout_s, cfg.runtime.verify_kv, cfg.runtime.kv_digests),

@@ -25,10 +25,10 @@ import torch
 from dualpath_ray.faults.injector import FaultCount, fault_label
 from dualpath_ray.faults.plan import FaultMode, FaultSite, FaultSpec
 from dualpath_ray.protocol.messages import DecodeHandoff, ExtentGrant, Holding, PersistedBlock, TokenChunk, TurnResult
+from dualpath_ray.protocol.names import Pool
 from dualpath_ray.runtime.engine.ports import Failed, Ready
-from dualpath_ray.runtime.reader.actor import BUFFER_POOL, HBM_POOL
 from dualpath_ray.runtime.reader.core import ReaderCore
-from dualpath_ray.runtime.transport.base import Move, Region, RegionError
+from dualpath_ray.runtime.transport.moves import Move, Region, RegionError
 
 
 class Fabric:
@@ -142,7 +142,7 @@ class FakeReaders:
         self.engines_by_owner: dict[str, str] = {}
         self._pool = ThreadPoolExecutor(max_workers=4)
         for node, core in cores.items():
-            fabric.register(f"reader/{node}", BUFFER_POOL, core.pool.buffer)
+            fabric.register(f"reader/{node}", Pool.BUFFER, core.pool.buffer)
 
     def stage(
         self, node_id: str, owner: str, keys: Sequence[str], total_blocks: int, path: str, first_block: int = 0
@@ -188,7 +188,7 @@ class FakeReaders:
             extent = core.lease(owner, len(blocks))
             size = core.layout.full_block_bytes
             for slot, (page, _) in zip(extent.slots, blocks):
-                source = self.fabric.view(engine, Region(HBM_POOL, page * size, size))
+                source = self.fabric.view(engine, Region(Pool.HBM, page * size, size))
                 core.pool.full_block(slot).view(-1).copy_(source)
             return core.write_extent(extent.extent_id, [(i, b) for i, (_, b) in enumerate(blocks)])
 

@@ -6,7 +6,8 @@
   loop, batched into one submit and one collect call to the scheduler;
 - `RolloutServer` / `TokenOutput` (api/server.py): the `rollout-server` actor every trainer and
   adapter talks to (generate, stream, abort, sleep/wake, weights, prefix cache);
-- verl: `VerlServerMethods`, `dualpath_replica_class`, `register_with_verl` (api/verl_adapter.py);
+- verl: `VerlServerControl` (api/verl_server.py: verl's control methods, composed into the
+  server), `dualpath_replica_class`, `register_with_verl` (api/verl_adapter.py);
 - OpenRLHF: `OpenRLHFEngine`, `create_openrlhf_engine` (api/openrlhf_adapter.py);
 - OpenAI-compatible HTTP: `start_openai_server` (api/openai_server.py, api/openai_app.py,
   api/openai_protocol.py, api/tokenizer.py; `dualpath serve`);

@@ -17,8 +17,9 @@ from dualpath_ray.api.openai_app import OpenAIEndpoint, build_app
 from dualpath_ray.api.server import SERVER_NAME
 from dualpath_ray.api.tokenizer import HFTokenizer, TokenizerError
 from dualpath_ray.config import DualPathConfig
+from dualpath_ray.protocol.names import OPENAI_SERVER
 
-OPENAI_SERVER_NAME = "openai-server"
+OPENAI_SERVER_NAME = OPENAI_SERVER
 START_TIMEOUT_S = 30.0
 
 

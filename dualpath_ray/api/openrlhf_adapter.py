@@ -30,6 +30,7 @@ from dualpath_ray.api.rollout import rollout_async
 from dualpath_ray.api.validation import RequestError, parse_sampling_request, validate_prompt
 from dualpath_ray.config import DualPathConfig
 from dualpath_ray.protocol.messages import SamplingParams, TurnResult
+from dualpath_ray.protocol.names import SCHEDULER
 from dualpath_ray.workload.trace import Trajectory, Turn
 
 # vLLM SamplingParams attributes that map onto this sampler (others must be at their defaults).
@@ -109,7 +110,7 @@ class OpenRLHFEngine:
 
         self.cfg = cfg
         namespace = cfg.runtime.namespace
-        self.scheduler = ray.get_actor("scheduler", namespace=namespace)
+        self.scheduler = ray.get_actor(SCHEDULER, namespace=namespace)
         self.server = ray.get_actor(SERVER_NAME, namespace=namespace)
         self.responses: asyncio.Queue[list[RequestOutput]] = asyncio.Queue()
 

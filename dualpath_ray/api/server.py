@@ -25,9 +25,10 @@ from dualpath_ray.api.validation import RequestError, make_spec, parse_sampling_
 from dualpath_ray.api.verl_server import VerlServerControl
 from dualpath_ray.config import DualPathConfig
 from dualpath_ray.protocol.messages import RequestSpec, StreamDelta, TurnResult, aborted_result
+from dualpath_ray.protocol.names import ROLLOUT_SERVER, SCHEDULER
 from dualpath_ray.scheduling.types import StopReason
 
-SERVER_NAME = "rollout-server"
+SERVER_NAME = ROLLOUT_SERVER
 # verl's generate passes these; a value other than None means multimodal input, which the
 # decoder here does not take.
 _MULTIMODAL_KWARGS = ("image_data", "video_data", "audio_data", "mm_processor_kwargs")
@@ -75,7 +76,7 @@ class RolloutServer:
     def __init__(self, cfg: DualPathConfig) -> None:
         self.cfg = cfg
         self.weight_version = cfg.model.weight_version
-        self.scheduler = ray.get_actor("scheduler", namespace=cfg.runtime.namespace)
+        self.scheduler = ray.get_actor(SCHEDULER, namespace=cfg.runtime.namespace)
         # Turns go to the scheduler batched (api/client.py); made on first use, on this actor's loop.
         self.client: SchedulerClient | None = None
         self.sessions = SessionIds()

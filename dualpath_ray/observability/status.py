@@ -11,16 +11,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
 from dualpath_ray.protocol.counters import PATHS
+from dualpath_ray.protocol.names import SCHEDULER
 from dualpath_ray.runtime.deploy.topology import HEAD_RESOURCE, ROLE_LABEL
 
 ENGINE_PREFIXES = ("prefill/", "decode/")
 READER_PREFIX = "reader/"
-SCHEDULER_NAME = "scheduler"
 # Scheduler call counts worth showing an operator (the rest are for tests and benchmarks).
 SHOWN_CALLS = ("generate", "retries", "timeouts", "unindexed_blocks", "dead_engines", "dead_readers",
                "lost_assignments", "stale_results")
@@ -97,23 +97,25 @@ def collect(namespace: str, window_s: float = 60.0, timeout_s: float = 5.0) -> C
     calls = _Calls(namespace, timeout_s)
     for name in names:
         if name.startswith(ENGINE_PREFIXES):
-            calls.ask(name, "load", "stats")
+            calls.ask(name, load=lambda h: h.load.remote(), stats=lambda h: h.stats.remote())
         elif name.startswith(READER_PREFIX):
-            calls.ask(name, "read_q", "counters", "pool_integrity", "node_labels")
-    if SCHEDULER_NAME in names:
-        calls.ask(SCHEDULER_NAME, "mode", "in_flight", "call_counts", "recent_turns")
+            calls.ask(name, read_q=lambda h: h.read_q.remote(), counters=lambda h: h.counters.remote(),
+                      pool_integrity=lambda h: h.pool_integrity.remote(), node_labels=lambda h: h.node_labels.remote())
+    if SCHEDULER in names:
+        calls.ask(SCHEDULER, mode=lambda h: h.mode.remote(), in_flight=lambda h: h.in_flight.remote(),
+                  call_counts=lambda h: h.call_counts.remote(), recent_turns=lambda h: h.recent_turns.remote())
     readers = [_reader(name, calls) for name in names if name.startswith(READER_PREFIX)]
     engines = [_engine(name, calls) for name in names if name.startswith(ENGINE_PREFIXES)]
-    status = ClusterStatus(namespace, time.time(), _ray_nodes(readers), deployed=calls.answered(SCHEDULER_NAME, "mode"))
+    status = ClusterStatus(namespace, time.time(), _ray_nodes(readers), deployed=calls.answered(SCHEDULER, "mode"))
     status.readers, status.engines = readers, engines
     status.snic_read_by_path = {p: sum(r.snic_read.get(p, 0) for r in readers) for p in PATHS}
     status.cnic_by_path = {p: sum(e.cnic_in.get(p, 0) + e.cnic_out.get(p, 0) for e in engines) for p in PATHS}
     if status.deployed:
-        status.mode = calls.get(SCHEDULER_NAME, "mode")
-        status.in_flight = len(calls.get(SCHEDULER_NAME, "in_flight") or {})
-        counts = calls.get(SCHEDULER_NAME, "call_counts") or {}
+        status.mode = calls.get(SCHEDULER, "mode")
+        status.in_flight = len(calls.get(SCHEDULER, "in_flight") or {})
+        counts = calls.get(SCHEDULER, "call_counts") or {}
         status.scheduler_calls = {k: int(counts[k]) for k in SHOWN_CALLS if k in counts}
-        recent = calls.get(SCHEDULER_NAME, "recent_turns")
+        recent = calls.get(SCHEDULER, "recent_turns")
         if recent is not None:
             status.latency = latency(recent, status.collected_at, window_s)
     return status
@@ -129,15 +131,16 @@ class _Calls:
         self.results: dict[tuple[str, str], Any] = {}
         self.deadline: float | None = None
 
-    def ask(self, actor: str, *methods: str) -> None:
+    def ask(self, actor: str, **calls: Callable[[Any], Any]) -> None:
+        """Send each call (keyword: the answer's key, value: the call made on the actor's handle)."""
         import ray
 
         try:
             handle = ray.get_actor(actor, namespace=self.namespace)
         except ValueError:
             return  # it died since the listing
-        for method in methods:
-            self.refs[(actor, method)] = getattr(handle, method).remote()
+        for key, call in calls.items():
+            self.refs[(actor, key)] = call(handle)
 
     def _settle(self, key: tuple[str, str]) -> None:
         import ray
@@ -151,12 +154,12 @@ class _Calls:
         except Exception:  # noqa: BLE001 - dead, hung, or without that method: shown as not answering
             self.results[key] = _NO_ANSWER
 
-    def answered(self, actor: str, method: str) -> bool:
-        self._settle((actor, method))
-        return self.results.get((actor, method), _NO_ANSWER) is not _NO_ANSWER
+    def answered(self, actor: str, key: str) -> bool:
+        self._settle((actor, key))
+        return self.results.get((actor, key), _NO_ANSWER) is not _NO_ANSWER
 
-    def get(self, actor: str, method: str) -> Any:
-        return self.results[(actor, method)] if self.answered(actor, method) else None
+    def get(self, actor: str, key: str) -> Any:
+        return self.results[(actor, key)] if self.answered(actor, key) else None
 
 
 _NO_ANSWER = object()

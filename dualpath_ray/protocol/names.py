@@ -8,7 +8,7 @@ register memory pools by name; a peer addresses a pool with the name the owner r
 
 from __future__ import annotations
 
-from enum import StrEnum
+from typing import Final
 
 SCHEDULER = "scheduler"  # the singleton Scheduler actor (runtime/control/scheduler.py)
 ROLLOUT_SERVER = "rollout-server"  # the RolloutServer front end (api/server.py), when deployed
@@ -25,9 +25,10 @@ def engine_name(role: str, node_id: str, gpu: int) -> str:
     return f"{role}/{node_id}/g{gpu}"
 
 
-class Pool(StrEnum):
-    """Memory pools a transport endpoint registers, by who owns them."""
+class Pool:
+    """Memory pools a transport endpoint registers, by who owns them. Plain strings (not an
+    enum): they travel in every `Region` of every move and read as themselves in errors."""
 
-    BUFFER = "buffer"  # a reader's host buffer (kv/pool.py): staged hit KV and outgoing blocks
-    HBM = "hbm"  # a decode engine's KV pages (kv/paged.py)
-    WINDOW = "window"  # a prefill engine's layer window (kv/window.py)
+    BUFFER: Final = "buffer"  # a reader's host buffer (kv/pool.py): staged hit KV and outgoing blocks
+    HBM: Final = "hbm"  # a decode engine's KV pages (kv/paged.py)
+    WINDOW: Final = "window"  # a prefill engine's layer window (kv/window.py)

@@ -1,6 +1,6 @@
 """A node's host staging buffer: Full Block slots leased to requests, back-pressure when full.
 
-The runtime's reader (runtime/reader/actor.py) waits on a condition while its pool has no room and
+The runtime's reader (runtime/reader/core.py) waits on a condition while its pool has no room and
 retries its waiters when blocks are freed. Here waiters are granted strictly in arrival order:
 a freed block goes to the oldest waiter, which is never passed by a smaller, younger one (the
 runtime's notify_all lets whichever waiter wakes first try; leases there are of similar sizes, and

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from dualpath_ray.protocol.names import engine_name
 from dualpath_ray.scheduling.types import ReadPath, Role
 from dualpath_ray.sim.buffers import SimBufferPool
 from dualpath_ray.sim.links import SimLink, ReadQueue
@@ -80,4 +81,4 @@ def node_ids(role: Role, count: int) -> list[str]:
 
 
 def engine_ids(role: Role, node_id: str, gpus: int) -> list[str]:
-    return [f"{role}/{node_id}/g{gpu}" for gpu in range(gpus)]
+    return [engine_name(role, node_id, gpu) for gpu in range(gpus)]

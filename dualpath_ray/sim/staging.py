@@ -3,7 +3,7 @@
 As the runtime's PrefillCore._stage does at accept: the side(s) that read hits lease an extent
 for them and read them through their node's SNIC; the decode node always leases one extent for
 the whole prompt (the KV sent there, and on the DE path the hits read into it). As the runtime's
-reader counts them (runtime/reader/actor.py): PE-path hits are in the prefill node's read queue from
+reader counts them (runtime/reader/core.py): PE-path hits are in the prefill node's read queue from
 accept until read, their extent wait included (a cost of that path alone); DE-path hits enter the
 decode node's queue once their extent is leased, since every request waits for that extent
 whichever path it reads through. Oracle jobs move nothing and are ready at once.

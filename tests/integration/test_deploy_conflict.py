@@ -10,7 +10,8 @@ ray_test_env()
 
 import ray  # noqa: E402
 
-from dualpath_ray.cluster import DeploymentConflictError, DualPathCluster  # noqa: E402
+from dualpath_ray.cluster import DualPathCluster  # noqa: E402
+from dualpath_ray.runtime.deploy.deployment import DeploymentConflictError  # noqa: E402
 
 pytestmark = pytest.mark.integration
 

@@ -23,14 +23,8 @@ import ray
 import torch
 from ray.cluster_utils import Cluster
 
-from dualpath_ray.runtime.transport.base import (
-    TRANSPORT_GROUP,
-    PeerDiedError,
-    Region,
-    RegionError,
-    TransportError,
-    TransportStats,
-)
+from dualpath_ray.runtime.transport.base import TRANSPORT_GROUP
+from dualpath_ray.runtime.transport.moves import PeerDiedError, Region, RegionError, TransportError, TransportStats
 from dualpath_ray.runtime.transport.endpoint import TransportEndpoint, endpoint_actor_options
 from dualpath_ray.runtime.transport.factory import make_transport
 from dualpath_ray.runtime.transport.gloo_world import setup_gloo_world

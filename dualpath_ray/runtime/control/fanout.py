@@ -112,9 +112,7 @@ class ClusterControl:
         """A new gloo world over every engine and reader (a gloo world cannot take a new member
         in place), asked for by a restarted or broken endpoint. One at a time; a request that a
         world formed after it was asked already covers is answered at once."""
-        from dualpath_ray.runtime.transport.base import (
-            TransportError,  # torch: loaded only when a world is needed
-        )
+        from dualpath_ray.runtime.transport.moves import TransportError
 
         asked_at = self.worlds_formed
         async with self.world_lock:

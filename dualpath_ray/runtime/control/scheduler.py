@@ -41,6 +41,7 @@ from dualpath_ray.protocol.messages import (
     TurnResult,
     failed_result,
 )
+from dualpath_ray.protocol.names import SCHEDULER
 from dualpath_ray.runtime.control.aborts import Aborts
 from dualpath_ray.runtime.control.adoption import Adoptions
 from dualpath_ray.runtime.control.decisions import Decisions, ReaderStates
@@ -95,7 +96,7 @@ class Scheduler:
             runtime.heartbeat_timeout_s, time.monotonic, max(runtime.heartbeat_s, runtime.heartbeat_timeout_s / 3)
         )
         self.readers = ReaderStates()
-        self.faults = FaultInjector(cfg.faults, "scheduler", self.restarted)
+        self.faults = FaultInjector(cfg.faults, SCHEDULER, self.restarted)
         self.metrics = SchedulerMetrics.start(cfg, mode, self.calls)
         self.serving = Serving(
             cfg, self.core, self.control, self.liveness, self.aborts, self.adoptions, self.calls, self.metrics
@@ -107,7 +108,7 @@ class Scheduler:
 
     def __repr__(self) -> str:
         # Ray prefixes this actor's log lines with it and shows it as the dashboard's repr name.
-        return "scheduler"
+        return SCHEDULER
 
     async def ready(self) -> bool:
         await self._started()
@@ -232,7 +233,7 @@ class Scheduler:
             result = await self.serving.generate(spec)
         except Exception as exc:  # noqa: BLE001 - a bug must reach the caller, not hang it
             LOG.exception("serving %s failed", spec.request_id)
-            result = failed_result(spec, "scheduler", exc, ErrorKind.INTERNAL)
+            result = failed_result(spec, SCHEDULER, exc, ErrorKind.INTERNAL)
         finally:
             self.clients.pop(spec.request_id, None)
         self.mailboxes.deliver(client, result)

@@ -19,6 +19,7 @@ from collections import Counter
 
 from dualpath_ray.config import DualPathConfig
 from dualpath_ray.protocol.messages import ErrorKind, RequestSpec, TurnResult, aborted_result, failed_result
+from dualpath_ray.protocol.names import SCHEDULER, reader_name
 from dualpath_ray.runtime.control.aborts import Aborts
 from dualpath_ray.runtime.control.adoption import Adoptions
 from dualpath_ray.runtime.control.decisions import Decisions
@@ -121,7 +122,7 @@ class Serving:
             self._cancel_at(self.core.abandon(spec.request_id), spec.owner)
             self.decisions.rounds.everything_changed()  # what it held is free again
             return failed_result(
-                spec, "scheduler", f"no result within runtime.request_timeout_s={self.cfg.runtime.request_timeout_s}",
+                spec, SCHEDULER, f"no result within runtime.request_timeout_s={self.cfg.runtime.request_timeout_s}",
                 ErrorKind.TIMEOUT,
             )
         finally:
@@ -168,7 +169,7 @@ class Serving:
         """The engines an attempt used and the readers of their nodes."""
         engines = {e for e in (request.prefill_engine, request.decode_engine) if e}
         nodes = {n for n in (request.prefill_node, request.decode_node) if n}
-        return engines | {f"reader/{node}" for node in nodes}
+        return engines | {reader_name(node) for node in nodes}
 
     def abort(self, request_id: str) -> bool:
         """Stop one request now (see Scheduler.abort); False when none of that id is in flight."""

@@ -34,6 +34,7 @@ from typing import Any, Callable
 import ray.exceptions
 
 from dualpath_ray.config import DualPathConfig
+from dualpath_ray.protocol.names import SCHEDULER, reader_name
 from dualpath_ray.runtime.control.adoption import Adoptions
 from dualpath_ray.runtime.control.fanout import ClusterControl
 from dualpath_ray.runtime.control.decisions import ReaderStates
@@ -114,7 +115,7 @@ class Watchdog:
         """Ask these engines and readers now (the peers of an attempt that failed because one
         of them died), so that its retry is placed knowing which are gone; a silent one is left
         to the heartbeat."""
-        names = names - {f"reader/{n}" for n in self.core.readers_dead} - self.core.dead
+        names = names - {reader_name(n) for n in self.core.readers_dead} - self.core.dead
         engines = sorted(name for name in names if not name.startswith("reader/"))
         nodes = sorted(name.removeprefix("reader/") for name in names if name.startswith("reader/"))
         await self._ask_all(engines, nodes, self.cfg.runtime.heartbeat_timeout_s)
@@ -161,7 +162,7 @@ class Watchdog:
         made_up = [rid for rid in verdicts.handed_off if self.core.handed_off(rid)]  # lost handoff notes
         for spec in verdicts.lost:
             self.calls["lost_assignments"] += 1
-            self.fail(spec, "scheduler", "no live engine holds this attempt")
+            self.fail(spec, SCHEDULER, "no live engine holds this attempt")
         self.adoptions.check(held, silent, self.liveness.clock(), timeout_s)
         for engine, owner in self.core.stale_holdings(held):
             self.calls["stale_holdings"] += 1

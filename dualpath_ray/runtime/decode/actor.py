@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import ray
 
+from dualpath_ray.protocol.names import Pool
 from dualpath_ray.runtime.engine.faulty_ports import with_faults
 from dualpath_ray.kv.paged import PagedKVPool
 from dualpath_ray.runtime.decode.core import DecodeCore
-from dualpath_ray.runtime.decode.intake import HBM_POOL
 from dualpath_ray.runtime.decode.job import DecodePorts, DecodeSettings
 from dualpath_ray.runtime.engine.base import EngineBase
 from dualpath_ray.protocol.messages import DecodeHandoff
@@ -28,7 +28,7 @@ class DecodeEngine(EngineBase):
         cfg = self.cfg
         n_pages = cfg.cluster.hbm_tokens_per_engine // self.layout.block_size
         pages = PagedKVPool(max(1, n_pages), self.layout, self.device)
-        self.hbm.register(HBM_POOL, pages.tensor)
+        self.hbm.register(Pool.HBM, pages.tensor)
         settings = DecodeSettings(
             self.id.engine_id, self.id.node_id, cfg.model.max_context, cfg.runtime.max_persists_in_flight,
             cfg.runtime.transfer_timeout_s, cfg.runtime.verify_kv, cfg.runtime.kv_digests,
@@ -36,7 +36,7 @@ class DecodeEngine(EngineBase):
         )
         readers = RayReaders(self.directory, self.id.engine_id, self.wake, self.sent)
         ports = DecodePorts(
-            self.hbm.readers_port(readers, self.layout.full_block_bytes, HBM_POOL), self.hbm.transport_port(),
+            self.hbm.readers_port(readers, self.layout.full_block_bytes, Pool.HBM), self.hbm.transport_port(),
             self.scheduler_port, SystemClock(),
         )
         if self.faults.active:

@@ -28,6 +28,7 @@ from dualpath_ray.kv.block_store import BlockStore
 from dualpath_ray.kv.layout import KVLayout
 from dualpath_ray.kv.paged import PagedKVPool, PagePoolFullError
 from dualpath_ray.protocol.counters import NodeCounters
+from dualpath_ray.protocol.names import Pool
 from dualpath_ray.runtime.engine.compute import EngineCompute, PageFill
 from dualpath_ray.runtime.decode.job import (
     DecodeJob,
@@ -41,14 +42,12 @@ from dualpath_ray.runtime.decode.job import (
 from dualpath_ray.runtime.emulation.links import Link
 from dualpath_ray.runtime.engine.failures import KVMismatchError
 from dualpath_ray.protocol.messages import DecodeHandoff, ErrorKind, Holding, TurnResult, failed_result
-from dualpath_ray.runtime.transport.base import Move, Region
+from dualpath_ray.runtime.transport.moves import Move, Region
 from dualpath_ray.runtime.decode.verify import landed_mismatches, verify_prompt_kv
 from dualpath_ray.scheduling.loads import decode_tokens
 from dualpath_ray.scheduling.types import ReadPath
 
 LOG = logging.getLogger("dualpath_ray.decode")
-HBM_POOL = "hbm"
-BUFFER_POOL = "buffer"
 
 
 class Claim(enum.Enum):
@@ -234,15 +233,15 @@ class DecodeIntake:
         layout = self.layout
         full, tail = divmod(tokens, layout.block_size)
         moves = [
-            (Region(HBM_POOL, table[b] * layout.full_block_bytes, layout.full_block_bytes),
-             Region(BUFFER_POOL, slots[b] * layout.full_block_bytes, layout.full_block_bytes))
+            (Region(Pool.HBM, table[b] * layout.full_block_bytes, layout.full_block_bytes),
+             Region(Pool.BUFFER, slots[b] * layout.full_block_bytes, layout.full_block_bytes))
             for b in range(full)
         ]
         for layer in range(layout.n_layer if tail else 0):
             nbytes = tail * layout.bytes_per_token_per_layer
             moves.append((
-                Region(HBM_POOL, layout.slot_byte_offset(table[full], layer, 0), nbytes),
-                Region(BUFFER_POOL, layout.slot_byte_offset(slots[full], layer, 0), nbytes),
+                Region(Pool.HBM, layout.slot_byte_offset(table[full], layer, 0), nbytes),
+                Region(Pool.BUFFER, layout.slot_byte_offset(slots[full], layer, 0), nbytes),
             ))
         return moves
 

@@ -16,6 +16,7 @@ from typing import Any
 import ray
 
 from dualpath_ray.config import DualPathConfig
+from dualpath_ray.protocol.names import SCHEDULER
 from dualpath_ray.runtime.control.scheduler import Scheduler
 from dualpath_ray.runtime.decode.actor import DecodeEngine
 from dualpath_ray.runtime.deploy.qos import ActorKind, actor_environment, engine_kind
@@ -81,7 +82,7 @@ def _start_scheduler(cfg: DualPathConfig, mode: str, store_root: str, on_head: b
     # Restarted by Ray when its process dies, with the calls in flight resent to the new
     # incarnation, which takes over from the engines (runtime/control/adoption.py).
     scheduler = Scheduler.options(
-        name="scheduler", namespace=cfg.runtime.namespace, lifetime="detached", max_restarts=-1,
+        name=SCHEDULER, namespace=cfg.runtime.namespace, lifetime="detached", max_restarts=-1,
         max_task_retries=-1, resources={HEAD_RESOURCE: 0.01} if on_head else None,
     ).remote(cfg, store_root, mode)
     ray.get(scheduler.ready.remote())
@@ -186,5 +187,5 @@ def tear_down(d: Deployment, namespace: str, stop_timeout_s: float, server_name:
     # The next deploy refuses named actors it finds alive in the namespace; without this wait
     # it could find this deployment's own, killed but not yet gone (a demo's second mode
     # failed so on a fresh clone). One that outlives the wait is reported by that check.
-    names = frozenset([*d.engines, *d.readers, "scheduler"] + ([server_name] if d.server is not None else []))
+    names = frozenset([*d.engines, *d.readers, SCHEDULER] + ([server_name] if d.server is not None else []))
     _named_actors_gone(namespace, timeout_s=30.0, names=names)

@@ -19,6 +19,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from dualpath_ray.analysis.report import classify_ratio, pd_bounds
 from dualpath_ray.config import DualPathConfig
+from dualpath_ray.protocol.names import engine_name, reader_name
 from dualpath_ray.scheduling.types import Role
 
 ROLE_LABEL = "dualpath/role"
@@ -43,10 +44,10 @@ class NodeSpec:
 
     @property
     def reader_name(self) -> str:
-        return f"reader/{self.node_id}"
+        return reader_name(self.node_id)
 
     def engine_names(self) -> list[str]:
-        return [f"{self.role}/{self.node_id}/g{gpu}" for gpu in range(self.gpus)]
+        return [engine_name(self.role, self.node_id, gpu) for gpu in range(self.gpus)]
 
 
 def plan_nodes(cfg: DualPathConfig) -> list[NodeSpec]:

@@ -6,7 +6,7 @@ from typing import Any
 
 import ray
 
-from dualpath_ray.runtime.transport.base import PeerDiedError
+from dualpath_ray.runtime.transport.moves import PeerDiedError
 
 
 class ActorDirectory:

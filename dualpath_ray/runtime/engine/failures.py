@@ -9,7 +9,7 @@ import logging
 from dualpath_ray.faults.injector import InjectedFault
 from dualpath_ray.kv.errors import BadBlockError, BlockCorruptedError, BlockNotFoundError
 from dualpath_ray.protocol.messages import ErrorKind, RequestSpec, TurnResult, failed_result
-from dualpath_ray.runtime.transport.base import PeerDiedError, TransportError
+from dualpath_ray.runtime.transport.moves import PeerDiedError, TransportError
 
 
 class KVMismatchError(RuntimeError):

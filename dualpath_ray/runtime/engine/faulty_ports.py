@@ -24,7 +24,7 @@ from dualpath_ray.faults.injector import FaultInjector, InjectedFault
 from dualpath_ray.faults.plan import CallPhase, FaultMode, FaultSite
 from dualpath_ray.protocol.messages import DecodeHandoff, ExtentGrant, Holding, PersistedBlock, TokenChunk, TurnResult
 from dualpath_ray.runtime.engine.ports import DecodePort, Failed, Pending, ReaderPort, Ready, SchedulerPort, TransportPort
-from dualpath_ray.runtime.transport.base import Move, Region, TransportError
+from dualpath_ray.runtime.transport.moves import Move, Region, TransportError
 
 
 def flip_byte(data: torch.Tensor, rng: random.Random) -> int:

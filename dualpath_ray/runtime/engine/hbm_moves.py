@@ -31,7 +31,8 @@ import torch
 from dualpath_ray.kv.host_memory import allocate_host_buffer
 from dualpath_ray.protocol.messages import ExtentGrant, PersistedBlock
 from dualpath_ray.runtime.engine.ports import Pending, ReaderPort
-from dualpath_ray.runtime.transport.base import Move, Region, Transport, TransportError
+from dualpath_ray.runtime.transport.base import Transport
+from dualpath_ray.runtime.transport.moves import Move, Region, TransportError
 
 HBM_MOVES = ("transport", "cuda_copy")
 _STAGED_DEVICES = {"transport": frozenset(), "cuda_copy": frozenset({"cuda"})}

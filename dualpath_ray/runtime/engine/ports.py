@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Generic, Protocol, Sequence, TypeVar
 
 from dualpath_ray.protocol.messages import DecodeHandoff, ExtentGrant, Holding, PersistedBlock, TokenChunk, TurnResult
-from dualpath_ray.runtime.transport.base import Move
+from dualpath_ray.runtime.transport.moves import Move
 
 T = TypeVar("T")
 T_co = TypeVar("T_co", covariant=True)

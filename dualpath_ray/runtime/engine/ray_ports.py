@@ -12,6 +12,7 @@ from typing import Any, Callable, Sequence
 
 import ray
 
+from dualpath_ray.protocol.names import SCHEDULER, reader_name
 from dualpath_ray.runtime.engine.directory import ActorDirectory
 from dualpath_ray.runtime.control.report_channel import ChannelAddress, ReportClient, SentReport
 from dualpath_ray.protocol.messages import (
@@ -54,7 +55,7 @@ class RayReaders:
         self.sent = sent if sent is not None else Counter()  # calls made, by method
 
     def _reader(self, node_id: str) -> Any:
-        return self.directory.get(f"reader/{node_id}")
+        return self.directory.get(reader_name(node_id))
 
     def stage(
         self, node_id: str, owner: str, keys: Sequence[str], total_blocks: int, path: str, first_block: int = 0
@@ -112,7 +113,7 @@ def scheduler_channel(directory: ActorDirectory) -> Callable[[], ChannelAddress]
     restarts the scheduler (max_task_retries=-1), so a new incarnation's address is found."""
 
     def resolve() -> ChannelAddress:
-        address: ChannelAddress = ray.get(directory.get("scheduler").report_channel.remote())
+        address: ChannelAddress = ray.get(directory.get(SCHEDULER).report_channel.remote())
         return address
 
     return resolve

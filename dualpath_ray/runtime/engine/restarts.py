@@ -25,6 +25,7 @@ import ray
 import ray.exceptions
 
 from dualpath_ray.protocol.messages import PeerState
+from dualpath_ray.protocol.names import SCHEDULER
 
 if TYPE_CHECKING:
     from dualpath_ray.runtime.transport.base import Transport
@@ -81,10 +82,7 @@ def rejoin_transport(transport: Transport, reform: Callable[[], Any], timeout_s:
     returns once it formed one or failed to) until its transport is READY; NIXL needs nothing
     (a peer learns the new agent from its incarnation the first time it addresses it). False if
     the transport is still not ready after timeout_s."""
-    from dualpath_ray.runtime.transport.base import (  # engine side: torch is loaded
-        PeerDiedError,
-        TransportState,
-    )
+    from dualpath_ray.runtime.transport.moves import PeerDiedError, TransportState
 
     deadline = time.monotonic() + timeout_s
     while transport.state is not TransportState.READY:
@@ -134,5 +132,5 @@ class TransportKeeper:
             then()
 
     def _reform(self) -> Any:
-        scheduler = ray.get_actor("scheduler", namespace=self.namespace)
+        scheduler = ray.get_actor(SCHEDULER, namespace=self.namespace)
         return ray.get(scheduler.reform_transport.remote(self.transport.endpoint_name), timeout=self.timeout_s)

@@ -10,12 +10,12 @@ import ray
 
 from dualpath_ray.kv.window import LayerWindow
 from dualpath_ray.model.profile import attention_predictor
+from dualpath_ray.protocol.names import Pool
 from dualpath_ray.runtime.engine.base import EngineBase
 from dualpath_ray.runtime.engine.faulty_ports import with_faults
 from dualpath_ray.protocol.messages import PrefillTask
 from dualpath_ray.runtime.prefill.core import PrefillCore
 from dualpath_ray.runtime.prefill.job import PrefillPorts, PrefillSettings
-from dualpath_ray.runtime.prefill.pipeline import WINDOW_POOL
 from dualpath_ray.runtime.engine.ray_ports import RayDecodeTargets, RayReaders, SystemClock
 from dualpath_ray.runtime.transport.endpoint import endpoint_actor_options
 from dualpath_ray.scheduling.types import Role
@@ -28,7 +28,7 @@ class PrefillEngine(EngineBase):
     def _build_core(self) -> PrefillCore:
         cfg = self.cfg
         window = LayerWindow(cfg.cluster.prefill_hbm_tokens, self.layout, self.device)
-        self.hbm.register(WINDOW_POOL, window.tensor)
+        self.hbm.register(Pool.WINDOW, window.tensor)
         settings = PrefillSettings(
             self.id.engine_id, self.id.node_id, self.id.reader, cfg.scheduler.compute_quota_ms,
             cfg.runtime.transfer_timeout_s, cfg.runtime.kv_digests, cfg.runtime.request_timeout_s,

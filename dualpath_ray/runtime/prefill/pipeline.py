@@ -30,16 +30,15 @@ from dualpath_ray.kv.digest import mismatched_tokens, window_digests
 from dualpath_ray.kv.layout import KVLayout
 from dualpath_ray.kv.window import LayerWindow, SlotEvent, SlotState
 from dualpath_ray.protocol.counters import NodeCounters
+from dualpath_ray.protocol.names import Pool
 from dualpath_ray.runtime.engine.compute import ChunkSpec
 from dualpath_ray.runtime.emulation.links import Link
 from dualpath_ray.runtime.engine.failures import KVMismatchError
 from dualpath_ray.runtime.engine.ports import Pending, TransportPort
 from dualpath_ray.runtime.prefill.job import PrefillJob
-from dualpath_ray.runtime.transport.base import Move, Region
+from dualpath_ray.runtime.transport.moves import Move, Region
 from dualpath_ray.scheduling.types import ReadPath
 
-WINDOW_POOL = "window"
-BUFFER_POOL = "buffer"
 
 
 @dataclass
@@ -292,8 +291,8 @@ class LayerPipeline:
         """(window region, buffer region) pairs for tokens [start, end) of one request's layer."""
         moves = []
         for seg in self.layout.slot_segments(slots, layer, start, end):
-            local = Region(WINDOW_POOL, self.window.token_offset(layer, offset + seg.token), seg.nbytes)
-            moves.append((local, Region(BUFFER_POOL, seg.offset, seg.nbytes)))
+            local = Region(Pool.WINDOW, self.window.token_offset(layer, offset + seg.token), seg.nbytes)
+            moves.append((local, Region(Pool.BUFFER, seg.offset, seg.nbytes)))
         return moves
 
     def _post(self, pending: Pending[int], nbytes: int) -> _Posted:

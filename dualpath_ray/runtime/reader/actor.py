@@ -22,6 +22,8 @@ from dualpath_ray.faults.injector import FaultCount, FaultInjector
 from dualpath_ray.kv.layout import KVLayout
 from dualpath_ray.kv.store import open_store
 from dualpath_ray.protocol.counters import NodeCounters
+from dualpath_ray.protocol.names import Pool
+from dualpath_ray.protocol.names import reader_name
 from dualpath_ray.runtime.telemetry.actor_metrics import ReaderMetrics
 from dualpath_ray.runtime.emulation import make_link
 from dualpath_ray.runtime.engine.directory import ActorDirectory
@@ -32,12 +34,10 @@ from dualpath_ray.runtime.engine.ray_ports import scheduler_channel
 from dualpath_ray.runtime.control.report_channel import ReportClient
 from dualpath_ray.runtime.deploy.qos import kv_transport_knobs
 from dualpath_ray.runtime.engine.restarts import TransportKeeper, was_restarted
-from dualpath_ray.runtime.transport.base import PeerDiedError, Region
+from dualpath_ray.runtime.transport.moves import PeerDiedError, Region
 from dualpath_ray.runtime.transport.endpoint import TransportEndpoint, endpoint_actor_options
 from dualpath_ray.runtime.transport.factory import make_transport
 
-BUFFER_POOL = "buffer"
-HBM_POOL = "hbm"
 
 
 def build_core(
@@ -64,7 +64,7 @@ def build_core(
         make_link(cfg, f"snic-write/{node_id}", cfg.cluster.snic_gbps),
     )
     store = open_store(cfg.store, layout, root=store_root)
-    return ReaderCore(settings, layout, store, links, FaultInjector(cfg.faults, f"reader/{node_id}", restarted))
+    return ReaderCore(settings, layout, store, links, FaultInjector(cfg.faults, reader_name(node_id), restarted))
 
 
 # "io" methods may wait for free buffer blocks or the SNIC; freeing runs on "ctl", so a full
@@ -86,7 +86,7 @@ class StorageReader(TransportEndpoint):
         self.incarnation = self.transport.incarnation
         restarted = was_restarted()
         self.core = build_core(cfg, node_id, store_root, self.incarnation, restarted)
-        self.transport.register(BUFFER_POOL, self.core.pool.buffer)
+        self.transport.register(Pool.BUFFER, self.core.pool.buffer)
         self.transport.seal()
         self.metrics = ReaderMetrics.start(cfg, self.core)
         # The scheduler learns this node's read queue from here, when it changes (and this
@@ -162,8 +162,8 @@ class StorageReader(TransportEndpoint):
         extent = self.core.lease(owner, len(blocks))
         self.core.begin_write(extent.extent_id)  # reclaim must not free it under the D2H
         moves = [
-            (Region(BUFFER_POOL, slot * layout.full_block_bytes, layout.full_block_bytes),
-             Region(HBM_POOL, page * layout.full_block_bytes, layout.full_block_bytes))
+            (Region(Pool.BUFFER, slot * layout.full_block_bytes, layout.full_block_bytes),
+             Region(Pool.HBM, page * layout.full_block_bytes, layout.full_block_bytes))
             for slot, (page, _) in zip(extent.slots, blocks)
         ]
         try:

@@ -16,6 +16,7 @@ from dualpath_ray import metrics as m
 from dualpath_ray.config import DualPathConfig
 from dualpath_ray.metrics import MetricSink, RayMetrics
 from dualpath_ray.protocol.counters import PATHS, NodeCounters
+from dualpath_ray.protocol.names import SCHEDULER, reader_name
 from dualpath_ray.runtime.telemetry.metrics_export import CounterTotals, PeriodicExport
 
 if TYPE_CHECKING:
@@ -79,7 +80,7 @@ class ReaderMetrics:
     @classmethod
     def start(cls, cfg: DualPathConfig, core: ReaderFigures) -> ReaderMetrics:
         exporter = cls(RayMetrics(cfg.runtime.metrics), core, node_role(cfg, core.node_id))
-        exporter.export = _periodic(cfg, f"reader/{core.node_id}", exporter.collect)
+        exporter.export = _periodic(cfg, reader_name(core.node_id), exporter.collect)
         return exporter
 
     def collect(self) -> None:
@@ -181,7 +182,7 @@ class SchedulerMetrics:
     @classmethod
     def start(cls, cfg: DualPathConfig, mode: str, calls: Mapping[str, int]) -> SchedulerMetrics:
         exporter = cls(RayMetrics(cfg.runtime.metrics), mode, calls)
-        exporter.export = _periodic(cfg, "scheduler", exporter.collect)
+        exporter.export = _periodic(cfg, SCHEDULER, exporter.collect)
         return exporter
 
     def decided(self, role: str, seconds: float) -> None:

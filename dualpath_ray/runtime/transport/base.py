@@ -64,12 +64,6 @@ from dualpath_ray.runtime.transport.moves import (
     next_state,
 )
 
-__all__ = [
-    "OPS", "TRANSPORT_GROUP", "EndpointInfo", "InfoRequest", "Move", "PeerDiedError", "PoolInfo", "Region",
-    "RegionError", "Transfer", "Transport", "TransportError", "TransportState", "TransportStats", "check_moves",
-    "check_region", "coalesce_moves", "next_state",
-]
-
 OPS = ("read", "write")
 # The Ray concurrency group every endpoint actor serves its peers' transport calls on
 # (endpoint.py declares it; a peer's call names it).

@@ -48,13 +48,13 @@ import ray
 import torch
 import torch.distributed as dist
 
-from dualpath_ray.runtime.transport.base import (
+from dualpath_ray.runtime.transport.base import Transport
+from dualpath_ray.runtime.transport.moves import (
     Move,
     PeerDiedError,
     Region,
     RegionError,
     Transfer,
-    Transport,
     TransportError,
     TransportState,
     next_state,

@@ -70,12 +70,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from dualpath_ray.runtime.transport.base import (
-    Move,
-    Transfer,
-    Transport,
-    TransportError,
-)
+from dualpath_ray.runtime.transport.base import Transport
+from dualpath_ray.runtime.transport.moves import Move, Transfer, TransportError
 
 _UCX_SERVICE_LEVELS = range(16)
 _UCX_TRAFFIC_CLASSES = range(256)

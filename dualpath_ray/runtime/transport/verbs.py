@@ -32,14 +32,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 from dualpath_ray.config.verbs import VerbsConfig
-from dualpath_ray.runtime.transport.base import (
-    EndpointInfo,
-    Move,
-    RegionError,
-    Transfer,
-    Transport,
-    TransportError,
-)
+from dualpath_ray.runtime.transport.base import Transport
+from dualpath_ray.runtime.transport.moves import EndpointInfo, Move, RegionError, Transfer, TransportError
 from dualpath_ray.runtime.transport.verbs_layer import (
     LINK_ETHERNET,
     Completion,

@@ -19,7 +19,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from dualpath_ray.runtime.transport.base import TransportError
+from dualpath_ray.runtime.transport.moves import TransportError
 
 LINK_INFINIBAND = "InfiniBand"
 LINK_ETHERNET = "Ethernet"  # RoCE: every path needs a GRH (is_global)

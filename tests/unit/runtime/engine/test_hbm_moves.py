@@ -12,7 +12,7 @@ import torch
 
 from dualpath_ray.runtime.engine.hbm_moves import HbmMoves, merged_ranges
 from dualpath_ray.runtime.engine.ports import Ready
-from dualpath_ray.runtime.transport.base import Region, TransportError
+from dualpath_ray.runtime.transport.moves import Region, TransportError
 from dualpath_ray.runtime.transport.factory import make_transport
 
 ME = "decode/d0/g0"

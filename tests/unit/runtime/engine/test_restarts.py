@@ -13,11 +13,11 @@ from dualpath_ray.config import DualPathConfig
 from dualpath_ray.faults.injector import FaultInjector
 from dualpath_ray.faults.plan import FaultPlan, FaultSite
 from dualpath_ray.protocol.messages import GroupReport, PeerState
-from dualpath_ray.runtime.reader.actor import build_core as ReaderCore  # a ReaderCore built from the config
+from dualpath_ray.runtime.reader.actor import build_core as build_reader_core
 from dualpath_ray.runtime.engine.restarts import IncarnationTracker, TransportKeeper, peer_state_of, rejoin_transport
 from dualpath_ray.runtime.control.scheduler import build_core
 from dualpath_ray.scheduling.scheduler import SchedulerCore
-from dualpath_ray.runtime.transport.base import PeerDiedError, TransportState
+from dualpath_ray.runtime.transport.moves import PeerDiedError, TransportState
 from dualpath_ray.scheduling import EngineLoad
 from dualpath_ray.scheduling.requests import RequestState
 from dualpath_ray.scheduling.types import Role
@@ -148,7 +148,7 @@ def test_a_kill_fault_ends_the_first_incarnation_only() -> None:
 
 def test_grants_name_the_reader_incarnation(tmp_path: Path) -> None:
     cfg = DualPathConfig().with_overrides(store={"root": str(tmp_path)}, cluster={"buffer_blocks_per_node": 4})
-    core = ReaderCore(cfg, "d0", str(tmp_path), incarnation="abc")
+    core = build_reader_core(cfg, "d0", str(tmp_path), incarnation="abc")
     grant = core.grant(core.lease("r#0", 2), "reader/d0")
     assert grant.incarnation == "abc", "a grant says which process's extent ids it names"
 

@@ -17,7 +17,7 @@ import torch
 
 pytest.importorskip("nixl", reason="the nixl extra is not installed")
 
-from dualpath_ray.runtime.transport.base import Region, TransportStats  # noqa: E402
+from dualpath_ray.runtime.transport.moves import Region, TransportStats  # noqa: E402
 from dualpath_ray.runtime.transport.nixl import PROGRESS_FALLBACK_US, NixlTransport  # noqa: E402
 
 pytestmark = [pytest.mark.nixl, pytest.mark.timeout(60)]

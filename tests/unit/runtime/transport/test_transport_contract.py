@@ -12,13 +12,12 @@ import pytest
 import torch
 
 from dualpath_ray.config.verbs import VerbsConfig
-from dualpath_ray.runtime.transport.base import (
-    TRANSPORT_GROUP,
+from dualpath_ray.runtime.transport.base import TRANSPORT_GROUP, Transport
+from dualpath_ray.runtime.transport.moves import (
     PoolInfo,
     Region,
     RegionError,
     Transfer,
-    Transport,
     TransportError,
     TransportState,
     TransportStats,
