@@ -15,6 +15,7 @@ from dualpath_ray import metrics as m
 from dualpath_ray.config import ConfigError, DualPathConfig, parse_config
 from dualpath_ray.metrics import ALL_METRICS, TAGS, MetricKind, RayMetrics
 from dualpath_ray.protocol.counters import PATHS
+from dualpath_ray.runtime.control.counts import SchedulerCounts
 from dualpath_ray.runtime.telemetry.actor_metrics import EngineMetrics, ReaderMetrics, SchedulerMetrics, node_role
 from dualpath_ray.protocol.messages import ErrorKind, TurnResult
 from dualpath_ray.runtime.telemetry.metrics_export import CounterTotals, PeriodicExport
@@ -171,7 +172,7 @@ def turn(request_id: str, path: str, ttft: float, tpot: float, error: ErrorKind 
 
 def test_scheduler_metrics_observe_turns_count_failures_and_export_its_call_counts() -> None:
     sink = RecordingSink()
-    calls = {"retries": 0, "unindexed_blocks": 0, "timeouts": 0}
+    calls = SchedulerCounts()
     metrics = SchedulerMetrics(sink, "dualpath", calls)
     metrics.finished(turn("a", "pe", 0.5, 0.02))
     metrics.finished(turn("b", "de", 0.7, 0.03))
@@ -180,7 +181,7 @@ def test_scheduler_metrics_observe_turns_count_failures_and_export_its_call_coun
     assert sink.observations[("dualpath_tpot_seconds", (("mode", "dualpath"), ("path", "pe")))] == [0.02], "TPOT by path"
     assert sink.counter(m.ATTEMPT_FAILURES, mode="dualpath", kind="kv_corrupt") == 1, "a failed attempt counted by kind"
     assert [(t[1], t[3]) for t in metrics.recent_turns()] == [(0.5, "pe"), (0.7, "de")], "served turns are remembered"
-    calls.update(retries=2, unindexed_blocks=5, timeouts=1)
+    calls.retries, calls.unindexed_blocks, calls.timeouts = 2, 5, 1
     metrics.collect()
     assert sink.counter(m.RETRIES, mode="dualpath") == 2, "retries come from the scheduler's call counts"
     assert sink.counter(m.RECOMPUTED_BLOCKS, mode="dualpath") == 5, "so do the blocks unindexed for a recompute"
@@ -193,7 +194,7 @@ def test_scheduler_metrics_time_decisions_and_count_placements_by_path() -> None
             self.path = path
 
     sink = RecordingSink()
-    metrics = SchedulerMetrics(sink, "basic", {})
+    metrics = SchedulerMetrics(sink, "basic", SchedulerCounts())
     metrics.decided("prefill", 0.002)  # the rounds report each ask of the core (scheduling/rounds.py)
     metrics.placed([Task("pe"), Task("pe"), Task("de")])
     assert sink.observations[("dualpath_scheduler_decision_seconds", (("role", "prefill"),))], "the decision is timed"

@@ -15,13 +15,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter, defaultdict
+from collections import defaultdict
 from typing import Any, Callable
 
 from dualpath_ray.config import DualPathConfig
 from dualpath_ray.faults.injector import FaultInjector
 from dualpath_ray.faults.plan import CallPhase
 from dualpath_ray.runtime.telemetry.actor_metrics import SchedulerMetrics
+from dualpath_ray.runtime.control.counts import SchedulerCounts
 from dualpath_ray.runtime.control.fanout import ClusterControl
 from dualpath_ray.protocol.messages import PeerState, PrefillTask
 from dualpath_ray.runtime.deploy.topology import plan_nodes
@@ -111,7 +112,7 @@ class Decisions:
     def __init__(
         self, cfg: DualPathConfig, core: SchedulerCore, control: ClusterControl, liveness: Liveness,
         readers: ReaderStates, on_accepted: Callable[[str, str], None], faults: FaultInjector,
-        calls: Counter[str], metrics: SchedulerMetrics,
+        calls: SchedulerCounts, metrics: SchedulerMetrics,
     ) -> None:
         self.control = control
         self.metrics = metrics
@@ -149,8 +150,8 @@ class Decisions:
         for engine, tasks in outgoing.items():
             owners = [task.request.owner for task in tasks]
             self.liveness.sending(owners)
-            self.calls["pushes"] += 1
-            self.calls["pushed_tasks"] += len(tasks)
+            self.calls.pushes += 1
+            self.calls.pushed_tasks += len(tasks)
             self.loop.create_task(self._push(engine, tasks, owners))
 
     async def _push(self, engine: str, tasks: list[PrefillTask], owners: list[str]) -> None:
@@ -164,7 +165,7 @@ class Decisions:
             if self.faults.active and self.faults.fail_call("accept", CallPhase.RESPONSE):
                 raise RuntimeError(f"accept to {engine}: reply lost (fault plan)")
         except Exception as exc:  # noqa: BLE001 - see the docstring
-            self.calls["failed_pushes"] += 1
+            self.calls.failed_pushes += 1
             LOG.warning("pushing %d tasks to %s failed: %r", len(tasks), engine, exc)
         else:
             self.on_accepted(engine, incarnation)

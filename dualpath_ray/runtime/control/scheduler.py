@@ -21,7 +21,6 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import Counter
 from typing import Any, AsyncIterator, Mapping
 
 import ray
@@ -42,6 +41,7 @@ from dualpath_ray.protocol.messages import (
     failed_result,
 )
 from dualpath_ray.protocol.names import SCHEDULER
+from dualpath_ray.runtime.control.counts import SchedulerCounts
 from dualpath_ray.runtime.control.aborts import Aborts
 from dualpath_ray.runtime.control.adoption import Adoptions
 from dualpath_ray.runtime.control.decisions import Decisions, ReaderStates
@@ -60,15 +60,6 @@ LOG = logging.getLogger("dualpath_ray.scheduler")
 # How long a client's `collect` waits for a first result before it answers with none (the
 # client asks again while it has turns in flight).
 COLLECT_WAIT_S = 10.0
-# What `call_counts` always reports (0 until it happens): calls received, turns, and what the
-# watchdog and the decisions did.
-COUNTED = (
-    "submit", "collect", "generate", "report", "reader_report", "complete", "retries", "timeouts", "stale_results",
-    "unindexed_blocks", "aborted", "adopted", "adoptable", "pushes", "pushed_tasks", "failed_pushes", "heartbeats",
-    "dead_engines", "presumed_dead", "restarted_engines", "lost_assignments", "stale_holdings", "dead_readers",
-    "reader_unavailable", "restarted_readers", "worlds_formed",
-)
-
 
 @ray.remote(num_cpus=0, max_concurrency=4096)
 class Scheduler:
@@ -90,7 +81,7 @@ class Scheduler:
         self.starting: asyncio.Task[None] | None = None
         self.clients: dict[str, str] = {}  # request id -> the client that submitted it (submit/collect)
         self.mailboxes = Mailboxes(expiry_s=cfg.runtime.request_timeout_s + 4 * COLLECT_WAIT_S)
-        self.calls: Counter[str] = Counter({name: 0 for name in COUNTED})
+        self.calls = SchedulerCounts()
         runtime = cfg.runtime
         self.liveness = Liveness(
             runtime.heartbeat_timeout_s, time.monotonic, max(runtime.heartbeat_s, runtime.heartbeat_timeout_s / 3)
@@ -150,7 +141,7 @@ class Scheduler:
         if self.cfg.runtime.transport != "gloo":
             return True
         formed = await self.control.reform_gloo_world(requester)
-        self.calls["worlds_formed"] = self.control.worlds_formed
+        self.calls.worlds_formed = self.control.worlds_formed
         return formed
 
     # --- between rollouts: sleep, wake, weights from a trainer ---------------------------
@@ -215,7 +206,7 @@ class Scheduler:
         client already submitted is accepted again without a second serving (a client resubmits
         what it had in flight when it sees that the scheduler restarted)."""
         await self._started()
-        self.calls["submit"] += 1
+        self.calls.submit += 1
         refusals: list[Refusal | None] = []
         for spec in specs:
             if self.clients.get(spec.request_id) == client:
@@ -243,7 +234,7 @@ class Scheduler:
         that knew another epoch is answered at once: this incarnation restarted and does not
         know what it submitted before (the client submits it again)."""
         await self._started()
-        self.calls["collect"] += 1
+        self.calls.collect += 1
         if epoch is not None and epoch != self.core.epoch:
             return Collected(self.core.epoch)
         results = await self.mailboxes.collect(client, wait_s)
@@ -292,7 +283,7 @@ class Scheduler:
         """One step of an engine: the handoffs it took (those attempts are decoding and no
         longer depend on their prefill engines), the turns that ended, the tokens it streamed."""
         assert self.decisions is not None and self.watchdog is not None
-        self.calls["report"] += 1
+        self.calls.report += 1
         self.watchdog.observe(report.engine, report.incarnation)
         for rid, holding in report.handed_off.items():
             request = self.core.requests.get(rid)
@@ -305,7 +296,7 @@ class Scheduler:
     def _reader_report(self, report: ReaderReport) -> None:
         """A reader's read queue changed (or the reader just started)."""
         assert self.watchdog is not None
-        self.calls["reader_report"] += 1
+        self.calls.reader_report += 1
         self.watchdog.observe(report.reader, report.incarnation)
         self.core.dispatcher.report_read_q(report.node_id, report.read_q_tokens)
         if self.readers.state(report.node_id) is not PeerState.ALIVE and report.node_id not in self.core.readers_dead:
@@ -372,7 +363,7 @@ class Scheduler:
         evicted = self.core.eviction.stats.evicted_blocks if self.core.eviction is not None else 0
         rounds = self.decisions.rounds.stats if self.decisions is not None else None
         sent = {f"sent_{method}": count for method, count in self.control.sent.items()}
-        return {**self.calls, **sent, "evicted_blocks": evicted,
+        return {**self.calls.as_dict(), **sent, "evicted_blocks": evicted,
                 "indexed_blocks": len(self.core.index), "readmitted": self.core.readmitted,
                 "adopted": self.adoptions.adopted, "adoptions_dropped": self.adoptions.dropped,
                 "restarted": int(self.restarted), "mailboxes": len(self.mailboxes),

@@ -15,11 +15,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections import Counter
 
 from dualpath_ray.config import DualPathConfig
 from dualpath_ray.protocol.messages import ErrorKind, RequestSpec, TurnResult, aborted_result, failed_result
 from dualpath_ray.protocol.names import SCHEDULER, reader_name
+from dualpath_ray.runtime.control.counts import SchedulerCounts
 from dualpath_ray.runtime.control.aborts import Aborts
 from dualpath_ray.runtime.control.adoption import Adoptions
 from dualpath_ray.runtime.control.decisions import Decisions
@@ -38,7 +38,7 @@ class Serving:
 
     def __init__(
         self, cfg: DualPathConfig, core: SchedulerCore, control: ClusterControl, liveness: Liveness, aborts: Aborts,
-        adoptions: Adoptions, calls: Counter[str], metrics: SchedulerMetrics,
+        adoptions: Adoptions, calls: SchedulerCounts, metrics: SchedulerMetrics,
     ) -> None:
         self.cfg = cfg
         self.core = core
@@ -65,7 +65,7 @@ class Serving:
     async def generate(self, spec: RequestSpec) -> TurnResult:
         """Serve one turn (already accepted by the actor): its result, an aborted result, or a
         failed one once its retries or its deadline are used up."""
-        self.calls["generate"] += 1
+        self.calls.generate += 1
         if not self.aborts.start(spec.request_id):
             return aborted_result(spec)  # its trajectory was aborted
         assert self.watchdog is not None
@@ -92,8 +92,8 @@ class Serving:
                 # land on the same dead peer (the heartbeat would tell only a beat later).
                 assert self.watchdog is not None
                 await self.watchdog.probe(suspects)
-            self.calls["retries"] += 1
-            self.calls["unindexed_blocks"] += self.core.repair(result)
+            self.calls.retries += 1
+            self.calls.unindexed_blocks += self.core.repair(result)
             spec = dataclasses.replace(spec, attempt=spec.attempt + 1)
         return aborted_result(spec) if self.aborts.is_aborted(spec.request_id) else result
 
@@ -118,7 +118,7 @@ class Serving:
             self.decisions.rounds.submit(spec)
             return await asyncio.wait_for(future, max(0.0, deadline - time.monotonic()))
         except asyncio.TimeoutError:
-            self.calls["timeouts"] += 1
+            self.calls.timeouts += 1
             self._cancel_at(self.core.abandon(spec.request_id), spec.owner)
             self.decisions.rounds.everything_changed()  # what it held is free again
             return failed_result(
@@ -144,7 +144,7 @@ class Serving:
     def complete(self, result: TurnResult) -> None:
         """An attempt ended: free what it held and answer its turn, if it is still current."""
         assert self.decisions is not None
-        self.calls["complete"] += 1
+        self.calls.complete += 1
         current = self.core.is_current(result)
         request = self.core.requests.get(result.request_id)
         if current and request is not None and result.error_kind is ErrorKind.PEER_DIED:
@@ -154,9 +154,9 @@ class Serving:
         self._cancel_at(holders, result.owner)
         if not current:
             if result.epoch < self.core.epoch and self.adoptions.deliver(result):
-                self.calls["adopted"] = self.adoptions.adopted
+                self.calls.adopted = self.adoptions.adopted
                 return
-            self.calls["stale_results"] += 1
+            self.calls.stale_results += 1
             return
         self.liveness.forget(result.owner)
         self.metrics.finished(result)
@@ -175,7 +175,7 @@ class Serving:
         """Stop one request now (see Scheduler.abort); False when none of that id is in flight."""
         if not self.aborts.abort(request_id):
             return False
-        self.calls["aborted"] = self.aborts.count
+        self.calls.aborted = self.aborts.count
         request = self.core.requests.get(request_id)
         if request is not None:
             self.liveness.forget(request.spec.owner)

@@ -28,13 +28,13 @@ every group must be asked again (an engine or reader came or went).
 from __future__ import annotations
 
 import asyncio
-from collections import Counter
 from typing import Any, Callable
 
 import ray.exceptions
 
 from dualpath_ray.config import DualPathConfig
 from dualpath_ray.protocol.names import SCHEDULER, reader_name
+from dualpath_ray.runtime.control.counts import SchedulerCounts
 from dualpath_ray.runtime.control.adoption import Adoptions
 from dualpath_ray.runtime.control.fanout import ClusterControl
 from dualpath_ray.runtime.control.decisions import ReaderStates
@@ -52,7 +52,7 @@ Fail = Callable[[RequestSpec, str, str], None]
 class Watchdog:
     def __init__(
         self, cfg: DualPathConfig, core: SchedulerCore, control: ClusterControl, liveness: Liveness,
-        adoptions: Adoptions, readers: ReaderStates, calls: Counter[str], fail: Fail, changed: Callable[[], None],
+        adoptions: Adoptions, readers: ReaderStates, calls: SchedulerCounts, fail: Fail, changed: Callable[[], None],
     ) -> None:
         self.cfg = cfg
         self.core = core
@@ -128,7 +128,7 @@ class Watchdog:
             asyncio.gather(*(self._holds(e, timeout_s) for e in engines)),
             asyncio.gather(*(self._queue(n, timeout_s) for n in nodes)),
         )
-        self.calls["heartbeats"] += len(engines) + len(nodes)
+        self.calls.heartbeats += len(engines) + len(nodes)
         for node, (answer, state) in zip(nodes, queues):
             self._reader_seen(node, answer, state)
         held: dict[str, dict[str, Holding]] = {}
@@ -161,11 +161,11 @@ class Watchdog:
         verdicts = self.liveness.check(self.core.requests.values(), held, silent)
         made_up = [rid for rid in verdicts.handed_off if self.core.handed_off(rid)]  # lost handoff notes
         for spec in verdicts.lost:
-            self.calls["lost_assignments"] += 1
+            self.calls.lost_assignments += 1
             self.fail(spec, SCHEDULER, "no live engine holds this attempt")
         self.adoptions.check(held, silent, self.liveness.clock(), timeout_s)
         for engine, owner in self.core.stale_holdings(held):
-            self.calls["stale_holdings"] += 1
+            self.calls.stale_holdings += 1
             self.control.cancel(engine, owner)
         if made_up:
             self.changed()  # those prefill engines are lighter
@@ -203,13 +203,13 @@ class Watchdog:
                 self.incarnations.observe(engine, answer.incarnation)
             for owner in self.adoptions.learn(engine, answer.held if answer is not None else {}):
                 self.control.cancel(engine, owner)
-        self.calls["adoptable"] = len(self.adoptions.holders)
+        self.calls.adoptable = len(self.adoptions.holders)
 
     # --- engines ------------------------------------------------------------------------
 
     def engine_died(self, engine: str, confirmed: bool) -> None:
-        self.calls["dead_engines"] += 1
-        self.calls["presumed_dead"] += not confirmed
+        self.calls.dead_engines += 1
+        self.calls.presumed_dead += not confirmed
         owners = []
         for spec in self.core.engine_died(engine, confirmed):
             self.fail(spec, engine, f"engine {engine} died")
@@ -236,13 +236,13 @@ class Watchdog:
             return
         if name.startswith("reader/"):
             node = name.removeprefix("reader/")
-            self.calls["restarted_readers"] += 1
+            self.calls.restarted_readers += 1
             self.readers.set(node, PeerState.ALIVE)
             for spec in self.core.reader_restarted(node):
                 self.fail(spec, name, "storage reader restarted")
             self.changed()
             return
-        self.calls["restarted_engines"] += 1
+        self.calls.restarted_engines += 1
         self.liveness.forget_engine(name)
         owners = []
         for spec in self.core.engine_restarted(name):
@@ -270,9 +270,9 @@ class Watchdog:
     def reader_state(self, node: str, state: PeerState) -> None:
         """Act on what is known of a node's reader (see SchedulerCore.note_report)."""
         if state is PeerState.DEAD and node not in self.core.readers_dead:
-            self.calls["dead_readers"] += 1
+            self.calls.dead_readers += 1
         elif state in (PeerState.SILENT, PeerState.RESTARTING):
-            self.calls["reader_unavailable"] += 1
+            self.calls.reader_unavailable += 1
         changed = self.readers.set(node, state)
         role = self.role_of[node]
         report = GroupReport(f"{role.value}/{node}", node, self._loads_of(node), None, state)

@@ -10,13 +10,14 @@ from __future__ import annotations
 import time
 from collections import deque
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol, Sequence
 
 from dualpath_ray import metrics as m
 from dualpath_ray.config import DualPathConfig
 from dualpath_ray.metrics import MetricSink, RayMetrics
 from dualpath_ray.protocol.counters import PATHS, NodeCounters
 from dualpath_ray.protocol.names import SCHEDULER, reader_name
+from dualpath_ray.runtime.control.counts import SchedulerCounts
 from dualpath_ray.runtime.telemetry.metrics_export import CounterTotals, PeriodicExport
 
 if TYPE_CHECKING:
@@ -167,11 +168,11 @@ class EngineMetrics:
 class SchedulerMetrics:
     """Decisions, placements by read path, served turns' TTFT/TPOT, failures and retries.
 
-    `calls` is the scheduler's own call counter dict, from which retries, recomputed blocks and
+    `calls` is the scheduler's own counts (runtime/control/counts.py), from which retries, recomputed blocks and
     timeouts are exported periodically. The last RECENT_TURNS served turns are kept whether or
     not metrics are on: `dualpath status` shows them."""
 
-    def __init__(self, sink: MetricSink, mode: str, calls: Mapping[str, int]) -> None:
+    def __init__(self, sink: MetricSink, mode: str, calls: SchedulerCounts) -> None:
         self.sink = sink
         self.mode = mode
         self.calls = calls
@@ -180,7 +181,7 @@ class SchedulerMetrics:
         self.export: PeriodicExport | None = None
 
     @classmethod
-    def start(cls, cfg: DualPathConfig, mode: str, calls: Mapping[str, int]) -> SchedulerMetrics:
+    def start(cls, cfg: DualPathConfig, mode: str, calls: SchedulerCounts) -> SchedulerMetrics:
         exporter = cls(RayMetrics(cfg.runtime.metrics), mode, calls)
         exporter.export = _periodic(cfg, SCHEDULER, exporter.collect)
         return exporter
@@ -211,9 +212,9 @@ class SchedulerMetrics:
 
     def collect(self) -> None:
         mode = {"mode": self.mode}
-        self.totals.update(m.RETRIES, self.calls.get("retries", 0), mode)
-        self.totals.update(m.RECOMPUTED_BLOCKS, self.calls.get("unindexed_blocks", 0), mode)
-        self.totals.update(m.ATTEMPT_FAILURES, self.calls.get("timeouts", 0), {**mode, "kind": "timeout"})
+        self.totals.update(m.RETRIES, self.calls.retries, mode)
+        self.totals.update(m.RECOMPUTED_BLOCKS, self.calls.unindexed_blocks, mode)
+        self.totals.update(m.ATTEMPT_FAILURES, self.calls.timeouts, {**mode, "kind": "timeout"})
 
     def recent_turns(self) -> list[tuple[float, float, float, str]]:
         """(finished at, wall clock; ttft_s; tpot_s; path) of the latest served turns, oldest first."""

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +19,7 @@ from dualpath_ray.protocol.messages import (
     TurnResult,
     failed_result,
 )
+from dualpath_ray.runtime.control.counts import SchedulerCounts
 from dualpath_ray.runtime.control.aborts import Aborts
 from dualpath_ray.runtime.control.adoption import Adoptions
 from dualpath_ray.runtime.control.scheduler_core import build_core
@@ -87,7 +87,7 @@ def serving_of(tmp_path: Path, **runtime: object) -> tuple[Serving, Rounds]:
     cfg = DualPathConfig().with_overrides(store={"root": str(tmp_path)}, runtime=dict(runtime))
     core = build_core(cfg, str(tmp_path), "dualpath", epoch=1_000)
     liveness = Liveness(cfg.runtime.heartbeat_timeout_s, time.monotonic, cfg.runtime.heartbeat_s)
-    serving = Serving(cfg, core, Control(), liveness, Aborts(), Adoptions(), Counter(), Metrics())  # type: ignore[arg-type]
+    serving = Serving(cfg, core, Control(), liveness, Aborts(), Adoptions(), SchedulerCounts(), Metrics())  # type: ignore[arg-type]
     decisions = Decisions(core)
     serving.bind(decisions, Watchdog())  # type: ignore[arg-type]
     return serving, decisions.rounds
@@ -103,9 +103,15 @@ def final(spec: RequestSpec) -> TurnResult:
     return failed_result(spec, "decode/d0/g0", "a bug", ErrorKind.INTERNAL)
 
 
-async def placed(rounds: Rounds, count: int) -> RequestSpec:
-    """The `count`th attempt handed to the rounds, once it is."""
+async def placed(rounds: Rounds, count: int, served: asyncio.Future[TurnResult] | None = None) -> RequestSpec:
+    """The `count`th attempt handed to the rounds, once it is (within 10 s of event-loop turns;
+    a serving that ended or raised first fails the test at once instead of hanging it)."""
+    deadline = time.monotonic() + 10.0
     while len(rounds.submitted) < count:
+        if served is not None and served.done():
+            served.result()  # raises what the serving raised
+            raise AssertionError(f"the serving ended before attempt {count} was placed")
+        assert time.monotonic() < deadline, f"attempt {count} was never handed to the rounds"
         await asyncio.sleep(0)
     return rounds.submitted[count - 1]
 
@@ -114,14 +120,14 @@ def test_a_turn_is_answered_by_its_current_attempt_only(tmp_path: Path) -> None:
     async def scenario() -> None:
         serving, rounds = serving_of(tmp_path)
         served = asyncio.ensure_future(serving.generate(spec_of()))
-        attempt = await placed(rounds, 1)
+        attempt = await placed(rounds, 1, served)
         assert attempt.epoch == serving.core.epoch + 1, "each serving gets its own epoch (RequestSpec.epoch)"
         serving.complete(final(dataclasses.replace(attempt, epoch=attempt.epoch - 1)))
-        assert serving.calls["stale_results"] == 1 and not served.done(), "another serving's result is dropped"
+        assert serving.calls.stale_results == 1 and not served.done(), "another serving's result is dropped"
         serving.complete(final(attempt))
         result = await served
         assert result.error_kind is ErrorKind.INTERNAL and result.epoch == attempt.epoch
-        assert serving.calls["retries"] == 0, "a bug is answered, not retried"
+        assert serving.calls.retries == 0, "a bug is answered, not retried"
         assert not serving.pending and not serving.aborts.running, "nothing of the turn is left behind"
 
     asyncio.run(scenario())
@@ -131,13 +137,13 @@ def test_a_peer_death_is_retried_as_the_next_attempt(tmp_path: Path) -> None:
     async def scenario() -> None:
         serving, rounds = serving_of(tmp_path)
         served = asyncio.ensure_future(serving.generate(spec_of()))
-        first = await placed(rounds, 1)
+        first = await placed(rounds, 1, served)
         serving.fail(first, "reader/d0", "died")
-        second = await placed(rounds, 2)
+        second = await placed(rounds, 2, served)
         assert (second.attempt, second.epoch) == (1, first.epoch), "the retry is the same serving's next attempt"
         serving.complete(final(second))
         assert (await served).attempt == 1
-        assert serving.calls["retries"] == 1 and not serving.suspects
+        assert serving.calls.retries == 1 and not serving.suspects
 
     asyncio.run(scenario())
 
@@ -146,7 +152,7 @@ def test_an_abort_answers_at_once_and_is_not_retried(tmp_path: Path) -> None:
     async def scenario() -> None:
         serving, rounds = serving_of(tmp_path)
         served = asyncio.ensure_future(serving.generate(spec_of()))
-        await placed(rounds, 1)
+        await placed(rounds, 1, served)
         assert serving.abort("traj0/0") and not serving.abort("traj0/1"), "only a request in flight is aborted"
         result = await served
         assert result.stop_reason is StopReason.ABORTED and result.error_kind is None
@@ -160,7 +166,7 @@ def test_a_turn_without_a_result_times_out_and_is_abandoned(tmp_path: Path) -> N
     async def scenario() -> None:
         serving, rounds = serving_of(tmp_path, request_timeout_s=0.05)
         result = await serving.generate(spec_of())
-        assert result.error_kind is ErrorKind.TIMEOUT and serving.calls["timeouts"] == 1
+        assert result.error_kind is ErrorKind.TIMEOUT and serving.calls.timeouts == 1
         assert not serving.core.requests and not serving.pending, "the core forgot the abandoned attempt"
 
     asyncio.run(scenario())
