@@ -120,6 +120,9 @@ class EngineBase(TransportEndpoint):
         self.weight_group: WeightGroup | None = None
         self.keeper = TransportKeeper(self.transport, cfg.runtime.namespace, cfg.runtime.request_timeout_s)
         if self.restarted:
+            # Tell the scheduler this incarnation now, not only once the rejoin below is done (a
+            # new gloo world can take long): what the dead process held is reclaimed at once.
+            self.scheduler_port.report({}, (), ())
             # No driver calls start() on a restarted incarnation: it rejoins the transport and
             # starts itself once this __init__ has returned (the rejoin needs this actor to serve).
             self.keeper.heal(then=self.start)

@@ -74,6 +74,13 @@ class ReaderFaults(Protocol):
     def counts(self) -> dict[str, FaultCount]: ...
 
 
+MAX_RECLAIMED_OWNERS = 65536  # reclaimed attempts remembered (see ReaderCore._reclaimed)
+
+
+class ReclaimedOwnerError(RuntimeError):
+    """A lease for an attempt whose extents were reclaimed: its engine is gone."""
+
+
 class ReaderCore:
     """The reader's logic, independent of Ray so the tests and the actor share it.
 
@@ -111,6 +118,10 @@ class ReaderCore:
         # Called (under this core's lock) whenever the read queue changed: the actor's reporter.
         self.on_read_q: Callable[[], None] = lambda: None
         self._extents: dict[int, Extent] = {}
+        # Attempts whose extents were reclaimed (their engine died), oldest first: a lease of
+        # theirs still waiting for room, or arriving late, is refused, or it would hold its
+        # blocks for an owner that will never free them. Bounded: an attempt is reclaimed once.
+        self._reclaimed: dict[str, None] = {}
         self._cond = threading.Condition()
 
     # --- extents ------------------------------------------------------------------------
@@ -127,7 +138,11 @@ class ReaderCore:
         timeout_s = self.settings.lease_timeout_s
         deadline = time.monotonic() + timeout_s
         with self._cond:
-            while (extent := self.pool.lease(owner, n_blocks)) is None:
+            while True:
+                if owner in self._reclaimed:
+                    raise ReclaimedOwnerError(f"node {self.node_id}: {owner}'s engine died; its extents were reclaimed")
+                if (extent := self.pool.lease(owner, n_blocks)) is not None:
+                    break
                 if not self._cond.wait(timeout=max(0.0, deadline - time.monotonic())):
                     raise TimeoutError(f"node {self.node_id}: no {n_blocks} free buffer blocks in {timeout_s}s")
             self._extents[extent.extent_id] = extent
@@ -159,10 +174,14 @@ class ReaderCore:
         self.free(extent_id)
 
     def reclaim(self, owner: str) -> int:
-        """Free the extents leased to one attempt whose engine died (the scheduler knows it did);
-        returns how many. One in a transfer is left to that transfer's own end."""
+        """Free the extents leased to one attempt that is over (its engine died, or failed it);
+        returns how many. One in a transfer is left to that transfer's own end. The attempt's
+        later leases, and one waiting for room now, are refused (ReclaimedOwnerError)."""
         freed = 0
         with self._cond:
+            self._reclaimed[owner] = None
+            while len(self._reclaimed) > MAX_RECLAIMED_OWNERS:
+                del self._reclaimed[next(iter(self._reclaimed))]
             for extent_id, extent in list(self._extents.items()):
                 if extent.owner == owner and self.pool.state_of(extent_id) is ExtentState.LEASED:
                     del self._extents[extent_id]

@@ -7,6 +7,8 @@ unless a test hands in an emulated link or the in-process fakes of tests/fakes.p
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -21,7 +23,7 @@ from dualpath_ray.kv.layout import KVLayout
 from dualpath_ray.kv.local_store import LocalDirStore
 from dualpath_ray.protocol.messages import PersistedBlock
 from dualpath_ray.runtime.emulation.links import FifoTurns, Link, TokenBucket
-from dualpath_ray.runtime.reader.core import ReaderCore, ReaderFaults, ReaderSettings
+from dualpath_ray.runtime.reader.core import ReaderCore, ReaderFaults, ReaderSettings, ReclaimedOwnerError
 from dualpath_ray.runtime.reader.snic import SnicLink
 from tests.fakes import FakeSnicLink, ScriptedFaults
 
@@ -247,6 +249,34 @@ def test_reclaim_frees_a_dead_attempts_extents_and_a_late_free_is_harmless(tmp_p
     assert core.pool.check_integrity().leased == 3, "a late free of a reclaimed extent frees nothing else"
     core.free(alive.extent_id)
     assert core.pool.check_integrity().free == core.pool.capacity, "every slot is free again"
+
+
+def test_a_lease_of_a_reclaimed_attempt_is_refused_even_one_waiting_for_room(tmp_path: Path) -> None:
+    """A dead engine's lease that was waiting for room (or arrives late) must not take blocks
+    after its extents were reclaimed: nothing would ever free them (the chaos suite saw such a
+    leak when a prefill engine was killed mid-batch)."""
+    core = reader_core(tmp_path, buffer_blocks=4)
+    filler = core.lease("r2#0", 4)
+    outcome: list[BaseException | None] = []
+
+    def waiting_lease() -> None:
+        try:
+            core.lease("r1#0", 2)
+            outcome.append(None)
+        except BaseException as exc:  # noqa: BLE001 - the test inspects it
+            outcome.append(exc)
+
+    waiter = threading.Thread(target=waiting_lease)
+    waiter.start()
+    time.sleep(0.05)  # the lease is waiting for room
+    assert core.reclaim("r1#0") == 0, "the dead attempt holds nothing yet"
+    core.free(filler.extent_id)
+    waiter.join(5)
+    assert outcome and isinstance(outcome[0], ReclaimedOwnerError), f"the waiting lease is refused: {outcome}"
+    with pytest.raises(ReclaimedOwnerError):
+        core.lease("r1#0", 1)  # a late one too
+    assert core.pool.check_integrity().free == core.pool.capacity, "no block is held for the dead attempt"
+    assert len(core.lease("r3#0", 4).slots) == 4, "the room goes to a live attempt"
 
 
 def test_the_core_runs_on_in_process_fakes_of_its_links_and_fault_plan(tmp_path: Path) -> None:
