@@ -139,10 +139,15 @@ def assert_all_in_service(service: dict[str, list[str]]) -> None:
     assert not service["dead"] and not service["presumed_dead"], f"every engine is in service: {service}"
 
 
-def wait_until_restarted(deployment: Any, role: str, timeout_s: float = 60.0) -> None:
+RESTART_WAIT_S = 180.0
+
+
+def wait_until_restarted(deployment: Any, role: str, timeout_s: float = RESTART_WAIT_S) -> None:
     """Until the scheduler has seen a new incarnation of one of its `role` ("engines" or
-    "readers"): it learns of one from the next report, push answer or heartbeat, which may come
-    after the last turn of a short rollout was answered."""
+    "readers"): a restarted process tells it as soon as its __init__ has built what it needs.
+    The bound is the restart's, not the notice's: Ray starts a new worker process that imports
+    torch and builds the model, transport and store, which on a 2-core host shared with other
+    processes took over 60 s (a quiet one takes under 10)."""
     deadline = time.monotonic() + timeout_s
     while ray.get(deployment.scheduler.call_counts.remote())[f"restarted_{role}"] < 1:
         if time.monotonic() > deadline:
@@ -150,7 +155,9 @@ def wait_until_restarted(deployment: Any, role: str, timeout_s: float = 60.0) ->
         time.sleep(0.2)
 
 
-def roll_again_once_restarted(cluster: DualPathCluster, deployment: Any, role: str, timeout_s: float = 60.0) -> Any:
+def roll_again_once_restarted(
+    cluster: DualPathCluster, deployment: Any, role: str, timeout_s: float = RESTART_WAIT_S,
+) -> Any:
     """Once the scheduler has seen the killed actor's new incarnation, a short rollout of fresh
     two-turn agents (second turns hit, so both readers read; eight at once, so every engine is
     placed work). Whether the main rollout still had work for the new incarnation depends on how
