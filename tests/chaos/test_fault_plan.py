@@ -147,7 +147,7 @@ def wait_until_restarted(deployment: Any, role: str, timeout_s: float = RESTART_
     "readers"): a restarted process tells it as soon as its __init__ has built what it needs.
     The bound is the restart's, not the notice's: Ray starts a new worker process that imports
     torch and builds the model, transport and store, which on a 2-core host shared with other
-    processes took over 60 s (a quiet one takes under 10)."""
+    processes took over 60 s."""
     deadline = time.monotonic() + timeout_s
     while ray.get(deployment.scheduler.call_counts.remote())[f"restarted_{role}"] < 1:
         if time.monotonic() > deadline:
