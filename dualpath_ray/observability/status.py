@@ -16,11 +16,9 @@ from typing import Any, Callable
 import numpy as np
 
 from dualpath_ray.protocol.counters import PATHS
-from dualpath_ray.protocol.names import SCHEDULER
+from dualpath_ray.protocol.names import ENGINE_PREFIXES, SCHEDULER, is_reader, reader_node
 from dualpath_ray.runtime.deploy.topology import HEAD_RESOURCE, ROLE_LABEL
 
-ENGINE_PREFIXES = ("prefill/", "decode/")
-READER_PREFIX = "reader/"
 # Scheduler call counts worth showing an operator (the rest are for tests and benchmarks).
 SHOWN_CALLS = ("generate", "retries", "timeouts", "unindexed_blocks", "dead_engines", "dead_readers",
                "lost_assignments", "stale_results")
@@ -98,13 +96,13 @@ def collect(namespace: str, window_s: float = 60.0, timeout_s: float = 5.0) -> C
     for name in names:
         if name.startswith(ENGINE_PREFIXES):
             calls.ask(name, load=lambda h: h.load.remote(), stats=lambda h: h.stats.remote())
-        elif name.startswith(READER_PREFIX):
+        elif is_reader(name):
             calls.ask(name, read_q=lambda h: h.read_q.remote(), counters=lambda h: h.counters.remote(),
                       pool_integrity=lambda h: h.pool_integrity.remote(), node_labels=lambda h: h.node_labels.remote())
     if SCHEDULER in names:
         calls.ask(SCHEDULER, mode=lambda h: h.mode.remote(), in_flight=lambda h: h.in_flight.remote(),
                   call_counts=lambda h: h.call_counts.remote(), recent_turns=lambda h: h.recent_turns.remote())
-    readers = [_reader(name, calls) for name in names if name.startswith(READER_PREFIX)]
+    readers = [_reader(name, calls) for name in names if is_reader(name)]
     engines = [_engine(name, calls) for name in names if name.startswith(ENGINE_PREFIXES)]
     status = ClusterStatus(namespace, time.time(), _ray_nodes(readers), deployed=calls.answered(SCHEDULER, "mode"))
     status.readers, status.engines = readers, engines
@@ -166,7 +164,7 @@ _NO_ANSWER = object()
 
 
 def _reader(name: str, calls: _Calls) -> ReaderView:
-    node = name[len(READER_PREFIX):]
+    node = reader_node(name)
     if not all(calls.answered(name, m) for m in ("read_q", "counters", "pool_integrity")):
         return ReaderView(node, answered=False)
     counters = calls.get(name, "counters")

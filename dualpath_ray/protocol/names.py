@@ -15,9 +15,22 @@ ROLLOUT_SERVER = "rollout-server"  # the RolloutServer front end (api/server.py)
 OPENAI_SERVER = "openai-server"  # the OpenAI-compatible HTTP front end (api/openai_server.py)
 
 
+READER_PREFIX = "reader/"
+ENGINE_PREFIXES = ("prefill/", "decode/")
+
+
 def reader_name(node_id: str) -> str:
     """The storage reader of a node: one per node, prefill and decode alike."""
-    return f"reader/{node_id}"
+    return f"{READER_PREFIX}{node_id}"
+
+
+def is_reader(name: str) -> bool:
+    return name.startswith(READER_PREFIX)
+
+
+def reader_node(name: str) -> str:
+    """The node of a reader's name (reader_name's inverse)."""
+    return name.removeprefix(READER_PREFIX)
 
 
 def engine_name(role: str, node_id: str, gpu: int) -> str:

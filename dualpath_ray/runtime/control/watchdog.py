@@ -33,7 +33,7 @@ from typing import Any, Callable
 import ray.exceptions
 
 from dualpath_ray.config import DualPathConfig
-from dualpath_ray.protocol.names import SCHEDULER, reader_name
+from dualpath_ray.protocol.names import SCHEDULER, is_reader, reader_name, reader_node
 from dualpath_ray.runtime.control.counts import SchedulerCounts
 from dualpath_ray.runtime.control.adoption import Adoptions
 from dualpath_ray.runtime.control.fanout import ClusterControl
@@ -92,7 +92,7 @@ class Watchdog:
     def heard_from(self, name: str) -> None:
         """`name` reported or answered: it is alive (a presumed-dead engine is taken back)."""
         self.liveness.answered(name)
-        if not name.startswith("reader/"):
+        if not is_reader(name):
             self._readmit(name)
 
     async def beat(self) -> None:
@@ -105,8 +105,8 @@ class Watchdog:
         readers = {self.reader_of[self.node_of[e]] for e in in_use}
         always = (self.core.presumed_dead - self.core.dead) | {self.reader_of[n] for n in self.core.readers_unavailable}
         plan = self.liveness.plan(in_use | readers, always)
-        engines = sorted(name for name in plan.ask if not name.startswith("reader/"))
-        nodes = sorted(name.removeprefix("reader/") for name in plan.ask if name.startswith("reader/"))
+        engines = sorted(name for name in plan.ask if not is_reader(name))
+        nodes = sorted(reader_node(name) for name in plan.ask if is_reader(name))
         held, silent = await self._ask_all(engines, nodes, timeout_s)
         if plan.sweep:
             self._judge(held, silent, timeout_s)
@@ -116,8 +116,8 @@ class Watchdog:
         of them died), so that its retry is placed knowing which are gone; a silent one is left
         to the heartbeat."""
         names = names - {reader_name(n) for n in self.core.readers_dead} - self.core.dead
-        engines = sorted(name for name in names if not name.startswith("reader/"))
-        nodes = sorted(name.removeprefix("reader/") for name in names if name.startswith("reader/"))
+        engines = sorted(name for name in names if not is_reader(name))
+        nodes = sorted(reader_node(name) for name in names if is_reader(name))
         await self._ask_all(engines, nodes, self.cfg.runtime.heartbeat_timeout_s)
 
     async def _ask_all(
@@ -234,8 +234,8 @@ class Watchdog:
         self.heard_from(name)
         if not self.incarnations.observe(name, incarnation):
             return
-        if name.startswith("reader/"):
-            node = name.removeprefix("reader/")
+        if is_reader(name):
+            node = reader_node(name)
             self.calls.restarted_readers += 1
             self.readers.set(node, PeerState.ALIVE)
             for spec in self.core.reader_restarted(node):
