@@ -92,9 +92,11 @@ def runtime_overheads(measured_oracle: dict, simulated_oracle: dict) -> dict:
 
 
 def options_with(overheads: dict | None) -> SimOptions:
+    # Calibration models the runtime's 1P1D, whose engines pack each batch with the quota bounding
+    # one layer's time: "layer", not the paper-scale figures' "forward".
     if overheads is None:
-        return SimOptions(warmup_turns=1)
-    return SimOptions(warmup_turns=1, pull_delay_s=overheads["pull_delay_s"], result_delay_s=overheads["result_delay_s"],
+        return SimOptions(warmup_turns=1, quota_scope="layer")
+    return SimOptions(warmup_turns=1, quota_scope="layer", pull_delay_s=overheads["pull_delay_s"], result_delay_s=overheads["result_delay_s"],
                       decode_model=DecodeModel(overheads["decode_step_ms"], 0.0, 0.0))
 
 

@@ -7,7 +7,7 @@ per turn), each trajectory cut at the experiment's MaxLen; the seed is fixed (0)
 script simulates the same agents.
 
 Compute quota: prefill batches are packed with the quota bounding the whole forward's predicted
-time (SimOptions.quota_scope="forward"): with the runtime's per-layer reading, a 61-layer model's
+time (the config's sim.quota_scope, "forward" by default, as in `dualpath sim`): with the runtime's per-layer reading, a 61-layer model's
 batches could run 61 x 300 ms, which no TTFT SLO of seconds survives (benchmarks/README.md).
 """
 
@@ -35,7 +35,7 @@ HARDWARE = PROFILES / "hardware" / "h100-sxm-8gpu.yaml"
 LARGE_MLA = PROFILES / "models" / "deepseek-v3.2-660b.yaml"
 SMALL_MLA = PROFILES / "models" / "deepseek-v2-lite-mla.yaml"
 OUT = ROOT / "benchmarks" / "sim" / "results"
-OPTIONS = SimOptions(quota_scope="forward")
+OPTIONS = SimOptions()  # quota_scope from the config: sim.quota_scope, forward
 MODES = ("basic", "dualpath", "oracle")
 
 

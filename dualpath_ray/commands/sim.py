@@ -27,8 +27,10 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--trace", type=Path, required=True, help="Parquet trace, or Mooncake .jsonl")
     parser.add_argument("--mode", choices=("dualpath", "basic", "oracle"), default=None,
                         help="default: the config's runtime.mode")
-    parser.add_argument("--quota-scope", choices=("layer", "forward"), default="layer",
-                        help="what the compute quota bounds: one layer's time (the runtime's) or the whole forward's")
+    parser.add_argument("--quota-scope", choices=("layer", "forward"), default=None,
+                        help="what the compute quota bounds: the whole forward's time (the paper's reading, every "
+                        "figure in benchmarks/README.md) or one layer's (the runtime's engines'); default: the "
+                        "config's sim.quota_scope, forward unless set")
     parser.add_argument("--warmup-turns", type=int, default=0,
                         help="turns of every trajectory run before the timed phase (default 0)")
     parser.add_argument("--json", action="store_true", help="print the whole result as JSON")
@@ -51,6 +53,7 @@ def main(args: argparse.Namespace) -> int:
         print(json.dumps(result.to_json(), indent=2))
         return 0
     print(result.headline())
+    print(f"compute quota bounds: the {result.quota_scope} (sim.quota_scope / --quota-scope)")
     print(f"SNIC read bytes per node: {json.dumps(result.snic_read_bytes)}")
     parts = ", ".join(f"{part} {seconds:.3f} s" for part, seconds in result.ttft_parts_s.items())
     print(f"mean TTFT by part: {parts}")

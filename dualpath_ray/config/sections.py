@@ -132,6 +132,13 @@ class SimConfig(Section):
         None, description="GPU-class node profile YAML (cluster_configs/profiles/hardware/)."
     )
     model_profile: Path | None = Field(None, description="Model profile YAML (cluster_configs/profiles/models/).")
+    quota_scope: Literal["forward", "layer"] = Field(
+        "forward",
+        description="What the compute quota (scheduler.compute_quota_ms) bounds when the simulator packs a prefill "
+        "batch: forward = the whole forward's predicted time (every layer; the paper's reading, and what every "
+        "simulator figure in benchmarks/README.md uses), layer = one layer's (what the runtime's engines pack "
+        "with; for a 61-layer model it allows 61 x the quota per batch). `dualpath sim --quota-scope` overrides it.",
+    )
 
     @model_validator(mode="after")
     def _profiles_together(self) -> SimConfig:

@@ -142,6 +142,7 @@ class SimResult:
     events: int
     wall_s: float
     engines: dict[str, float]
+    quota_scope: str = "forward"  # what the compute quota bounded (SimOptions.quota_scope, resolved)
     decisions: list[tuple[str, str, str, str]] = field(default_factory=list)
     trajectory_jct_s: dict[str, float] = field(default_factory=dict)
 

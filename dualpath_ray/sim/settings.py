@@ -11,7 +11,7 @@ tree: the runtime has no such switches. `settings_for` resolves a config into `S
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from dualpath_ray.config import ConfigError, DualPathConfig
@@ -27,8 +27,10 @@ class SimOptions:
     path_choice: Literal["read_queue", "round_robin"] = "read_queue"  # round_robin: ablation baseline
     # What the compute quota bounds: "layer" = one layer's predicted time (what the runtime's prefill
     # engines pack with: model/profile.py's attention_predictor), "forward" = the whole forward's
-    # (every layer), a reading of the paper's quota that matters for many-layer models.
-    quota_scope: Literal["layer", "forward"] = "layer"
+    # (every layer), a reading of the paper's quota that matters for many-layer models. None = the
+    # config's sim.quota_scope (default forward), so the CLI, the config and the benchmark scripts
+    # share one default; settings_for always resolves it.
+    quota_scope: Literal["layer", "forward"] | None = None
     # When a request is bound to one engine of a lockstep (data-parallel attention) prefill node:
     # "placement" = the engine the scheduler chose runs it (the paper's); "round" = the round that
     # runs it may give it to a peer with less work (scheduling/batching.py: pack_lockstep_round).
@@ -99,9 +101,11 @@ def settings_for(cfg: DualPathConfig, mode: Mode | str, options: SimOptions = Si
     else:
         cost, bytes_per_layer, alpha, beta = _this_machine(cfg)
         lockstep = False
-        burst = cfg.emulation.burst_seconds if cfg.emulation.enabled else 0.0
+        burst = cfg.emulation.burst_seconds if cfg.emulation.active() else 0.0
     if options.decode_model is not None:
         cost = WithDecode(cost, options.decode_model)
+    if options.quota_scope is None:
+        options = replace(options, quota_scope=cfg.sim.quota_scope)
     if cluster.hbm_tokens_per_engine < cfg.store.block_size:
         raise ConfigError("cluster.hbm_tokens_per_engine: must hold at least one block of store.block_size tokens")
     return SimSettings(

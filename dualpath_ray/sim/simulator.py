@@ -233,6 +233,7 @@ class Simulation:
             simulated_s=end, events=self.loop.events, wall_s=wall_s,
             engines={"prefill_busy": busy, "prefill_rounds": prefill.rounds, "prefill_chunks": prefill.chunks,
                      "decode_steps": self.decode_stats.steps, "decode_max_batch": self.decode_stats.max_batch},
+            quota_scope=str(self.settings.options.quota_scope),
             decisions=self.log.decisions,
             trajectory_jct_s={a.trajectory.trajectory_id: a.finished_at - (timed_from if self.agents.warmup_turns else a.trajectory.arrival_s)
                               for a in self.agents.agents if a.finished_at >= 0} if len(self.agents.agents) <= 4096 else {},

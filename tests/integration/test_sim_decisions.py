@@ -55,7 +55,7 @@ def test_runtime_and_simulator_decide_alike():
     assert timed.client_calls["submit"] == 1, "the eight second turns left the rollout's client in one submit call"
     runtime = decisions_of(timed)
 
-    sim = simulate(cfg, from_trajectories(agents), "dualpath", SimOptions(warmup_turns=1, record_decisions=True))
+    sim = simulate(cfg, from_trajectories(agents), "dualpath", SimOptions(warmup_turns=1, record_decisions=True, quota_scope="layer"))
     hits = {t.trajectory_id: (300 + 6 - 1) // 64 * 64 for t in agents}
     simulated = {rid: (de, pe, path, hits[rid.split("/")[0]]) for rid, de, pe, path in sim.decisions}
 

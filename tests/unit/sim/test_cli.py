@@ -25,6 +25,19 @@ def test_sim_prints_the_result_as_json(tmp_path, capsys):
     assert result["requests_by_path"]["de"] == 0, "basic mode never reads through the decode side"
 
 
+def test_the_quota_scope_defaults_to_the_figures_forward_and_is_recorded(tmp_path, capsys):
+    trace = write_trace(tmp_path)
+    assert main(["sim", "--trace", str(trace), "--mode", "basic", "--json"]) == 0
+    default = json.loads(capsys.readouterr().out)
+    assert default["quota_scope"] == "forward", "the CLI's default is the one benchmarks/README.md's figures use"
+    assert main(["sim", "--trace", str(trace), "--mode", "basic", "--json", "--quota-scope", "layer"]) == 0
+    assert json.loads(capsys.readouterr().out)["quota_scope"] == "layer", "--quota-scope overrides it, and the result says so"
+    config = tmp_path / "layer.yaml"
+    config.write_text("sim:\n  quota_scope: layer\n")
+    assert main(["sim", "--config", str(config), "--trace", str(trace), "--mode", "basic", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["quota_scope"] == "layer", "the config's sim.quota_scope is the default"
+
+
 def test_sim_prints_a_summary(tmp_path, capsys):
     trace = write_trace(tmp_path)
     assert main(["sim", "--config", "cluster_configs/local-1p1d.yaml", "--trace", str(trace)]) == 0
