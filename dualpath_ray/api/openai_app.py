@@ -1,26 +1,34 @@
 """The OpenAI-compatible ASGI app (Starlette): /v1/models, /v1/completions,
 /v1/chat/completions (streamed as server-sent events with `stream: true`), /health.
 
-Text becomes token ids with the model's tokenizer (api/tokenizer.py); generation goes to the
-`rollout-server` actor, so a request here shares the weight version, sessions and aborts with
-every other front end. A request is checked here before anything is sent, so a bad one is a 400
-naming its field even when streamed. A streamed request whose client goes away is aborted.
+Text becomes token ids with the model's tokenizer (api/tokenizer.py); without one the endpoint
+serves token ids only (vLLM's --skip-tokenizer-init). Generation goes to the `rollout-server`
+actor, so a request here shares the weight version, sessions and aborts with every other front
+end. A request is checked here before anything is sent, so a bad one is a 400 naming its field
+even when streamed; a text too long for any context is refused before it is tokenized. A
+streamed request whose client goes away is aborted. The API key and the body limit:
+api/openai_guards.py.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
+from dualpath_ray.api.openai_guards import DEFAULT_MAX_BODY_BYTES, ApiKey, BearerAuth, read_limited_body
 from dualpath_ray.api.openai_protocol import (
     APIError,
     GenerationRequest,
+    batch_response,
     chat_logprobs,
     completion_logprobs,
+    no_tokenizer,
     parse_chat,
     parse_completion,
+    prompt_too_long,
     response_object,
     usage,
     usage_chunk,
@@ -36,18 +44,22 @@ LOG = logging.getLogger("dualpath_ray.openai")
 
 @dataclass
 class Prepared:
-    """A checked request with its prompt ids and the sampling the rollout-server gets."""
+    """A checked request with its prompts' ids and the sampling the rollout-server gets: one
+    prompt, or (a completions batch of token-id lists) several, each its own request id."""
 
     request: GenerationRequest
-    request_id: str
-    prompt_ids: list[int]
+    request_id: str  # the response's id
+    request_ids: list[str]  # one per prompt
+    prompts: list[list[int]]
     sampling: dict[str, Any]
 
 
 class OpenAIEndpoint:
-    """The handlers, over a rollout-server handle and a tokenizer."""
+    """The handlers, over a rollout-server handle and a tokenizer; without a tokenizer (None)
+    the endpoint serves token ids only: text prompts are a 400 naming the missing tokenizer,
+    and every choice carries its token ids."""
 
-    def __init__(self, server: Any, tokenizer: HFTokenizer, cfg: DualPathConfig) -> None:
+    def __init__(self, server: Any, tokenizer: HFTokenizer | None, cfg: DualPathConfig) -> None:
         self.server = server
         self.tokenizer = tokenizer
         self.cfg = cfg
@@ -58,30 +70,71 @@ class OpenAIEndpoint:
     def prepare(self, body: Any, chat: bool) -> Prepared:
         if chat:
             request, messages = parse_chat(body, self.model)
-            try:
-                text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-            except TokenizerError as exc:
-                raise APIError(str(exc), "messages") from None
-            prompt_ids = self.tokenizer.encode(text, add_special_tokens=False)
+            prompts = [self._chat_prompt(messages)]
         else:
             request = parse_completion(body, self.model)
-            prompt_ids = list(request.prompt_ids) if request.prompt_ids is not None else self.tokenizer.encode(
-                request.prompt_text or ""
-            )
+            if request.prompt_ids is not None:
+                prompts = self._token_prompts(request.prompt_ids)
+            else:
+                prompts = [self._text_prompt(request.prompt_text or "")]
         request_id = SessionIds.fresh("chatcmpl" if chat else "cmpl")
+        request_ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
         sampling = dict(request.sampling)
-        sampling["stop_token_ids"] = sorted(set(sampling["stop_token_ids"]) | set(self.tokenizer.stop_token_ids))
+        eos = self.tokenizer.stop_token_ids if self.tokenizer is not None else ()
+        sampling["stop_token_ids"] = sorted(set(sampling["stop_token_ids"]) | set(eos))
         sampling["logprobs"] = request.log_probs
         prompt_field = "messages" if chat else "prompt"
         try:  # the rollout-server checks again; here so a streamed request fails before its 200
             parsed = parse_sampling_request(request_id, sampling, self.cfg.runtime.max_new_tokens)
-            validate_prompt(request_id, prompt_ids, parsed.params.max_new_tokens, self.cfg.model)
+            for rid, prompt_ids in zip(request_ids, prompts):
+                validate_prompt(rid, prompt_ids, parsed.params.max_new_tokens, self.cfg.model)
         except RequestError as exc:
             raise APIError(str(exc), prompt_field if exc.field == "prompt" else exc.field) from None
-        return Prepared(request, request_id, prompt_ids, sampling)
+        return Prepared(request, request_id, request_ids, prompts, sampling)
+
+    def _token_prompts(self, prompts: tuple[tuple[int, ...], ...]) -> list[list[int]]:
+        limit = self.cfg.model.max_context
+        for i, prompt in enumerate(prompts):
+            if len(prompt) > limit:
+                field = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+                raise prompt_too_long(field, f"{len(prompt)} tokens", f"model.max_context = {limit} tokens")
+        return [list(prompt) for prompt in prompts]
+
+    def _require_tokenizer(self, field: str, chars: int) -> HFTokenizer:
+        """The tokenizer, once the text's length alone shows it can fit the context: a text
+        too long for any context is refused before the tokenizer spends time on it."""
+        if self.tokenizer is None:
+            raise no_tokenizer(field)
+        context = self.cfg.model.max_context
+        limit = self.tokenizer.max_prompt_chars(context)
+        if chars > limit:
+            raise prompt_too_long(field, f"{chars} characters", f"model.max_context = {context} tokens of at most "
+                                  f"{self.tokenizer.max_token_chars} characters each: {limit} characters")
+        return self.tokenizer
+
+    def _text_prompt(self, text: str) -> list[int]:
+        return self._require_tokenizer("prompt", len(text)).encode(text)
+
+    def _chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+        tokenizer = self._require_tokenizer("messages", sum(len(m["content"]) for m in messages))
+        try:
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        except TokenizerError as exc:
+            raise APIError(str(exc), "messages") from None
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    # --- what a choice says ------------------------------------------------------------
+
+    def _text(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids) if self.tokenizer is not None else ""
 
     def _token_texts(self, token_ids: list[int]) -> list[str]:
+        if self.tokenizer is None:  # vLLM's spelling of a token it does not detokenize
+            return [f"token_id:{t}" for t in token_ids]
         return [self.tokenizer.decode([t]) for t in token_ids]
+
+    def _returns_ids(self, request: GenerationRequest) -> bool:
+        return request.return_token_ids or self.tokenizer is None
 
     def _logprobs(self, request: GenerationRequest, token_ids: list[int], log_probs: list[float] | None) -> Any:
         if not request.log_probs or log_probs is None:
@@ -93,42 +146,52 @@ class OpenAIEndpoint:
 
     async def respond(self, prepared: Prepared) -> dict[str, Any]:
         request = prepared.request
-        out = await self.server.generate.remote(
-            prepared.request_id, prepared.prompt_ids, prepared.sampling, request.session_id
-        )
-        fields = out.extra_fields
+        outs = await asyncio.gather(*(
+            self.server.generate.remote(rid, prompt_ids, prepared.sampling, request.session_id)
+            for rid, prompt_ids in zip(prepared.request_ids, prepared.prompts)
+        ))
+        parts = [self._whole(prepared, prompt_ids, out) for prompt_ids, out in zip(prepared.prompts, outs)]
+        return parts[0] if len(parts) == 1 else batch_response(parts)
+
+    def _whole(self, prepared: Prepared, prompt_ids: list[int], out: Any) -> dict[str, Any]:
+        request, fields, ids = prepared.request, out.extra_fields, self._returns_ids(prepared.request)
         return response_object(
-            request, prepared.request_id, self.tokenizer.decode(out.token_ids), fields["finish_reason"],
+            request, prepared.request_id, self._text(out.token_ids), fields["finish_reason"],
             self._logprobs(request, out.token_ids, out.log_probs),
-            usage(len(prepared.prompt_ids), len(out.token_ids), int(fields["hit_tokens"])), chunk=False,
+            usage(len(prompt_ids), len(out.token_ids), int(fields["hit_tokens"])), chunk=False,
+            token_ids=out.token_ids if ids else None, prompt_token_ids=prompt_ids if ids else None,
         )
 
     # --- streams ----------------------------------------------------------------------
 
     async def stream(self, prepared: Prepared) -> AsyncIterator[str]:
         """Server-sent events: a chunk per delta, the finishing chunk, the usage chunk (if
-        asked), then [DONE]. A stream left before its end aborts the request."""
-        request, rid = prepared.request, prepared.request_id
-        detokenizer = IncrementalDetokenizer(self.tokenizer)
+        asked), then [DONE]. A stream left before its end aborts the request. A stream has one
+        prompt (the parser refuses a streamed batch)."""
+        request, rid, prompt_ids = prepared.request, prepared.request_ids[0], prepared.prompts[0]
+        detokenizer = IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None
+        with_ids = self._returns_ids(request)
         finished = False
         try:
             if request.chat:
                 yield _event(response_object(request, rid, "", None, None, None, chunk=True, first=True))
-            generator = self.server.generate_stream.remote(rid, prepared.prompt_ids, prepared.sampling, request.session_id)
+            generator = self.server.generate_stream.remote(rid, prompt_ids, prepared.sampling, request.session_id)
             async for ref in generator:
                 item = await ref
                 if isinstance(item, StreamDelta):
-                    text = detokenizer.push(item.tokens)
-                    logprobs = self._logprobs(request, list(item.tokens), list(item.log_probs))
-                    if text or logprobs:
-                        yield _event(response_object(request, rid, text, None, logprobs, None, chunk=True))
+                    tokens = list(item.tokens)
+                    text = detokenizer.push(tokens) if detokenizer is not None else ""
+                    logprobs = self._logprobs(request, tokens, list(item.log_probs))
+                    if text or logprobs or (with_ids and tokens):
+                        yield _event(response_object(request, rid, text, None, logprobs, None, chunk=True,
+                                                     token_ids=tokens if with_ids else None))
                     continue
                 finished = True
                 fields = item.extra_fields
-                tail = detokenizer.push([], final=True)
+                tail = detokenizer.push([], final=True) if detokenizer is not None else ""
                 yield _event(response_object(request, rid, tail, fields["finish_reason"], None, None, chunk=True))
                 if request.include_usage:
-                    used = usage(len(prepared.prompt_ids), len(item.token_ids), int(fields["hit_tokens"]))
+                    used = usage(len(prompt_ids), len(item.token_ids), int(fields["hit_tokens"]))
                     yield _event(usage_chunk(request, rid, used))
         except Exception as exc:  # noqa: BLE001 - a stream already answered 200: report in-band
             finished = True
@@ -144,9 +207,12 @@ def _event(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload)}\n\n"
 
 
-def build_app(endpoint: OpenAIEndpoint) -> Any:
-    """The Starlette application of an endpoint."""
+def build_app(endpoint: OpenAIEndpoint, api_key: ApiKey | None = None,
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> Any:
+    """The Starlette application of an endpoint: with `api_key`, every route but /health needs
+    it (api/openai_guards.py); a body over `max_body_bytes` is a 413 before it is parsed."""
     from starlette.applications import Starlette
+    from starlette.middleware import Middleware
     from starlette.requests import Request
     from starlette.responses import JSONResponse, Response, StreamingResponse
     from starlette.routing import Route
@@ -156,7 +222,9 @@ def build_app(endpoint: OpenAIEndpoint) -> Any:
 
     async def generate(request: Request, chat: bool) -> Response:
         try:
-            body = await request.json()
+            body = json.loads(await read_limited_body(request, max_body_bytes))
+        except APIError as exc:
+            return error(exc)
         except ValueError:
             return error(APIError("the request body is not valid JSON", None))
         try:
@@ -188,4 +256,4 @@ def build_app(endpoint: OpenAIEndpoint) -> Any:
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
-    ])
+    ], middleware=[Middleware(BearerAuth, key=api_key)] if api_key is not None else [])

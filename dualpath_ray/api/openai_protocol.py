@@ -1,17 +1,20 @@
 """OpenAI's /v1/completions and /v1/chat/completions request bodies, checked into one
 `GenerationRequest`, and the response, chunk and error objects (pure: no Ray, no HTTP).
 
-A field this server cannot honour is a 400 naming it, never silently ignored: one prompt and one
-choice per request (`n` 1), sampled-token log-probs only (`logprobs` 0 / `top_logprobs` 0), no
-penalties, no string stops (stops are token ids: `stop_token_ids`). `session_id` (or OpenAI's
-`conversation_id`) puts the request on its conversation's request ids (api/sessions.py).
+A field this server cannot honour is a 400 naming it, never silently ignored: one choice per
+prompt (`n` 1), sampled-token log-probs only (`logprobs` 0 / `top_logprobs` 0), no penalties, no
+string stops (stops are token ids: `stop_token_ids`). A completions `prompt` is one string, one
+list of token ids, or a list of token-id lists (one choice each, not streamed, not in a session).
+`session_id` (or OpenAI's `conversation_id`) puts the request on its conversation's request ids
+(api/sessions.py). `return_token_ids` (vLLM's field) adds `token_ids` (the generated ids) and, on
+a whole response, `prompt_token_ids` to every choice; a server without a tokenizer always does.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from dualpath_ray.api.sessions import check_session_id
 
@@ -23,7 +26,7 @@ _NEUTRAL = {
     "parallel_tool_calls": (None, False),
 }
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stream", "stream_options", "user", "metadata",
-           "store", "session_id", "conversation_id", "stop_token_ids", *_NEUTRAL}
+           "store", "session_id", "conversation_id", "stop_token_ids", "return_token_ids", *_NEUTRAL}
 COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs"}
 CHAT_FIELDS = _COMMON | {"messages", "logprobs", "max_completion_tokens", "response_format"}
 ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -46,17 +49,18 @@ class APIError(ValueError):
 
 @dataclass(frozen=True)
 class GenerationRequest:
-    """One checked request: a text prompt or token ids, and how to sample it."""
+    """One checked request: a text prompt or token-id prompts, and how to sample them."""
 
     chat: bool
     model: str
     prompt_text: str | None
-    prompt_ids: tuple[int, ...] | None
+    prompt_ids: tuple[tuple[int, ...], ...] | None  # one or more token-id prompts, one choice each
     sampling: dict[str, Any]  # api/validation.py's sampling keys
     stream: bool
     include_usage: bool
     session_id: str | None
     log_probs: bool
+    return_token_ids: bool = False
 
 
 def _number(body: Mapping[str, Any], key: str, default: float, low: float, high: float) -> float:
@@ -129,27 +133,49 @@ def _model(body: Mapping[str, Any], served: str) -> str:
     return served
 
 
+def _is_token_list(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def _prompt(body: Mapping[str, Any]) -> tuple[str | None, tuple[tuple[int, ...], ...] | None]:
+    """A completions prompt: (text, None) or (None, token-id prompts)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, str) and prompt:
+        return prompt, None
+    if _is_token_list(prompt):
+        return None, (tuple(prompt),)
+    if isinstance(prompt, list) and prompt and all(_is_token_list(p) for p in prompt):
+        if len(prompt) > 1 and body.get("stream"):
+            raise APIError("a streamed request takes one prompt; send each token-id list as its own request", "stream")
+        if len(prompt) > 1 and _session(body) is not None:
+            raise APIError("a session's turn is one prompt; send each token-id list as its own request", "prompt")
+        return None, tuple(tuple(p) for p in prompt)
+    raise APIError("prompt must be one non-empty string, one non-empty list of token ids, or a list of such lists",
+                   "prompt")
+
+
+def _flag(body: Mapping[str, Any], key: str) -> bool:
+    value = body.get(key)
+    if value not in (None, True, False):
+        raise APIError(f"{key} must be a boolean (got {value!r})", key)
+    return bool(value)
+
+
 def parse_completion(body: Any, served_model: str) -> GenerationRequest:
-    """A /v1/completions body: `prompt` is one string or one list of token ids."""
+    """A /v1/completions body: `prompt` is one string, one list of token ids, or a list of them."""
     if not isinstance(body, Mapping):
         raise APIError("the request body must be a JSON object", None)
     _check_fields(body, COMPLETION_FIELDS)
     model = _model(body, served_model)
-    prompt = body.get("prompt")
-    text, ids = None, None
-    if isinstance(prompt, str) and prompt:
-        text = prompt
-    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        ids = tuple(prompt)
-    else:
-        raise APIError("prompt must be one non-empty string or one non-empty list of token ids", "prompt")
+    text, ids = _prompt(body)
     logprobs = body.get("logprobs")
     if logprobs not in (None, 0):
         raise APIError("logprobs must be 0 (the sampled tokens' log-probs) or null; top alternatives are not "
                        "returned", "logprobs")
     max_tokens = _int_or_none(body, "max_tokens", 1)
     return GenerationRequest(False, model, text, ids, _sampling(body, 16 if max_tokens is None else max_tokens),
-                             bool(body.get("stream", False)), _stream_usage(body), _session(body), logprobs == 0)
+                             bool(body.get("stream", False)), _stream_usage(body), _session(body), logprobs == 0,
+                             _flag(body, "return_token_ids"))
 
 
 def _message_text(message: Any, index: int) -> dict[str, str]:
@@ -185,7 +211,8 @@ def parse_chat(body: Any, served_model: str) -> tuple[GenerationRequest, list[di
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _int_or_none(body, key, 1)
     request = GenerationRequest(True, model, "", None, _sampling(body, max_tokens), bool(body.get("stream", False)),
-                                _stream_usage(body), _session(body), bool(body.get("logprobs")))
+                                _stream_usage(body), _session(body), bool(body.get("logprobs")),
+                                _flag(body, "return_token_ids"))
     return request, texts
 
 
@@ -211,9 +238,12 @@ def chat_logprobs(tokens: list[str], log_probs: list[float]) -> dict[str, Any]:
 
 def response_object(request: GenerationRequest, request_id: str, text: str, finish: str | None,
                     logprobs: dict[str, Any] | None, usage_: dict[str, Any] | None, chunk: bool,
-                    first: bool = False) -> dict[str, Any]:
+                    first: bool = False, token_ids: Sequence[int] | None = None,
+                    prompt_token_ids: Sequence[int] | None = None) -> dict[str, Any]:
     """A whole response (chunk=False) or one stream chunk, completions or chat shaped; a
-    chat stream's first chunk names the role."""
+    chat stream's first chunk names the role. `token_ids` / `prompt_token_ids`, when given,
+    go into the choice as vLLM's return_token_ids puts them (extra fields the `openai` client
+    keeps on the choice)."""
     if request.chat:
         body: dict[str, Any] = {"content": text} if chunk and not first else {"role": "assistant", "content": text}
         choice = {"index": 0, ("delta" if chunk else "message"): body, "logprobs": logprobs, "finish_reason": finish}
@@ -221,6 +251,10 @@ def response_object(request: GenerationRequest, request_id: str, text: str, fini
     else:
         choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
         kind = "text_completion"
+    if prompt_token_ids is not None:
+        choice["prompt_token_ids"] = list(prompt_token_ids)
+    if token_ids is not None:
+        choice["token_ids"] = list(token_ids)
     result: dict[str, Any] = {"id": request_id, "object": kind, "created": int(time.time()), "model": request.model,
                               "choices": [choice]}
     if usage_ is not None:
@@ -235,3 +269,33 @@ def usage_chunk(request: GenerationRequest, request_id: str, usage_: dict[str, A
     kind = "chat.completion.chunk" if request.chat else "text_completion"
     return {"id": request_id, "object": kind, "created": int(time.time()), "model": request.model, "choices": [],
             "usage": usage_}
+
+
+def batch_response(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One response of a batch of prompts: the first part's envelope, every part's choice
+    indexed in prompt order, the usages added up."""
+    whole = dict(parts[0])
+    whole["choices"] = [{**part["choices"][0], "index": i} for i, part in enumerate(parts)]
+    total = usage(0, 0, 0)
+    for part in parts:
+        for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
+            total[key] += part["usage"][key]
+        total["prompt_tokens_details"]["cached_tokens"] += part["usage"]["prompt_tokens_details"]["cached_tokens"]
+    whole["usage"] = total
+    return whole
+
+
+def no_tokenizer(field: str) -> APIError:
+    """A text prompt sent to a server that runs without a tokenizer (token-ids mode)."""
+    return APIError(
+        f"{field}: this server has no tokenizer (token-ids mode: `dualpath serve` found no tokenizer.json in "
+        "model.weights_dir and got no --tokenizer), so it cannot encode text; send prompt as a list of token ids "
+        "to /v1/completions, or restart `dualpath serve` with --tokenizer DIR (a Hugging Face tokenizer.json) or "
+        "model.weights_dir set to the model's directory", field, code="tokenizer_not_configured",
+    )
+
+
+def prompt_too_long(field: str, amount: str, limit: str) -> APIError:
+    """A prompt refused on its length alone, before it is tokenized or sent anywhere."""
+    return APIError(f"{field} is {amount}: more than the model's context can hold ({limit}); shorten it", field,
+                    code="context_length_exceeded")

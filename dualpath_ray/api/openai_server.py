@@ -2,7 +2,8 @@
 event loop, on the node of the process that starts it (so `--host 127.0.0.1` means that machine).
 
 It tells the `rollout-server` where it listens, which is what a verl replica reports as its
-`server_address`.
+`server_address`. Without tokenizer files it serves token ids only (api/openai_app.py); with an
+API key only the key's digest reaches the actor (api/openai_guards.py).
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ from typing import Any
 import ray
 
 from dualpath_ray.api.openai_app import OpenAIEndpoint, build_app
+from dualpath_ray.api.openai_guards import DEFAULT_MAX_BODY_BYTES, ApiKey
 from dualpath_ray.api.server import SERVER_NAME
-from dualpath_ray.api.tokenizer import HFTokenizer, TokenizerError
+from dualpath_ray.api.tokenizer import TOKENIZER_FILE, HFTokenizer, TokenizerError
 from dualpath_ray.config import DualPathConfig
 from dualpath_ray.protocol.names import OPENAI_SERVER
 
@@ -23,23 +25,28 @@ OPENAI_SERVER_NAME = OPENAI_SERVER
 START_TIMEOUT_S = 30.0
 
 
-def tokenizer_dir(cfg: DualPathConfig, override: str | Path | None) -> Path:
-    """Where the tokenizer files are: `override`, else model.weights_dir."""
+def tokenizer_dir(cfg: DualPathConfig, override: str | Path | None, skip: bool = False) -> Path | None:
+    """Where the tokenizer files are: `override` (which must hold them), else model.weights_dir
+    when it holds a tokenizer.json. None, token-ids mode, when `skip` or when neither does."""
+    if skip:
+        if override is not None:
+            raise TokenizerError("--tokenizer and --skip-tokenizer-init contradict each other; pass one of them")
+        return None
     if override is not None:
         return Path(override)
-    if cfg.model.weights_dir is None:
-        raise TokenizerError(
-            "model.weights_dir is not set, so there are no tokenizer files; set it to the model's Hugging Face "
-            "directory or pass --tokenizer DIR"
-        )
-    return Path(cfg.model.weights_dir)
+    if cfg.model.weights_dir is not None and (Path(cfg.model.weights_dir) / TOKENIZER_FILE).is_file():
+        return Path(cfg.model.weights_dir)
+    return None
 
 
 @ray.remote(num_cpus=0, max_concurrency=1024)
 class OpenAIServer:
-    def __init__(self, cfg: DualPathConfig, tokenizer_path: str) -> None:
+    def __init__(self, cfg: DualPathConfig, tokenizer_path: str | None, api_key: ApiKey | None = None,
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
         self.cfg = cfg
-        self.tokenizer = HFTokenizer.from_dir(tokenizer_path, cfg.model.vocab_size)
+        self.tokenizer = HFTokenizer.from_dir(tokenizer_path, cfg.model.vocab_size) if tokenizer_path else None
+        self.api_key = api_key
+        self.max_body_bytes = max_body_bytes
         self.rollout_server = ray.get_actor(SERVER_NAME, namespace=cfg.runtime.namespace)
         self.uvicorn: Any = None
         self.task: asyncio.Task[None] | None = None
@@ -50,7 +57,7 @@ class OpenAIServer:
 
         if self.uvicorn is not None:
             raise RuntimeError("the OpenAI server is already listening")
-        app = build_app(OpenAIEndpoint(self.rollout_server, self.tokenizer, self.cfg))
+        app = build_app(OpenAIEndpoint(self.rollout_server, self.tokenizer, self.cfg), self.api_key, self.max_body_bytes)
         self.uvicorn = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off"))
         self.task = asyncio.get_running_loop().create_task(self.uvicorn.serve())
         deadline = asyncio.get_running_loop().time() + START_TIMEOUT_S
@@ -71,16 +78,20 @@ class OpenAIServer:
 
 
 def start_openai_server(cfg: DualPathConfig, host: str = "127.0.0.1", port: int = 8000,
-                        tokenizer: str | Path | None = None) -> tuple[Any, str]:
+                        tokenizer: str | Path | None = None, *, api_key: str | None = None,
+                        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+                        skip_tokenizer_init: bool = False) -> tuple[Any, str]:
     """Start the endpoint for a deployment whose rollout-server runs (`DualPathCluster.server()`);
-    returns the actor and its base URL (http://host:port/v1)."""
+    returns the actor and its base URL (http://host:port/v1). `api_key` None: no key needed."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    path = tokenizer_dir(cfg, tokenizer)
-    HFTokenizer.from_dir(path, cfg.model.vocab_size)  # a bad tokenizer is an error here, not in the actor
+    path = tokenizer_dir(cfg, tokenizer, skip_tokenizer_init)
+    if path is not None:
+        HFTokenizer.from_dir(path, cfg.model.vocab_size)  # a bad tokenizer is an error here, not in the actor
+    key = ApiKey.of(api_key) if api_key is not None else None
     here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
     actor = OpenAIServer.options(
         name=OPENAI_SERVER_NAME, namespace=cfg.runtime.namespace, scheduling_strategy=here,
-    ).remote(cfg, str(path))
+    ).remote(cfg, str(path) if path is not None else None, key, max_body_bytes)
     bound_host, bound_port = ray.get(actor.start.remote(host, port))
     return actor, f"http://{bound_host}:{bound_port}/v1"

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -94,6 +95,19 @@ class HFTokenizer:
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return str(self.backend.decode(list(token_ids), skip_special_tokens=True))
+
+    @cached_property
+    def max_token_chars(self) -> int:
+        """The longest token of the vocabulary in characters, as the vocabulary spells it
+        (byte-level and byte-fallback spellings are at least as long as the text they decode
+        to). A text of more than max_context times this many characters cannot fit the context
+        whatever it encodes to, except for characters the tokenizer drops (a whitespace-splitting
+        pre-tokenizer's spaces), which count here too."""
+        return max((len(token) for token in self.backend.get_vocab(with_added_tokens=True)), default=1)
+
+    def max_prompt_chars(self, max_context: int) -> int:
+        """The most characters a prompt that fits `max_context` tokens can have."""
+        return max_context * self.max_token_chars
 
     @property
     def stop_token_ids(self) -> tuple[int, ...]:

@@ -5,6 +5,13 @@ config's cluster section, labelled by role with their slot resources, as a real 
 are; `ray job submit`, `dualpath run --address`, `dualpath status` and the Ray dashboard then
 work against it as documented. `--prometheus` also starts a Prometheus (the `prometheus` binary on
 PATH) scraping every node's metrics. `down` stops exactly what `up` started.
+
+Every node binds and advertises 127.0.0.1 (the dashboard too): the cluster is reachable from
+this machine only. Ray's token authentication is on, as `ray.init()` turns it on for a new
+local cluster (`ray start --head` alone turns it on only when a token already exists): `up`
+makes a token in ~/.ray/auth_token if there is none, and its nodes check it. Clients on this
+machine find the token there; `ray job submit` also needs `export RAY_AUTH_MODE=token`.
+`RAY_AUTH_MODE=disabled` in up's environment turns it off, and `up` then says so.
 """
 
 from __future__ import annotations
@@ -12,7 +19,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Mapping
 
 from dualpath_ray.config import load_config
 from dualpath_ray.local_cluster import DEFAULT_STATE_DIR, LocalCluster, LocalClusterError, UpOptions, down, up
@@ -55,24 +65,66 @@ def _options(args: argparse.Namespace) -> UpOptions:
     )
 
 
+AUTH_MODE_ENV = "RAY_AUTH_MODE"
+
+
+@dataclass(frozen=True)
+class RayTokenAuth:
+    """Whether `up` starts the nodes with Ray's token authentication, and why."""
+
+    enabled: bool
+    mode: str | None  # RAY_AUTH_MODE as the user set it; None: unset, so `up` turns token auth on
+
+    def describe(self) -> str:
+        if self.enabled:
+            return ("on (the token: ~/.ray/auth_token, `ray get-auth-token` prints it; `ray job submit` also needs "
+                    f"export {AUTH_MODE_ENV}=token)")
+        return (f"OFF ({AUTH_MODE_ENV}={self.mode}): any process on this machine can run code on the cluster; to turn "
+                f"it on, unset {AUTH_MODE_ENV} (or export {AUTH_MODE_ENV}=token), then `dualpath cluster down` and up")
+
+
+def ray_token_auth(env: Mapping[str, str]) -> RayTokenAuth:
+    """Token auth unless RAY_AUTH_MODE says `disabled` (as tests set it)."""
+    mode = env.get(AUTH_MODE_ENV)
+    return RayTokenAuth(mode is None or mode.lower() != "disabled", mode)
+
+
+def enable_ray_token_auth() -> None:
+    """What `ray.init()` does for a new local cluster (ray/_private/worker.py): RAY_AUTH_MODE=token
+    in this process, whose environment the nodes inherit (a mode the user set is kept), and a
+    token in ~/.ray/auth_token unless one exists (there, in RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH)."""
+    from ray._private.authentication.authentication_token_setup import (
+        enable_token_auth_by_default,
+        ensure_token_if_auth_enabled,
+    )
+
+    enable_token_auth_by_default()
+    ensure_token_if_auth_enabled(None, create_token_if_missing=True)
+
+
 def run_up(args: argparse.Namespace) -> int:
     options = _options(args)
     cfg = load_config(args.config)
+    auth = ray_token_auth(os.environ)
+    if auth.enabled:
+        enable_ray_token_auth()
     cluster = up(cfg, options)
     if args.json:
-        print(json.dumps(dataclasses.asdict(cluster)))
+        print(json.dumps({**dataclasses.asdict(cluster), "ray_token_auth": auth.enabled}))
     else:
-        print(describe(cluster))
+        print(describe(cluster, auth))
     return 0
 
 
-def describe(cluster: LocalCluster) -> str:
+def describe(cluster: LocalCluster, auth: RayTokenAuth) -> str:
     nodes = ", ".join(f"{n.name} ({n.role})" for n in cluster.nodes)
     lines = [
         f"Local Ray cluster up: {nodes}",
         f"  Ray address      {cluster.address}   (dualpath run/status --address {cluster.address})",
         f"  Ray dashboard    {cluster.dashboard_url}   (ray job submit finds it; with other Ray clusters on this "
         f"machine: export RAY_API_SERVER_ADDRESS={cluster.dashboard_url})",
+        "  Listening on     127.0.0.1 only (this machine)",
+        f"  Ray token auth   {auth.describe()}",
     ]
     if cluster.prometheus_url:
         lines.append(f"  Prometheus       {cluster.prometheus_url}   (dashboards/: Grafana, see the README)")

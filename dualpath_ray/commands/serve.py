@@ -3,20 +3,33 @@
 Deploys the configured cluster (an embedded local one, or the Ray cluster at `--address`) and
 serves /v1/completions, /v1/chat/completions (both with `stream: true`) and /v1/models at
 http://H:P/v1 until Ctrl-C. The tokenizer comes from model.weights_dir (its Hugging Face
-tokenizer.json and tokenizer_config.json) or `--tokenizer DIR`. A `session_id` (or
-`conversation_id`) field keeps a conversation's turns on one request-id chain, so the whole
-conversation can be aborted; its prefix reuse shows as usage.prompt_tokens_details.cached_tokens.
+tokenizer.json and tokenizer_config.json) or `--tokenizer DIR`; with neither (the embedded
+defaults), or with `--skip-tokenizer-init`, the endpoint serves token ids only: `prompt` as a list
+of token ids (or a list of such lists), `token_ids` in every choice, text prompts a 400. A
+`session_id` (or `conversation_id`) field keeps a conversation's turns on one request-id chain, so
+the whole conversation can be aborted; its prefix reuse shows as
+usage.prompt_tokens_details.cached_tokens.
+
+With `--api-key KEY` (or DUALPATH_API_KEY) every route but /health needs `Authorization: Bearer
+KEY`, as OpenAI's API and vLLM's `--api-key` do; without one anyone who reaches the port can
+generate, so keep the default loopback --host or set a key. A request body over
+`--max-body-bytes` is a 413.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
+import sys
 import threading
 from pathlib import Path
 
+from dualpath_ray.api.openai_guards import API_KEY_ENV, DEFAULT_MAX_BODY_BYTES
 from dualpath_ray.config import load_config
+
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -25,7 +38,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0 = any free port)")
     parser.add_argument("--tokenizer", type=Path, default=None,
-                        help="directory with tokenizer.json (default: model.weights_dir)")
+                        help="directory with tokenizer.json (default: model.weights_dir when it has one; with "
+                             "neither, token ids only)")
+    parser.add_argument("--skip-tokenizer-init", action="store_true",
+                        help="serve token ids only even when model.weights_dir has a tokenizer (as vLLM's flag)")
+    parser.add_argument("--api-key", default=None,
+                        help=f"require 'Authorization: Bearer KEY' on every route but /health (default: ${API_KEY_ENV}; "
+                             "unset: no key)")
+    parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                        help=f"largest request body; a larger one is a 413 (default {DEFAULT_MAX_BODY_BYTES}, 8 MiB)")
     parser.add_argument("--address", default=None, help="a running Ray cluster (default: start an embedded one)")
     parser.add_argument("--replace", action="store_true",
                         help="kill actors another deployment left in runtime.namespace instead of refusing to start")
@@ -36,21 +57,42 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt  # SIGTERM stops the endpoint and the cluster as Ctrl-C does
 
 
+def api_key(args: argparse.Namespace) -> str | None:
+    """The key to require: --api-key, else $DUALPATH_API_KEY; None (no key) when neither is set
+    or both are empty, as vLLM treats --api-key / VLLM_API_KEY."""
+    return args.api_key or os.environ.get(API_KEY_ENV) or None
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    if not 0 <= args.port <= 65535:
+        raise SystemExit(f"dualpath serve: --port must be in [0, 65535] (got {args.port})")
+    if args.max_body_bytes < 1:
+        raise SystemExit(f"dualpath serve: --max-body-bytes must be >= 1 (got {args.max_body_bytes})")
+
+
 def main(args: argparse.Namespace) -> int:
     from dualpath_ray.api.openai_server import start_openai_server, tokenizer_dir
     from dualpath_ray.api.tokenizer import HFTokenizer
     from dualpath_ray.cluster import DualPathCluster
 
-    if not 0 <= args.port <= 65535:
-        raise SystemExit(f"dualpath serve: --port must be in [0, 65535] (got {args.port})")
+    _check_flags(args)
     cfg = load_config(args.config)
-    HFTokenizer.from_dir(tokenizer_dir(cfg, args.tokenizer), cfg.model.vocab_size)  # before starting anything
+    tokenizer = tokenizer_dir(cfg, args.tokenizer, args.skip_tokenizer_init)
+    if tokenizer is not None:
+        HFTokenizer.from_dir(tokenizer, cfg.model.vocab_size)  # before starting anything
+    key = api_key(args)
+    if key is None and args.host not in LOOPBACK_HOSTS:
+        print(f"dualpath serve: listening on {args.host} without an API key: anyone who reaches the port can "
+              f"generate; pass --api-key or set {API_KEY_ENV}", file=sys.stderr, flush=True)
     cluster = DualPathCluster.connect(cfg, args.address) if args.address else DualPathCluster.start(cfg)
     try:
         cluster.deploy(replace_existing=args.replace)
         cluster.server()
-        actor, url = start_openai_server(cfg, args.host, args.port, args.tokenizer)
-        print(json.dumps({"url": url, "model": cfg.model.model_id, "namespace": cfg.runtime.namespace}), flush=True)
+        actor, url = start_openai_server(cfg, args.host, args.port, tokenizer, api_key=key,
+                                         max_body_bytes=args.max_body_bytes, skip_tokenizer_init=tokenizer is None)
+        print(json.dumps({"url": url, "model": cfg.model.model_id, "namespace": cfg.runtime.namespace,
+                          "tokenizer": str(tokenizer) if tokenizer is not None else None,
+                          "api_key_required": key is not None}), flush=True)
         signal.signal(signal.SIGTERM, _interrupt)
         try:
             threading.Event().wait()

@@ -1,9 +1,12 @@
 """The OpenAI-compatible endpoint with the real `openai` client against an embedded 1P1D
 cluster: a real tokenizer from the model's directory, completions and chat, SSE streaming,
 sessions whose prefix reuse grows turn by turn, a session aborted mid-stream, and 400s that
-name the bad field."""
+name the bad field. A second endpoint on the same deployment runs as `dualpath serve` does on
+the embedded defaults (no tokenizer files: token ids only) with an API key."""
 
 from __future__ import annotations
+
+import urllib.request
 
 import pytest
 
@@ -18,7 +21,8 @@ pytest.importorskip("tokenizers")
 
 import ray  # noqa: E402
 
-from dualpath_ray.api.openai_server import start_openai_server  # noqa: E402
+from dualpath_ray.api.openai_guards import ApiKey  # noqa: E402
+from dualpath_ray.api.openai_server import OpenAIServer, start_openai_server, tokenizer_dir  # noqa: E402
 from dualpath_ray.api.tokenizer import HFTokenizer  # noqa: E402
 from dualpath_ray.cluster import DualPathCluster  # noqa: E402
 from tests.tokenizer_factory import SENTENCES, model_dir_with_tokenizer  # noqa: E402
@@ -27,6 +31,7 @@ pytestmark = pytest.mark.integration
 MODEL = "dualpath-tiny"
 # Over two 64-token blocks, so a conversation's second turn already hits stored blocks.
 SYSTEM = " ".join(SENTENCES * 3)
+KEY = "sk-dualpath-test"
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +47,20 @@ def endpoint(tmp_path_factory):
     yield cluster, client, HFTokenizer.from_dir(model_dir, cfg.model.vocab_size)
     ray.kill(actor, no_restart=True)
     cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ids_endpoint(endpoint):
+    """The base URL of an endpoint as `dualpath serve` starts it on the embedded defaults (no
+    model.weights_dir, so no tokenizer) with --api-key: an unnamed second endpoint actor on the
+    same deployment (the first holds the endpoint's name; the second also writes the restart
+    record of that name, which nothing reads here: no endpoint in this module is restarted)."""
+    cfg = runtime_config(transport="gloo", verify_kv=False)
+    assert tokenizer_dir(cfg, None) is None, "the embedded defaults configure no tokenizer"
+    actor = OpenAIServer.remote(cfg, None, ApiKey.of(KEY))
+    host, port = ray.get(actor.start.remote("127.0.0.1", 0))
+    yield f"http://{host}:{port}"
+    ray.kill(actor, no_restart=True)
 
 
 def test_models_and_a_completion_match_the_token_api(endpoint) -> None:
@@ -129,3 +148,24 @@ def test_a_bad_request_is_a_400_naming_the_field(endpoint, kwargs, field) -> Non
     assert caught.value.body["param"] == field, f"the error names the field {field}"
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-4", prompt="the agent", max_tokens=4)
+
+
+def test_token_ids_mode_behind_an_api_key_with_the_openai_client(endpoint, ids_endpoint) -> None:
+    cluster = endpoint[0]
+    client = openai.OpenAI(base_url=f"{ids_endpoint}/v1", api_key=KEY, max_retries=0, timeout=120)
+    prompt = [5, 17, 42, 99, 3, 250]
+    done = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0)
+    direct = ray.get(cluster.server().generate.remote("ids-direct", prompt, {"max_tokens": 6}))
+    choice = done.choices[0]
+    assert choice.token_ids == list(direct.token_ids), "the key was accepted and the choice carries the generated ids"
+    assert choice.prompt_token_ids == prompt and choice.text == "", "no tokenizer: ids, and an empty text"
+    batch = client.completions.create(model=MODEL, prompt=[prompt, prompt[:3]], max_tokens=2, temperature=0)
+    assert [len(c.token_ids) for c in batch.choices] == [2, 2], "a list of token-id lists: one choice per prompt"
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=MODEL, prompt="tell me a story", max_tokens=2)
+    assert caught.value.body["code"] == "tokenizer_not_configured", "a text prompt is a 400 naming the tokenizer"
+    wrong = openai.OpenAI(base_url=f"{ids_endpoint}/v1", api_key="sk-wrong", max_retries=0, timeout=60)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+    with urllib.request.urlopen(f"{ids_endpoint}/health", timeout=60) as health:
+        assert health.status == 200, "/health answers without the key"

@@ -1,0 +1,113 @@
+"""What the OpenAI-compatible endpoint checks before a request reaches a handler: the API key
+and the size of the body (pure: no Ray).
+
+The key works as OpenAI's and vLLM's (`--api-key` / `VLLM_API_KEY`): every route but /health
+needs `Authorization: Bearer <key>`, and a request without it, or with another key, is a 401 in
+OpenAI's error shape. Only the key's SHA-256 digest is kept (it is what travels to the server's
+actor), and a presented key is compared digest to digest in constant time, so neither the
+comparison's time nor its length tells anything about the key.
+
+The body limit is checked on the declared Content-Length before anything is read, and again on
+the bytes as they arrive (a chunked body declares none), so an oversized body is a 413 before it
+is parsed or held whole.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable
+
+from dualpath_ray.api.openai_protocol import APIError
+
+API_KEY_ENV = "DUALPATH_API_KEY"
+DEFAULT_MAX_BODY_BYTES = 8 << 20
+OPEN_PATHS = frozenset({"/health"})  # a load balancer's probe carries no key
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class ApiKey:
+    """The key a client must present, as its SHA-256 digest."""
+
+    digest: bytes
+
+    @classmethod
+    def of(cls, secret: str) -> ApiKey:
+        if not secret:
+            raise ValueError(f"the API key is empty; pass a non-empty --api-key or {API_KEY_ENV}, or neither")
+        return cls(hashlib.sha256(secret.encode()).digest())
+
+    def accepts(self, authorization: str | None) -> bool:
+        """Whether an Authorization header value is `Bearer <this key>`."""
+        scheme, _, token = (authorization or "").strip().partition(" ")
+        presented = hashlib.sha256(token.strip().encode()).digest()
+        return hmac.compare_digest(presented, self.digest) and scheme.lower() == "bearer"
+
+
+def unauthorized(authorization: str | None) -> APIError:
+    if not authorization:
+        message = "no API key: send the header 'Authorization: Bearer <key>' (the key `dualpath serve` was given)"
+    else:
+        message = "incorrect API key in the Authorization header: send 'Authorization: Bearer <key>'"
+    return APIError(message, None, 401, code="invalid_api_key")
+
+
+def too_large(size: int, limit: int, declared: bool) -> APIError:
+    amount = f"{size} bytes" if declared else f"more than {limit} bytes"
+    return APIError(
+        f"the request body is {amount}, over this server's limit of {limit} bytes; send a shorter request or "
+        "restart `dualpath serve` with a larger --max-body-bytes", None, 413, code="request_too_large",
+    )
+
+
+class BearerAuth:
+    """ASGI middleware: an HTTP request to any path but OPEN_PATHS without the key is answered
+    401 here; everything else goes on to the app."""
+
+    def __init__(self, app: ASGIApp, key: ApiKey) -> None:
+        self.app = app
+        self.key = key
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        authorization = _header(scope, b"authorization")
+        if self.key.accepts(authorization):
+            await self.app(scope, receive, send)
+            return
+        error = unauthorized(authorization)
+        body = json.dumps(error.body()).encode()
+        await send({"type": "http.response.start", "status": error.status, "headers": [
+            (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+            (b"www-authenticate", b"Bearer"),
+        ]})
+        await send({"type": "http.response.body", "body": body})
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    for key, value in scope.get("headers", []):
+        if key.lower() == name:
+            return bytes(value).decode("latin-1")
+    return None
+
+
+async def read_limited_body(request: Any, limit: int) -> bytes:
+    """The body of a Starlette request, refused (413) once it is over `limit` bytes."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_large(int(declared), limit, declared=True)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large(size, limit, declared=False)
+        chunks.append(chunk)
+    return b"".join(chunks)
