@@ -10,6 +10,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from dualpath_ray.config.section import Section
+from dualpath_ray.scheduling.expiry import IDLE_TTL_DEFAULT_S
 from dualpath_ray.scheduling.types import Mode
 
 
@@ -103,6 +104,17 @@ class SchedulerConfig(Section):
         description="How one request's hit blocks are read: whole = all through the side with the shorter read "
         "queue (the paper's); proportional = split between the prefill-side and decode-side readers in proportion "
         "to their read-queue headroom below alpha (the paper's future work; so far the simulator only).",
+    )
+    max_queued_turns: int = Field(
+        65536, ge=0,
+        description="Most turns that may wait at the scheduler for an engine (its decode and prefill queues; "
+        "turns already on engines do not count). A new turn that finds this many ends at once with error_kind "
+        "queue_full, which the scheduler does not retry: the rollout API submits it again after a pause, the "
+        "OpenAI endpoint answers 429 with Retry-After, other callers may resubmit. A retry of a turn already "
+        "admitted is never refused. Each queued turn holds its prompt at the scheduler, so this bounds the "
+        "scheduler's memory under a flood of callers. The default is above any concurrency the project runs "
+        "(one turn in flight per trajectory, 48K agents at the paper's scale), so a rollout never meets it; "
+        "lower it to what the scheduler's node can hold. 0 = no limit.",
     )
 
 
@@ -230,4 +242,12 @@ class RuntimeConfig(Section):
     )
     metrics_interval_s: float = Field(
         1.0, gt=0, description="How often each actor turns its byte counters and loads into Ray metrics."
+    )
+    session_ttl_s: float = Field(
+        IDLE_TTL_DEFAULT_S, gt=0,
+        description="How long the rollout-server remembers an idle conversation's turn numbering (a session "
+        "with a turn in flight is never idle; one forgotten numbers its turns from t0 again, which is safe), "
+        "and how long the scheduler keeps an aborted trajectory's mark (abort_prefix, abort_session) after it "
+        "last refused a turn (then later turns of it run again, as after clear_aborts). Bounds both tables to "
+        "what callers used within this time.",
     )

@@ -21,7 +21,8 @@ if TYPE_CHECKING:
 
 
 class ErrorKind(str, enum.Enum):
-    """Why a turn failed; the scheduler retries the retryable kinds with attempt + 1."""
+    """Why a turn failed; the scheduler retries the retryable kinds with attempt + 1, and a
+    caller may submit a `resubmittable` one again later."""
 
     KV_MISSING = "kv_missing"  # a hit block was gone from the store (evicted, deleted)
     KV_CORRUPT = "kv_corrupt"  # a hit block failed its checksum at read
@@ -33,10 +34,21 @@ class ErrorKind(str, enum.Enum):
     HBM_FULL = "hbm_full"  # its decode engine had no free pages for it in time (pages held by an abandoned attempt)
     TIMEOUT = "timeout"  # runtime.request_timeout_s passed
     INTERNAL = "internal"  # anything else: a bug, never retried
+    # The scheduler refused to queue a new turn: scheduler.max_queued_turns turns already wait
+    # for an engine. Nothing of it ran. Not retried by the scheduler (a retry there would only
+    # spin against the same full queue); its caller may submit it again after a pause
+    # (`resubmittable`): the rollout API does, the OpenAI endpoint answers 429 with Retry-After.
+    QUEUE_FULL = "queue_full"
 
     @property
     def retryable(self) -> bool:
-        return self not in (ErrorKind.TIMEOUT, ErrorKind.INTERNAL)
+        """The scheduler itself retries it with attempt + 1 (within runtime.max_attempts)."""
+        return self not in (ErrorKind.TIMEOUT, ErrorKind.INTERNAL, ErrorKind.QUEUE_FULL)
+
+    @property
+    def resubmittable(self) -> bool:
+        """The turn never started: its caller may submit it again, as it is, after a pause."""
+        return self is ErrorKind.QUEUE_FULL
 
     @property
     def about_stored_kv(self) -> bool:

@@ -47,6 +47,9 @@ class Dispatcher:
         self.mode = Mode(mode)
         self.read_split = read_split
         self.requests: dict[str, Request] = {}
+        # Requests in a queued state (RequestState.queued), kept as they move: what admission
+        # counts (scheduling/admission.py), in O(1).
+        self.queued = 0
         # What each engine holds, kept as requests move (scheduling/engine_book.py).
         self.decode_book = EngineBook()
         self.prefill_book = EngineBook()
@@ -74,6 +77,7 @@ class Dispatcher:
             raise ValueError(f"request {request.request_id} is {request.state.value}; only a new request is submitted")
         self.requests[request.request_id] = request
         self.decode_global.append(request.request_id)
+        self.queued += 1
         return request
 
     def report_read_q(self, node_id: str, tokens: int) -> None:
@@ -161,6 +165,7 @@ class Dispatcher:
             request.pe_hit_blocks = pe_blocks
             self.prefill_book.add(request.prefill_engine, request.prefill_tokens)
             transition(request, RequestState.PREFILLING)
+            self.queued -= 1
             requests.append(request)
         for _ in requests:
             self.prefill_queue.popleft()
@@ -181,6 +186,8 @@ class Dispatcher:
         for a prefill engine, say): it leaves every queue, so a retry under the same id is
         queued afresh and never meets a stale copy of itself."""
         request = self.requests.pop(request_id)
+        if request.state.queued:
+            self.queued -= 1
         if request.state is RequestState.PREFILLING:
             self.prefill_book.remove(request.prefill_engine, request.prefill_tokens)
         if request.decode_engine:
@@ -214,6 +221,8 @@ class Dispatcher:
             assert not waiting, f"{waiting} are {state.value} but in no {name} queue"
         dead = sorted(rid for rid, r in self.requests.items() if not r.state.live)
         assert not dead, f"{dead} are done or failed but still held"
+        queued = sum(1 for r in self.requests.values() if r.state.queued)
+        assert self.queued == queued, f"the queued count {self.queued} differs from the {queued} queued requests"
         self._check_books()
 
     def _check_books(self) -> None:

@@ -32,6 +32,11 @@ class RequestState(enum.Enum):
     def live(self) -> bool:
         return self not in (RequestState.DONE, RequestState.FAILED)
 
+    @property
+    def queued(self) -> bool:
+        """It waits at the scheduler: no engine has been handed it yet (scheduling/admission.py)."""
+        return self in (RequestState.QUEUED_DECODE, RequestState.QUEUED_PREFILL)
+
 
 _LEGAL = {
     RequestState.QUEUED_DECODE: {RequestState.QUEUED_PREFILL, RequestState.FAILED},

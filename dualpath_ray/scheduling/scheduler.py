@@ -24,6 +24,7 @@ from dualpath_ray.protocol.messages import (
     RequestSpec,
     TurnResult,
 )
+from dualpath_ray.scheduling.admission import Admission
 from dualpath_ray.scheduling.dispatcher import Constants, Dispatcher
 from dualpath_ray.scheduling.liveness import is_attempt
 from dualpath_ray.scheduling.loads import decode_tokens
@@ -49,11 +50,13 @@ class CoreSettings:
     epoch: int = 0  # the scheduler incarnation; every attempt it dispatches carries it
     read_split: str = "whole"  # or "proportional" (scheduler.read_split)
     decode_groups: int = 0  # decode groups the cluster has (one per decode node); 0 = unknown
+    admission: Admission = Admission()  # no limit unless configured (scheduler.max_queued_turns)
 
     @classmethod
     def of(cls, cfg: DualPathConfig, mode: Mode | str, constants: Constants, epoch: int = 0) -> CoreSettings:
         return cls(Mode(mode), cfg.store.block_size, constants, cfg.runtime.max_attempts,
-                   cfg.runtime.kv_failure_policy, epoch, cfg.scheduler.read_split, cfg.cluster.decode_nodes)
+                   cfg.runtime.kv_failure_policy, epoch, cfg.scheduler.read_split, cfg.cluster.decode_nodes,
+                   Admission(cfg.scheduler.max_queued_turns))
 
 
 class SchedulerCore:
@@ -93,6 +96,9 @@ class SchedulerCore:
         return tuple(hit.keys[:usable]), usable * size
 
     def submit(self, spec: RequestSpec) -> Request:
+        """Queue a turn's attempt; a new turn that finds the queue full raises QueueFull
+        (scheduling/admission.py), before anything of it is recorded."""
+        self.settings.admission.check(spec.request_id, spec.attempt, self.dispatcher.queued)
         keys, hit_tokens = self.lookup(spec)
         reserved = decode_tokens(len(spec.prompt), spec.sampling.max_new_tokens, self.settings.block_size)
         request = Request(spec.request_id, len(spec.prompt), hit_tokens, reserved, keys, spec)

@@ -74,7 +74,7 @@ class Scheduler:
         self.core = build_core(cfg, store_root, mode, epoch=time.time_ns())
         self.restarted = was_restarted()
         self.adoptions = Adoptions()
-        self.aborts = Aborts()
+        self.aborts = Aborts(cfg.runtime.session_ttl_s, time.monotonic)
         self.streams = TokenStreams()
         self.control = ClusterControl(cfg, routes)
         self.asleep = False
@@ -367,17 +367,18 @@ class Scheduler:
                 "indexed_blocks": len(self.core.index), "readmitted": self.core.readmitted,
                 "adopted": self.adoptions.adopted, "adoptions_dropped": self.adoptions.dropped,
                 "restarted": int(self.restarted), "mailboxes": len(self.mailboxes),
-                "dropped_results": self.mailboxes.dropped,
+                "dropped_results": self.mailboxes.dropped, "queue_full": self.serving.refused,
                 "decode_pulls": rounds.decode_pulls if rounds else 0, "prefill_pulls": rounds.prefill_pulls if rounds else 0}
 
     async def tracked(self) -> dict[str, int]:
-        """Sizes of every per-request table this actor keeps (a soak test checks they return to
-        their starting size once the turns are done)."""
+        """Sizes of every per-request table this actor keeps, and the aborted trajectories' marks
+        (a soak test checks they return to their starting size once the turns are done and the
+        marks idle for runtime.session_ttl_s)."""
         silent, unheld, delivering = self.liveness.tracked()
         return {"requests": len(self.core.requests), "pending": len(self.serving.pending),
                 "clients": len(self.clients), "suspects": len(self.serving.suspects),
                 "streams": len(self.streams), "running": len(self.aborts.running),
-                "silent": silent, "unheld": unheld, "delivering": delivering}
+                "abort_marks": self.aborts.marks(), "silent": silent, "unheld": unheld, "delivering": delivering}
 
     async def recent_turns(self) -> list[tuple[float, float, float, str]]:
         """(finished at, ttft_s, tpot_s, path) of the latest served turns, for `dualpath status`."""

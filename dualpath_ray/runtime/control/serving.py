@@ -26,6 +26,7 @@ from dualpath_ray.runtime.control.decisions import Decisions
 from dualpath_ray.runtime.control.fanout import ClusterControl
 from dualpath_ray.runtime.control.watchdog import Watchdog
 from dualpath_ray.runtime.telemetry.actor_metrics import SchedulerMetrics
+from dualpath_ray.scheduling.admission import QueueFull
 from dualpath_ray.scheduling.liveness import Liveness
 from dualpath_ray.scheduling.requests import Request
 from dualpath_ray.scheduling.scheduler import SchedulerCore
@@ -50,6 +51,7 @@ class Serving:
         self.metrics = metrics
         self.pending: dict[str, asyncio.Future[TurnResult]] = {}
         self.servings = 0  # requests this incarnation began serving (RequestSpec.epoch)
+        self.refused = 0  # new turns refused because the queue was full (scheduler.max_queued_turns)
         # Failed attempts whose peer died -> the peers to ask before their retry is placed.
         self.suspects: dict[str, set[str]] = {}
         self.decisions: Decisions | None = None
@@ -117,6 +119,11 @@ class Serving:
         try:
             self.decisions.rounds.submit(spec)
             return await asyncio.wait_for(future, max(0.0, deadline - time.monotonic()))
+        except QueueFull as full:
+            # Answered, not retried (ErrorKind.QUEUE_FULL is not retryable): nothing of it was
+            # queued, and its caller decides whether to submit it again.
+            self.refused += 1
+            return failed_result(spec, SCHEDULER, str(full), ErrorKind.QUEUE_FULL)
         except asyncio.TimeoutError:
             self.calls.timeouts += 1
             self._cancel_at(self.core.abandon(spec.request_id), spec.owner)
