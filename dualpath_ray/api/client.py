@@ -10,19 +10,44 @@ A restarted scheduler (Ray restarts it; its new incarnation has another epoch) k
 what was submitted to the one that died: the client notices the new epoch in an answer and
 submits again every turn it still waits for. The new incarnation takes over attempts the
 engines still hold (runtime/control/adoption.py), so nothing runs twice.
+
+A turn the scheduler refused because its queue was full (scheduler.max_queued_turns) ends with
+ErrorKind.QUEUE_FULL; `generate_admitted` submits it again after growing pauses, within a bound.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import random
+import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Iterator
 
 from dualpath_ray.protocol.messages import Collected, RequestSpec, TurnResult
 
 LOG = logging.getLogger("dualpath_ray.client")
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """Pauses before submitting a refused turn again: from `first_s`, times `factor` each time,
+    at most `max_s`, each drawn within +-`jitter` of that (so the trajectories a full queue
+    refused together do not all come back in the same instant)."""
+
+    first_s: float = 0.05
+    factor: float = 2.0
+    max_s: float = 1.0
+    jitter: float = 0.5
+    seed: int | None = None
+
+    def __iter__(self) -> Iterator[float]:
+        rng = random.Random(self.seed)
+        pause = self.first_s
+        while True:
+            yield pause * rng.uniform(1.0 - self.jitter, 1.0 + self.jitter)
+            pause = min(self.max_s, pause * self.factor)
 
 
 @dataclass
@@ -42,6 +67,7 @@ class SchedulerClient:
         self.epoch: int | None = None  # the newest scheduler incarnation heard from
         self.submits = 0  # calls made, for benchmarks
         self.collects = 0
+        self.resubmits = 0  # turns submitted again after a full queue refused them (generate_admitted)
         self._waiting: dict[str, _Waiting] = {}
         self._outgoing: list[RequestSpec] = []
         self._flush_due = False
@@ -62,6 +88,24 @@ class SchedulerClient:
             return await waiting.future
         finally:
             self._waiting.pop(spec.request_id, None)
+
+    async def generate_admitted(
+        self, spec: RequestSpec, within_s: float, pauses: Backoff | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> TurnResult:
+        """`generate`, but a turn the scheduler refused because its queue was full
+        (ErrorKind.QUEUE_FULL: nothing of it ran) is submitted again after a pause, growing
+        (`pauses`), for at most `within_s` after the first submit; then its last refusal is
+        returned. The scheduler never retries a refusal itself: waiting is the caller's choice."""
+        waits = iter(pauses or Backoff())
+        give_up_at = clock() + within_s
+        while True:
+            result = await self.generate(spec)
+            kind, pause = result.error_kind, next(waits)
+            if kind is None or not kind.resubmittable or clock() + pause > give_up_at:
+                return result
+            self.resubmits += 1
+            await asyncio.sleep(pause)
 
     def _send(self, spec: RequestSpec) -> None:
         self._outgoing.append(spec)

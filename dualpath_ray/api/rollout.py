@@ -3,12 +3,15 @@
 A trajectory that fails is reported in `failures` while the others finish; `resume=` continues a
 previous result from each trajectory's first missing turn. Turn k+1 is submitted only when turn
 k has finished (plus its tool latency); its prompt is turn k's prompt + output + appended tokens.
+A turn the scheduler refuses because its queue is full is submitted again after a pause
+(`SchedulerClient.generate_admitted`), so a burst delays trajectories instead of failing them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import sys
 import time
 from dataclasses import dataclass, field
@@ -188,7 +191,9 @@ async def rollout_async(
     bar = _Progress(sum(len(t.turns) for t in trajectories), progress)
 
     client = SchedulerClient(scheduler)
-    generate = client.generate
+    # A turn refused because the scheduler's queue was momentarily full (queue_full) does not
+    # fail its trajectory: it is submitted again after a pause, for up to runtime.request_timeout_s.
+    generate = functools.partial(client.generate_admitted, within_s=cfg.runtime.request_timeout_s)
 
     # A trajectory aborted in an earlier rollout runs again when it is rolled out again.
     await scheduler.clear_aborts.remote([trajectory_prefix(t.trajectory_id) for t in trajectories])

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 import uuid
 from typing import Any, AsyncIterator, Mapping, Sequence
 
@@ -49,11 +50,25 @@ class TokenOutput(BaseModel):
 
 
 class GenerationError(RuntimeError):
-    """A turn the cluster could not serve after its retries; `kind` is its ErrorKind value."""
+    """A turn the cluster could not serve after its retries; `kind` is its ErrorKind value
+    ("queue_full": the scheduler's queue was full and nothing of it ran; submit it again later)."""
 
     def __init__(self, request_id: str, result: TurnResult) -> None:
         self.kind = result.error_kind.value if result.error_kind is not None else "error"
         super().__init__(f"request {request_id} failed ({self.kind}): {result.error}")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Ray pickles it to the caller, who reads `kind` (the OpenAI endpoint's 429): rebuilt
+        # from its message and kind, as the constructor's TurnResult is not kept.
+        return (_generation_error, (str(self), self.kind))
+
+
+def _generation_error(message: str, kind: str) -> GenerationError:
+    """A GenerationError unpickled (see GenerationError.__reduce__)."""
+    error = GenerationError.__new__(GenerationError)
+    RuntimeError.__init__(error, message)
+    error.kind = kind
+    return error
 
 
 def finish_reason(stop: StopReason) -> str:
@@ -79,7 +94,7 @@ class RolloutServer:
         self.scheduler = ray.get_actor(SCHEDULER, namespace=cfg.runtime.namespace)
         # Turns go to the scheduler batched (api/client.py); made on first use, on this actor's loop.
         self.client: SchedulerClient | None = None
-        self.sessions = SessionIds()
+        self.sessions = SessionIds(cfg.runtime.session_ttl_s, time.monotonic)  # idle ones expire
         self.in_flight: dict[str, str] = {}  # caller's request id -> the scheduler's
         # verl's control methods and their state (the submission gate, verl's global steps).
         self.verl = VerlServerControl(self)
@@ -137,15 +152,16 @@ class RolloutServer:
         `priority`) are accepted when empty."""
         self._check_kwargs(request_id, kwargs)
         spec, want_log_probs = self._prepare(request_id, prompt_ids, sampling_params, session_id)
-        if not await self.verl.admit():
-            return self._token_output(aborted_result(spec), want_log_probs)
-        self.in_flight[request_id] = spec.request_id
         try:
+            if not await self.verl.admit():
+                return self._token_output(aborted_result(spec), want_log_probs)
+            self.in_flight[request_id] = spec.request_id
             if self.client is None:
                 self.client = SchedulerClient(self.scheduler, name=f"rollout-server-{uuid.uuid4().hex[:8]}")
             result: TurnResult = await self.client.generate(spec)
         finally:
             self.in_flight.pop(request_id, None)
+            self._turn_ended(session_id)
         if result.error:
             raise GenerationError(request_id, result)
         return self._token_output(result, want_log_probs)
@@ -157,11 +173,11 @@ class RolloutServer:
         """`generate`, streamed (a Ray streaming generator): StreamDeltas in order, no token
         twice, then the TokenOutput of the whole turn."""
         spec, want_log_probs = self._prepare(request_id, prompt_ids, sampling_params, session_id)
-        if not await self.verl.admit():
-            yield self._token_output(aborted_result(spec), want_log_probs)
-            return
-        self.in_flight[request_id] = spec.request_id
         try:
+            if not await self.verl.admit():
+                yield self._token_output(aborted_result(spec), want_log_probs)
+                return
+            self.in_flight[request_id] = spec.request_id
             async for ref in self.scheduler.generate_stream.remote(spec):
                 item = await ref
                 if isinstance(item, StreamDelta):
@@ -172,6 +188,18 @@ class RolloutServer:
                 yield self._token_output(item, want_log_probs)
         finally:
             self.in_flight.pop(request_id, None)
+            self._turn_ended(session_id)
+
+    def _turn_ended(self, session_id: str | None) -> None:
+        """A session's turn is no longer in flight: its idle time (runtime.session_ttl_s) runs."""
+        if session_id is not None:
+            self.sessions.turn_ended(session_id)
+
+    async def tracked(self) -> dict[str, int]:
+        """Sizes of the tables this actor keeps per caller: conversations remembered (idle ones
+        forgotten after runtime.session_ttl_s) and requests in flight (a soak test checks both
+        return to their starting size)."""
+        return {"sessions": len(self.sessions), "in_flight": len(self.in_flight)}
 
     # --- abort ----------------------------------------------------------------------------
 
