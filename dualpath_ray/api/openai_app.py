@@ -37,9 +37,12 @@ from dualpath_ray.api.sessions import SessionIds
 from dualpath_ray.api.tokenizer import HFTokenizer, IncrementalDetokenizer, TokenizerError
 from dualpath_ray.api.validation import RequestError, parse_sampling_request, validate_prompt
 from dualpath_ray.config import DualPathConfig
-from dualpath_ray.protocol.messages import StreamDelta
+from dualpath_ray.protocol.messages import ErrorKind, StreamDelta
 
 LOG = logging.getLogger("dualpath_ray.openai")
+# What a 429 tells the client to wait before it sends the request again (Retry-After, seconds):
+# the scheduler's queue drains at the cluster's turn rate, so a second is a fair first pause.
+RETRY_AFTER_S = 1
 
 
 @dataclass
@@ -146,10 +149,16 @@ class OpenAIEndpoint:
 
     async def respond(self, prepared: Prepared) -> dict[str, Any]:
         request = prepared.request
-        outs = await asyncio.gather(*(
-            self.server.generate.remote(rid, prompt_ids, prepared.sampling, request.session_id)
-            for rid, prompt_ids in zip(prepared.request_ids, prepared.prompts)
-        ))
+        try:
+            outs = await asyncio.gather(*(
+                self.server.generate.remote(rid, prompt_ids, prepared.sampling, request.session_id)
+                for rid, prompt_ids in zip(prepared.request_ids, prepared.prompts)
+            ))
+        except Exception as exc:  # noqa: BLE001 - only a full queue becomes the client's to retry
+            refused = queue_full_error(exc)
+            if refused is None:
+                raise
+            raise refused from None
         parts = [self._whole(prepared, prompt_ids, out) for prompt_ids, out in zip(prepared.prompts, outs)]
         return parts[0] if len(parts) == 1 else batch_response(parts)
 
@@ -196,7 +205,8 @@ class OpenAIEndpoint:
         except Exception as exc:  # noqa: BLE001 - a stream already answered 200: report in-band
             finished = True
             LOG.warning("stream %s failed: %s", rid, exc)
-            yield _event(APIError(f"generation failed: {exc}", None, 500, "server_error").body())
+            failed = queue_full_error(exc) or APIError(f"generation failed: {exc}", None, 500, "server_error")
+            yield _event(failed.body())
         finally:
             if not finished:
                 self.server.abort.remote(rid)  # the client left: free what the request holds
@@ -205,6 +215,18 @@ class OpenAIEndpoint:
 
 def _event(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload)}\n\n"
+
+
+def queue_full_error(exc: BaseException) -> APIError | None:
+    """The 429 of a turn the scheduler refused because its queue was full (the rollout-server's
+    GenerationError of kind queue_full, as Ray raises it here): nothing of it ran and the client
+    may send it again after Retry-After. None for any other error."""
+    if getattr(exc, "kind", None) != ErrorKind.QUEUE_FULL.value:
+        return None
+    return APIError(
+        "the server is busy: its queue of waiting requests is full (scheduler.max_queued_turns); "
+        f"retry after {RETRY_AFTER_S} s", None, 429, "rate_limit_error", ErrorKind.QUEUE_FULL.value,
+    )
 
 
 def build_app(endpoint: OpenAIEndpoint, api_key: ApiKey | None = None,
@@ -218,7 +240,8 @@ def build_app(endpoint: OpenAIEndpoint, api_key: ApiKey | None = None,
     from starlette.routing import Route
 
     def error(exc: APIError) -> Response:
-        return JSONResponse(exc.body(), status_code=exc.status)
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if exc.status == 429 else None
+        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
     async def generate(request: Request, chat: bool) -> Response:
         try:
