@@ -21,7 +21,9 @@ from dualpath_ray.observability.job_metadata import driver_job_config
 from dualpath_ray.protocol.counters import NodeCounters
 from dualpath_ray.protocol.messages import TurnResult
 from dualpath_ray.runtime.deploy.deployment import Deployment, create_deployment, tear_down
-from dualpath_ray.runtime.deploy.topology import HEAD_RESOURCE, ROLE_LABEL, NodeSpec, plan_nodes, slot_resource
+from dualpath_ray.runtime.deploy.topology import (
+    HEAD_RESOURCE, ROLE_LABEL, NodeSpec, front_end_options, plan_nodes, slot_resource,
+)
 from dualpath_ray.runtime.deploy.weight_sync import WeightSender, manifest_of
 from dualpath_ray.workload.trace import Trajectory
 
@@ -151,7 +153,9 @@ class DualPathCluster:
         return self.deployment.scheduler
 
     def server(self) -> Any:
-        """The named `rollout-server` actor: verl-style `generate`, weight version, cache reset."""
+        """The named `rollout-server` actor: verl-style `generate`, weight version, cache reset.
+        Restarted by Ray when its process dies (runtime.front_end_max_restarts), the calls in
+        flight sent again to the new incarnation (api/server.py)."""
         from dualpath_ray.api import SERVER_NAME, RolloutServer
 
         if self.deployment is None:
@@ -159,7 +163,7 @@ class DualPathCluster:
         assert self.deployment is not None
         if self.deployment.server is None:
             self.deployment.server = RolloutServer.options(
-                name=SERVER_NAME, namespace=self.cfg.runtime.namespace, get_if_exists=True
+                **front_end_options(self.cfg, SERVER_NAME), get_if_exists=True
             ).remote(self.cfg)
         return self.deployment.server
 
@@ -263,7 +267,10 @@ class DualPathCluster:
 
     def attach_weight_sender(self, group_name: str = "policy", timeout_s: float = 300.0) -> WeightSender:
         """This process becomes rank 0 of a weight broadcast group every engine joins (the way
-        a trainer syncs its policy); use it with `update_weights_from_group`."""
+        a trainer syncs its policy); use it with `update_weights_from_group`. Its device is this
+        process's GPU where it has one; the backend is the one the trainer and the engines agree
+        on from their devices (runtime/deploy/weight_sync.py: NCCL when each has a GPU of its
+        own, else gloo), `sender.backend` once this returns."""
         engines = len(ray.get(self._scheduler().engine_names.remote()))
         sender = WeightSender.listen(engines + 1, host=ray.util.get_node_ip_address(), group_name=group_name,
                                      timeout_s=timeout_s)

@@ -4,6 +4,12 @@ event loop, on the node of the process that starts it (so `--host 127.0.0.1` mea
 It tells the `rollout-server` where it listens, which is what a verl replica reports as its
 `server_address`. Without tokenizer files it serves token ids only (api/openai_app.py); with an
 API key only the key's digest reaches the actor (api/openai_guards.py).
+
+Ray restarts it when its process dies (runtime.front_end_max_restarts): the new incarnation
+listens again on the address the dead one bound (kept in its record, runtime/deploy/kept_state.py),
+so clients keep their URL. A request in flight at the death loses its connection; HTTP clients
+send it again (the `openai` client retries connection errors, `max_retries`), and a retry that
+arrives before the new incarnation listens is refused (connection refused: retried the same way).
 """
 
 from __future__ import annotations
@@ -20,6 +26,9 @@ from dualpath_ray.api.server import SERVER_NAME
 from dualpath_ray.api.tokenizer import TOKENIZER_FILE, HFTokenizer, TokenizerError
 from dualpath_ray.config import DualPathConfig
 from dualpath_ray.protocol.names import OPENAI_SERVER
+from dualpath_ray.runtime.deploy.kept_state import KeptState
+from dualpath_ray.runtime.deploy.topology import front_end_options
+from dualpath_ray.runtime.engine.restarts import was_restarted
 
 OPENAI_SERVER_NAME = OPENAI_SERVER
 START_TIMEOUT_S = 30.0
@@ -50,13 +59,30 @@ class OpenAIServer:
         self.rollout_server = ray.get_actor(SERVER_NAME, namespace=cfg.runtime.namespace)
         self.uvicorn: Any = None
         self.task: asyncio.Task[None] | None = None
+        self.address: tuple[str, int] | None = None
+        self.starting = asyncio.Lock()  # one start at a time (the driver's, a restart's own)
+        self.record = KeptState(cfg.runtime.namespace, OPENAI_SERVER_NAME)
+        kept = self.record.load() if was_restarted() else {}
+        if kept.get("address"):
+            host, port = kept["address"]
+            # Runs once this __init__ returned: the actor's event loop serves uvicorn.
+            self.relisten = ray.get_runtime_context().current_actor.start.remote(str(host), int(port))
+        else:
+            self.record.save({})  # replaces any record a crashed deployment left in this namespace
 
     async def start(self, host: str, port: int) -> tuple[str, int]:
-        """Listen on host:port (port 0: any free port); returns where it listens."""
+        """Listen on host:port (port 0: any free port); returns where it listens. Asked again for
+        the address it listens on (a resent call, a restart's own), it answers that address."""
+        async with self.starting:
+            if self.address is None:
+                self.address = await self._listen(host, port)
+        if (host, port) not in (self.address, (self.address[0], 0)):
+            raise RuntimeError(f"the OpenAI server already listens on {self.address[0]}:{self.address[1]}")
+        return self.address
+
+    async def _listen(self, host: str, port: int) -> tuple[str, int]:
         import uvicorn
 
-        if self.uvicorn is not None:
-            raise RuntimeError("the OpenAI server is already listening")
         app = build_app(OpenAIEndpoint(self.rollout_server, self.tokenizer, self.cfg), self.api_key, self.max_body_bytes)
         self.uvicorn = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off"))
         self.task = asyncio.get_running_loop().create_task(self.uvicorn.serve())
@@ -67,9 +93,10 @@ class OpenAIServer:
             if asyncio.get_running_loop().time() > deadline:
                 raise RuntimeError(f"the OpenAI server did not start listening on {host}:{port} in {START_TIMEOUT_S} s")
             await asyncio.sleep(0.05)
-        bound = self.uvicorn.servers[0].sockets[0].getsockname()[1]
+        bound = int(self.uvicorn.servers[0].sockets[0].getsockname()[1])
+        self.record.save({"address": [host, bound]})
         await self.rollout_server.set_server_address.remote(host, bound)
-        return host, int(bound)
+        return host, bound
 
     async def stop(self) -> None:
         if self.uvicorn is not None and self.task is not None:
@@ -90,8 +117,9 @@ def start_openai_server(cfg: DualPathConfig, host: str = "127.0.0.1", port: int 
         HFTokenizer.from_dir(path, cfg.model.vocab_size)  # a bad tokenizer is an error here, not in the actor
     key = ApiKey.of(api_key) if api_key is not None else None
     here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
-    actor = OpenAIServer.options(
-        name=OPENAI_SERVER_NAME, namespace=cfg.runtime.namespace, scheduling_strategy=here,
-    ).remote(cfg, str(path) if path is not None else None, key, max_body_bytes)
+    # Restarted on this node (the strategy is hard), so the address it listens on stays valid.
+    actor = OpenAIServer.options(**front_end_options(cfg, OPENAI_SERVER_NAME), scheduling_strategy=here).remote(
+        cfg, str(path) if path is not None else None, key, max_body_bytes
+    )
     bound_host, bound_port = ray.get(actor.start.remote(host, port))
     return actor, f"http://{bound_host}:{bound_port}/v1"

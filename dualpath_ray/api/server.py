@@ -7,6 +7,14 @@ actor and the OpenAI endpoint call it. It owns the weight version that names the
 new requests, so a version moved here (by a weight update through any adapter, or by
 `DualPathCluster.update_weights`) holds for all of them, and KV of an old policy is never served.
 Cluster-wide control fans out through the Scheduler, the one actor every process can reach.
+
+Ray restarts it when its process dies (runtime.front_end_max_restarts) and sends the calls that
+were in flight again (runtime.max_call_resends), so a caller's `generate` completes on the new
+incarnation. What the dead one learnt (weight version, verl's step and gate, the HTTP address)
+comes back from its kept record (runtime/deploy/kept_state.py); session turn numbers start
+again from t0, as after an idle expiry (api/sessions.py). A resent turn the dead incarnation had
+submitted is still in flight at the scheduler under its id: the new incarnation waits for that
+serving to end and submits it again, so the caller gets its own turn's result.
 """
 
 from __future__ import annotations
@@ -21,18 +29,23 @@ import ray
 from pydantic import BaseModel
 
 from dualpath_ray.api.client import SchedulerClient
+from dualpath_ray.api.server_record import ServerRecord
 from dualpath_ray.api.sessions import SessionIds, check_session_id, session_prefix
 from dualpath_ray.api.validation import RequestError, make_spec, parse_sampling_request, validate_prompt
 from dualpath_ray.api.verl_server import VerlServerControl
 from dualpath_ray.config import DualPathConfig
 from dualpath_ray.protocol.messages import RequestSpec, StreamDelta, TurnResult, aborted_result
 from dualpath_ray.protocol.names import ROLLOUT_SERVER, SCHEDULER
+from dualpath_ray.runtime.deploy.kept_state import KeptState
+from dualpath_ray.runtime.engine.restarts import was_restarted
 from dualpath_ray.scheduling.types import StopReason
 
 SERVER_NAME = ROLLOUT_SERVER
 # verl's generate passes these; a value other than None means multimodal input, which the
 # decoder here does not take.
 _MULTIMODAL_KWARGS = ("image_data", "video_data", "audio_data", "mm_processor_kwargs")
+# How often a restarted server asks again to submit a turn its dead incarnation left in flight.
+INHERITED_TURN_POLL_S = 0.2
 
 
 class TokenOutput(BaseModel):
@@ -98,6 +111,16 @@ class RolloutServer:
         self.in_flight: dict[str, str] = {}  # caller's request id -> the scheduler's
         # verl's control methods and their state (the submission gate, verl's global steps).
         self.verl = VerlServerControl(self)
+        self.record = ServerRecord(KeptState(cfg.runtime.namespace, SERVER_NAME))
+        self.restarted = was_restarted()
+        if self.restarted:
+            self.weight_version = self.record.restore(self.weight_version, self.verl)
+        else:
+            self._keep()  # replaces any record a crashed deployment left in this namespace
+
+    def _keep(self) -> None:
+        """Save what a restarted incarnation must find again (after every change of it)."""
+        self.record.save(self.weight_version, self.verl)
 
     # --- generation ---------------------------------------------------------------------
 
@@ -156,15 +179,29 @@ class RolloutServer:
             if not await self.verl.admit():
                 return self._token_output(aborted_result(spec), want_log_probs)
             self.in_flight[request_id] = spec.request_id
-            if self.client is None:
-                self.client = SchedulerClient(self.scheduler, name=f"rollout-server-{uuid.uuid4().hex[:8]}")
-            result: TurnResult = await self.client.generate(spec)
+            result = await self._serve(spec)
         finally:
             self.in_flight.pop(request_id, None)
             self._turn_ended(session_id)
         if result.error:
             raise GenerationError(request_id, result)
         return self._token_output(result, want_log_probs)
+
+    async def _serve(self, spec: RequestSpec) -> TurnResult:
+        """The scheduler's result of one turn. A restarted server's client has a new name, so the
+        scheduler refuses (ValueError) a turn the dead incarnation submitted while it still runs:
+        wait for that serving to end, then submit again (up to runtime.request_timeout_s)."""
+        if self.client is None:
+            self.client = SchedulerClient(self.scheduler, name=f"rollout-server-{uuid.uuid4().hex[:8]}")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.cfg.runtime.request_timeout_s
+        while True:
+            try:
+                return await self.client.generate(spec)
+            except ValueError:
+                if not self.restarted or loop.time() > deadline:
+                    raise
+            await asyncio.sleep(INHERITED_TURN_POLL_S)
 
     async def generate_stream(
         self, request_id: str, prompt_ids: Sequence[int], sampling_params: Mapping[str, Any] | None = None,
@@ -251,6 +288,7 @@ class RolloutServer:
         namespace = self.cfg.runtime.namespace
         await asyncio.gather(*(ray.get_actor(n, namespace=namespace).update_weights.remote(version, source) for n in names))
         self.weight_version = version
+        self._keep()
         return version
 
     async def weight_group_world_size(self) -> int:
@@ -268,12 +306,14 @@ class RolloutServer:
         check_version(version)
         await self.scheduler.update_weights_from_group.remote(version, list(manifest))
         self.weight_version = version
+        self._keep()
         return version
 
     async def update_weight_version(self, version: int) -> int:
         """Move later requests to `version`'s KV namespace (the engines' weights were swapped by
         the caller, e.g. `DualPathCluster.update_weights`)."""
         self.weight_version = check_version(version)
+        self._keep()
         return version
 
     async def get_weight_version(self) -> int:
@@ -288,17 +328,22 @@ class RolloutServer:
     async def abort_all_requests(self, reset_prefix_cache: bool = True, reject_request: bool = False) -> dict[str, Any]:
         """verl's partial rollout: abort everything in flight and hold new requests until
         `resume_generation` (see `VerlServerControl.abort_all_requests`)."""
-        return await self.verl.abort_all_requests(reset_prefix_cache, reject_request)
+        try:
+            return await self.verl.abort_all_requests(reset_prefix_cache, reject_request)
+        finally:
+            self._keep()  # the gate closed
 
     async def resume_engine_generation(self) -> None:
         await self.verl.resume_engine_generation()
 
     async def open_submission_gate(self) -> None:
         await self.verl.open_submission_gate()
+        self._keep()
 
     async def resume_generation(self) -> None:
         """Take new requests again after `abort_all_requests`."""
         await self.verl.resume_generation()
+        self._keep()
 
     async def abort_request(self, request_id: str, reset_prefix_cache: bool = True) -> dict[str, Any]:
         """`abort`, with verl's result dict."""
@@ -318,6 +363,7 @@ class RolloutServer:
 
     async def set_global_steps(self, global_steps: int) -> None:
         self.verl.set_global_steps(global_steps)
+        self._keep()
 
     async def start_profile(self, **_: Any) -> None:
         await self.verl.start_profile(**_)
@@ -328,6 +374,7 @@ class RolloutServer:
     async def set_server_address(self, host: str, port: int) -> None:
         """Called by the OpenAI endpoint (api/openai_server.py) once it listens."""
         self.verl.set_server_address(host, port)
+        self._keep()
 
     async def get_server_address(self) -> tuple[str, int] | None:
         return self.verl.server_address()

@@ -237,6 +237,24 @@ class RuntimeConfig(Section):
         "restarted one rejoins with a new incarnation: what its dead incarnation held is failed and "
         "retried, and it takes work again. 0: a dead engine or reader is left out for good.",
     )
+    scheduler_max_restarts: int = Field(
+        10, ge=0, description="How often Ray restarts the Scheduler actor over a deployment's life (0: "
+        "never). Each new incarnation rebuilds the index from the store and adopts what the engines hold "
+        "(docs/reliability.md, promise 7); a scheduler that died this often is in a crash loop, and staying "
+        "dead (its callers get Ray's ActorDiedError) says so instead of looping for ever.",
+    )
+    front_end_max_restarts: int = Field(
+        10, ge=0, description="How often Ray restarts each front-end actor: the rollout-server (api/server.py) "
+        "and the openai-server (api/openai_server.py). A restarted one finds its weight version, verl state "
+        "and listening address again (runtime/deploy/kept_state.py); 0: a dead one stays dead.",
+    )
+    max_call_resends: int = Field(
+        3, ge=0, description="How often Ray sends a call again to a restarted scheduler or rollout-server "
+        "when the process died while the call was in flight (Ray's max_task_retries), so callers ride "
+        "through a restart. Bounded: a call that itself kills the actor is sent at most 1 + this many "
+        "times, instead of killing every new incarnation until the restarts run out. 0: a call in flight "
+        "at a death fails with Ray's ActorDiedError.",
+    )
     metrics: bool = Field(
         True, description="Export the dualpath_* Ray metrics (docs/metrics.md) from every actor and driver."
     )

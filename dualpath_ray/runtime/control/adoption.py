@@ -1,7 +1,8 @@
 """What a restarted scheduler takes over from its dead incarnation.
 
-Ray restarts the Scheduler actor (max_restarts=-1) with an empty state and resends the calls
-that were in flight (max_task_retries=-1): every caller's `generate` comes again, and every
+Ray restarts the Scheduler actor (up to runtime.scheduler_max_restarts times) with an empty
+state and resends the calls that were in flight (each up to runtime.max_call_resends times;
+runtime/deploy/topology.py, scheduler_options): every caller's `generate` comes again, and every
 engine's unacknowledged reports are sent again on its report channel's next connection
 (runtime/control/report_channel.py). The engines still hold the dead incarnation's attempts. The new incarnation (a
 new epoch, so none of its attempts shares a name with an old one) asks every engine what it

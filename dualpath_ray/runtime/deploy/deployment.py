@@ -16,16 +16,17 @@ from typing import Any
 import ray
 
 from dualpath_ray.config import DualPathConfig
-from dualpath_ray.protocol.names import SCHEDULER
+from dualpath_ray.protocol.names import OPENAI_SERVER, ROLLOUT_SERVER, SCHEDULER
 from dualpath_ray.runtime.control.scheduler import Scheduler
 from dualpath_ray.runtime.decode.actor import DecodeEngine
+from dualpath_ray.runtime.deploy.kept_state import KeptState
 from dualpath_ray.runtime.deploy.qos import ActorKind, actor_environment, engine_kind
 from dualpath_ray.runtime.deploy.topology import (
-    HEAD_RESOURCE,
     NodeSpec,
     create_role_groups,
     engine_options,
     reader_options,
+    scheduler_options,
     verify_placement,
     warn_if_outside_bounds,
 )
@@ -80,11 +81,9 @@ def create_deployment(
 def _start_scheduler(cfg: DualPathConfig, mode: str, store_root: str, on_head: bool) -> Any:
     """The named scheduler, once it is ready."""
     # Restarted by Ray when its process dies, with the calls in flight resent to the new
-    # incarnation, which takes over from the engines (runtime/control/adoption.py).
-    scheduler = Scheduler.options(
-        name=SCHEDULER, namespace=cfg.runtime.namespace, lifetime="detached", max_restarts=-1,
-        max_task_retries=-1, resources={HEAD_RESOURCE: 0.01} if on_head else None,
-    ).remote(cfg, store_root, mode)
+    # incarnation, which takes over from the engines (runtime/control/adoption.py); both bounded
+    # by the config (scheduler_options).
+    scheduler = Scheduler.options(**scheduler_options(cfg, on_head)).remote(cfg, store_root, mode)
     ray.get(scheduler.ready.remote())
     return scheduler
 
@@ -189,3 +188,5 @@ def tear_down(d: Deployment, namespace: str, stop_timeout_s: float, server_name:
     # failed so on a fresh clone). One that outlives the wait is reported by that check.
     names = frozenset([*d.engines, *d.readers, SCHEDULER] + ([server_name] if d.server is not None else []))
     _named_actors_gone(namespace, timeout_s=30.0, names=names)
+    for front_end in (ROLLOUT_SERVER, OPENAI_SERVER):
+        KeptState(namespace, front_end).forget()

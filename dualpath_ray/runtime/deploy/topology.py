@@ -19,7 +19,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from dualpath_ray.analysis.report import classify_ratio, pd_bounds
 from dualpath_ray.config import DualPathConfig
-from dualpath_ray.protocol.names import engine_name, reader_name
+from dualpath_ray.protocol.names import SCHEDULER, engine_name, reader_name
 from dualpath_ray.scheduling.types import Role
 
 ROLE_LABEL = "dualpath/role"
@@ -147,6 +147,35 @@ def restart_options(max_restarts: int) -> dict[str, Any]:
     (max_task_retries=0): a call in flight at the death fails, and the scheduler retries the
     attempt it belonged to with attempt + 1, so nothing runs twice on the new incarnation."""
     return {"max_restarts": max_restarts, "max_task_retries": 0}
+
+
+def scheduler_options(cfg: DualPathConfig, on_head: bool) -> dict[str, Any]:
+    """The named, detached Scheduler's Ray options. Ray restarts it at most
+    runtime.scheduler_max_restarts times and sends a call in flight at its death to the new
+    incarnation at most runtime.max_call_resends times: both bounded, because a call that kills
+    the process would otherwise be sent again for ever (a crash loop that no caller ever hears
+    of). `on_head`: an embedded cluster, whose head node carries HEAD_RESOURCE for it."""
+    return {
+        "name": SCHEDULER,
+        "namespace": cfg.runtime.namespace,
+        "lifetime": "detached",
+        "max_restarts": cfg.runtime.scheduler_max_restarts,
+        "max_task_retries": cfg.runtime.max_call_resends,
+        "resources": {HEAD_RESOURCE: 0.01} if on_head else None,
+    }
+
+
+def front_end_options(cfg: DualPathConfig, name: str) -> dict[str, Any]:
+    """A front-end actor's Ray options (the rollout-server, the openai-server): named in the
+    deployment's namespace, restarted at most runtime.front_end_max_restarts times, and a call in
+    flight at its death sent again at most runtime.max_call_resends times, so a caller's
+    `generate` reaches the new incarnation instead of failing."""
+    return {
+        "name": name,
+        "namespace": cfg.runtime.namespace,
+        "max_restarts": cfg.runtime.front_end_max_restarts,
+        "max_task_retries": cfg.runtime.max_call_resends,
+    }
 
 
 def environment_options(env_vars: Mapping[str, str] | None) -> dict[str, Any]:

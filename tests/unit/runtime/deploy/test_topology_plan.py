@@ -5,7 +5,14 @@ from __future__ import annotations
 import logging
 
 from dualpath_ray.config import DualPathConfig
-from dualpath_ray.runtime.deploy.topology import plan_nodes, slot_resource, warn_if_outside_bounds
+from dualpath_ray.runtime.deploy.topology import (
+    front_end_options,
+    plan_nodes,
+    scheduler_options,
+    slot_resource,
+    warn_if_outside_bounds,
+)
+
 
 
 def test_plan_names_nodes_engines_and_readers():
@@ -36,3 +43,21 @@ def test_ratio_outside_the_range_warns_naming_the_saturating_resource(caplog):
     assert message in caplog.text, "the warning is logged"
     low = cfg.with_overrides(cluster={"prefill_nodes": 1, "decode_nodes": 8})
     assert "pe_cnic_write" in (warn_if_outside_bounds(low) or ""), "1/8 < 1/7 saturates the PE CNIC"
+
+
+def test_control_actors_restart_and_resend_as_often_as_the_config_says():
+    cfg = DualPathConfig().with_overrides(
+        runtime={"namespace": "ns", "scheduler_max_restarts": 4, "front_end_max_restarts": 2, "max_call_resends": 1}
+    )
+    scheduler = scheduler_options(cfg, on_head=True)
+    assert (scheduler["max_restarts"], scheduler["max_task_retries"]) == (4, 1), (
+        "the scheduler's restarts and call resends are bounded by the config, not -1 (for ever)"
+    )
+    assert scheduler["name"] == "scheduler" and scheduler["lifetime"] == "detached", "the named, detached singleton"
+    front_end = front_end_options(cfg, "rollout-server")
+    assert (front_end["max_restarts"], front_end["max_task_retries"]) == (2, 1), (
+        "a front end is restarted (0 before: it died for good) and its calls in flight are sent again"
+    )
+    defaults = DualPathConfig().runtime
+    assert defaults.scheduler_max_restarts >= 1 and defaults.max_call_resends >= 1, "restarts are on by default"
+
