@@ -104,7 +104,8 @@ class BufferPool:
             raise ValueError(f"capacity_blocks must be an int >= 1, got {capacity_blocks!r}")
         self.layout = layout
         self.capacity = capacity_blocks
-        self.buffer, self.pinned = allocate_host_buffer((capacity_blocks, *layout.full_block_shape), pin)
+        self.buffer, self.pinning = allocate_host_buffer((capacity_blocks, *layout.full_block_shape), pin)
+        self.pinned = self.pinning.pinned  # reported by the node's reader (dualpath status)
         self._lock = threading.Lock()
         self._free: list[int] = list(reversed(range(capacity_blocks)))
         self._leases: dict[int, _Lease] = {}

@@ -20,6 +20,7 @@ def test_pool_is_pinned_and_layer_blocks_round_trip_through_the_device():
     layout = KVLayout.from_model(ModelConfig(), block_size=64)
     pool = BufferPool(4, layout)
     assert pool.pinned and pool.buffer.is_pinned(), "with an accelerator the staging buffer is pinned"
+    assert pool.pinning.detail.startswith("pinned"), f"its reader reports it pinned: {pool.pinning.detail}"
     pool.buffer.copy_(torch.randint(0, 256, pool.buffer.shape, dtype=torch.uint8))
     extent = pool.lease("r", 2)
     views = [pool.full_block(slot)[1] for slot in extent.slots]

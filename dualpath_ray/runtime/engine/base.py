@@ -223,7 +223,8 @@ class EngineBase(TransportEndpoint):
         from dataclasses import asdict
 
         return {"core": asdict(self.core.stats), "transport": asdict(self.transport.stats()), "device": str(self.device),
-                "hbm_moves": {"mode": self.hbm.mode, **asdict(self.hbm.stats)},
+                "hbm_moves": {"mode": self.hbm.mode, **asdict(self.hbm.stats),
+                              "mirrors_pinned": self.hbm.mirrors_pinned()},
                 "incarnation": self.incarnation, "sent": dict(self.sent), "worker_loops": self.loops}
 
     @ray.method(concurrency_group="control")
@@ -247,7 +248,7 @@ class EngineBase(TransportEndpoint):
             self.core.outbox.drain(DRAIN_S)
             if self.core.busy():
                 raise RuntimeError(f"{self.id.engine_id}: sleep while requests are in flight; abort them or wait")
-            freed = self.transport.release_memory() + self.compute.offload()
+            freed = self.hbm.release_memory() + self.compute.offload()
             self.asleep = True
         return freed
 
@@ -258,7 +259,7 @@ class EngineBase(TransportEndpoint):
         with self.compute_lock:
             if self.asleep:
                 self.compute.restore()
-                self.transport.restore_memory()
+                self.hbm.restore_memory()
                 self.incarnation = self.transport.incarnation
                 self.asleep = False
         return self.incarnation

@@ -16,6 +16,12 @@ its node's reader (a filled page, D2H for persistence). Two ways to do those mov
   that produced the bytes and precede the compute that uses them. Works with every transport;
   costs host memory the size of the pools and a cudaMemcpy per contiguous range.
 
+Sleep and wake (`release_memory`, `restore_memory`) free and reallocate what the engine's KV
+really occupies: the registered pools themselves in ``transport`` mode; in ``cuda_copy`` both the
+HBM pool and its host mirror, the mirror unpinned before its memory goes (memory freed while
+still registered stays locked) and pinned again once reallocated, so a woken engine's copies are
+as fast as before.
+
 On a CPU engine the pools are host memory already and both modes register them directly.
 """
 
@@ -28,7 +34,7 @@ from typing import Any
 
 import torch
 
-from dualpath_ray.kv.host_memory import allocate_host_buffer
+from dualpath_ray.kv.host_memory import HostPinning, allocate_host_buffer
 from dualpath_ray.protocol.messages import ExtentGrant, PersistedBlock
 from dualpath_ray.runtime.engine.ports import Pending, ReaderPort
 from dualpath_ray.runtime.transport.base import Transport
@@ -45,10 +51,24 @@ class HbmCopyStats:
     copies: int = 0  # cudaMemcpy calls (one per contiguous range)
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Mirror:
     device: torch.Tensor  # uint8 1-D view of the engine's pool
     host: torch.Tensor  # uint8 1-D pinned mirror the transport registered under the same name
+    pinned: bool  # whether `host` is page-locked now
+
+
+def free_storage(tensor: torch.Tensor) -> int:
+    """Shrink a tensor's storage (every view of it too) to nothing; returns the bytes freed."""
+    nbytes = tensor.untyped_storage().nbytes()
+    tensor.untyped_storage().resize_(0)
+    return nbytes
+
+
+def allocate_storage(tensor: torch.Tensor, nbytes: int) -> None:
+    """Give a storage freed by `free_storage` `nbytes` of zeroed memory again."""
+    tensor.untyped_storage().resize_(nbytes)
+    tensor.zero_()
 
 
 def merged_ranges(regions: Iterable[Region]) -> dict[str, list[tuple[int, int]]]:
@@ -67,7 +87,10 @@ class HbmMoves:
     """The engine's view of its KV pools for moves: what the transport registers, the transport
     port its core uses, and the reader port (persistence pulls pages). One per engine."""
 
-    def __init__(self, mode: str, transport: Transport, staged_devices: frozenset[str] | None = None) -> None:
+    def __init__(
+        self, mode: str, transport: Transport, staged_devices: frozenset[str] | None = None,
+        pinning: HostPinning | None = None,
+    ) -> None:
         if mode not in HBM_MOVES:
             raise TransportError(f"runtime.hbm_moves: unknown mode {mode!r}; use one of {HBM_MOVES}")
         self.mode = mode
@@ -75,6 +98,7 @@ class HbmMoves:
         # Which device types get a host mirror; tests stage "cpu" pools to check the logic.
         self.staged = _STAGED_DEVICES[mode] if staged_devices is None else staged_devices
         self._mirrors: dict[str, _Mirror] = {}
+        self._pinning = pinning or HostPinning()
         self._lock = threading.Lock()
         self.stats = HbmCopyStats()
 
@@ -89,9 +113,42 @@ class HbmMoves:
             self.transport.register(name, pool)
             return
         device = pool.reshape(-1).view(torch.uint8)
-        host, _ = allocate_host_buffer((device.numel(),), pin=True)
+        host, pinning = allocate_host_buffer((device.numel(),), pin=True, pinning=self._pinning)
         self.transport.register(name, host)
-        self._mirrors[name] = _Mirror(device, host)
+        self._mirrors[name] = _Mirror(device, host, pinning.pinned)
+
+    def mirrors_pinned(self) -> dict[str, bool]:
+        """Pool -> whether its host mirror is page-locked now (engine stats; empty: no mirror)."""
+        return {name: mirror.pinned for name, mirror in self._mirrors.items()}
+
+    # ---- sleep and wake ----------------------------------------------------------------
+    def release_memory(self) -> int:
+        """Free the memory of every KV pool (HBM and host mirror alike); returns the bytes freed.
+        No transfer may be in flight."""
+        freed = self.transport.release_memory(self._free)
+        if any(m.device.device.type == "cuda" for m in self._mirrors.values()):
+            torch.cuda.empty_cache()  # hand the freed HBM back to the driver, not to torch's cache
+        return freed
+
+    def restore_memory(self) -> None:
+        """Allocate every pool again (zeroed), mirrors pinned again; the transport publishes the
+        new addressing under a new incarnation."""
+        self.transport.restore_memory(self._allocate)
+
+    def _free(self, name: str, registered: torch.Tensor) -> int:
+        mirror = self._mirrors.get(name)
+        if mirror is None:
+            return free_storage(registered)
+        self._pinning.unpin(mirror.host, mirror.pinned)
+        mirror.pinned = False
+        return free_storage(mirror.host) + free_storage(mirror.device)
+
+    def _allocate(self, name: str, registered: torch.Tensor, nbytes: int) -> None:
+        mirror = self._mirrors.get(name)
+        allocate_storage(registered, nbytes)
+        if mirror is not None:
+            allocate_storage(mirror.device, mirror.device.numel())
+            mirror.pinned = self._pinning.pin(mirror.host)
 
     def view(self, region: Region) -> torch.Tensor:
         """uint8 view of a local region in the engine's own memory (HBM, not the mirror)."""

@@ -128,10 +128,11 @@ class Transport(ABC):
             self._info = EndpointInfo(self.endpoint_name, self.incarnation, self.kind, pools, backend)
             self._state = next_state(self._state, self._sealed_state())
 
-    def release_memory(self) -> int:
-        """Free every registered pool's memory (an engine going to sleep): each is deregistered
-        and its storage shrunk to nothing; moves fail until `restore_memory`. The caller makes
-        sure no transfer is in flight. Returns the bytes freed."""
+    def release_memory(self, free: Callable[[str, torch.Tensor], int]) -> int:
+        """Free every registered pool's memory (an engine going to sleep): each is deregistered,
+        then `free(name, pool)` frees it and returns the bytes (the engine's HbmMoves: a pinned
+        mirror of HBM is unpinned first and its HBM freed too). Moves fail until
+        `restore_memory`. The caller makes sure no transfer is in flight."""
         with self._lock:
             if self._released:
                 return 0
@@ -140,23 +141,21 @@ class Transport(ABC):
             freed = 0
             for name, pool in self._pools.items():
                 self._deregister_backend(name)
-                freed += pool.untyped_storage().nbytes()
-                pool.untyped_storage().resize_(0)
+                freed += free(name, pool)
             self._released = True
         if any(p.device.type == "cuda" for p in self._pools.values()):
             torch.cuda.empty_cache()
         return freed
 
-    def restore_memory(self) -> None:
-        """Allocate the pools again (zeroed; every tensor viewing them sees the new memory),
-        register them, and publish the new addressing under a new incarnation, so a peer that
-        cached the old one finds out and fetches this one."""
+    def restore_memory(self, allocate: Callable[[str, torch.Tensor, int], None]) -> None:
+        """Allocate the pools again (`allocate(name, pool, nbytes)`: zeroed, every view sees the
+        new memory), register them, and publish the new addressing under a new incarnation, so
+        a peer that cached the old one fetches this one."""
         with self._lock:
             if not self._released:
                 return
             for name, pool in self._pools.items():
-                pool.untyped_storage().resize_(self._pool_infos[name].nbytes)
-                pool.zero_()
+                allocate(name, pool, self._pool_infos[name].nbytes)
                 self._register_backend(name, pool)
             self.incarnation = uuid.uuid4().hex[:12]
             assert self._info is not None

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 
+from dualpath_ray.kv.host_memory import HostPinning
 from dualpath_ray.runtime.engine.hbm_moves import HbmMoves, merged_ranges
 from dualpath_ray.runtime.engine.ports import Ready
 from dualpath_ray.runtime.transport.moves import Region, TransportError
@@ -82,6 +83,59 @@ def test_a_page_pull_finds_the_page_in_the_mirror() -> None:
     hbm[64:128] = 7
     assert port.persist_pages("d0", "r#0", [(1, "block")]).wait() == 1, "the call reaches the reader"
     assert readers.seen == [bytes([7]) * 64], "page 1 was copied to the mirror before the reader was asked"
+
+
+class _RecordingPinning(HostPinning):
+    """Pins nothing; records each pin and unpin with the address and the bytes alive there then."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, int, int]] = []
+
+    def pin(self, tensor: torch.Tensor) -> bool:
+        self.events.append(("pin", tensor.data_ptr(), tensor.untyped_storage().nbytes()))
+        return True
+
+    def unpin(self, tensor: torch.Tensor, pinned: bool) -> None:
+        if pinned:
+            self.events.append(("unpin", tensor.data_ptr(), tensor.untyped_storage().nbytes()))
+
+
+def test_sleep_frees_the_pool_and_its_mirror_and_wake_pins_the_new_mirror() -> None:
+    transport = make_transport("gloo", ME, namespace="dualpath")
+    pinning = _RecordingPinning()
+    moves = HbmMoves("cuda_copy", transport, staged_devices=frozenset({"cpu"}), pinning=pinning)
+    buffer = torch.arange(256, dtype=torch.int32).view(torch.uint8)[:512].clone()
+    hbm = torch.full((512,), 5, dtype=torch.uint8)
+    transport.register("buffer", buffer)
+    moves.register("hbm", hbm)
+    transport.seal()
+    (_, mirror_at, mirror_bytes), = pinning.events
+    freed = moves.release_memory()
+    assert hbm.untyped_storage().nbytes() == 0, "sleep frees the engine's own pool (HBM on a GPU), not only its mirror"
+    assert pinning.events[1] == ("unpin", mirror_at, mirror_bytes), (
+        "the mirror is unpinned at its old address while its memory still exists, before it is freed"
+    )
+    assert freed == 2 * 512 + 512, "the bytes freed count the pool, its mirror and the directly registered buffer"
+    assert moves.mirrors_pinned() == {"hbm": False}, "a sleeping engine's mirror is not pinned"
+    moves.restore_memory()
+    assert hbm.untyped_storage().nbytes() == 512 and not bool(hbm.any()), "wake gives the pool zeroed memory again"
+    assert pinning.events[2][0] == "pin" and pinning.events[2][2] == 512, "the reallocated mirror is pinned again"
+    assert moves.mirrors_pinned() == {"hbm": True}, "the woken engine reports its mirror pinned"
+    buffer[64:80] = torch.arange(1, 17, dtype=torch.uint8)
+    moves.transport_port().read(ME, [(Region("hbm", 0, 16), Region("buffer", 64, 16))]).wait()
+    assert torch.equal(hbm[:16], buffer[64:80]), "after wake a read lands in the restored pool through the new mirror"
+
+
+def test_sleep_in_transport_mode_frees_the_registered_pool_itself() -> None:
+    transport = make_transport("gloo", ME, namespace="dualpath")
+    moves = HbmMoves("transport", transport)
+    pool = torch.ones(64, dtype=torch.uint8)
+    moves.register("hbm", pool)
+    transport.seal()
+    assert moves.release_memory() == 64 and pool.untyped_storage().nbytes() == 0, "the pool's memory is freed"
+    assert moves.release_memory() == 0, "a second sleep frees nothing more"
+    moves.restore_memory()
+    assert pool.untyped_storage().nbytes() == 64 and not bool(pool.any()), "wake restores it zeroed"
 
 
 def test_merged_ranges_union_overlapping_and_adjacent_regions_per_pool() -> None:
