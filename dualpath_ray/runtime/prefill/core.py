@@ -43,6 +43,7 @@ from dualpath_ray.protocol.messages import DecodeHandoff, ExtentGrant, Holding, 
 from dualpath_ray.runtime.engine.outbox import Outbox
 from dualpath_ray.runtime.engine.ports import Pending
 from dualpath_ray.runtime.prefill.job import PrefillJob, PrefillPorts, PrefillSettings, PrefillState, transition
+from dualpath_ray.runtime.prefill.kv_ready import KVReady, kv_ready_for
 from dualpath_ray.runtime.prefill.pipeline import LayerPipeline, PipelineStats, oracle_kv_for
 from dualpath_ray.scheduling import EngineLoad, pack_prefill_batch, prefill_tokens
 from dualpath_ray.scheduling.types import ReadPath
@@ -77,8 +78,10 @@ class PrefillCore:
         ports: PrefillPorts,
         store: BlockStore | None,
         links: tuple[Link, Link],
+        kv_ready: Callable[[], KVReady] | None = None,
     ) -> None:
         self.settings = settings
+        self.kv_ready = kv_ready or kv_ready_for(window.tensor.device)  # a layer's KV done before it is sent
         self.layout = layout
         self.compute = compute
         self.window = window
@@ -297,7 +300,7 @@ class PrefillCore:
         jobs = [job for job, _, _ in batch]
         pipeline = LayerPipeline(
             self.layout, self.window, self.ports.transport, self.settings.transfer_timeout_s,
-            self.stats.pipeline, self.counters, (self.cnic_in, self.cnic_out), self.settings.kv_digests,
+            self.stats.pipeline, self.counters, (self.cnic_in, self.cnic_out), self.settings.kv_digests, self.kv_ready,
         )
         try:
             state = self.compute.begin_prefill(chunks)

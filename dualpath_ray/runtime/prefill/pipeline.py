@@ -3,14 +3,16 @@
 Layer l uses window slot l % 3. The order of one batch (L layers):
 
     post_in(0), post_in(1)
-    for l in 0..L-1:  finish_in(l); compute(l); post_out(l); finish_out(l-1); post_in(l+2)
+    for l in 0..L-1:  finish_in(l); compute(l); record(l); post_out(l); finish_out(l-1); post_in(l+2)
 
 so while layer l computes, layer l+1's past KV is landing and layer l-1's KV is leaving, and a
 slot is loaded again only after its previous layer's KV has left (the window's lifecycle checks
 it). Each post is one transfer per peer for the whole batch: all requests whose past KV sits on
 that reader in one read, all requests whose KV goes to that reader in one write. At most one
 wait per layer and direction is on the critical path, and only if the transfer is slower than
-the compute it overlaps.
+the compute it overlaps. post_out(l) waits for the event `record(l)` put after layer l's compute
+(kv_ready.py) before it posts a write: on a GPU the compute is asynchronous, and the transport
+must not read the slot before the layer's kernels have written it.
 
 Oracle requests move nothing: their KV lives in a host tensor of the whole prompt (`oracle_kv`),
 filled from the store at staging; loads and sends are local copies.
@@ -36,6 +38,7 @@ from dualpath_ray.runtime.emulation.links import Link
 from dualpath_ray.runtime.engine.failures import KVMismatchError
 from dualpath_ray.runtime.engine.ports import Pending, TransportPort
 from dualpath_ray.runtime.prefill.job import PrefillJob
+from dualpath_ray.runtime.prefill.kv_ready import KVReady, kv_ready_for
 from dualpath_ray.runtime.transport.moves import Move, Region
 from dualpath_ray.scheduling.types import ReadPath
 
@@ -101,8 +104,11 @@ class LayerPipeline:
         counters: NodeCounters,
         links: tuple[Link, Link],
         check_digests: bool = True,
+        kv_ready: Callable[[], KVReady] | None = None,
     ) -> None:
         self.layout = layout
+        # One event per layer, recorded after its compute and waited on before its KV is sent.
+        self.kv_ready = kv_ready or kv_ready_for(window.tensor.device)
         self.check_digests = check_digests
         # Digests [n_layer, chunk end] of each request's KV as this batch leaves it (by owner).
         self.digests: dict[str, np.ndarray] = {}
@@ -129,10 +135,12 @@ class LayerPipeline:
             self._finish_in(layer)
             started = time.perf_counter()
             compute(layer)
+            ready = self.kv_ready()
+            ready.record()
             self.stats.compute_s += time.perf_counter() - started
             self.window.move(layer, SlotEvent.COMPUTE)
             self._digest_computed(jobs, chunks, layer)
-            self._post_out(jobs, chunks, layer)
+            self._post_out(jobs, chunks, layer, ready)
             if layer + 2 < n_layer:
                 if layer >= 1:
                     self._finish_out(layer - 1)
@@ -241,7 +249,7 @@ class LayerPipeline:
 
     # --- outgoing: computed KV to the decode node's extent -------------------------------
 
-    def _post_out(self, jobs: Sequence[PrefillJob], chunks: Sequence[ChunkSpec], layer: int) -> None:
+    def _post_out(self, jobs: Sequence[PrefillJob], chunks: Sequence[ChunkSpec], layer: int, ready: KVReady) -> None:
         slot = self.window.slot(layer)
         by_peer: dict[str, list[Move]] = defaultdict(list)
         for job, chunk in zip(jobs, chunks):
@@ -257,6 +265,7 @@ class LayerPipeline:
             self.window.move(layer, SlotEvent.DROP)
             return
         self.window.move(layer, SlotEvent.SEND)
+        ready.wait()  # the layer's kernels have written the slot before any transport reads it
         for peer, moves in by_peer.items():
             nbytes = sum(m[0].nbytes for m in moves)
             self.cnic_out.take(nbytes)
