@@ -8,6 +8,7 @@ its prompt is turn k's prompt + turn k's output + the turn's appended tokens.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import shutil
 import tempfile
@@ -25,13 +26,21 @@ from dualpath_ray.runtime.deploy.topology import (
     HEAD_RESOURCE, ROLE_LABEL, NodeSpec, front_end_options, plan_nodes, slot_resource,
 )
 from dualpath_ray.runtime.deploy.weight_sync import WeightSender, manifest_of
+from dualpath_ray.runtime.emulation.choice import EmulationChoice, resolve_emulation
 from dualpath_ray.workload.trace import Trajectory
 
+LOG = logging.getLogger("dualpath_ray.cluster")
 
 
 def _embedded_env() -> None:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("RAY_rdt_fetch_fail_timeout_milliseconds", "30000")
+
+
+def _say_emulation(choice: EmulationChoice, embedded: bool) -> None:
+    """The driver's first log line: whether NIC rates are emulated. Emulating on a cluster it
+    connects to (presumably real hardware) is worth a warning; elsewhere it is information."""
+    LOG.log(logging.WARNING if choice.enabled and not embedded else logging.INFO, choice.line())
 
 
 def _check_version(version: object) -> None:
@@ -41,7 +50,8 @@ def _check_version(version: object) -> None:
 
 class DualPathCluster:
     def __init__(self, cfg: DualPathConfig, local_cluster: Any | None) -> None:
-        self.cfg = cfg
+        # Every deployment of this driver gets an explicit emulation.enabled (choice.py).
+        self.cfg, self.emulation = resolve_emulation(cfg, embedded=local_cluster is not None)
         self.local_cluster = local_cluster
         self.nodes: list[NodeSpec] = plan_nodes(cfg)
         self.deployment: Deployment | None = None
@@ -51,9 +61,11 @@ class DualPathCluster:
 
     @classmethod
     def start(cls, cfg: DualPathConfig) -> DualPathCluster:
-        """An embedded local cluster: one Ray node per configured node, plus a head."""
+        """An embedded local cluster: one Ray node per configured node, plus a head. Emulation
+        is on unless the config says `emulation.enabled: false`."""
         from ray.cluster_utils import Cluster
 
+        _say_emulation(resolve_emulation(cfg, embedded=True)[1], embedded=True)
         _embedded_env()
         local = Cluster(
             initialize_head=True,
@@ -75,7 +87,9 @@ class DualPathCluster:
 
     @classmethod
     def connect(cls, cfg: DualPathConfig, address: str = "auto") -> DualPathCluster:
-        """Use a running cluster whose nodes carry the role labels and slot resources."""
+        """Use a running cluster whose nodes carry the role labels and slot resources. Emulation
+        is off unless the config says `emulation.enabled: true`."""
+        _say_emulation(resolve_emulation(cfg, embedded=False)[1], embedded=False)
         _embedded_env()
         if not ray.is_initialized():
             ray.init(address=address, namespace=cfg.runtime.namespace, job_config=driver_job_config(cfg))
@@ -96,7 +110,7 @@ class DualPathCluster:
         if cfg is not None:
             if cfg.cluster != self.cfg.cluster:
                 raise ValueError("deploy(cfg=...) cannot change the cluster section; start a new cluster")
-            self.cfg = cfg
+            self.cfg, self.emulation = resolve_emulation(cfg, embedded=self.local_cluster is not None)
         cfg = self.cfg
         mode = mode or cfg.runtime.mode
         root = store_root or (str(cfg.store.root) if cfg.store.root else self._fresh_root())

@@ -119,9 +119,15 @@ class SchedulerConfig(Section):
 
 
 class EmulationConfig(Section):
-    """Emulated hardware for one machine; off on real hardware."""
+    """Emulated hardware for one machine; off on real hardware (runtime/emulation/choice.py)."""
 
-    enabled: bool = Field(True, description="Token buckets for SNIC/CNIC at the cluster rates.")
+    enabled: bool | None = Field(
+        None,
+        description="Token buckets for SNIC/CNIC at the cluster rates. None (default): on for a cluster "
+        "dualpath starts on this machine (DualPathCluster.start: `dualpath demo`, `dualpath run` without "
+        "--address), off when it connects to an existing one (DualPathCluster.connect, --address); true or "
+        "false decides for both. The driver's first log line and `dualpath status` say which.",
+    )
     compute: Literal["model", "profile"] = Field(
         "model", description="model: the real model computes; profile: time from the latency model."
     )
@@ -148,6 +154,12 @@ class SimConfig(Section):
         "forward",
         description="What the compute quota (scheduler.compute_quota_ms) bounds when the simulator packs a prefill "
         "batch: forward = the whole forward's predicted time (every layer; the paper's reading, and what every "
+    def active(self, embedded: bool = True) -> bool:
+        """Whether NICs are emulated: as configured, else exactly for a cluster started on this
+        machine (a process outside any deployment, such as the simulator of this machine or the
+        single-process demo, counts as one)."""
+        return self.enabled if self.enabled is not None else embedded
+
         "simulator figure in benchmarks/README.md uses), layer = one layer's (what the runtime's engines pack "
         "with; for a 61-layer model it allows 61 x the quota per batch). `dualpath sim --quota-scope` overrides it.",
     )

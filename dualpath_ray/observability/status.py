@@ -1,7 +1,8 @@
 """What `dualpath status` shows: one snapshot of a running cluster, asked of its actors.
 
 Everything comes from the live deployment in one Ray namespace: Ray's node table (roles from the
-node labels), each storage reader (read queue, exact SNIC bytes by path, buffer use), each engine
+node labels), each storage reader (read queue, exact SNIC bytes by path, buffer use, whether its
+buffer is pinned and its SNIC emulated), each engine
 (requests, tokens, free HBM, exact CNIC bytes by path) and the scheduler (mode, requests in
 flight, call counts, and the TTFT/TPOT of its latest served turns). An actor that does not answer
 within the timeout is shown as not answering; it does not stop the snapshot.
@@ -45,6 +46,9 @@ class ReaderView:
     buffer_used_blocks: int = 0
     buffer_capacity_blocks: int = 0
     ray_node: str = ""
+    buffer_pinned: bool | None = None  # None: the reader did not say (an older one)
+    pinning: str = ""  # why (not) pinned
+    emulation: bool | None = None  # whether its SNIC is paced by token buckets
 
 
 @dataclass
@@ -85,6 +89,7 @@ class ClusterStatus:
     cnic_by_path: dict[str, int] = field(default_factory=dict)  # engines' in + out bytes
     latency: LatencyView | None = None
     scheduler_calls: dict[str, int] = field(default_factory=dict)
+    emulation: str = "unknown"  # on, off, mixed (readers disagree) or unknown (none said)
 
 
 def collect(namespace: str, window_s: float = 60.0, timeout_s: float = 5.0) -> ClusterStatus:
@@ -98,7 +103,8 @@ def collect(namespace: str, window_s: float = 60.0, timeout_s: float = 5.0) -> C
             calls.ask(name, load=lambda h: h.load.remote(), stats=lambda h: h.stats.remote())
         elif is_reader(name):
             calls.ask(name, read_q=lambda h: h.read_q.remote(), counters=lambda h: h.counters.remote(),
-                      pool_integrity=lambda h: h.pool_integrity.remote(), node_labels=lambda h: h.node_labels.remote())
+                      pool_integrity=lambda h: h.pool_integrity.remote(), node_labels=lambda h: h.node_labels.remote(),
+                      node_setup=lambda h: h.node_setup.remote())
     if SCHEDULER in names:
         calls.ask(SCHEDULER, mode=lambda h: h.mode.remote(), in_flight=lambda h: h.in_flight.remote(),
                   call_counts=lambda h: h.call_counts.remote(), recent_turns=lambda h: h.recent_turns.remote())
@@ -106,6 +112,7 @@ def collect(namespace: str, window_s: float = 60.0, timeout_s: float = 5.0) -> C
     engines = [_engine(name, calls) for name in names if name.startswith(ENGINE_PREFIXES)]
     status = ClusterStatus(namespace, time.time(), _ray_nodes(readers), deployed=calls.answered(SCHEDULER, "mode"))
     status.readers, status.engines = readers, engines
+    status.emulation = emulation_state(readers)
     status.snic_read_by_path = {p: sum(r.snic_read.get(p, 0) for r in readers) for p in PATHS}
     status.cnic_by_path = {p: sum(e.cnic_in.get(p, 0) + e.cnic_out.get(p, 0) for e in engines) for p in PATHS}
     if status.deployed:
@@ -170,8 +177,18 @@ def _reader(name: str, calls: _Calls) -> ReaderView:
     counters = calls.get(name, "counters")
     _, leased, in_flight, capacity = calls.get(name, "pool_integrity")
     labels = calls.get(name, "node_labels") or {}
+    setup = calls.get(name, "node_setup") or {}
     return ReaderView(node, True, int(calls.get(name, "read_q")), dict(counters.snic_read), int(counters.snic_write),
-                      leased + in_flight, capacity, labels.get("ray.io/node-id", ""))
+                      leased + in_flight, capacity, labels.get("ray.io/node-id", ""), setup.get("buffer_pinned"),
+                      str(setup.get("pinning", "")), setup.get("emulation"))
+
+
+def emulation_state(readers: list[ReaderView]) -> str:
+    """Whether the deployment's NICs are emulated, from what its readers say."""
+    said = {r.emulation for r in readers if r.emulation is not None}
+    if not said:
+        return "unknown"
+    return "mixed" if len(said) > 1 else ("on" if said.pop() else "off")
 
 
 def _engine(name: str, calls: _Calls) -> EngineView:

@@ -48,13 +48,15 @@ def render(status: ClusterStatus) -> str:
         lines += ["", (f"No dualpath deployment answers in namespace {status.namespace!r} "
                        "(nothing deployed, or another runtime.namespace: pass --namespace).")]
         return "\n".join(lines) + "\n"
-    lines += ["", f"Deployment: mode {status.mode}, {status.in_flight} requests in flight"]
+    lines += ["", f"Deployment: mode {status.mode}, emulation {status.emulation}, "
+                  f"{status.in_flight} requests in flight"]
     lines += ["", "Storage readers (SNIC bytes by path: pe / de)"] + table(
-        ("NODE", "READ_Q (tokens)", "SNIC READ pe / de", "SNIC WRITE", "BUFFER BLOCKS used/size"),
+        ("NODE", "READ_Q (tokens)", "SNIC READ pe / de", "SNIC WRITE", "BUFFER BLOCKS used/size", "PINNED"),
         [(r.node, r.read_q_tokens, by_path(r.snic_read), human_bytes(r.snic_write),
-          f"{r.buffer_used_blocks}/{r.buffer_capacity_blocks}") if r.answered else (r.node, "not answering", "", "", "")
-         for r in status.readers],
+          f"{r.buffer_used_blocks}/{r.buffer_capacity_blocks}", _yes_no(r.buffer_pinned))
+         if r.answered else (r.node, "not answering", "", "", "", "") for r in status.readers],
     )
+    lines += [f"  {r.node}: {r.pinning}" for r in status.readers if r.answered and r.buffer_pinned is False]
     lines += ["", "Engines (CNIC bytes by path: pe / de)"] + table(
         ("ENGINE", "REQUESTS", "TOKENS", "FREE HBM (tokens)", "CNIC IN pe / de", "CNIC OUT pe / de"),
         [(e.name, e.requests, e.tokens, e.free_hbm_tokens if e.role == "decode" else "-", by_path(e.cnic_in),
@@ -66,6 +68,10 @@ def render(status: ClusterStatus) -> str:
     if status.scheduler_calls:
         lines.append("Scheduler: " + ", ".join(f"{k} {v}" for k, v in status.scheduler_calls.items()))
     return "\n".join(lines) + "\n"
+
+
+def _yes_no(value: bool | None) -> str:
+    return "?" if value is None else ("yes" if value else "no")
 
 
 def _latency_line(view: LatencyView | None) -> str:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from dualpath_ray.observability.status import ClusterStatus, EngineView, RayNodeView, ReaderView, latency
+from dualpath_ray.observability.status import ClusterStatus, EngineView, RayNodeView, ReaderView, emulation_state, latency
 from dualpath_ray.observability.status_view import human_bytes, render
 
 
@@ -46,3 +46,21 @@ def test_render_says_when_nothing_is_deployed() -> None:
         "an empty namespace is named, with the flag that picks another"
     )
     assert [human_bytes(n) for n in (0, 999, 1500, 2_000_000_000)] == ["0 B", "999 B", "1.5 KB", "2.0 GB"], "units"
+
+
+def test_status_shows_emulation_and_each_readers_buffer_pinning() -> None:
+    status = snapshot(deployed=True)
+    status.readers = [
+        ReaderView("p0", True, 0, {}, 0, 0, 64, "n1", True, "pinned (cudaHostRegister)", False),
+        ReaderView("d0", True, 0, {}, 0, 0, 64, "n2", False, "not pinned: CUDA_VISIBLE_DEVICES is empty", False),
+    ]
+    status.emulation = emulation_state(status.readers)
+    text = render(status)
+    assert "emulation off" in text, f"the deployment line says whether NICs are emulated:\n{text}"
+    assert "PINNED" in text and "d0: not pinned: CUDA_VISIBLE_DEVICES is empty" in text, (
+        f"each reader's buffer pinning is shown, with the reason where it is not pinned:\n{text}"
+    )
+    assert emulation_state([ReaderView("p0", True, emulation=True), ReaderView("d0", True, emulation=False)]) == "mixed", (
+        "readers that disagree are shown as mixed"
+    )
+    assert emulation_state([ReaderView("p0", False)]) == "unknown", "no reader said: unknown"

@@ -200,10 +200,18 @@ def engine_options(
     }
 
 
+# A reader asks Ray for no GPU, yet pins its node's staging buffer with CUDA (kv/host_memory.py).
+# With RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO=1 where Ray started (older Rays' default) Ray
+# hides every GPU from such an actor and the buffer would silently stay unpinned; this keeps the
+# node's GPUs visible to the reader whatever the cluster's setting.
+READER_GPU_VISIBILITY = {"RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0"}
+
+
 def reader_options(
     group: PlacementGroup, spec: NodeSpec, namespace: str, max_restarts: int = 0,
     env_vars: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
+    """The reader's actor options: in its node's bundle, the node's GPUs visible (to pin)."""
     return {
         "name": spec.reader_name,
         "namespace": namespace,
@@ -211,5 +219,5 @@ def reader_options(
         "resources": {slot_resource(spec.role): 0.01},
         "scheduling_strategy": in_bundle(group, spec.bundle_index),
         **restart_options(max_restarts),
-        **environment_options(env_vars),
+        **environment_options({**READER_GPU_VISIBILITY, **(env_vars or {})}),
     }

@@ -103,7 +103,7 @@ def gbps_to_bytes_s(gbps: float) -> float:
 
 def make_link(cfg: DualPathConfig, name: str, gbps: float) -> Link:
     """A NIC direction at `gbps`, paced only when emulation is enabled."""
-    if not cfg.emulation.enabled:
+    if not cfg.emulation.active():
         return Link(name)
     rate = gbps_to_bytes_s(gbps)
     return Link(name, TokenBucket(rate, rate * cfg.emulation.burst_seconds), FifoTurns())

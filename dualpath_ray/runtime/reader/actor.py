@@ -86,6 +86,7 @@ class StorageReader(TransportEndpoint):
         self.incarnation = self.transport.incarnation
         restarted = was_restarted()
         self.core = build_core(cfg, node_id, store_root, self.incarnation, restarted)
+        self.emulated = cfg.emulation.active()
         self.transport.register(Pool.BUFFER, self.core.pool.buffer)
         self.transport.seal()
         self.metrics = ReaderMetrics.start(cfg, self.core)
@@ -206,4 +207,11 @@ class StorageReader(TransportEndpoint):
     def pool_integrity(self) -> tuple[int, int, int, int]:
         counts = self.core.pool.check_integrity()
         return (counts.free, counts.leased, counts.in_flight, counts.capacity)
+
+    @ray.method(concurrency_group="ctl")
+    def node_setup(self) -> dict[str, bool | str]:
+        """How this node's hardware is used (`dualpath status`): whether the staging buffer is
+        pinned and why (not), and whether its SNIC is emulated (token buckets)."""
+        pinning = self.core.pool.pinning
+        return {"buffer_pinned": pinning.pinned, "pinning": pinning.detail, "emulation": self.emulated}
 
