@@ -270,7 +270,7 @@ async def agent(index: int, client: SchedulerClient, cfg: DualPathConfig, args: 
                 stop: asyncio.Event) -> None:
     rng = np.random.default_rng(10_000 + index)
     vocab = cfg.model.vocab_size
-    namespace = cfg.model.kv_namespace()
+    namespace = cfg.model.kv_namespace(block_size=cfg.store.block_size)
     for trajectory in itertools.count():
         context = rng.integers(0, vocab, args.first).astype(np.int64)
         for turn in itertools.count():

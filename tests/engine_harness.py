@@ -56,7 +56,7 @@ class EngineHarness:
         self.cfg = cfg
         self.layout = KVLayout.from_model(cfg.model, cfg.store.block_size)
         self.store = open_store(cfg.store, self.layout, root=root)
-        self.namespace = cfg.model.kv_namespace()
+        self.namespace = cfg.model.kv_namespace(block_size=cfg.store.block_size)
         self.index = PrefixIndex(cfg.store.block_size)
         self.fabric = Fabric()
         cores = {node: build_reader_core(cfg, node, str(root)) for node in ("p0", "d0")}

@@ -90,13 +90,17 @@ class ModelConfig(Section):
     )
     weight_version: int = Field(0, ge=0, description="Policy version; part of every block key.")
 
-    def kv_namespace(self, weight_version: int | None = None) -> str:
-        """Namespace of the block keys these weights write: model id, weight version, and the
-        seed of random weights (a checkpoint's KV does not depend on it)."""
+    def kv_namespace(self, weight_version: int | None = None, *, block_size: int) -> str:
+        """Namespace of the block keys these weights write: model id, weight version, the seed
+        of random weights (a checkpoint's KV does not depend on it) and the KV layout of this
+        model at `block_size` (store.block_size), so a persistent store written with another
+        dtype, layer count, KV heads, head dim or block size is all misses, never a bad read."""
         from dualpath_ray.kv.index import namespace_for
+        from dualpath_ray.kv.layout import KVLayout
 
         version = self.weight_version if weight_version is None else weight_version
-        return namespace_for(self.model_id, version, None if self.weights_dir is not None else self.seed)
+        seed = None if self.weights_dir is not None else self.seed
+        return namespace_for(self.model_id, version, seed, KVLayout.from_model(self, block_size))
 
     @model_validator(mode="after")
     def _heads_divide(self) -> ModelConfig:

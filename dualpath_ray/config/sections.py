@@ -136,6 +136,12 @@ class EmulationConfig(Section):
     )
     burst_seconds: float = Field(0.05, gt=0, description="Token-bucket depth in seconds of rate.")
 
+    def active(self, embedded: bool = True) -> bool:
+        """Whether NICs are emulated: as configured, else exactly for a cluster started on this
+        machine (a process outside any deployment, such as the simulator of this machine or the
+        single-process demo, counts as one)."""
+        return self.enabled if self.enabled is not None else embedded
+
 
 class SimConfig(Section):
     """The cluster simulator (`dualpath sim`, dualpath_ray/sim/); the runtime ignores this section.
@@ -154,12 +160,6 @@ class SimConfig(Section):
         "forward",
         description="What the compute quota (scheduler.compute_quota_ms) bounds when the simulator packs a prefill "
         "batch: forward = the whole forward's predicted time (every layer; the paper's reading, and what every "
-    def active(self, embedded: bool = True) -> bool:
-        """Whether NICs are emulated: as configured, else exactly for a cluster started on this
-        machine (a process outside any deployment, such as the simulator of this machine or the
-        single-process demo, counts as one)."""
-        return self.enabled if self.enabled is not None else embedded
-
         "simulator figure in benchmarks/README.md uses), layer = one layer's (what the runtime's engines pack "
         "with; for a 61-layer model it allows 61 x the quota per batch). `dualpath sim --quota-scope` overrides it.",
     )

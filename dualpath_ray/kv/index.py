@@ -2,7 +2,7 @@
 
 A block key is a chained hash, key_i = xxh3_128(key_{i-1} || len(ns) || ns || token ids of block
 i as int64), with block 0 chained from a root derived from the namespace ns alone. A key therefore names the
-whole token prefix up to and including its block, under one model and weight version, so two
+whole token prefix up to and including its block, under one model, weight version and KV layout, so two
 prompts share a key exactly when they share that prefix. Only full blocks get keys: a trailing
 partial block is always a miss.
 
@@ -25,6 +25,7 @@ from dualpath_ray.kv.keys import validate_key
 
 if TYPE_CHECKING:
     from dualpath_ray.kv.block_store import BlockStore
+    from dualpath_ray.kv.layout import KVLayout
 
 _LOG = logging.getLogger(__name__)
 
@@ -34,11 +35,17 @@ _ROOT_DOMAIN = b"dualpath-ray/block-chain-root/v1\x00"
 _TOKEN_DTYPE = np.dtype("<i8")
 
 
-def namespace_for(model_id: str, weight_version: int, seed: int | None = None) -> str:
-    """The namespace of every block key of one model at one weight version.
+def namespace_for(
+    model_id: str, weight_version: int, seed: int | None = None, layout: KVLayout | None = None
+) -> str:
+    """The namespace of every block key of one model at one weight version, in one KV layout.
 
     `seed` is the seed of random weights (None for a checkpoint's): two runs of random weights
     with different seeds compute different KV, so their blocks must never hit each other.
+    `layout` (dtype, layers, KV heads, head dim, block size) is part of it so that a persistent
+    store never holds a block of one layout under the key another layout asks for: after a
+    change of layout every old block is a miss, not a read that fails. Every key a runtime
+    stores is made with a layout (ModelConfig.kv_namespace); None is for keys nothing stores.
     """
     if not isinstance(model_id, str) or not model_id:
         raise ValueError(f"model_id must be a non-empty string, got {model_id!r}")
@@ -49,9 +56,12 @@ def namespace_for(model_id: str, weight_version: int, seed: int | None = None) -
             raise ValueError(f"{name} must be an int, got {value!r}")
     if weight_version < 0:
         raise ValueError(f"weight_version must be >= 0, got {weight_version}")
-    # The version (and seed) come last, digits only after '@w' (and 's'), so the mapping is 1:1.
+    # The version (and seed) follow the model id, digits only after '@w' (and 's'); the layout
+    # tag, which has no '@' or '#', comes last after '#kv:'. Read from the end, a namespace
+    # splits back into its parts one way only, so the mapping is 1:1.
     suffix = "" if seed is None else f"s{int(seed)}"
-    return f"{model_id}@w{int(weight_version)}{suffix}"
+    tag = "" if layout is None else f"#kv:{layout.key_tag}"
+    return f"{model_id}@w{int(weight_version)}{suffix}{tag}"
 
 
 def _token_array(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:

@@ -59,6 +59,13 @@ class KVLayout:
         )
 
     @property
+    def key_tag(self) -> str:
+        """The layout's part of a block key namespace (kv/index.py `namespace_for`): every field
+        that changes a Full Block's bytes, so blocks of two layouts never share a key. It holds
+        no '@' or '#' (dtype names are fixed), which keeps namespaces 1:1 with their parts."""
+        return f"{self.dtype}.l{self.n_layer}.h{self.n_kv_head}.d{self.head_dim}.b{self.block_size}"
+
+    @property
     def torch_dtype(self) -> torch.dtype:
         return torch_dtype(self.dtype)
 

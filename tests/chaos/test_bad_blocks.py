@@ -31,7 +31,8 @@ def damage(cfg, root: str, trajs: list[Trajectory]) -> dict[str, str]:
     store = open_store(cfg.store, layout, root=root)
     injected = {}
     for i, traj in enumerate(trajs):
-        key = block_keys(list(traj.turns[0].appended), layout.block_size, cfg.model.kv_namespace())[1]
+        namespace = cfg.model.kv_namespace(block_size=cfg.store.block_size)
+        key = block_keys(list(traj.turns[0].appended), layout.block_size, namespace)[1]
         path = store.path_of(key)
         if i % 2 == 0:
             raw = bytearray(path.read_bytes())

@@ -34,7 +34,8 @@ def cluster():
 
 def spec_of(cluster: DualPathCluster, request_id: str, tokens: int, new: int, seed: int = 0):
     prompt = np.random.default_rng(seed).integers(0, 512, tokens)
-    return make_spec(request_id, prompt, SamplingParams(max_new_tokens=new), cluster.cfg.model.kv_namespace())
+    namespace = cluster.cfg.model.kv_namespace(block_size=cluster.cfg.store.block_size)
+    return make_spec(request_id, prompt, SamplingParams(max_new_tokens=new), namespace)
 
 
 async def collect_stream(scheduler, spec) -> tuple[list[tuple[float, StreamDelta]], TurnResult]:

@@ -29,7 +29,8 @@ def test_nixl_engines_sleep_and_wake_with_new_addresses() -> None:
 
         def turn(rid: str, tokens: int):
             prompt = np.random.default_rng(5).integers(0, 512, tokens)
-            spec = make_spec(rid, prompt, SamplingParams(max_new_tokens=70), cluster.cfg.model.kv_namespace())
+            namespace = cluster.cfg.model.kv_namespace(block_size=cluster.cfg.store.block_size)
+            spec = make_spec(rid, prompt, SamplingParams(max_new_tokens=70), namespace)
             return ray.get(scheduler.generate.remote(spec))
 
         first = turn("n-1", 200)

@@ -108,7 +108,30 @@ class TransportKeeper:
         self.heals = 0
         self._lock = threading.Lock()
         self._healing = False
+        # Cleared while a restarted endpoint rejoins (rejoin_then); set otherwise.
+        self.joined = threading.Event()
+        self.joined.set()
         transport.on_broken = self.heal
+
+    def rejoin_then(self, then: Callable[[], Any]) -> None:
+        """A restarted endpoint: rejoin the transport in the background, and only then run
+        `then` (what makes the new incarnation known and given work). Until then `joined` is
+        clear, so the endpoint can refuse what would reveal it early (`require_joined`)."""
+        self.joined.clear()
+
+        def rejoined() -> None:
+            self.joined.set()
+            then()
+
+        self.heal(then=rejoined)
+
+    def require_joined(self) -> None:
+        """Refuse (TransportError) while a restarted endpoint has not rejoined the transport:
+        a caller must treat it as not there yet, not as its new incarnation."""
+        from dualpath_ray.runtime.transport.moves import TransportError
+
+        if not self.joined.is_set():
+            raise TransportError(f"{self.transport.endpoint_name} restarted and is rejoining the transport")
 
     def heal(self, then: Callable[[], Any] | None = None) -> None:
         """Rejoin in the background, then run `then` (even if the rejoin gave up: the actor must

@@ -98,10 +98,15 @@ class StorageReader(TransportEndpoint):
         self.core.on_read_q = self.reporter.changed
         self.directory = ActorDirectory(cfg.runtime.namespace)
         self.reports = ReportClient(scheduler_channel(self.directory), name=f"{endpoint}-reports")
-        self.reporter.start()
         self.keeper = TransportKeeper(self.transport, cfg.runtime.namespace, cfg.runtime.request_timeout_s)
         if restarted:
-            self.keeper.heal()  # a new gloo world once this __init__ returned (the join needs it to serve)
+            # A new gloo world once this __init__ returned (the join needs it to serve). The
+            # scheduler learns this incarnation (its first report, a heartbeat answer) only then:
+            # one it knew earlier was given reads its peers could not yet move, each failing at
+            # once until the attempts ran out. Until then it is only silent: routed around.
+            self.keeper.rejoin_then(self.reporter.start)
+        else:
+            self.reporter.start()
 
     def __repr__(self) -> str:
         # Ray prefixes this actor's log lines with it and shows it as the dashboard's repr name.
@@ -182,7 +187,10 @@ class StorageReader(TransportEndpoint):
 
     @ray.method(concurrency_group="ctl")
     def queue_report(self) -> tuple[str, int]:
-        """(this process's incarnation, read_q): the scheduler's heartbeat to a reader of a node in use."""
+        """(this process's incarnation, read_q): the scheduler's heartbeat to a reader of a node in
+        use. Refused while a restarted reader rejoins the transport (the scheduler takes it for
+        silent, not yet for its new incarnation)."""
+        self.keeper.require_joined()
         return self.incarnation, self.core.read_q()
 
     @ray.method(concurrency_group="ctl")

@@ -265,8 +265,11 @@ def test_random_weight_seeds_get_their_own_namespace():
 
     prompt = tokens(2 * BLOCK)
     a, b = ModelConfig(seed=1), ModelConfig(seed=2)
-    assert not set(block_keys(prompt, BLOCK, a.kv_namespace())) & set(block_keys(prompt, BLOCK, b.kv_namespace())), (
+    a_keys = block_keys(prompt, BLOCK, a.kv_namespace(block_size=BLOCK))
+    assert not set(a_keys) & set(block_keys(prompt, BLOCK, b.kv_namespace(block_size=BLOCK))), (
         "random weights of two seeds compute different KV, so their keys must differ"
     )
     assert namespace_for("m", 1, 23) != namespace_for("m", 12, 3), "version and seed must not alias"
-    assert a.kv_namespace(5) == namespace_for(a.model_id, 5, 1), "an explicit version replaces the configured one"
+    assert a.kv_namespace(5, block_size=BLOCK) == namespace_for(
+        a.model_id, 5, 1, KVLayout.from_model(a, BLOCK)
+    ), "an explicit version replaces the configured one"

@@ -61,6 +61,7 @@ def test_control_actors_restart_and_resend_as_often_as_the_config_says():
     defaults = DualPathConfig().runtime
     assert defaults.scheduler_max_restarts >= 1 and defaults.max_call_resends >= 1, "restarts are on by default"
 
+
 def test_a_reader_sees_its_nodes_gpus_to_pin_its_buffer_whatever_rays_override_setting():
     from ray.util.placement_group import PlacementGroup
 
@@ -74,4 +75,3 @@ def test_a_reader_sees_its_nodes_gpus_to_pin_its_buffer_whatever_rays_override_s
     )
     with_qos = reader_options(group, spec, "ns", env_vars={"UCX_IB_SL": "3"})["runtime_env"]["env_vars"]
     assert with_qos == {"RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0", "UCX_IB_SL": "3"}, "the role's QoS variables stay"
-

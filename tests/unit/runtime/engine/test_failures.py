@@ -27,7 +27,7 @@ def core_with_chain(tmp_path: Path, **runtime: object) -> tuple[SchedulerCore, l
     layout = KVLayout.from_model(cfg.model, cfg.store.block_size)
     size = layout.block_size
     prompt = np.arange(4 * size + 3) % cfg.model.vocab_size
-    namespace = cfg.model.kv_namespace()
+    namespace = cfg.model.kv_namespace(block_size=cfg.store.block_size)
     keys = block_keys(prompt[: 4 * size], size, namespace)
     parent = None
     for i, key in enumerate(keys):

@@ -180,3 +180,33 @@ def test_a_broken_world_is_healed_in_the_background_once_however_often_it_is_rep
         time.sleep(0.01)
     assert transport.state is TransportState.READY and ran == ["started"], "healed, then the follow-up ran"
     assert keeper.heals == 1 and len(asked) == 1, "a report while healing asks for no second world"
+
+
+def test_a_restarted_endpoint_is_announced_only_once_it_rejoined_the_transport(monkeypatch) -> None:
+    import threading
+    import time
+
+    from dualpath_ray.runtime.transport.moves import TransportError
+
+    transport = FakeTransport()
+    keeper = TransportKeeper(transport, "dualpath", timeout_s=5.0)  # type: ignore[arg-type]
+    keeper.require_joined()  # a first incarnation is never held back
+    release = threading.Event()
+
+    def reform() -> bool:
+        release.wait(5.0)
+        transport.state = TransportState.READY
+        return True
+
+    monkeypatch.setattr(keeper, "_reform", reform)
+    announced: list[str] = []
+    keeper.rejoin_then(lambda: announced.append("report"))
+    with pytest.raises(TransportError, match="rejoining"):
+        keeper.require_joined()  # a heartbeat answer while the world is formed again
+    assert not announced, "nothing tells the scheduler of the new incarnation before it is in a world"
+    release.set()
+    deadline = time.monotonic() + 5.0
+    while not announced and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert announced == ["report"] and transport.state is TransportState.READY, "announced once it rejoined"
+    keeper.require_joined()  # answers again
