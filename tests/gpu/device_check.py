@@ -9,7 +9,10 @@ a pinned host mirror (cuda_copy); it checks that
   (runtime.verify_kv recomputes each prompt's KV there),
 - each generated token's log-prob equals a single-sequence recompute of the whole conversation on
   the GPU within bf16 noise, and outputs are identical across modes,
-and prints the runtime's prefill and decode tokens/s. Exit status 1 on any failed check.
+and prints the runtime's prefill and decode tokens/s. Then, on the same cluster, the GPU path's
+own checks (tests/gpu/gpu_path_checks.py): readers' buffers pinned, `kv_digests: false` byte-exact,
+sleep/wake freeing and restoring HBM, and a trainer's weight broadcast to the CUDA engines.
+Exit status 1 on any failed check.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from dualpath_ray.demos.demo import demo_trajectories  # noqa: E402
 from dualpath_ray.model.llama import DecoderModel  # noqa: E402
 from dualpath_ray.protocol.messages import TurnResult  # noqa: E402
 from dualpath_ray.workload.trace import Trajectory  # noqa: E402
+from tests.gpu import gpu_path_checks  # noqa: E402
 
 # bf16 log-probs of a batched forward and a single-sequence one differ by rounding only.
 LOGPROB_ATOL = 0.1
@@ -41,7 +45,7 @@ RUNS = (
 )
 
 
-def device_config(n_layer: int, hbm_moves: str = "transport") -> DualPathConfig:
+def device_config(n_layer: int, hbm_moves: str = "transport", kv_digests: bool = True) -> DualPathConfig:
     return parse_config(
         {
             "model": {"n_layer": n_layer, "max_context": 8192, "dtype": "bfloat16"},
@@ -49,7 +53,7 @@ def device_config(n_layer: int, hbm_moves: str = "transport") -> DualPathConfig:
                         "hbm_tokens_per_engine": 65536, "prefill_hbm_tokens": 65536,
                         "buffer_blocks_per_node": 1024, "cpus_per_node": 2},
             "emulation": {"enabled": False},
-            "runtime": {"device": "cuda", "verify_kv": True, "hbm_moves": hbm_moves},
+            "runtime": {"device": "cuda", "verify_kv": True, "hbm_moves": hbm_moves, "kv_digests": kv_digests},
         },
         source="<device_check>",
     )
@@ -129,11 +133,30 @@ def run(args: argparse.Namespace) -> int:
             failures.append(f"log-probs differ from a recompute by {max(errors):.4f} > {LOGPROB_ATOL}")
         if len({repr(tokens) for tokens in outputs.values()}) > 1:
             failures.append(f"the runs {sorted(outputs)} did not all generate the same tokens")
+        failures += gpu_path(cluster, args, transport_moves=cfg.runtime.transport != "gloo")
     finally:
         cluster.shutdown()
     for failure in failures:
         print(f"FAILED: {failure}", file=sys.stderr)
     return 1 if failures else 0
+
+
+def gpu_path(cluster: DualPathCluster, args: argparse.Namespace, transport_moves: bool) -> list[str]:
+    """Issue 24's GPU-path checks on this cluster; each step's failures, and a step that raised."""
+    steps = (
+        ("readers", lambda: gpu_path_checks.check_readers(cluster)),
+        ("kv_digests off", lambda: gpu_path_checks.check_no_digests(cluster, device_config, args.layers, transport_moves)),
+        ("sleep/wake", lambda: gpu_path_checks.check_sleep_wake(cluster, device_config, args.layers)),
+        ("weight sync", lambda: gpu_path_checks.check_weight_sync(cluster, logprob_errors, LOGPROB_ATOL)),
+    )
+    failures: list[str] = []
+    for name, step in steps:
+        print(f"== {name}")
+        try:
+            failures += step()
+        except Exception as exc:  # noqa: BLE001 - one broken step must not hide the others' results
+            failures.append(f"{name}: {type(exc).__name__}: {exc}")
+    return failures
 
 
 def main() -> None:

@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# One GPU, under 8 minutes: the GPU-marked tests, the engines' tokens/s on CUDA in bf16, and the
-# whole runtime on CUDA in bf16 with KV byte-exactness and log-probs checked against a recompute.
+# One GPU, under 10 minutes: the GPU-marked tests (pinned buffers, CUDA copies, sleep/wake freeing
+# and restoring HBM, the prefill layer's CUDA event, the weight group's backend on CUDA, NCCL where
+# two GPUs exist), the engines' tokens/s on CUDA in bf16, and the whole runtime on CUDA in bf16 with
+# KV byte-exactness and log-probs checked against a recompute, then on that cluster: readers'
+# buffers pinned, kv_digests off still byte-exact, sleep/wake of HBM, a trainer's weight broadcast.
 #   PYTHON=/path/to/python bash tests/gpu/device_check.sh   (default: .venv/bin/python, else python3)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -12,5 +15,5 @@ echo "== GPU-marked tests"
 timeout 180 "$PYTHON" -m pytest -q -m gpu tests
 echo "== engine throughput (in-process cores, CUDA, bf16)"
 timeout 120 "$PYTHON" benchmarks/engine_throughput.py --device cuda --dtype bfloat16 --repeats 3 --context 1024 --prefill-cached 2048 --prefill-new 512
-echo "== runtime on CUDA, bf16 (embedded 1P1D sharing this GPU)"
-timeout 360 "$PYTHON" tests/gpu/device_check.py
+echo "== runtime on CUDA, bf16 (embedded 1P1D sharing this GPU), then the GPU path's checks"
+timeout 420 "$PYTHON" tests/gpu/device_check.py
