@@ -166,6 +166,12 @@ STORE_CHECKSUM_FAILURES = MetricSpec(
     "Distinct stored blocks that failed their checksum when the node's reader read them.",
     ("node", "role"), "blocks",
 )
+STORE_WRITE_FAILURES = MetricSpec(
+    "dualpath_store_write_failures", MetricKind.COUNTER,
+    "Block writes (persists) the store refused (a full disk, an I/O error): the block and those after "
+    "it in its chain are not published, a later turn misses them; the turn itself is served.",
+    ("node", "role"), "writes",
+)
 KV_DIGEST_MISMATCHES = MetricSpec(
     "dualpath_kv_digest_mismatches", MetricKind.COUNTER,
     "(layer, token)s of KV that failed their digest when the engine loaded them (read again once).",
@@ -176,7 +182,7 @@ ALL_METRICS: tuple[MetricSpec, ...] = (
     SNIC_READ_BYTES, SNIC_WRITE_BYTES, CNIC_BYTES, REQUESTS, READ_QUEUE_TOKENS, ENGINE_TOKENS,
     ENGINE_REQUESTS, BUFFER_BYTES_USED, BUFFER_BYTES_CAPACITY, HBM_BYTES_USED, HBM_BYTES_CAPACITY,
     TTFT_SECONDS, TPOT_SECONDS, KV_LOAD_SECONDS, DECISION_SECONDS, TRAJECTORY_JCT_SECONDS, RETRIES,
-    RECOMPUTED_BLOCKS, ATTEMPT_FAILURES, STORE_CHECKSUM_FAILURES, KV_DIGEST_MISMATCHES,
+    RECOMPUTED_BLOCKS, ATTEMPT_FAILURES, STORE_CHECKSUM_FAILURES, STORE_WRITE_FAILURES, KV_DIGEST_MISMATCHES,
 )
 
 Tags = Mapping[str, str]

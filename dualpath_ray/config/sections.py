@@ -54,7 +54,17 @@ class StoreConfig(Section):
     capacity_bytes: int | None = Field(
         None, ge=1,
         description="Most bytes of indexed Full Blocks the store keeps; beyond it the least recently "
-        "used blocks are evicted (a later lookup misses them). None = no limit.",
+        "used blocks are evicted (a later lookup misses them). None (the default) = derived when the "
+        "scheduler starts: store.capacity_free_fraction of what the store's file system can hold (the "
+        "blocks already indexed plus its free space), so eviction runs before the disk is full; the "
+        "memory backend has no limit. A shared file system that other writers fill may still run full: "
+        "a block write it refuses is then a later miss, never a failed turn.",
+    )
+    capacity_free_fraction: float = Field(
+        0.9, gt=0, le=1,
+        description="With capacity_bytes unset, the share of the store file system's room (indexed blocks + "
+        "free space at the scheduler's start) its indexed blocks may fill; the rest is headroom for blocks "
+        "on their way (written, not yet indexed), temporaries, directories and other users of the disk.",
     )
     stale_temporary_s: float = Field(
         600.0, gt=0,

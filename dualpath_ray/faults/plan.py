@@ -24,7 +24,9 @@ class FaultSite(str, enum.Enum):
 
 
 class FaultMode(str, enum.Enum):
-    FAIL = "fail"  # the operation raises (actor calls: the request or the reply is lost)
+    # the operation raises (actor calls: the request or the reply is lost; the store sites: the
+    # store's own OSError(EIO), so an injected disk fault takes the path of a real one)
+    FAIL = "fail"
     CORRUPT = "corrupt"  # one byte of the data is flipped (stored, in transit or copied)
     DROP = "drop"  # the operation silently does nothing (a publish lost; a heartbeat unanswered)
     DELAY = "delay"  # the operation waits delay_s first

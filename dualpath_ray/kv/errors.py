@@ -15,11 +15,17 @@ class BlockCorruptedError(Exception):
 
 
 class BadBlockError(Exception):
-    """A read of hit blocks failed at one block: `key` is missing (`kind` "missing") or failed
-    verification ("corrupt"). Raised by the storage readers so the scheduler can repair exactly
-    that block (drop it and what follows it from the index, delete a corrupt file) and retry."""
+    """A read of hit blocks failed at one block: `key` is missing (`kind` "missing"), failed
+    verification ("corrupt") or could not be read at all ("unreadable": the file system raised
+    an I/O error for it, a bad sector). Raised by the storage readers so the scheduler can
+    repair exactly that block (drop it and what follows it from the index, delete a corrupt or
+    unreadable file) and retry."""
+
+    KINDS = ("missing", "corrupt", "unreadable")
 
     def __init__(self, kind: str, key: str, detail: str) -> None:
+        if kind not in self.KINDS:
+            raise ValueError(f"BadBlockError kind must be one of {self.KINDS}, got {kind!r}")
         super().__init__(kind, key, detail)
         self.kind, self.key, self.detail = kind, key, detail
 

@@ -7,18 +7,60 @@ the store second. Evicting leaves only means a hot prefix is never cut from unde
 descendants, and the hits of requests in flight are kept until they finish. A block deleted
 anyway while a reader was about to read it (another scheduler's store, a user) is a miss for that
 read, which the scheduler turns into a retry that recomputes it (docs/reliability.md).
+
+Without a configured capacity a store in a directory is bounded by its file system
+(`store_capacity_bytes`): a share of what the disk could hold when the scheduler starts, so
+eviction runs before the disk is full. A store grown without bound fills its file system, and
+then every persist fails.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Collection, Iterable
 
+from dualpath_ray.kv.block_format import HEADER_SIZE
 from dualpath_ray.kv.index import PrefixIndex
 
 if TYPE_CHECKING:
     from dualpath_ray.kv.block_store import BlockStore
+
+_LOG = logging.getLogger(__name__)
+
+
+def capacity_from_free_space(
+    free_bytes: int, allocation_bytes: int, indexed_blocks: int, block_bytes: int, fraction: float
+) -> int:
+    """`fraction` of the Full Blocks a file system can hold: those indexed now plus as many
+    block files (header + payload, rounded up to the file system's allocation unit) as fit in
+    `free_bytes`; in payload bytes (what LRUEviction counts), never less than one block."""
+    if not 0 < fraction <= 1:
+        raise ValueError(f"store.capacity_free_fraction must be in (0, 1], got {fraction}")
+    unit = max(1, allocation_bytes)
+    file_bytes = -(-(HEADER_SIZE + block_bytes) // unit) * unit
+    blocks = int((indexed_blocks + max(0, free_bytes) // file_bytes) * fraction)
+    return max(1, blocks) * block_bytes
+
+
+def store_capacity_bytes(configured: int | None, fraction: float, store: BlockStore, indexed_blocks: int) -> int | None:
+    """The capacity eviction keeps the store within: store.capacity_bytes if `configured`; for a
+    store in a directory without one, `fraction` of what its file system can hold now
+    (capacity_from_free_space); None (no limit) for a store without a directory (memory)."""
+    if configured is not None or store.root is None:
+        return configured
+    stats = os.statvfs(store.root)
+    capacity = capacity_from_free_space(
+        stats.f_bavail * stats.f_frsize, stats.f_frsize, indexed_blocks, store.layout.full_block_bytes, fraction
+    )
+    _LOG.info(
+        "store %s: capacity %d bytes (%d blocks): %.0f%% of %d indexed blocks + %d free bytes "
+        "(store.capacity_bytes unset)", store.root, capacity, capacity // store.layout.full_block_bytes,
+        fraction * 100, indexed_blocks, stats.f_bavail * stats.f_frsize,
+    )
+    return capacity
 
 
 @dataclass

@@ -266,7 +266,8 @@ class DecodeCore:
     # --- persistence --------------------------------------------------------------------
 
     def _advance_persists(self) -> bool:
-        """Collect finished persists (a failed one fails its request), then post queued blocks."""
+        """Collect finished persists (a failed one fails its request; blocks the store refused
+        only go unpublished), then post queued blocks."""
         did = False
         for job in self._jobs_in(DecodeState.RUNNING, DecodeState.FINISHING):
             settled, error = self.persistence.settle(job)
@@ -299,7 +300,7 @@ class DecodeCore:
             hit_tokens=task.hit_tokens, path=task.path, prefill_engine=task.prefill_engine,
             decode_engine=self.settings.engine_id, ttft_s=job.handoff.first_token_at - spec.submitted_at,
             tpot_s=tpot, kv_bytes_verified=job.check.bytes_verified, kv_mismatches=job.check.mismatches,
-            persisted=tuple(job.persisted), epoch=spec.epoch,
+            persisted=self.persistence.publish(job), epoch=spec.epoch,
         )
         transition(job, DecodeState.DONE)
         self._forget(job)

@@ -71,7 +71,9 @@ class DecodeJob:
     extent_blocks: tuple[PersistedBlock, ...] = ()
     queued: deque[tuple[int, PersistedBlock]] = field(default_factory=deque)
     parent_key: str | None = None
-    persisted: list[PersistedBlock] = field(default_factory=list)
+    chain: list[PersistedBlock] = field(default_factory=list)  # every block keyed so far, in chain order
+    stored: set[str] = field(default_factory=set)  # keys of its blocks the store holds (confirmed)
+    refused: bool = False  # the store refused one of its blocks: nothing after it is persisted
     stop_reason: StopReason | None = None
     check: KVCheck = field(default_factory=KVCheck)
     bad_tokens: np.ndarray | None = None  # what the first check of the landed KV found wrong
@@ -136,6 +138,8 @@ class DecodeStats:
     max_batch: int = 0
     loads: int = 0
     persisted_blocks: int = 0
+    # Blocks of served turns left unpublished: the store refused them or a block before them.
+    unpublished_blocks: int = 0
     max_persists_in_flight: int = 0
     persist_waits: int = 0
     finished: int = 0

@@ -6,9 +6,16 @@ not hits are written by the node's reader straight from the extent (they are alr
 buffer), which is freed after; a block that fills up while decoding is pulled from its page by
 the reader (D2H) and written. At most `max_persists_in_flight` pulled blocks are on their way at
 once; more wait in the request's queue (back-pressure, never a failure). The core reports a turn
-only after every one of its blocks is published (`pending`), so the next turn never misses a
+only after every one of its blocks is settled (`pending`), so the next turn never misses a
 block this one produced. Keys extend the chain block by block (`next_block_key`), O(n) per
 request. Oracle mode writes each block from its page into the store in place.
+
+A block the store refuses (a full disk, an I/O error: the reader answers with how many leading
+blocks of a persist it stored) never fails the turn: its tokens are served, and the turn
+publishes (`publish`) only its chain up to the first block not stored, since the index is a
+chain of prefixes and nothing after a gap could be hit; nothing more of it is persisted. A
+persist that fails otherwise (its reader died, its call was lost, the D2H read failed) still
+fails the request, whose retry persists again: whether its blocks were written is unknown.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from dualpath_ray.protocol.messages import PersistedBlock
 from dualpath_ray.runtime.decode.job import DecodeJob, DecodeSettings, DecodeStats
 from dualpath_ray.runtime.emulation.links import Link
 from dualpath_ray.runtime.engine.ports import ReaderPort
+from dualpath_ray.runtime.reader.store_errors import WriteRefusals
 from dualpath_ray.scheduling.types import ReadPath
 
 
@@ -49,6 +57,7 @@ class DecodePersistence:
         self.store = store
         self.cnic_out, self.counters, self.stats = metering
         self._in_flight = 0  # pulled blocks posted and not yet settled, over all jobs
+        self.oracle_refusals = WriteRefusals(settings.node_id)  # oracle mode writes the store itself
 
     def persist_prompt(self, job: DecodeJob) -> None:
         """Prompt blocks that were not hits: written from the extent, which is then freed."""
@@ -78,6 +87,8 @@ class DecodePersistence:
         written at once in oracle mode or queued for the reader to pull from its page."""
         assert job.handoff is not None
         persisted = self._next_key(job, block)
+        if job.refused:
+            return  # a block after a refused one could never be hit: not written at all
         if job.handoff.task.oracle:
             self._oracle_write(job, block, persisted)
         else:
@@ -92,6 +103,8 @@ class DecodePersistence:
         any was posted. A job that finds no room waits for the next step, as do those after it."""
         did = False
         for job in jobs:
+            if job.refused:
+                job.queued.clear()
             if not job.queued:
                 continue
             room = self.settings.max_persists_in_flight - self._in_flight
@@ -111,36 +124,48 @@ class DecodePersistence:
 
     def settle(self, job: DecodeJob) -> tuple[bool, BaseException | None]:
         """Collect the job's finished persists: (whether any settled, the error of a failed one).
-        A failed persist fails the request (the turn cannot be reported without its blocks); the
-        caller does that."""
+        A persist that failed (not one the store refused: that one answers how many blocks it
+        stored) fails the request; the caller does that."""
         still, settled, error = [], False, None
         if job.extent_persist is not None:
             try:
                 if job.extent_persist.done():
-                    job.extent_persist.wait(0)
-                    job.persisted[:0] = job.extent_blocks
-                    self.stats.persisted_blocks += len(job.extent_blocks)
+                    self._stored(job, job.extent_blocks, job.extent_persist.wait(0))
                     job.extent_persist, settled = None, True
-            except Exception as exc:  # noqa: BLE001 - the turn cannot be reported without its blocks
+            except Exception as exc:  # noqa: BLE001 - whether its blocks were written is unknown
                 job.extent_persist, error = None, exc
         for pending, blocks in job.persists:
             try:
                 done = pending.done()
-                if done:
-                    pending.wait(0)
-            except Exception as exc:  # noqa: BLE001 - the turn cannot be reported without its blocks
+                stored = pending.wait(0) if done else 0
+            except Exception as exc:  # noqa: BLE001 - whether its blocks were written is unknown
                 self._in_flight -= len(blocks)
                 error = exc
                 continue
             if done:
                 self._in_flight -= len(blocks)
-                job.persisted.extend(blocks)
-                self.stats.persisted_blocks += len(blocks)
+                self._stored(job, blocks, stored)
                 settled = True
             else:
                 still.append((pending, blocks))
         job.persists = still
         return settled, error
+
+    def publish(self, job: DecodeJob) -> tuple[PersistedBlock, ...]:
+        """The blocks the job's finished turn publishes (asked once, as it finishes): its chain
+        up to the first block not stored; the rest are counted unpublished."""
+        count = 0
+        while count < len(job.chain) and job.chain[count].key in job.stored:
+            count += 1
+        self.stats.unpublished_blocks += len(job.chain) - count
+        return tuple(job.chain[:count])
+
+    def _stored(self, job: DecodeJob, blocks: Sequence[PersistedBlock], stored: int) -> None:
+        """A persist of `blocks` ended with its first `stored` ones in the store."""
+        job.stored.update(block.key for block in blocks[:stored])
+        self.stats.persisted_blocks += stored
+        if stored < len(blocks):
+            job.refused = True
 
     def abandon(self, job: DecodeJob) -> None:
         """The job failed and its transfers ended (the caller waited for them): its blocks in
@@ -154,10 +179,19 @@ class DecodePersistence:
         key = next_block_key(job.parent_key, job.tokens[block * size : (block + 1) * size], job.handoff.task.request.namespace)
         persisted = PersistedBlock(key, job.parent_key)
         job.parent_key = key
+        job.chain.append(persisted)
         return persisted
 
     def _oracle_write(self, job: DecodeJob, block: int, persisted: PersistedBlock) -> None:
         assert self.store is not None
+        if job.refused:
+            return
         page = self.pages.page(self.pages.table(job.owner)[block])
-        self.store.put(persisted.key, page.cpu() if page.device.type != "cpu" else page, parent=persisted.parent)
-        job.persisted.append(persisted)
+        try:
+            self.store.put(persisted.key, page.cpu() if page.device.type != "cpu" else page, parent=persisted.parent)
+        except OSError as exc:  # refused as a reader's write is: the turn goes on unpublished from here
+            self.oracle_refusals.refused(persisted.key, exc)
+            self._stored(job, (persisted,), 0)
+            return
+        self.oracle_refusals.succeeded()
+        self._stored(job, (persisted,), 1)

@@ -27,6 +27,12 @@ def classify(error: BaseException) -> tuple[ErrorKind, tuple[str, ...]]:
     """The kind of `error` and the stored blocks it names."""
     cause = _cause(error)
     if isinstance(cause, BadBlockError):
+        # An unreadable block (the file system's I/O error on its file: a bad sector) is repaired
+        # as a corrupt one: it leaves the index with its successors and its file is deleted.
+        # Deleted, not kept: a file still there makes the retry's persist of the same key a
+        # no-op (put finds the block's header in place), so the block would be indexed again and
+        # every later turn on that prefix would read it, fail and retry; a fresh file is written
+        # elsewhere on the disk (and a rewritten sector is remapped by the drive).
         kind = ErrorKind.KV_MISSING if cause.kind == "missing" else ErrorKind.KV_CORRUPT
         return kind, (cause.key,)
     if isinstance(cause, BlockNotFoundError):
@@ -46,7 +52,9 @@ def classify(error: BaseException) -> tuple[ErrorKind, tuple[str, ...]]:
     return ErrorKind.INTERNAL, ()
 
 
-_INJECTED_KINDS = {"actor_call": ErrorKind.CALL_FAILED, "store_read": ErrorKind.STORE_IO, "store_publish": ErrorKind.STORE_IO}
+# The store sites inject OSError(EIO) instead (runtime/reader/core.py), so an injected
+# storage fault takes the path of a real one; only lost calls are InjectedFaults of their own.
+_INJECTED_KINDS = {"actor_call": ErrorKind.CALL_FAILED}
 
 
 _DEAD_ACTOR_ERRORS = frozenset({"RayActorError", "ActorDiedError", "ActorUnavailableError"})

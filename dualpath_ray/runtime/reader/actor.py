@@ -157,13 +157,16 @@ class StorageReader(TransportEndpoint):
 
     @ray.method(concurrency_group="io")
     def persist_extent(self, extent_id: int, blocks: list[tuple[int, PersistedBlock]], incarnation: str = "") -> int:
+        """Write blocks from an extent, then free it; returns how many leading blocks are stored
+        (fewer than asked when the store refused one: ReaderCore.write_blocks)."""
         if self._stale(incarnation):
             raise PeerDiedError(f"{self.name} restarted: extent {extent_id} of its dead incarnation is gone")
         return self.core.write_extent(extent_id, blocks)
 
     @ray.method(concurrency_group="io")
     def persist_pages(self, owner: str, engine: str, blocks: list[tuple[int, PersistedBlock]]) -> int:
-        """D2H: pull whole pages of a decode engine's HBM into a leased extent, then write them."""
+        """D2H: pull whole pages of a decode engine's HBM into a leased extent, then write them;
+        returns how many leading blocks are stored (ReaderCore.write_blocks)."""
         layout = self.core.layout
         extent = self.core.lease(owner, len(blocks))
         self.core.begin_write(extent.extent_id)  # reclaim must not free it under the D2H
@@ -174,9 +177,8 @@ class StorageReader(TransportEndpoint):
         ]
         try:
             self.transport.read(engine, moves).wait(self.timeout_s)
-            return sum(
-                self.core.write_block(block, self.core.pool.full_block(slot))
-                for slot, (_, block) in zip(extent.slots, blocks)
+            return self.core.write_blocks(
+                [(self.core.pool.full_block(slot), block) for slot, (_, block) in zip(extent.slots, blocks)]
             )
         finally:
             self.core.end_write(extent.extent_id)
@@ -201,6 +203,11 @@ class StorageReader(TransportEndpoint):
     def integrity_keys(self) -> tuple[list[str], list[str]]:
         """(keys this reader damaged by the fault plan, keys it found corrupt at read)."""
         return self.core.integrity_keys()
+
+    @ray.method(concurrency_group="ctl")
+    def store_faults(self) -> tuple[list[str], int]:
+        """(keys of hit blocks the store could not read, block writes the store refused)."""
+        return self.core.store_faults()
 
     @ray.method(concurrency_group="ctl")
     def counters(self) -> NodeCounters:

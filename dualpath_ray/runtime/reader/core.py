@@ -16,6 +16,7 @@ and counting it made congested decode buffers push reads onto the prefill nodes'
 
 from __future__ import annotations
 
+import errno
 import random
 import threading
 import time
@@ -24,17 +25,18 @@ from typing import Callable, Protocol, Sequence
 
 import torch
 
-from dualpath_ray.faults.injector import FaultCount, InjectedFault
+from dualpath_ray.faults.injector import FaultCount
 from dualpath_ray.faults.plan import FaultMode, FaultSite, FaultSpec
 from dualpath_ray.faults.store import damage_stored_block
 from dualpath_ray.kv.block_store import BlockStore
 from dualpath_ray.kv.digest import block_digests
-from dualpath_ray.kv.errors import BadBlockError, BlockCorruptedError, BlockNotFoundError
+from dualpath_ray.kv.errors import BadBlockError, BlockCorruptedError, BlockNotFoundError, IncompatibleBlockError
 from dualpath_ray.kv.layout import KVLayout
 from dualpath_ray.kv.pool import BufferPool, Extent, ExtentState
 from dualpath_ray.protocol.counters import NodeCounters
 from dualpath_ray.protocol.messages import ExtentGrant, PersistedBlock
 from dualpath_ray.runtime.reader.snic import ReadTurn, SnicLink
+from dualpath_ray.runtime.reader.store_errors import WriteRefusals, bad_block_kind
 
 
 @dataclass(frozen=True)
@@ -114,6 +116,10 @@ class ReaderCore:
         # a chaos test proves every damage was caught by comparing the two.
         self.damaged_keys: set[str] = set()
         self.corrupt_keys: set[str] = set()
+        # Keys whose file the store could not read (an I/O error), and the block writes the store
+        # refused (a full disk, an I/O error).
+        self.unreadable_keys: set[str] = set()
+        self.write_refusals = WriteRefusals(settings.node_id)
         self._read_q_tokens = 0
         # Called (under this core's lock) whenever the read queue changed: the actor's reporter.
         self.on_read_q: Callable[[], None] = lambda: None
@@ -263,14 +269,14 @@ class ReaderCore:
                 outs = [self.pool.full_block(slot) for slot in extent.slots[first_block : first_block + len(keys)]]
                 turn.begin()
                 self.store.get_many_into(list(keys), outs, before_read=before_read, on_verified=on_verified)
-            except (BlockNotFoundError, BlockCorruptedError) as exc:
+            except (BlockNotFoundError, BlockCorruptedError, IncompatibleBlockError, OSError) as exc:
                 # The store raises for the first bad block in key order, the one after the
                 # verified ones: name it, so the scheduler repairs that block and no other.
                 self.free(extent.extent_id)
-                kind = "missing" if isinstance(exc, BlockNotFoundError) else "corrupt"
-                if kind == "corrupt":
-                    with self._cond:
-                        self.corrupt_keys.add(keys[verified])
+                kind = bad_block_kind(exc)
+                if kind is None:
+                    raise
+                self._note_bad_block(kind, keys[verified])
                 raise BadBlockError(kind, keys[verified], str(exc)) from None
             except BaseException:
                 self.free(extent.extent_id)
@@ -283,12 +289,19 @@ class ReaderCore:
                     self._read_q_tokens -= pending
                     self.on_read_q()
 
+    def _note_bad_block(self, kind: str, key: str) -> None:
+        if kind == "missing":
+            return
+        with self._cond:
+            (self.corrupt_keys if kind == "corrupt" else self.unreadable_keys).add(key)
+
     def _store_read_fault(self, key: str) -> None:
         spec = self.faults.decide(FaultSite.STORE_READ)
         if spec is None:
             return
         if spec.mode is FaultMode.FAIL:
-            raise InjectedFault("store_read", f"I/O error reading block {key}")
+            # Raised inside the store's read of this block, as the file system's own EIO is.
+            raise OSError(errno.EIO, f"injected store_read fault: I/O error reading block {key}")
         if damage_stored_block(self.store, key, self.faults.corruption_rng):
             with self._cond:
                 self.damaged_keys.add(key)
@@ -304,12 +317,18 @@ class ReaderCore:
         with self._cond:
             return sorted(self.damaged_keys), sorted(self.corrupt_keys)
 
+    def store_faults(self) -> tuple[list[str], int]:
+        """(keys of hit blocks the store could not read, block writes the store refused)."""
+        with self._cond:
+            return sorted(self.unreadable_keys), self.write_refusals.count
+
     def write_block(self, block: PersistedBlock, data: torch.Tensor) -> bool:
-        """Persist one Full Block (already in this node's buffer) through the SNIC."""
+        """Persist one Full Block (already in this node's buffer) through the SNIC: True if
+        written, False if already stored; an OSError if the store refused it."""
         self.snic_write.take(self.layout.full_block_bytes)
         spec = self.faults.decide(FaultSite.STORE_PUBLISH) if self.faults.active else None
         if spec is not None and spec.mode is FaultMode.FAIL:
-            raise InjectedFault("store_publish", f"I/O error writing block {block.key}")
+            raise OSError(errno.EIO, f"injected store_publish fault: I/O error writing block {block.key}")
         if spec is not None and spec.mode is FaultMode.DROP:
             return True  # a lost write that claims success: a later read of it is a miss
         written = self.store.put(block.key, data, parent=block.parent)
@@ -317,10 +336,30 @@ class ReaderCore:
             self.counters.snic_write += self.layout.full_block_bytes
         return written
 
+    def write_blocks(self, blocks: Sequence[tuple[torch.Tensor, PersistedBlock]]) -> int:
+        """Persist (data, block) pairs in chain order; returns how many leading ones are stored.
+
+        A write the store refuses (any OSError: a full disk, an I/O error, a read-only file
+        system) ends the call without raising: the turn that filled these blocks has its tokens
+        and must not fail for a cache write; its decode engine just does not publish the refused
+        block or any after it (the index is a chain of prefixes, so those could never be hit),
+        and a later turn misses them and recomputes. The blocks after a refused one are not
+        tried, for the same reason. Refusals are counted and logged once per run of them
+        (runtime/reader/store_errors.py)."""
+        for stored, (data, block) in enumerate(blocks):
+            try:
+                self.write_block(block, data)
+            except OSError as exc:
+                self.write_refusals.refused(block.key, exc)
+                return stored
+        if blocks:
+            self.write_refusals.succeeded()
+        return len(blocks)
+
     def write_extent(self, extent_id: int, blocks: Sequence[tuple[int, PersistedBlock]]) -> int:
-        """Write blocks (index in the extent, key) from an extent, then free it in any case."""
+        """write_blocks of (index in the extent, key) pairs from an extent, then free it in any case."""
         extent = self.begin_write(extent_id)
         try:
-            return sum(self.write_block(block, self.pool.full_block(extent.slots[index])) for index, block in blocks)
+            return self.write_blocks([(self.pool.full_block(extent.slots[index]), block) for index, block in blocks])
         finally:
             self.end_write(extent_id)

@@ -67,9 +67,12 @@ class ReaderFigures(Protocol):
 
     def integrity_keys(self) -> tuple[list[str], list[str]]: ...
 
+    def store_faults(self) -> tuple[list[str], int]: ...
+
 
 class ReaderMetrics:
-    """A node's storage NIC bytes, read queue, buffer use and bad stored blocks; KV load times."""
+    """A node's storage NIC bytes, read queue, buffer use, bad stored blocks and refused block
+    writes; KV load times."""
 
     def __init__(self, sink: MetricSink, core: ReaderFigures, role: str) -> None:
         self.sink = sink
@@ -91,6 +94,7 @@ class ReaderMetrics:
         self.totals.update(m.SNIC_WRITE_BYTES, counters.snic_write, self.tags)
         _, corrupt = self.core.integrity_keys()
         self.totals.update(m.STORE_CHECKSUM_FAILURES, len(corrupt), self.tags)
+        self.totals.update(m.STORE_WRITE_FAILURES, self.core.store_faults()[1], self.tags)
         self.sink.set(m.READ_QUEUE_TOKENS, self.core.read_q(), self.tags)
         pool = self.core.pool.check_integrity()
         block_bytes = self.core.layout.full_block_bytes

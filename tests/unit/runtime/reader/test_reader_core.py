@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from dualpath_ray.config import DualPathConfig
-from dualpath_ray.faults.injector import FaultInjector, InjectedFault
+from dualpath_ray.faults.injector import FaultInjector
 from dualpath_ray.faults.plan import FaultMode, FaultPlan, FaultSite
 from dualpath_ray.kv.errors import BadBlockError
 from dualpath_ray.kv.index import block_keys, namespace_for
@@ -187,7 +187,7 @@ def test_write_extent_stores_its_blocks_and_frees_the_extent_even_on_failure(tmp
     for i in range(2):
         core.pool.full_block(extent.slots[i]).fill_(i + 5)
     blocks = [(0, PersistedBlock(keys[0], None)), (1, PersistedBlock(keys[1], keys[0]))]
-    assert core.write_extent(extent.extent_id, blocks) == 2, "both blocks are new in the store"
+    assert core.write_extent(extent.extent_id, blocks) == 2, "both blocks are stored"
     assert core.counters.snic_write == 2 * layout.full_block_bytes, "each written block is charged to the SNIC"
     assert core.snic_write.bytes_total == 2 * layout.full_block_bytes, "persists take the SNIC's write direction"
     assert core.snic_read.bytes_total == 0, "persists never take read bandwidth (the NIC is full duplex)"
@@ -281,7 +281,8 @@ def test_a_lease_of_a_reclaimed_attempt_is_refused_even_one_waiting_for_room(tmp
 
 def test_the_core_runs_on_in_process_fakes_of_its_links_and_fault_plan(tmp_path: Path) -> None:
     """With recording SNIC links and a scripted fault plan (tests/fakes.py) the core's fault sites
-    are hit exactly where it says: a store_read fault is decided before that block pays the SNIC,
+    are hit exactly where it says: a store_read fault is decided before that block pays the SNIC
+    (a fail is the store's EIO: an unreadable block),
     a corrupt one is caught by the real checksum and named on both sides of the integrity check,
     and a dropped publish claims success, pays the SNIC but never reaches the store or the counter."""
     events: list[str] = []
@@ -299,8 +300,8 @@ def test_the_core_runs_on_in_process_fakes_of_its_links_and_fault_plan(tmp_path:
     for i, key in enumerate(keys):
         core.store.put(key, torch.full(layout.full_block_shape, i + 1, dtype=torch.uint8))
 
-    with pytest.raises(InjectedFault, match="store_read"):
-        core.read_blocks("r1", keys[:1], 1, "pe")
+    with pytest.raises(BadBlockError, match="unreadable"):
+        core.read_blocks("r1", keys[:1], 1, "pe")  # an injected EIO, repaired as a real one
     assert read_link.takes == [], "a failed block never pays the SNIC: its fault is decided first"
     assert core.read_q() == 0 and core.pool.check_integrity().free == core.pool.capacity, (
         "an injected read failure leaves no queued tokens and no leased slot"
@@ -322,7 +323,7 @@ def test_the_core_runs_on_in_process_fakes_of_its_links_and_fault_plan(tmp_path:
     core.pool.full_block(extent.slots[1]).fill_(7)
     core.store.delete(keys[1])
     blocks = [(1, PersistedBlock(keys[1], None)), (0, PersistedBlock(keys[2], keys[1]))]
-    assert core.write_extent(extent.extent_id, blocks) == 1, "the dropped write claims a new block; the other was stored already"
+    assert core.write_extent(extent.extent_id, blocks) == 2, "the dropped write claims success; the other was stored already"
     assert events == ["take snic-write/n0"] * 2, "persists pay the write direction only, once per block"
     assert not core.store.contains(keys[1]), "a dropped publish never reaches the store"
     assert core.counters.snic_write == block, "only the write that happened is counted"
@@ -344,5 +345,5 @@ def test_an_inactive_fault_plan_is_never_asked(tmp_path: Path) -> None:
         core.store.put(key, torch.zeros(layout.full_block_shape, dtype=torch.uint8))
     extent = core.read_blocks("r1", keys, 2, "pe")
     assert link.takes == [layout.full_block_bytes] * 2, "each hit block pays the SNIC once"
-    assert core.write_extent(extent.extent_id, [(0, PersistedBlock(keys[0], None))]) == 0, "already stored"
+    assert core.write_extent(extent.extent_id, [(0, PersistedBlock(keys[0], None))]) == 1, "already stored counts as stored"
     core.store.close()

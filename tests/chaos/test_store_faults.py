@@ -1,0 +1,121 @@
+"""The store's disk failing under a real cluster: hit blocks it cannot read (EIO) are named,
+unindexed and recomputed, and a file system that fills up mid-rollout (ENOSPC) fails no turn:
+its refused writes are counted, the blocks simply not indexed. Outputs equal the recompute and
+nothing is left leased in either case."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+
+from tests.helpers import ray_test_env, recompute_outputs, runtime_config, trajectories
+
+ray_test_env()
+
+import ray  # noqa: E402
+
+from dualpath_ray.cluster import DualPathCluster  # noqa: E402
+from dualpath_ray.kv.block_format import HEADER_SIZE  # noqa: E402
+from dualpath_ray.kv.layout import KVLayout  # noqa: E402
+
+pytestmark = [pytest.mark.integration, pytest.mark.chaos]
+
+
+def store_faults(deployment) -> tuple[set[str], int]:  # type: ignore[no-untyped-def]
+    """(keys the readers could not read, block writes the store refused), over every reader."""
+    unreadable, refused = set(), 0
+    for reader in deployment.readers.values():
+        keys, count = ray.get(reader.store_faults.remote())
+        unreadable.update(keys)
+        refused += count
+    return unreadable, refused
+
+
+def test_hit_blocks_the_disk_cannot_read_are_named_unindexed_and_recomputed():
+    # Each reader's second hit-block read raises OSError(EIO) inside the store's read of that
+    # block, as a bad sector does (the fault plan's store_read fail).
+    cfg = runtime_config().with_overrides(
+        faults={"seed": 5, "faults": [{"site": "store_read", "mode": "fail", "nth": 2, "actors": "reader/*"}]}
+    )
+    trajs = trajectories(count=4, turns=2, first=300)
+    cluster = DualPathCluster.start(cfg)
+    try:
+        deployment = cluster.deploy("dualpath")
+        result = cluster.rollout(trajs, progress=False)
+        calls = ray.get(deployment.scheduler.call_counts.remote())
+        injected = cluster.fault_counts()["store_read:fail"].injected
+        print(f"EIO on {injected} hit-block reads: retries {calls['retries']}, unindexed {calls['unindexed_blocks']}")
+        assert injected >= 1, "the plan hit at least one read"
+        assert not result.failures, f"every trajectory completes: {result.failures}"
+        assert calls["unindexed_blocks"] >= injected, "the unreadable block (and its successors) left the index"
+        assert result.outputs() == recompute_outputs(cfg, trajs), "outputs equal the fault-free recompute"
+        unreadable, _ = store_faults(deployment)
+        assert len(unreadable) == injected, "each unreadable block is named by the reader that read it"
+        assert calls["retries"] == injected, "each costs its turn one retry, not one per later read"
+        assert all(free == capacity for free, _, _, capacity in cluster.pool_integrity().values()), (
+            "every buffer pool is fully free after the run"
+        )
+    finally:
+        cluster.shutdown()
+
+
+@contextmanager
+def small_file_system(size_bytes: int) -> Iterator[str | None]:
+    """A tmpfs of size_bytes mounted at a fresh directory, or None where mounting is not allowed."""
+    where = tempfile.mkdtemp(prefix="dualpath-full-")
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size_bytes}", "tmpfs", where], capture_output=True
+    ).returncode == 0 if shutil.which("mount") else False
+    try:
+        yield where if mounted else None
+    finally:
+        if mounted:
+            subprocess.run(["umount", "-l", where], check=False)
+        shutil.rmtree(where, ignore_errors=True)
+
+
+def fill(root: str, room_bytes: int) -> None:
+    """Write a filler file that leaves room_bytes free on root's file system."""
+    stats = os.statvfs(root)
+    with open(os.path.join(root, "filler"), "wb") as filler:
+        filler.write(b"\0" * max(0, stats.f_bavail * stats.f_frsize - room_bytes))
+
+
+def test_a_store_whose_file_system_fills_up_fails_no_turn():
+    cfg = runtime_config()
+    layout = KVLayout.from_model(cfg.model, cfg.store.block_size)
+    block_file = -(-(HEADER_SIZE + layout.full_block_bytes) // 4096) * 4096
+    trajs = trajectories(count=3, turns=2, first=300)
+    with small_file_system(64 * block_file) as root:
+        if root is None:
+            # Without the right to mount, the fault plan refuses writes the way the disk would:
+            # OSError(EIO) from the store's write of the block (store_publish fail).
+            cfg = cfg.with_overrides(faults={"seed": 5, "faults": [
+                {"site": "store_publish", "mode": "fail", "probability": 0.5, "min_count": 1, "actors": "reader/*"}]})
+        cluster = DualPathCluster.start(cfg)
+        try:
+            deployment = cluster.deploy("dualpath", store_root=root)
+            if root is not None:
+                fill(root, 4 * block_file)  # filled by someone else after the scheduler sized the store
+            result = cluster.rollout(trajs, progress=False)
+            calls = ray.get(deployment.scheduler.call_counts.remote())
+            print(f"{'a full tmpfs' if root else 'store_publish fail 50%'}: failed {sorted(result.failures)}, "
+                  f"retries {calls['retries']}, indexed {calls['indexed_blocks']}")
+            assert not result.failures, f"a refused write fails no trajectory: {result.failures}"
+            assert calls["retries"] == 0, "nor costs any turn a retry: only the blocks go unindexed"
+            _, refused = store_faults(deployment)
+            print(f"{refused} block writes refused")
+            assert refused >= 1, "the store refused writes, and the readers counted them"
+            assert result.outputs() == recompute_outputs(cfg, trajs), "outputs equal the fault-free recompute"
+            assert all(free == capacity for free, _, _, capacity in cluster.pool_integrity().values()), (
+                "nothing is left leased in any buffer pool"
+            )
+            assert cluster.health() == {}, "no engine thread failed"
+        finally:
+            cluster.shutdown()
