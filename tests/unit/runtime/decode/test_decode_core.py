@@ -153,11 +153,14 @@ def test_a_failed_persist_fails_the_turn_and_frees_its_pages(make) -> None:
 
     def failing(extent_id, blocks):
         real(extent_id, [])
-        raise OSError("injected write failure")
+        raise RuntimeError("injected persist call failure")
 
     core.write_extent = failing  # type: ignore[method-assign]
     (result,) = h.serve([Request("r", tokens(50, 5), "pe", max_new_tokens=3)])
-    assert result.error and "injected write failure" in result.error, "a turn whose blocks cannot be stored fails"
+    assert result.error and "injected persist call failure" in result.error, (
+        "a persist that fails outright (not a write the store refused: whether its blocks were written is "
+        "unknown) fails the turn, which is retried"
+    )
     h.assert_idle()
 
 
