@@ -74,7 +74,9 @@ class BlockStore(ABC):
 
     @abstractmethod
     def put(self, key: str, block: torch.Tensor, parent: str | None = None) -> bool:
-        """Store `block` under `key`, after block `parent`; False if `key` was already stored."""
+        """Store `block` under `key`, after block `parent`. False only if a valid block of this
+        layout is already stored under `key` (a key names its content: it is this block); what
+        is stored there and is not (another layout, a damaged file) is replaced."""
 
     @abstractmethod
     def get_into(self, key: str, out: torch.Tensor) -> None:

@@ -39,11 +39,10 @@ __all__ = [
 ]
 
 
-def open_store(
-    cfg: StoreConfig, layout: KVLayout, fsync: bool = False, root: str | Path | None = None
-) -> BlockStore:
+def open_store(cfg: StoreConfig, layout: KVLayout, root: str | Path | None = None) -> BlockStore:
     """The store `cfg` names, at `root` if given (else cfg.root); local_dir with neither gets a
-    fresh temporary directory (`.root`)."""
+    fresh temporary directory (`.root`). Every process opens its store here, so `cfg.fsync`
+    (durable puts) holds for every writer of a deployment."""
     if root is not None:
         cfg = cfg.model_copy(update={"root": Path(root)})
     if cfg.block_size != layout.block_size:
@@ -54,4 +53,4 @@ def open_store(
     if cfg.backend == "memory":
         return MemoryStore(layout)
     root = Path(cfg.root) if cfg.root is not None else Path(tempfile.mkdtemp(prefix="dualpath-store-"))
-    return LocalDirStore(root, layout, fsync=fsync)
+    return LocalDirStore(root, layout, fsync=cfg.fsync)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 
 from dualpath_ray.faults.injector import InjectedFault
-from dualpath_ray.kv.errors import BadBlockError, BlockCorruptedError, BlockNotFoundError
+from dualpath_ray.kv.errors import BadBlockError, BlockCorruptedError, BlockNotFoundError, IncompatibleBlockError
 from dualpath_ray.protocol.messages import ErrorKind, RequestSpec, TurnResult, failed_result
 from dualpath_ray.runtime.transport.moves import PeerDiedError, TransportError
 
@@ -37,7 +37,9 @@ def classify(error: BaseException) -> tuple[ErrorKind, tuple[str, ...]]:
         return kind, (cause.key,)
     if isinstance(cause, BlockNotFoundError):
         return ErrorKind.KV_MISSING, ()
-    if isinstance(cause, BlockCorruptedError):
+    if isinstance(cause, (BlockCorruptedError, IncompatibleBlockError)):
+        # A block of another KV layout or format version is unusable like a corrupt one, and
+        # retryable: not a bug (INTERNAL), which would fail every turn on that prefix.
         return ErrorKind.KV_CORRUPT, ()
     if isinstance(cause, KVMismatchError):
         return ErrorKind.KV_MISMATCH, ()
