@@ -106,10 +106,11 @@ def free_port() -> int:
 def node_commands(cfg: DualPathConfig, options: UpOptions, ports: dict[str, int]) -> list[tuple[str, str, list[str]]]:
     """(name, role, `ray start` arguments) of the head and of every configured node, in start
     order. `ports` holds the head's agent and client ports and each node's metrics port."""
-    # Every node advertises and binds loopback (Ray 2.60 binds its servers to the node IP), so
-    # nothing of this one-machine cluster listens on a network interface.
     common = ["--block", "--disable-usage-stats", f"--object-store-memory={options.object_store_mb << 20}",
-              f"--temp-dir={ray_temp_dir(options)}", "--node-ip-address=127.0.0.1"]
+              f"--temp-dir={ray_temp_dir(options)}"]
+    # The dashboard (and its job-submission API) on loopback only. Ray 2.60 binds the GCS and the
+    # raylets to all interfaces whatever the flags of a multi-node cluster (it replaces a loopback
+    # --node-ip-address with the machine's address), so token auth is what guards those.
     head = [
         "--head", f"--port={options.port}", f"--dashboard-port={options.dashboard_port}", "--include-dashboard=true",
         "--dashboard-host=127.0.0.1",

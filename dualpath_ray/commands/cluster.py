@@ -6,12 +6,17 @@ are; `ray job submit`, `dualpath run --address`, `dualpath status` and the Ray d
 work against it as documented. `--prometheus` also starts a Prometheus (the `prometheus` binary on
 PATH) scraping every node's metrics. `down` stops exactly what `up` started.
 
-Every node binds and advertises 127.0.0.1 (the dashboard too): the cluster is reachable from
-this machine only. Ray's token authentication is on, as `ray.init()` turns it on for a new
-local cluster (`ray start --head` alone turns it on only when a token already exists): `up`
-makes a token in ~/.ray/auth_token if there is none, and its nodes check it. Clients on this
-machine find the token there; `ray job submit` also needs `export RAY_AUTH_MODE=token`.
-`RAY_AUTH_MODE=disabled` in up's environment turns it off, and `up` then says so.
+The dashboard and its job-submission API listen on 127.0.0.1 only. The GCS, the raylets and
+their agents listen on every interface: Ray 2.60 binds them to loopback only in a single-node
+cluster (it replaces a loopback --node-ip-address with the machine's address, and binds a
+non-loopback node address as the wildcard), so Ray's token authentication is what keeps other
+machines out. It is on, as `ray.init()` turns it on for a new local cluster (`ray start --head`
+alone turns it on only when a token already exists): `up` makes a token in ~/.ray/auth_token if
+there is none, and its nodes (and so its jobs' drivers) run with RAY_AUTH_MODE=token. A client
+given the address (`dualpath run/status --address`, `DualPathCluster.connect`, `ray job submit`)
+needs `export RAY_AUTH_MODE=token` too: Ray reads the token from ~/.ray/auth_token but, for an
+explicit address, turns auth on only when told. `RAY_AUTH_MODE=disabled` in up's environment
+turns it off, and `up` then says so, and how to turn it on.
 """
 
 from __future__ import annotations
@@ -77,10 +82,11 @@ class RayTokenAuth:
 
     def describe(self) -> str:
         if self.enabled:
-            return ("on (the token: ~/.ray/auth_token, `ray get-auth-token` prints it; `ray job submit` also needs "
-                    f"export {AUTH_MODE_ENV}=token)")
-        return (f"OFF ({AUTH_MODE_ENV}={self.mode}): any process on this machine can run code on the cluster; to turn "
-                f"it on, unset {AUTH_MODE_ENV} (or export {AUTH_MODE_ENV}=token), then `dualpath cluster down` and up")
+            return (f"on: clients need export {AUTH_MODE_ENV}=token (dualpath run/status --address, ray job submit); "
+                    "the token is ~/.ray/auth_token, `ray get-auth-token` prints it")
+        return (f"OFF ({AUTH_MODE_ENV}={self.mode}): anyone who reaches this machine's Ray ports can run code on the "
+                f"cluster; to turn it on, unset {AUTH_MODE_ENV} (or export {AUTH_MODE_ENV}=token), then `dualpath "
+                "cluster down` and up")
 
 
 def ray_token_auth(env: Mapping[str, str]) -> RayTokenAuth:
@@ -123,7 +129,7 @@ def describe(cluster: LocalCluster, auth: RayTokenAuth) -> str:
         f"  Ray address      {cluster.address}   (dualpath run/status --address {cluster.address})",
         f"  Ray dashboard    {cluster.dashboard_url}   (ray job submit finds it; with other Ray clusters on this "
         f"machine: export RAY_API_SERVER_ADDRESS={cluster.dashboard_url})",
-        "  Listening on     127.0.0.1 only (this machine)",
+        "  Listening        the dashboard on 127.0.0.1 only; Ray's own ports (GCS, raylets) on every interface",
         f"  Ray token auth   {auth.describe()}",
     ]
     if cluster.prometheus_url:
