@@ -75,7 +75,34 @@ def create_deployment(
     if cfg.runtime.transport == "gloo":
         setup_gloo_world(list(actors.values()))
     ray.get([engine.start.remote() for engine in engines.values()])
+    _wait_until_known(scheduler, frozenset(actors), cfg.runtime.placement_timeout_s)
     return Deployment(mode, store_root, scheduler, readers, engines, groups, placement, warnings)
+
+
+class DeploymentStartError(RuntimeError):
+    """The scheduler did not hear from every engine and reader it was deployed with."""
+
+
+def _wait_until_known(scheduler: Any, names: frozenset[str], timeout_s: float) -> None:
+    """Until the scheduler knows the incarnation of every engine and reader in `names` (their
+    first reports, sent as they start). A restart is told apart from a first sighting only by an
+    incarnation the scheduler already knew: an actor killed before its first report arrived (CI
+    killed one 0.7 s into a rollout, on a loaded host) came back as a first sighting, so its dead
+    incarnation's work was never failed or reclaimed on its account, and one the heartbeat had
+    written off as dead stayed out of service."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        known = {entry.split("=", 1)[0] for entry in ray.get(scheduler.service_view.remote())["incarnations"]}
+        missing = sorted(names - known)
+        if not missing:
+            return
+        if time.monotonic() > deadline:
+            raise DeploymentStartError(
+                f"the scheduler heard nothing from {missing} within runtime.placement_timeout_s={timeout_s} s "
+                "of their start: they cannot reach its report channel (scheduler.report_port), or the host is "
+                "too loaded; raise runtime.placement_timeout_s for the latter"
+            )
+        time.sleep(0.05)
 
 
 def _start_scheduler(cfg: DualPathConfig, mode: str, store_root: str, on_head: bool) -> Any:

@@ -320,7 +320,12 @@ class GlooTransport(Transport):
                 work.wait(timedelta(seconds=self.timeout_s))
         except (RuntimeError, TransportError) as exc:
             with self._lock:
-                self._broken_ranks.add(request.peer_rank)
+                # Only a pair of the world these ops ran in: a world replaced meanwhile (an
+                # endpoint restarted, `_serve_join`) aborted them, and marking the new world's pair
+                # broken would fail every later transfer of that pair, all retries included,
+                # until yet another world formed.
+                if self._world is world:
+                    self._broken_ranks.add(request.peer_rank)
             return RegionsOutcome(True, f"{op} failed: {exc}")
         return RegionsOutcome(True, None)
 
