@@ -144,10 +144,13 @@ RESTART_WAIT_S = 180.0
 
 def wait_until_restarted(deployment: Any, role: str, timeout_s: float = RESTART_WAIT_S) -> None:
     """Until the scheduler has seen a new incarnation of one of its `role` ("engines" or
-    "readers"): a restarted process tells it as soon as its __init__ has built what it needs.
-    The bound is the restart's, not the notice's: Ray starts a new worker process that imports
-    torch and builds the model, transport and store, which on a 2-core host shared with other
-    processes took over 60 s."""
+    "readers"): a restarted engine tells it as soon as its __init__ has built what it needs, a
+    restarted reader once it also rejoined the transport. The bound is the restart's, not the
+    notice's: Ray starts a new worker process that imports torch and builds the model, transport
+    and store, which on a 2-core host shared with other processes took over 60 s. (Waits that ran
+    out here were mostly not slow restarts: a victim killed before the scheduler had heard of it
+    came back as a first sighting, never counted; the deployment now waits for every first
+    report, runtime/deploy/deployment.py.)"""
     deadline = time.monotonic() + timeout_s
     while ray.get(deployment.scheduler.call_counts.remote())[f"restarted_{role}"] < 1:
         if time.monotonic() > deadline:
