@@ -176,6 +176,10 @@ FAILURE_ROW = Row(600, "Failures, retries, recomputes", (
           "digest when an engine loaded them (read again once).",
           "short", (Target(increase(m.STORE_CHECKSUM_FAILURES, "node"), "store blocks {{node}}"),
                     Target(increase(m.KV_DIGEST_MISMATCHES, "engine"), "digest tokens {{engine}}"))),
+    Panel(604, "Refused store writes (last 5 min)",
+          "Block writes the store refused (a full disk, an I/O error), per node: those blocks and the rest of "
+          "their chain are not published (a later turn misses them); the turns are served all the same.",
+          "short", (Target(increase(m.STORE_WRITE_FAILURES, "node"), "refused writes {{node}}"),)),
 ))
 
 ROWS: tuple[Row, ...] = (SNIC_ROW, PATH_ROW, ENGINE_ROW, LATENCY_ROW, MEMORY_ROW, FAILURE_ROW)

@@ -64,11 +64,13 @@ def dualpath(*args: str, timeout_s: float = 600) -> subprocess.CompletedProcess[
 
 def workload_config():
     cfg = runtime_config(transport="gloo", verify_kv=False, metrics_interval_s=0.5, heartbeat_timeout_s=30.0)
-    # One corrupted stored block per reader (a checksum failure, a retry that recomputes it) and
-    # one corrupted layer transfer per engine (a digest mismatch, read again).
+    # One corrupted stored block per reader (a checksum failure, a retry that recomputes it), one
+    # corrupted layer transfer per engine (a digest mismatch, read again) and one block write per
+    # reader the store refuses (counted; its turn is served, the block is a later miss).
     return cfg.with_overrides(faults={"seed": 3, "faults": [
         {"site": "store_read", "mode": "corrupt", "nth": 3, "actors": "reader/*"},
         {"site": "layer_transfer", "mode": "corrupt", "nth": 5},
+        {"site": "store_publish", "mode": "fail", "nth": 1, "actors": "reader/*"},
     ]})
 
 
@@ -157,6 +159,13 @@ def prometheus_trajectories(server: PrometheusServer) -> float:
     return float(counted[0]["value"][1]) if counted else 0.0
 
 
+def scrapes_of_refused_writes(server: PrometheusServer) -> float:
+    """Scrapes that saw the refused-writes counter: a counter first exported at 1 (Ray has no
+    zero increment) needs two samples before a panel's increase() has a value."""
+    seen = server.query("max(count_over_time(ray_dualpath_store_write_failures_total[10m]))")
+    return float(seen[0]["value"][1]) if seen else 0.0
+
+
 def needs_prometheus(observed: dict[str, Any]) -> PrometheusServer:
     if observed["server"] is None:
         pytest.skip(NO_PROMETHEUS)
@@ -188,6 +197,8 @@ def test_every_dashboard_query_returns_data_from_prometheus(observed):
     finished = sum(len(set(r.table["trajectory_id"].to_pylist()) | set(r.failures)) for r in observed["results"])
     wait_for(lambda: prometheus_trajectories(server) == finished, "the driver's last export scraped",
              lambda: f"Prometheus counts {prometheus_trajectories(server)} trajectories, the rollouts finished {finished}")
+    wait_for(lambda: scrapes_of_refused_writes(server) >= 2, "the refused writes scraped twice",
+             lambda: f"{scrapes_of_refused_writes(server)} scrapes saw the refused-writes counter")
     sessions = server.label_values("SessionName", READ_QUEUE_TOKENS.exported_name)
     assert len(sessions) == 1, f"the dashboard's SessionName variable lists this cluster's one session: {sessions}"
     document = json.loads(DASHBOARD.read_text())
@@ -210,6 +221,10 @@ def test_failure_metrics_count_what_the_fault_plan_injected(observed):
     assert corrupt and float(corrupt[0]["value"][1]) == len(report["corrupt_keys"]) > 0, (
         f"store checksum failures in Prometheus ({corrupt}) equal the blocks the readers found corrupt "
         f"({len(report['corrupt_keys'])})"
+    )
+    refused = server.query("sum(ray_dualpath_store_write_failures_total)")
+    assert refused and float(refused[0]["value"][1]) >= 1, (
+        f"the block writes the fault plan failed are counted as refused store writes ({refused})"
     )
     retries = server.query("sum(ray_dualpath_retries_total)")
     assert retries and float(retries[0]["value"][1]) >= 1, f"the corrupt blocks' turns were retried ({retries})"
