@@ -14,7 +14,6 @@ from dualpath_ray.runtime.deploy.topology import (
 )
 
 
-
 def test_plan_names_nodes_engines_and_readers():
     cfg = DualPathConfig().with_overrides(cluster={"prefill_nodes": 2, "decode_nodes": 1, "gpus_per_node": 3})
     nodes = plan_nodes(cfg)
