@@ -83,8 +83,8 @@ class Metrics:
         self.finished_turns.append(result)
 
 
-def serving_of(tmp_path: Path, **runtime: object) -> tuple[Serving, Rounds]:
-    cfg = DualPathConfig().with_overrides(store={"root": str(tmp_path)}, runtime=dict(runtime))
+def serving_of(tmp_path: Path, scheduler: dict[str, object] | None = None, **runtime: object) -> tuple[Serving, Rounds]:
+    cfg = DualPathConfig().with_overrides(store={"root": str(tmp_path)}, runtime=dict(runtime), scheduler=scheduler or {})
     core = build_core(cfg, str(tmp_path), "dualpath", epoch=1_000)
     liveness = Liveness(cfg.runtime.heartbeat_timeout_s, time.monotonic, cfg.runtime.heartbeat_s)
     serving = Serving(cfg, core, Control(), liveness, Aborts(), Adoptions(), SchedulerCounts(), Metrics())  # type: ignore[arg-type]

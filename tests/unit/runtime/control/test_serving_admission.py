@@ -5,40 +5,18 @@ turns only, and never retried by the scheduler; the admitted turns are served as
 from __future__ import annotations
 
 import asyncio
-import time
 from pathlib import Path
 
-from dualpath_ray.config import DualPathConfig
 from dualpath_ray.protocol.messages import ErrorKind
-from dualpath_ray.runtime.control.aborts import Aborts
-from dualpath_ray.runtime.control.adoption import Adoptions
-from dualpath_ray.runtime.control.counts import SchedulerCounts
-from dualpath_ray.runtime.control.scheduler_core import build_core
 from dualpath_ray.runtime.control.serving import Serving
-from dualpath_ray.scheduling.liveness import Liveness
-from tests.unit.runtime.control.test_serving import (
-    Control,
-    Decisions,
-    Metrics,
-    Rounds,
-    Watchdog,
-    final,
-    placed,
-    spec_of,
-)
+from tests.unit.runtime.control.test_serving import Rounds, final, placed, serving_of, spec_of
 
 LIMIT = 3
 
 
 def limited_serving(tmp_path: Path) -> tuple[Serving, Rounds]:
     """test_serving's serving, its core built from a config with the limit."""
-    cfg = DualPathConfig().with_overrides(store={"root": str(tmp_path)}, scheduler={"max_queued_turns": LIMIT})
-    core = build_core(cfg, str(tmp_path), "dualpath", epoch=1_000)
-    liveness = Liveness(cfg.runtime.heartbeat_timeout_s, time.monotonic, cfg.runtime.heartbeat_s)
-    serving = Serving(cfg, core, Control(), liveness, Aborts(), Adoptions(), SchedulerCounts(), Metrics())  # type: ignore[arg-type]
-    decisions = Decisions(core)
-    serving.bind(decisions, Watchdog())  # type: ignore[arg-type]
-    return serving, decisions.rounds
+    return serving_of(tmp_path, scheduler={"max_queued_turns": LIMIT})
 
 
 def test_a_burst_beyond_the_limit_is_answered_queue_full_and_not_retried(tmp_path: Path) -> None:
