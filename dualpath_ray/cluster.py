@@ -200,6 +200,11 @@ class DualPathCluster:
         assert self.deployment is not None
         return {name: ray.get(r.pool_integrity.remote()) for name, r in self.deployment.readers.items()}
 
+    def pool_holders(self) -> dict[str, dict[str, int]]:
+        """node -> owner -> buffer blocks it holds: who holds a pool that is not free."""
+        assert self.deployment is not None
+        return {name: ray.get(r.pool_holders.remote()) for name, r in self.deployment.readers.items()}
+
     def page_integrity(self) -> dict[str, tuple[int, int, int, int]]:
         """decode engine -> (free, allocated, reserved, capacity) of its HBM pages, checked by the pool."""
         assert self.deployment is not None

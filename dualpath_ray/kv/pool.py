@@ -169,6 +169,14 @@ class BufferPool:
         """The extent's Full Block views, in block order."""
         return [self.buffer[slot] for slot in self._live(extent).slots]
 
+    def holders(self) -> dict[str, int]:
+        """Owner -> blocks it holds (leased or in a transfer): who to blame for a pool not free."""
+        with self._lock:
+            held: dict[str, int] = {}
+            for lease in self._leases.values():
+                held[lease.extent.owner] = held.get(lease.extent.owner, 0) + lease.extent.n_blocks
+            return held
+
     def check_integrity(self) -> PoolCounts:
         """Count every slot's state; raise PoolIntegrityError if any slot is lost or shared."""
         with self._lock:

@@ -72,6 +72,7 @@ def run(cfg: DualPathConfig, trajs, mode: str = "dualpath", during: Callable[[An
             "faults": cluster.fault_counts(),
             "integrity": cluster.integrity_report(),
             "pools": settled_pools(cluster, cfg.runtime.transfer_timeout_s),
+            "holders": cluster.pool_holders(),
             "pages": cluster.page_integrity(),
         }
         cluster.teardown()
@@ -125,7 +126,9 @@ def assert_clean(ledger: Ledger, reference: Ledger, figures: dict) -> None:
     assert not figures["failures"], f"0 failed trajectories: {figures['failures']}"
     assert diff.clean(), f"0 lost, 0 duplicated, outputs identical to the fault-free run: {diff}"
     assert figures["in_flight"] == 0, "the scheduler's queues are consistent and empty once every turn is answered"
-    assert all(free == cap for free, _, _, cap in figures["pools"].values()), f"every buffer pool free: {figures['pools']}"
+    assert all(free == cap for free, _, _, cap in figures["pools"].values()), (
+        f"every buffer pool free: {figures['pools']}, held by {figures['holders']}"
+    )
     total, free = figures["resources"]
     assert total == free, f"every Ray resource is free again after teardown: {total} vs {free}"
     assert all(free == cap and reserved == 0 for free, _, reserved, cap in figures["pages"].values()), (

@@ -28,6 +28,7 @@ every group must be asked again (an engine or reader came or went).
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any, Callable
 
 import ray.exceptions
@@ -47,6 +48,7 @@ from dualpath_ray.scheduling.scheduler import SchedulerCore
 from dualpath_ray.scheduling.types import Role
 
 Fail = Callable[[RequestSpec, str, str], None]
+LOG = logging.getLogger("dualpath_ray.scheduler")
 
 
 class Watchdog:
@@ -162,7 +164,12 @@ class Watchdog:
         made_up = [rid for rid in verdicts.handed_off if self.core.handed_off(rid)]  # lost handoff notes
         for spec in verdicts.lost:
             self.calls.lost_assignments += 1
+            LOG.warning("attempt %s is held by no live engine: failed, retried", spec.owner)
             self.fail(spec, SCHEDULER, "no live engine holds this attempt")
+        # What a lost attempt leased is reclaimed too: the process that staged it is gone without
+        # the scheduler seeing it hold the attempt (a killed engine's tasks whose push it never saw
+        # fail), and no live engine names it, so nothing will move KV into its extents or free them.
+        self._reclaim([spec.owner for spec in verdicts.lost])
         self.adoptions.check(held, silent, self.liveness.clock(), timeout_s)
         for engine, owner in self.core.stale_holdings(held):
             self.calls.stale_holdings += 1

@@ -224,6 +224,11 @@ class StorageReader(TransportEndpoint):
         return (counts.free, counts.leased, counts.in_flight, counts.capacity)
 
     @ray.method(concurrency_group="ctl")
+    def pool_holders(self) -> dict[str, int]:
+        """Owner -> blocks it holds in this node's buffer (what a pool not free is held by)."""
+        return self.core.pool.holders()
+
+    @ray.method(concurrency_group="ctl")
     def node_setup(self) -> dict[str, bool | str]:
         """How this node's hardware is used (`dualpath status`): whether the staging buffer is
         pinned and why (not), and whether its SNIC is emulated (token buckets)."""

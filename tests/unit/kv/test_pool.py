@@ -52,6 +52,7 @@ def test_lease_gives_distinct_slots_and_none_when_full() -> None:
     second = pool.lease("r2", 2)
     assert second is not None and not set(first.slots) & set(second.slots), "extents never share slots"
     assert pool.check_integrity() == PoolCounts(0, 6, 0, 6), "all slots leased"
+    assert pool.holders() == {"r1": 4, "r2": 2}, "holders names each owner with the blocks it holds"
 
 
 def test_lease_may_use_non_contiguous_slots() -> None:
