@@ -121,8 +121,12 @@ class _ReportProtocol(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # A stream transport, not necessarily a subclass of asyncio.Transport: Ray runs async
+        # actors on uvloop where it is installed (vLLM and uvicorn[standard] bring it), and
+        # uvloop's TCPTransport only implements the interface.
+        if not hasattr(transport, "write"):
+            raise TypeError(f"report channel: a stream transport was expected, got {type(transport).__name__}")
+        self.transport = transport  # type: ignore[assignment]
         self.channel.connections.add(transport)
         transport.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         transport.write(self.nonce)
