@@ -186,7 +186,7 @@ async def rollout_async(
     """`sampling`: trajectory id -> how its turns sample (each turn's max_new_tokens is its
     gen_len); greedy where absent."""
     version = cfg.model.weight_version if weight_version is None else weight_version
-    namespace = cfg.model.kv_namespace(version, block_size=cfg.store.block_size)
+    namespace = cfg.kv_namespace(version)
     previous = _previous_outputs(resume)
     bar = _Progress(sum(len(t.turns) for t in trajectories), progress)
 

@@ -136,7 +136,7 @@ class RolloutServer:
         if request_id in self.in_flight:
             raise RequestError(f"request {request_id} is already in flight; request ids must be unique", "request_id")
         scheduler_id = self.sessions.next_turn(check_session_id(session_id)) if session_id is not None else request_id
-        namespace = self.cfg.model.kv_namespace(self.weight_version, block_size=self.cfg.store.block_size)
+        namespace = self.cfg.kv_namespace(self.weight_version)
         return make_spec(scheduler_id, prompt, parsed.params, namespace), parsed.want_log_probs
 
     def _token_output(self, result: TurnResult, want_log_probs: bool) -> TokenOutput:

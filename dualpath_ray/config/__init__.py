@@ -19,6 +19,7 @@ from dualpath_ray.config.section import ConfigError
 from dualpath_ray.config.sections import (
     ClusterConfig,
     EmulationConfig,
+    EngineConfig,
     RuntimeConfig,
     SchedulerConfig,
     SimConfig,
@@ -28,7 +29,7 @@ from dualpath_ray.config.tree import DualPathConfig, parse_config
 from dualpath_ray.config.verbs import VerbsConfig
 
 __all__ = [
-    "ROPE_SCALING_TYPES", "ClusterConfig", "ConfigError", "DualPathConfig", "EmulationConfig", "ModelConfig",
+    "ROPE_SCALING_TYPES", "ClusterConfig", "ConfigError", "DualPathConfig", "EmulationConfig", "EngineConfig", "ModelConfig",
     "QosConfig", "RopeScaling", "RuntimeConfig", "SchedulerConfig", "SimConfig", "StoreConfig", "VerbsConfig",
     "load_config", "parse_config",
 ]

@@ -90,17 +90,20 @@ class ModelConfig(Section):
     )
     weight_version: int = Field(0, ge=0, description="Policy version; part of every block key.")
 
-    def kv_namespace(self, weight_version: int | None = None, *, block_size: int) -> str:
+    def kv_namespace(self, weight_version: int | None = None, *, block_size: int, engine: str = "native") -> str:
         """Namespace of the block keys these weights write: model id, weight version, the seed
         of random weights (a checkpoint's KV does not depend on it) and the KV layout of this
         model at `block_size` (store.block_size), so a persistent store written with another
-        dtype, layer count, KV heads, head dim or block size is all misses, never a bad read."""
+        dtype, layer count, KV heads, head dim or block size is all misses, never a bad read.
+        An engine backend other than native (engine.backend) marks the model id: its weights
+        (vLLM's dummy weights are not ours) and kernels compute other KV for the same tokens."""
         from dualpath_ray.kv.index import namespace_for
         from dualpath_ray.kv.layout import KVLayout
 
         version = self.weight_version if weight_version is None else weight_version
         seed = None if self.weights_dir is not None else self.seed
-        return namespace_for(self.model_id, version, seed, KVLayout.from_model(self, block_size))
+        model_id = self.model_id if engine == "native" else f"{self.model_id}+{engine}"
+        return namespace_for(model_id, version, seed, KVLayout.from_model(self, block_size))
 
     @model_validator(mode="after")
     def _heads_divide(self) -> ModelConfig:

@@ -13,6 +13,7 @@ from dualpath_ray.config.section import ConfigError, Section
 from dualpath_ray.config.sections import (
     ClusterConfig,
     EmulationConfig,
+    EngineConfig,
     RuntimeConfig,
     SchedulerConfig,
     SimConfig,
@@ -31,6 +32,7 @@ class DualPathConfig(Section):
     scheduler: SchedulerConfig = SchedulerConfig()
     emulation: EmulationConfig = EmulationConfig()
     runtime: RuntimeConfig = RuntimeConfig()
+    engine: EngineConfig = EngineConfig()
     faults: FaultPlan = FaultPlan()
     sim: SimConfig = SimConfig()
     qos: QosConfig = QosConfig()
@@ -44,6 +46,20 @@ class DualPathConfig(Section):
                 f"model.max_context ({self.model.max_context}) so that any prompt fits a prefill engine"
             )
         return self
+
+    @model_validator(mode="after")
+    def _vllm_computes_for_real(self) -> DualPathConfig:
+        if self.engine.backend == "vllm" and self.emulation.compute == "profile":
+            raise ValueError(
+                "engine.backend vllm computes with vLLM; emulation.compute profile replaces compute with fitted "
+                "times: set emulation.compute: model (or engine.backend: native)"
+            )
+        return self
+
+    def kv_namespace(self, weight_version: int | None = None) -> str:
+        """The key namespace of the blocks these engines write (ModelConfig.kv_namespace at
+        store.block_size, for this engine backend)."""
+        return self.model.kv_namespace(weight_version, block_size=self.store.block_size, engine=self.engine.backend)
 
     @model_validator(mode="after")
     def _store_faults_need_files(self) -> DualPathConfig:

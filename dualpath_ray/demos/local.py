@@ -217,7 +217,7 @@ def run_local_demo(
             layout=layout,
             store=store,
             index=PrefixIndex.rebuild(store, cfg.store.block_size),
-            namespace=cfg.model.kv_namespace(block_size=cfg.store.block_size),
+            namespace=cfg.kv_namespace(),
             max_new_tokens=cfg.runtime.max_new_tokens,
         )
         with torch.inference_mode():

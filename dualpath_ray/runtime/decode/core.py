@@ -341,6 +341,7 @@ class DecodeCore:
         with self._lock:
             self.jobs.pop(job.owner, None)
             self.pages.release(job.owner)
+        self.compute.release(job.compute_state)
 
     def _report(self, result: TurnResult) -> None:
         """The turn ended: its result leaves with this step's report."""

@@ -86,7 +86,7 @@ class EngineBase(TransportEndpoint):
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.layout = KVLayout.from_model(cfg.model, cfg.store.block_size)
-        self.compute = make_compute(cfg, self.layout, self.device)
+        self.compute = make_compute(cfg, self.layout, self.device, self.role)
         self.links = (
             make_link(cfg, f"cnic-in/{identity.engine_id}", cfg.cluster.cnic_gbps),
             make_link(cfg, f"cnic-out/{identity.engine_id}", cfg.cluster.cnic_gbps),
@@ -225,7 +225,8 @@ class EngineBase(TransportEndpoint):
         return {"core": asdict(self.core.stats), "transport": asdict(self.transport.stats()), "device": str(self.device),
                 "hbm_moves": {"mode": self.hbm.mode, **asdict(self.hbm.stats),
                               "mirrors_pinned": self.hbm.mirrors_pinned()},
-                "incarnation": self.incarnation, "sent": dict(self.sent), "worker_loops": self.loops}
+                "incarnation": self.incarnation, "sent": dict(self.sent), "worker_loops": self.loops,
+                "compute": self.compute.stats()}
 
     @ray.method(concurrency_group="control")
     def node_labels(self) -> dict[str, str]:

@@ -32,6 +32,9 @@ class ChunkSpec:
     start: int
     end: int
     offset: int
+    # How its next token is sampled, for a compute that samples inside the batch (vLLM samples in
+    # its step); the native model samples in sample_last from the params given there.
+    sampling: SamplingParams | None = None
 
     @property
     def new_tokens(self) -> int:
@@ -121,6 +124,10 @@ class EngineCompute(ABC):
     def sample_last(self, batch: PrefillBatch, which: Sequence[int], params: Sequence[SamplingParams]) -> list[Sampled]:
         """After the last layer: the token after each chunk `which[i]` (chunks that end their prompt)."""
 
+    def abandon_prefill(self, batch: PrefillBatch) -> None:
+        """The batch failed before sample_last (a transfer of its KV did): a compute that runs it
+        elsewhere (vLLM's step on its own thread) ends it and drops its results."""
+
     @abstractmethod
     def decode_state(self, tokens: Sequence[int]) -> Any:
         """Per-sequence state of a sequence about to decode (all tokens so far, KV for all but the last)."""
@@ -128,6 +135,10 @@ class EngineCompute(ABC):
     @abstractmethod
     def decode_step(self, seqs: Sequence[DecodeSeq], pages: torch.Tensor, params: Sequence[SamplingParams]) -> list[Sampled]:
         """One step of every sequence: write the input token's KV into its page, sample the next."""
+
+    def release(self, state: Any) -> None:
+        """A decode sequence left the engine (finished, failed, aborted): free what its
+        `decode_state` holds (a vLLM request)."""
 
     @abstractmethod
     def fill_pages(self, prompt: np.ndarray, start: int, end: int, pages: torch.Tensor, table: Sequence[int]) -> None:
@@ -144,6 +155,10 @@ class EngineCompute(ABC):
     def load_weights(self, source: Any) -> None:
         """New weights in place (a safetensors directory or a state dict); a bad source leaves
         the old ones."""
+
+    def stats(self) -> dict[str, Any]:
+        """What the compute itself reports for `engine_stats` (vLLM: its steps and free pages)."""
+        return {}
 
     def offload(self) -> int:
         """Sleep: move the weights off the accelerator to host memory; returns the accelerator

@@ -296,12 +296,16 @@ class PrefillCore:
 
     def _run_batch(self, batch: list[tuple[PrefillJob, int, int]]) -> None:
         offsets = span_offsets([cached + bsz for _, cached, bsz in batch])
-        chunks = [ChunkSpec(job.prompt, cached, cached + bsz, off) for (job, cached, bsz), off in zip(batch, offsets)]
+        chunks = [
+            ChunkSpec(job.prompt, cached, cached + bsz, off, job.task.request.sampling)
+            for (job, cached, bsz), off in zip(batch, offsets)
+        ]
         jobs = [job for job, _, _ in batch]
         pipeline = LayerPipeline(
             self.layout, self.window, self.ports.transport, self.settings.transfer_timeout_s,
             self.stats.pipeline, self.counters, (self.cnic_in, self.cnic_out), self.settings.kv_digests, self.kv_ready,
         )
+        state = None
         try:
             state = self.compute.begin_prefill(chunks)
             pipeline.run(jobs, chunks, lambda layer: self.compute.prefill_layer(state, layer, self.window.slot(layer)))
@@ -309,6 +313,8 @@ class PrefillCore:
             sampled = self.compute.sample_last(state, finished, [jobs[i].task.request.sampling for i in finished])
         except Exception as exc:  # noqa: BLE001 - fail this batch's requests, keep serving the others
             log_failure(LOG, f"{self.settings.engine_id}: batch of {len(jobs)}", exc)
+            if state is not None:
+                self.compute.abandon_prefill(state)
             pipeline.drain()
             self.window.reset()
             for job in jobs:

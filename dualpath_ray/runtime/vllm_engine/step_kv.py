@@ -1,0 +1,48 @@
+"""What the connector (connector.py) and a step's KV moves (steps.py) say to each other, without
+vLLM: the request parameters the host sets, one scheduled request, and the StepKV protocol."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+    from dualpath_ray.runtime.vllm_engine.pages import PageCodec
+
+EXTERNAL_TOKENS = "external_tokens"  # kv_transfer_params: tokens whose KV the connector loads
+KEY = "key"  # kv_transfer_params: our name of the request (the compute's, not vLLM's request id)
+
+
+@dataclass(frozen=True)
+class ScheduledKV:
+    """One request of a vLLM step: tokens [computed, computed + scheduled) compute now, in the
+    pages `block_ids` (block i holds tokens [i * block_size, (i + 1) * block_size))."""
+
+    key: str
+    block_ids: tuple[int, ...]
+    computed: int
+    scheduled: int
+    external: int  # tokens loaded before this step computes (0 once they are in its pages)
+
+
+class StepKV(Protocol):
+    """What one vLLM step moves (runtime/vllm_engine/steps.py implements it)."""
+
+    def begin(self, requests: list[ScheduledKV], layers: list[torch.Tensor], codec: PageCodec) -> None: ...
+
+    def before_layer(self, layer: int) -> None: ...
+
+    def after_layer(self, layer: int) -> None: ...
+
+    def end(self) -> None: ...
+
+
+def layer_index(name: str) -> int:
+    """The decoder layer of an attention layer's name ("model.layers.12.self_attn.attn")."""
+    found = re.findall(r"\.(\d+)\.", f".{name}.")
+    if not found:
+        raise ValueError(f"vLLM attention layer {name!r} names no layer index")
+    return int(found[0])
