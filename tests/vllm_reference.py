@@ -1,6 +1,6 @@
-"""Reference outputs of plain vLLM for the vllm backend's tests: the same model directory and
-dummy weights, no KV connector and no prefix cache, every turn's whole prompt computed from
-scratch. It runs in a spawned process of its own (a process holds one vLLM engine)."""
+"""The vllm backend's tests' config, and the reference outputs of plain vLLM: the same model
+directory and dummy weights, no KV connector and no prefix cache, every turn's whole prompt
+computed from scratch. It runs in a spawned process of its own (a process holds one vLLM engine)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,23 @@ import multiprocessing
 import os
 from concurrent.futures import ProcessPoolExecutor
 
-from dualpath_ray.config import DualPathConfig
+from dualpath_ray.config import DualPathConfig, parse_config
 from dualpath_ray.workload.trace import Trajectory
+
+
+def vllm_config(mode: str) -> DualPathConfig:
+    """1P1D with one engine per node, the SNICs slow enough that read queues build (so both paths
+    are used), and a model vLLM's CPU attention supports (head_dim 32, block size a multiple of 32)."""
+    return parse_config({
+        "model": {"n_layer": 2, "max_context": 2048, "hidden_size": 128, "n_head": 4, "n_kv_head": 2, "head_dim": 32},
+        "cluster": {"prefill_nodes": 1, "decode_nodes": 1, "gpus_per_node": 1, "snic_gbps": 0.064, "cnic_gbps": 8.0,
+                    "hbm_tokens_per_engine": 4096, "prefill_hbm_tokens": 2048, "buffer_blocks_per_node": 128,
+                    "cpus_per_node": 1},
+        "store": {"block_size": 64},
+        "emulation": {"enabled": True, "compute": "model"},
+        "engine": {"backend": "vllm", "vllm_max_num_seqs": 32},
+        "runtime": {"mode": mode, "transport": "gloo", "request_timeout_s": 300.0},
+    }, source="<vllm tests>")
 
 
 def _recompute(cfg: DualPathConfig, trajs: list[Trajectory]) -> dict[str, list[tuple[int, ...]]]:

@@ -126,6 +126,14 @@ def run(args: argparse.Namespace) -> int:
         print("dualpath profile: --repeats and --max-bsz must be >= 1, --warmup >= 0", file=sys.stderr)
         return 2
     cfg = load_config(args.config)
+    if cfg.engine.backend != "native":
+        print(
+            f"dualpath profile: it times the native model's layers (the simulator's and profile compute's latency "
+            f"model); engine.backend is {cfg.engine.backend}, whose kernels it cannot time. Profile with "
+            "engine.backend: native, or measure the vLLM engines with `dualpath bench`",
+            file=sys.stderr,
+        )
+        return 2
     samples = sample_grid(cfg.model.max_context, args.max_bsz)
     if len(samples) < 3:
         print(

@@ -17,3 +17,9 @@ echo "== engine throughput (in-process cores, CUDA, bf16)"
 timeout 120 "$PYTHON" benchmarks/engine_throughput.py --device cuda --dtype bfloat16 --repeats 3 --context 1024 --prefill-cached 2048 --prefill-new 512
 echo "== runtime on CUDA, bf16 (embedded 1P1D sharing this GPU), then the GPU path's checks"
 timeout 420 "$PYTHON" tests/gpu/device_check.py
+if "$PYTHON" -c "import vllm" >/dev/null 2>&1; then
+  echo "== vLLM engine backend on CUDA, bf16 (embedded 1P1D sharing this GPU)"
+  timeout 480 "$PYTHON" tests/gpu/vllm_check.py
+else
+  echo "== vLLM engine backend: skipped (vLLM is not installed; pip install -e '.[vllm]')"
+fi

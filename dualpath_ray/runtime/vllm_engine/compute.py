@@ -147,6 +147,11 @@ class VllmCompute(EngineCompute):
             self.host.abort([state.key])
 
     def fill_pages(self, prompt: np.ndarray, start: int, end: int, pages: torch.Tensor, table: Sequence[int]) -> None:
+        """Recompute tokens [start, end) into pages (oracle handoffs, KV verification) in a step of
+        its own. vLLM would run every live decode sequence in that step too and sample for it
+        outside the core's decode step, so they leave vLLM first: their KV is all in the
+        engine's pages, and each is added again (loading it back) at its next decode step."""
+        self._suspend_decode_sequences()
         key = self.host.new_key("f")
         self.host.add(key, prompt[:end], start, GREEDY, max_tokens=1)
         self.host.run(PagesStep(self.layout, pages, {key: table}))
@@ -155,6 +160,13 @@ class VllmCompute(EngineCompute):
         """vLLM's own figures: steps run, requests it holds and its free KV pages (its scheduler's count)."""
         return {"backend": "vllm", "steps": self.host.steps, "unfinished": self.host.unfinished(),
                 "free_pages": self.host.free_pages(), "decode_sequences": len(self._live)}
+
+    def _suspend_decode_sequences(self) -> None:
+        self.host.abort(list(self._live))
+        for state in self._live.values():
+            state.key = self.host.new_key("d")  # a fresh vLLM request when it is added again
+            state.added = False
+        self._live = {}
 
     # --- weights ------------------------------------------------------------------------
 

@@ -145,11 +145,12 @@ class VllmHost:
     # --- weights --------------------------------------------------------------------------
 
     def load_weights(self, source: Any) -> None:
-        """vLLM's own weight loading (the model's load_weights, names as in the HF checkpoint):
-        `source` is a safetensors directory or a state dict."""
-        model = self.core.model_executor.driver_worker.worker.model_runner.model
+        """vLLM's own in-place weight reload (names as in the HF checkpoint; it re-runs the
+        kernels' weight processing, e.g. the CPU GEMMs' packing): `source` is a safetensors
+        directory or a state dict."""
+        runner = self.core.model_executor.driver_worker.worker.model_runner
         with self._lock, torch.inference_mode():
-            model.load_weights(_named_tensors(source))
+            runner.reload_weights(weights_iterator=_named_tensors(source))
 
     def sleep(self) -> None:
         with self._lock:

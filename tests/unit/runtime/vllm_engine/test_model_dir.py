@@ -54,3 +54,14 @@ def test_attention_layer_names_give_their_decoder_layer() -> None:
     assert layer_index("language_model.model.layers.0.self_attn.attn") == 0
     with pytest.raises(ValueError, match="no layer index"):
         layer_index("lm_head")
+
+
+def test_profile_refuses_a_vllm_config_and_says_what_to_use(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from dualpath_ray.cli import main
+
+    config = tmp_path / "vllm.yaml"
+    config.write_text("engine:\n  backend: vllm\n")
+    assert main(["profile", "--config", str(config), "--out", str(tmp_path / "p.json")]) == 2, "refused, exit 2"
+    err = capsys.readouterr().err
+    assert "engine.backend is vllm" in err and "dualpath bench" in err, f"the error names the field and the fix: {err}"
+    assert not (tmp_path / "p.json").exists(), "nothing is written"
