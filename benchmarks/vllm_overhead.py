@@ -7,10 +7,12 @@ Two processes, each holding one vLLM engine of the same config (cluster_configs/
 model, vLLM's dummy weights), alternate their measurements round by round:
 - backend: the real prefill and decode cores in one process (tests/engine_harness.py, oracle
   mode: no storage or transport), their compute a VllmCompute; `--batch` requests of `--context`
-  prompt tokens are prefilled untimed, then the decode core's own step loop is timed for
-  `--steps` tokens each (its page copies, persistence and reports included);
-- direct: vllm's LLMEngine with the same arguments and no connector, the same prompts, timed
-  from the step after the first token to the last.
+  prompt tokens are prefilled and take their first decode step untimed, then the decode core's
+  own step loop is timed for the rest of their `--steps` tokens (its page copies, persistence
+  and reports included);
+- direct: vllm's LLMEngine with the same arguments and no connector, the same prompts, each
+  token's log-prob returned as the backend returns it (RL callers need them), timed from the step
+  after the first token to the last.
 Reported: decode tokens/s of each (median over the rounds) and backend / direct. The machine's
 load moves both; the ratio of interleaved rounds is the figure (benchmarks/README.md).
 """
@@ -31,6 +33,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 CONFIG = Path(__file__).resolve().parents[1] / "cluster_configs" / "vllm-cpu-1p1d.yaml"
 _STATE: dict[str, object] = {}  # per worker process: its engine, built by its first call
+# Pages for every sequence of the largest batch at once (the decode core admits only what its
+# pages hold; vLLM gets the same number of pages either way).
+HBM_TOKENS = 65536
+
+
+def bench_config():  # type: ignore[no-untyped-def]
+    from dualpath_ray.config import load_config
+
+    return load_config(CONFIG).with_overrides(emulation={"enabled": False}, cluster={"hbm_tokens_per_engine": HBM_TOKENS})
 
 
 def prompts(batch: int, context: int, round_: int) -> list[list[int]]:
@@ -43,14 +54,13 @@ def backend_round(batch: int, context: int, steps: int, round_: int) -> float:
     """Decode tokens/s of the decode core over a VllmCompute (oracle mode, in-process ports)."""
     import torch
 
-    from dualpath_ray.config import load_config
     from dualpath_ray.kv.layout import KVLayout
     from dualpath_ray.runtime.vllm_engine.compute import VllmCompute
     from dualpath_ray.scheduling.types import Role
     from tests.engine_harness import EngineHarness, Request
 
     if "harness" not in _STATE:
-        cfg = load_config(CONFIG).with_overrides(emulation={"enabled": False})
+        cfg = bench_config()
         layout = KVLayout.from_model(cfg.model, cfg.store.block_size)
         # One engine per process: prefill batches and decode steps take turns on it (all
         # prefills of a round end before its decode starts, so no step mixes the two).
@@ -58,10 +68,12 @@ def backend_round(batch: int, context: int, steps: int, round_: int) -> float:
         _STATE["harness"] = EngineHarness(cfg, Path(tempfile.mkdtemp(prefix="dualpath-vllm-bench-")), compute=compute)
     h = _STATE["harness"]
     requests = [Request(f"r{round_}-{i}", p, "pe", steps + 1) for i, p in enumerate(prompts(batch, context, round_))]
+    before = h.decode.stats.tokens  # type: ignore[attr-defined]
     h.prefill.accept([h.task(r, oracle=True) for r in requests])  # type: ignore[attr-defined]
     while h.prefill.jobs:  # type: ignore[attr-defined]
         h.prefill.step()  # type: ignore[attr-defined]
-    h.decode.step()  # type: ignore[attr-defined]  # takes the handoffs (and runs one untimed step)
+    while h.decode.stats.tokens - before < batch:  # type: ignore[attr-defined]  # handoffs taken, every sequence decoding
+        h.decode.step()  # type: ignore[attr-defined]
     first = h.decode.stats.tokens  # type: ignore[attr-defined]
     done_before = len(h.collector.results)  # type: ignore[attr-defined]
     start = time.perf_counter()
@@ -73,7 +85,6 @@ def backend_round(batch: int, context: int, steps: int, round_: int) -> float:
 
 def direct_round(batch: int, context: int, steps: int, round_: int) -> float:
     """Decode tokens/s of a plain vLLM engine on the same prompts."""
-    from dualpath_ray.config import load_config
     from dualpath_ray.runtime.vllm_engine.host import VLLM_ENV_DEFAULTS
     from dualpath_ray.runtime.vllm_engine.model_dir import dummy_model_dir
     import os
@@ -83,7 +94,7 @@ def direct_round(batch: int, context: int, steps: int, round_: int) -> float:
             os.environ.setdefault(name, value)
         from vllm import EngineArgs, LLMEngine
 
-        cfg = load_config(CONFIG)
+        cfg = bench_config()
         _STATE["engine"] = LLMEngine.from_engine_args(EngineArgs(
             model=str(dummy_model_dir(cfg.model)), load_format="dummy", skip_tokenizer_init=True,
             dtype=cfg.model.dtype, seed=cfg.model.seed, block_size=cfg.store.block_size,
@@ -98,7 +109,8 @@ def direct_round(batch: int, context: int, steps: int, round_: int) -> float:
     engine = _STATE["engine"]
     for i, p in enumerate(prompts(batch, context, round_)):
         engine.add_request(f"r{round_}-{i}", TokensPrompt(prompt_token_ids=p),  # type: ignore[attr-defined]
-                           SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True, detokenize=False))
+                           SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True, detokenize=False,
+                                                          logprobs=0))
     produced = 0
     while produced < batch:  # every request's first token (prefill), untimed
         produced += sum(1 for out in engine.step() if len(out.outputs[0].token_ids) == 1)  # type: ignore[attr-defined]

@@ -33,12 +33,16 @@ def _load_and_decode(cfg: DualPathConfig) -> dict[str, object]:
             super().__init__(*args)  # type: ignore[arg-type]
             self.loaded: dict[int, torch.Tensor] = {}
 
+        def begin(self, requests, layers, codec) -> None:  # type: ignore[no-untyped-def]
+            super().begin(requests, layers, codec)
+            self.requests, self.cache, self.codec = requests, layers, codec
+
         def before_layer(self, layer: int) -> None:
             super().before_layer(layer)
-            for request in self._requests:
+            for request in self.requests:
                 if request.external:
-                    kv = self._codec.read(self._layers[layer], request.block_ids, 0, request.external)  # type: ignore[union-attr]
-                    self.loaded[layer] = self.layout.kv_as_bytes(kv.contiguous()).clone()
+                    kv = self.codec.read(self.cache[layer], request.block_ids, 0, request.external)
+                    self.loaded[layer] = self.layout.kv_as_bytes(kv).clone()
 
     layout = KVLayout.from_model(cfg.model, cfg.store.block_size)
     compute = VllmCompute(cfg, layout, torch.device("cpu"), Role.DECODE)
@@ -50,7 +54,7 @@ def _load_and_decode(cfg: DualPathConfig) -> dict[str, object]:
 
     # The earlier turn: vLLM computes the prompt's KV, which the step saves into our pages.
     host.add("turn1", prompt, 0, greedy, 1)
-    first, _ = host.run(PagesStep(layout, pages, {"turn1": table}))["turn1"]
+    first, _ = host.run(PagesStep(layout, pages, {"turn1": table}, whole_spans=True))["turn1"]
     earlier = pages.clone()
 
     # The next step: the prompt plus its first token, the prompt's KV external, loaded from those pages.

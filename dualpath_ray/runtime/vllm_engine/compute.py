@@ -12,7 +12,7 @@ metrics and emulation decide and move exactly what they do for the native engine
   new KV back into the slot, which the pipeline then sends to the decode node.
 - A decode sequence is one vLLM request from its first step to its end: its prompt's KV is
   loaded from the decode engine's pages (where the transport put it) on its first step, and each
-  step's new KV is copied back into those pages (PagesStep), which the persistence sends to the
+  block it fills is copied back into those pages (PagesStep), which the persistence sends to the
   store as it does the native model's.
 - Oracle mode and KV verification recompute into pages (`fill_pages`) the same way.
 """
@@ -29,7 +29,7 @@ import torch
 from dualpath_ray.config import DualPathConfig
 from dualpath_ray.kv.layout import KVLayout
 from dualpath_ray.protocol.messages import SamplingParams
-from dualpath_ray.runtime.engine.compute import ChunkSpec, DecodeSeq, EngineCompute, PrefillBatch, Sampled
+from dualpath_ray.runtime.engine.compute import ChunkSpec, DecodeSeq, EngineCompute, PageFill, PrefillBatch, Sampled
 from dualpath_ray.scheduling.types import Role
 from dualpath_ray.runtime.vllm_engine.host import VllmHost
 from dualpath_ray.runtime.vllm_engine.steps import PagesStep, PrefillStep
@@ -53,6 +53,7 @@ class _DecodeState:
     key: str
     tokens: list[int]
     added: bool = False
+    suspended: bool = False  # taken out of vLLM once (fill_pages): its pages hold only its full blocks
 
 
 class VllmCompute(EngineCompute):
@@ -124,7 +125,10 @@ class VllmCompute(EngineCompute):
                                    f"{len(state.tokens) - 1} ({state.tokens[-1]})")
             if not state.added:
                 budget = max(1, self.max_context - len(state.tokens))
-                self.host.add(state.key, state.tokens, seq.position, sampling, max_tokens=budget)
+                # A sequence added again after a suspension loads only its full blocks: the pages
+                # hold a block's KV once it fills (PagesStep), and vLLM recomputes the tail.
+                external = seq.position // self.layout.block_size * self.layout.block_size if state.suspended else seq.position
+                self.host.add(state.key, state.tokens, external, sampling, max_tokens=budget)
                 state.added = True
                 self._live[state.key] = state
         sampled = self.host.run(PagesStep(self.layout, pages, {s.key: seq.table for s, seq in zip(states, seqs)}))
@@ -146,6 +150,29 @@ class VllmCompute(EngineCompute):
         if isinstance(state, _DecodeState) and self._live.pop(state.key, None) is not None:
             self.host.abort([state.key])
 
+    def fill_pages_many(self, fills: Sequence[PageFill], pages: torch.Tensor) -> None:
+        """fill_pages, batched: vLLM runs the fills in as few steps as its token budget allows
+        (a fill longer than the budget is chunked by vLLM across steps; each step saves what it
+        computed)."""
+        if not fills:
+            return
+        self._suspend_decode_sequences()
+        tables = {}
+        for fill in fills:
+            key = self.host.new_key("f")
+            self.host.add(key, fill.prompt[: fill.end], fill.start, GREEDY, max_tokens=1)
+            tables[key] = fill.table
+        self._run_to_end(tables, pages)
+
+    def _run_to_end(self, tables: dict[str, Sequence[int]], pages: torch.Tensor) -> None:
+        """Steps until every request of `tables` sampled its one token."""
+        left = set(tables)
+        while left:
+            sampled = self.host.run(PagesStep(self.layout, pages, tables, whole_spans=True))
+            if not sampled and not self.host.unfinished():
+                raise RuntimeError(f"vLLM dropped {len(left)} recomputes into pages")
+            left -= set(sampled)
+
     def fill_pages(self, prompt: np.ndarray, start: int, end: int, pages: torch.Tensor, table: Sequence[int]) -> None:
         """Recompute tokens [start, end) into pages (oracle handoffs, KV verification) in a step of
         its own. vLLM would run every live decode sequence in that step too and sample for it
@@ -154,7 +181,7 @@ class VllmCompute(EngineCompute):
         self._suspend_decode_sequences()
         key = self.host.new_key("f")
         self.host.add(key, prompt[:end], start, GREEDY, max_tokens=1)
-        self.host.run(PagesStep(self.layout, pages, {key: table}))
+        self._run_to_end({key: table}, pages)
 
     def stats(self) -> dict[str, Any]:
         """vLLM's own figures: steps run, requests it holds and its free KV pages (its scheduler's count)."""
@@ -166,6 +193,7 @@ class VllmCompute(EngineCompute):
         for state in self._live.values():
             state.key = self.host.new_key("d")  # a fresh vLLM request when it is added again
             state.added = False
+            state.suspended = True
         self._live = {}
 
     # --- weights ------------------------------------------------------------------------

@@ -12,9 +12,10 @@ request's pages in that token-major form, for the page layouts of vLLM's attenti
   head_dim], all Ks of the cache, then all Vs;
 - `blocks_first` (FlashInfer, NHD): [n_blocks, 2, block_size, n_kv_head, head_dim].
 
-Tokens [lo, hi) of a request whose pages are `block_ids` (block i holds tokens
-[i * block_size, (i + 1) * block_size)) are gathered from, or scattered into, only the pages the
-range touches; a scatter into a partly covered page keeps that page's other tokens.
+Tokens are addressed by (page, slot) positions (`token_positions`: token t of a request whose
+pages are `block_ids` is slot t % block_size of page block_ids[t // block_size]), so a step's
+tokens of every request move in one indexed gather or scatter per layer, and a scatter into a
+partly covered page keeps that page's other tokens.
 """
 
 from __future__ import annotations
@@ -58,55 +59,53 @@ class PageCodec:
             "backend with one of them (VLLM_ATTENTION_BACKEND)"
         )
 
-    # --- whole pages <-> token-major ------------------------------------------------------
+    # --- tokens by position ---------------------------------------------------------------
 
-    def _pages(self, layer: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Pages `ids` of a layer as token-major KV [len(ids) * block_size, 2, H, D] (a copy)."""
-        h, d, b = self.n_kv_head, self.head_dim, self.block_size
+    def gather(self, layer: torch.Tensor, blocks: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """The KV [T, 2, H, D] of the tokens at (blocks[i], slots[i]) of one layer: one indexed
+        read for any number of tokens of any number of requests."""
+        h, d = self.n_kv_head, self.head_dim
         if self.layout == "head_major":
-            pages = layer.index_select(0, ids).view(len(ids), h, b, 2, d)
-            return pages.permute(0, 2, 3, 1, 4).reshape(len(ids) * b, 2, h, d)
+            return layer[blocks, :, slots].view(-1, h, 2, d).permute(0, 2, 1, 3)  # [T, H, 2D] -> [T, 2, H, D]
         if self.layout == "kv_first":
-            pages = layer.index_select(1, ids)  # [2, n, b, h, d]
-            return pages.permute(1, 2, 0, 3, 4).reshape(len(ids) * b, 2, h, d)
-        pages = layer.index_select(0, ids)  # [n, 2, b, h, d]
-        return pages.permute(0, 2, 1, 3, 4).reshape(len(ids) * b, 2, h, d)
+            return layer[:, blocks, slots].permute(1, 0, 2, 3)  # [2, T, H, D]
+        return layer[blocks, :, slots]  # [T, 2, H, D]
 
-    def _put_pages(self, layer: torch.Tensor, ids: torch.Tensor, tokens: torch.Tensor) -> None:
-        """Write token-major KV [len(ids) * block_size, 2, H, D] into pages `ids` of a layer."""
-        h, d, b = self.n_kv_head, self.head_dim, self.block_size
-        n = len(ids)
+    def scatter(self, layer: torch.Tensor, blocks: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor) -> None:
+        """Store KV [T, 2, H, D] as the tokens at (blocks[i], slots[i]) of one layer."""
+        h, d = self.n_kv_head, self.head_dim
+        if kv.shape != (len(blocks), 2, h, d):
+            raise ValueError(f"KV of shape {tuple(kv.shape)} for {len(blocks)} token positions")
+        kv = kv.to(device=layer.device, dtype=layer.dtype)
         if self.layout == "head_major":
-            pages = tokens.view(n, b, 2, h, d).permute(0, 3, 1, 2, 4).reshape(n, h, b, 2 * d)
-            layer.index_copy_(0, ids, pages)
+            layer[blocks, :, slots] = kv.permute(0, 2, 1, 3).reshape(-1, h, 2 * d)
         elif self.layout == "kv_first":
-            layer.index_copy_(1, ids, tokens.view(n, b, 2, h, d).permute(2, 0, 1, 3, 4))
+            layer[:, blocks, slots] = kv.permute(1, 0, 2, 3)
         else:
-            layer.index_copy_(0, ids, tokens.view(n, b, 2, h, d).permute(0, 2, 1, 3, 4))
+            layer[blocks, :, slots] = kv
+
+    def positions(self, block_ids: Sequence[int], lo: int, hi: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(page, slot) of each of tokens [lo, hi) of a request whose pages are `block_ids`."""
+        return token_positions(block_ids, lo, hi, self.block_size, device)
 
     # --- token ranges ---------------------------------------------------------------------
 
-    def _touched(self, block_ids: Sequence[int], lo: int, hi: int, device: torch.device) -> tuple[torch.Tensor, int]:
-        """The pages tokens [lo, hi) touch, and the first of those pages' first token."""
-        if not 0 <= lo < hi or hi > len(block_ids) * self.block_size:
-            raise ValueError(f"tokens [{lo}, {hi}) are not inside {len(block_ids)} pages of {self.block_size}")
-        first, last = lo // self.block_size, (hi - 1) // self.block_size
-        ids = torch.as_tensor(list(block_ids[first : last + 1]), dtype=torch.int64, device=device)
-        return ids, first * self.block_size
-
     def read(self, layer: torch.Tensor, block_ids: Sequence[int], lo: int, hi: int) -> torch.Tensor:
         """Tokens [lo, hi) of one layer as token-major KV [hi - lo, 2, H, D] (a copy)."""
-        ids, base = self._touched(block_ids, lo, hi, layer.device)
-        return self._pages(layer, ids)[lo - base : hi - base]
+        return self.gather(layer, *self.positions(block_ids, lo, hi, layer.device))
 
     def write(self, layer: torch.Tensor, block_ids: Sequence[int], lo: int, hi: int, kv: torch.Tensor) -> None:
         """Store token-major KV [hi - lo, 2, H, D] as tokens [lo, hi) of one layer."""
-        ids, base = self._touched(block_ids, lo, hi, layer.device)
-        if kv.shape != (hi - lo, 2, self.n_kv_head, self.head_dim):
-            raise ValueError(f"KV of shape {tuple(kv.shape)} for tokens [{lo}, {hi})")
-        partial = lo != base or hi != base + len(ids) * self.block_size
-        pages = self._pages(layer, ids) if partial else torch.empty(
-            (len(ids) * self.block_size, 2, self.n_kv_head, self.head_dim), dtype=layer.dtype, device=layer.device
-        )
-        pages[lo - base : hi - base] = kv.to(device=layer.device, dtype=layer.dtype)
-        self._put_pages(layer, ids, pages)
+        self.scatter(layer, *self.positions(block_ids, lo, hi, layer.device), kv)
+
+
+def token_positions(
+    table: Sequence[int], lo: int, hi: int, block_size: int, device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(page, slot in the page) of each of tokens [lo, hi) of a sequence whose page i holds its
+    tokens [i * block_size, (i + 1) * block_size); ValueError past its pages."""
+    if not 0 <= lo <= hi or hi > len(table) * block_size:
+        raise ValueError(f"tokens [{lo}, {hi}) are not inside {len(table)} pages of {block_size}")
+    tokens = torch.arange(lo, hi, dtype=torch.int64)
+    pages = torch.as_tensor(list(table), dtype=torch.int64)[tokens // block_size]
+    return pages.to(device), (tokens % block_size).to(device)

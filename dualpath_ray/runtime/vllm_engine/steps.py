@@ -21,12 +21,13 @@ from __future__ import annotations
 import threading
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from dualpath_ray.kv.layout import KVLayout
-from dualpath_ray.runtime.engine.compute import ChunkSpec, page_token_views
-from dualpath_ray.runtime.vllm_engine.step_kv import ScheduledKV
+from dualpath_ray.runtime.engine.compute import ChunkSpec
 from dualpath_ray.runtime.vllm_engine.pages import PageCodec
+from dualpath_ray.runtime.vllm_engine.step_kv import ScheduledKV
 
 
 class StepAbandoned(RuntimeError):
@@ -44,7 +45,8 @@ class PrefillStep:
         self._cond = threading.Condition()
         self._slots: dict[int, torch.Tensor] = {}
         self._done: set[int] = set()
-        self._requests: dict[str, ScheduledKV] = {}
+        self._load: _Moves | None = None  # window rows -> vLLM (page, slot) of every chunk's past KV
+        self._save: _Moves | None = None  # vLLM (page, slot) -> window rows of every chunk's new KV
         self._layers: list[torch.Tensor] = []
         self._codec: PageCodec | None = None
         self._abandoned = False
@@ -90,26 +92,28 @@ class PrefillStep:
                     f"vLLM scheduled tokens [{got.computed}, {got.computed + got.scheduled}) of a chunk of "
                     f"[{chunk.start}, {chunk.end})"
                 )
-        self._requests, self._layers, self._codec = by_key, layers, codec
+        device = layers[0].device
+        self._load = _moves(
+            [(by_key[k].block_ids, c.offset, 0, c.start) for k, c in self.chunks.items() if c.start], codec, device
+        )
+        self._save = _moves([(by_key[k].block_ids, c.offset, c.start, c.end) for k, c in self.chunks.items()], codec, device)
+        self._layers, self._codec = layers, codec
 
     def before_layer(self, layer: int) -> None:
         slot = self._wait_slot(layer)
-        if slot is None:
+        if slot is None or self._load is None:
             return
         assert self._codec is not None
-        for key, chunk in self.chunks.items():
-            if chunk.start:
-                past = self.layout.bytes_as_kv(slot[chunk.offset : chunk.offset + chunk.start])
-                self._codec.write(self._layers[layer], self._requests[key].block_ids, 0, chunk.start, past)
+        rows, pages, slots = self._load
+        self._codec.scatter(self._layers[layer], pages, slots, self.layout.bytes_as_kv(slot[rows]))
 
     def after_layer(self, layer: int) -> None:
         with self._cond:
             slot = None if self._abandoned else self._slots.get(layer)
-        if slot is not None:
+        if slot is not None and self._save is not None:
             assert self._codec is not None
-            for key, chunk in self.chunks.items():
-                kv = self._codec.read(self._layers[layer], self._requests[key].block_ids, chunk.start, chunk.end)
-                slot[chunk.offset + chunk.start : chunk.offset + chunk.end].copy_(self.layout.kv_as_bytes(kv.contiguous()))
+            rows, pages, slots = self._save
+            slot[rows] = self.layout.kv_as_bytes(self._codec.gather(self._layers[layer], pages, slots))
         with self._cond:
             self._done.add(layer)
             self._cond.notify_all()
@@ -126,13 +130,23 @@ class PrefillStep:
 
 class PagesStep:
     """A step whose past KV comes from the engine's pages [n_pages, n_layer, block_size, bytes]
-    and whose computed KV goes back to them: `tables[key]` is each sequence's page table."""
+    and whose computed KV goes back to them: `tables[key]` is each sequence's page table.
 
-    def __init__(self, layout: KVLayout, pages: torch.Tensor, tables: dict[str, Sequence[int]]) -> None:
+    With `whole_spans` (a recompute into pages: oracle handoffs, KV verification) every token the
+    step computes is saved. Otherwise (decode steps) only the blocks the step completes are, each
+    whole, from vLLM's pages: the decode core reads its pages only to persist full blocks (and
+    verification reads the prompt, which the transport put there), so a decode step copies
+    nothing until a block fills, once every block_size steps per sequence."""
+
+    def __init__(
+        self, layout: KVLayout, pages: torch.Tensor, tables: dict[str, Sequence[int]], whole_spans: bool = False,
+    ) -> None:
         self.layout = layout
         self.pages = pages
         self.tables = tables
-        self._requests: list[ScheduledKV] = []
+        self.whole_spans = whole_spans
+        self._load: tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._save: tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
         self._layers: list[torch.Tensor] = []
         self._codec: PageCodec | None = None
 
@@ -140,25 +154,63 @@ class PagesStep:
         unknown = [r.key for r in requests if r.key not in self.tables]
         if unknown:
             raise RuntimeError(f"vLLM scheduled sequences this step does not hold: {unknown[:5]}")
-        self._requests, self._layers, self._codec = requests, layers, codec
+        device = layers[0].device
+        loads = [(r, 0, r.external) for r in requests if r.external]
+        if self.whole_spans:
+            saves = [(r, r.computed, r.computed + r.scheduled) for r in requests]
+        else:
+            saves = [span for r in requests if (span := self._completed_blocks(r)) is not None]
+        self._load = self._positions(loads, codec, device) if loads else None
+        self._save = self._positions(saves, codec, device) if saves else None
+        self._layers, self._codec = layers, codec
+
+    def _completed_blocks(self, request: ScheduledKV) -> tuple[ScheduledKV, int, int] | None:
+        """The whole blocks whose last token this step computes, as one span of tokens, or None:
+        block b is completed when computed < (b + 1) * block_size <= computed + scheduled."""
+        size = self.layout.block_size
+        lo = request.computed // size * size
+        hi = (request.computed + request.scheduled) // size * size
+        return (request, lo, hi) if hi > lo else None
+
+    def _positions(self, spans: list[tuple[ScheduledKV, int, int]], codec: PageCodec, device: torch.device) -> tuple:
+        """((our page, slot), (vLLM page, slot)) of every token of these spans, in one order:
+        four tensors for the whole step (a decode step's spans are one token each)."""
+        size = self.layout.block_size
+        tokens = [np.arange(lo, hi) for _, lo, hi in spans]
+        ours = np.concatenate([np.asarray(self.tables[r.key])[t // size] for (r, _, _), t in zip(spans, tokens)])
+        theirs = np.concatenate([np.asarray(r.block_ids)[t // codec.block_size] for (r, _, _), t in zip(spans, tokens)])
+        slots = np.concatenate(tokens)
+        return ((torch.from_numpy(ours).to(self.pages.device), torch.from_numpy(slots % size).to(self.pages.device)),
+                (torch.from_numpy(theirs).to(device), torch.from_numpy(slots % codec.block_size).to(device)))
 
     def before_layer(self, layer: int) -> None:
+        if self._load is None:
+            return
         assert self._codec is not None
-        for request in self._requests:
-            if request.external:
-                views = page_token_views(self.pages, layer, self.tables[request.key], 0, request.external)
-                past = self.layout.bytes_as_kv(torch.cat(views) if len(views) > 1 else views[0])
-                self._codec.write(self._layers[layer], request.block_ids, 0, request.external, past)
+        (pages, slots), (vpages, vslots) = self._load
+        past = self.layout.bytes_as_kv(self.pages[pages, layer, slots])
+        self._codec.scatter(self._layers[layer], vpages, vslots, past)
 
     def after_layer(self, layer: int) -> None:
+        if self._save is None:
+            return
         assert self._codec is not None
-        for request in self._requests:
-            lo, hi = request.computed, request.computed + request.scheduled
-            data = self.layout.kv_as_bytes(self._codec.read(self._layers[layer], request.block_ids, lo, hi).contiguous())
-            offset = 0
-            for view in page_token_views(self.pages, layer, self.tables[request.key], lo, hi):
-                view.copy_(data[offset : offset + view.shape[0]])
-                offset += view.shape[0]
+        (pages, slots), (vpages, vslots) = self._save
+        kv = self._codec.gather(self._layers[layer], vpages, vslots)
+        self.pages[pages, layer, slots] = self.layout.kv_as_bytes(kv)
 
     def end(self) -> None:
         return None
+
+
+_Moves = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # window rows, vLLM pages, vLLM slots
+
+
+def _moves(spans: list[tuple[Sequence[int], int, int, int]], codec: PageCodec, device: torch.device) -> _Moves | None:
+    """Window rows and vLLM (page, slot) of tokens [lo, hi) of each (block_ids, offset, lo, hi):
+    a chunk's token t sits in window row offset + t."""
+    if not spans:
+        return None
+    rows = torch.cat([torch.arange(offset + lo, offset + hi, dtype=torch.int64) for _, offset, lo, hi in spans])
+    positions = [codec.positions(block_ids, lo, hi, device) for block_ids, _, lo, hi in spans]
+    return rows.to(device), torch.cat([p for p, _ in positions]), torch.cat([s for _, s in positions])
