@@ -57,3 +57,51 @@ def test_vllm_engines_serve_a_multi_turn_rollout_exactly(reference, mode: str) -
     assert prefill["handoffs"] > 0 and prefill["pipeline"]["reads"] > 0, (
         f"the prefill engine's layer pipeline moved the hit KV into vLLM's batches: {prefill}"
     )
+
+
+def test_sleep_wake_weight_update_and_abort_on_vllm_engines(reference) -> None:
+    """The between-rollout controls on vLLM engines: sleep and wake keep serving the same tokens,
+    a weight update reaches vLLM's model (an all-zero lm_head makes greedy decoding emit token 0)
+    and moves to a new key namespace, and an aborted trajectory leaves nothing in vLLM or leased."""
+    import threading
+    import time
+
+    from tests.helpers import trajectories as make_trajectories
+
+    trajs, expected = reference
+    cfg = vllm_config("dualpath")
+    cluster = DualPathCluster.start(cfg)
+    try:
+        cluster.deploy("dualpath")
+        first = cluster.rollout(trajs[:2], progress=False)
+        cluster.sleep()
+        cluster.wake_up()
+        again = cluster.rollout(trajs[:2], progress=False)
+        cluster.update_weights(1, {"lm_head.weight": __import__("torch").zeros(cfg.model.vocab_size, cfg.model.hidden_size)})
+        zeroed = cluster.rollout(trajs[:1], progress=False)
+        long = make_trajectories(count=2, turns=2, first=100, appended=20, gen=400, seed=5)
+        aborter = threading.Timer(1.0, lambda: cluster.abort_trajectory(long[0].trajectory_id))
+        aborter.start()
+        started = time.monotonic()
+        cut = cluster.rollout(long, progress=False)
+        aborter.join()
+        elapsed = time.monotonic() - started
+        time.sleep(1.0)
+        stats = cluster.engine_stats()
+        pools = cluster.pool_integrity()
+    finally:
+        cluster.shutdown()
+    outputs = {tid: [t.output_tokens for t in turns] for tid, turns in first.turn_results.items()}
+    assert outputs == {tid: expected[tid] for tid in outputs}, "the first rollout is plain vLLM's"
+    assert {tid: [t.output_tokens for t in turns] for tid, turns in again.turn_results.items()} == outputs, (
+        "after sleep and wake the engines generate the same tokens"
+    )
+    tokens = [tok for turns in zeroed.turn_results.values() for t in turns for tok in t.output_tokens]
+    assert tokens and set(tokens) == {0}, f"the weight update reached vLLM's model: {set(tokens)}"
+    assert long[0].trajectory_id in cut.aborted, f"the trajectory was aborted ({elapsed:.1f} s): {cut.aborted}"
+    assert not cut.failures, f"aborting one trajectory fails none: {cut.failures}"
+    decode = stats["decode/d0/g0"]["compute"]
+    assert decode["unfinished"] == 0 and decode["decode_sequences"] == 0, (
+        f"nothing of the aborted turn is left in vLLM: {decode}"
+    )
+    assert all(free == capacity for free, _, _, capacity in pools.values()), f"nothing is left leased: {pools}"

@@ -35,7 +35,7 @@ VLLM_ENV_DEFAULTS = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine in this process: its connector sees our memory
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # several engines share a node's cores; Ray places them
     "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB; the pages are num_gpu_blocks_override blocks inside it
-    "VLLM_LOGGING_LEVEL": "WARNING",
+    "VLLM_LOGGING_LEVEL": "ERROR",  # its start-up warnings (no tcmalloc, Triton, ...) would flood every command
 }
 
 
