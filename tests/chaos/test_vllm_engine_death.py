@@ -34,7 +34,11 @@ def reference():
 @pytest.mark.parametrize("victim", ["prefill/p0/g0", "decode/d0/g0"])
 def test_a_killed_vllm_engine_is_restarted_and_loses_nothing(reference, victim: str) -> None:
     trajs, expected = reference
-    cfg = vllm_config("dualpath").with_overrides(runtime={"heartbeat_s": 0.2, "heartbeat_timeout_s": 3.0})
+    # max_attempts as the fault-plan chaos tests use: with one decode engine, every turn in flight
+    # waits for that engine, and a vLLM engine takes 10-30 s to start again here.
+    cfg = vllm_config("dualpath").with_overrides(
+        runtime={"heartbeat_s": 0.2, "heartbeat_timeout_s": 3.0, "max_attempts": 8}
+    )
     cluster = DualPathCluster.start(cfg)
     killed_at: list[float] = []
     try:
