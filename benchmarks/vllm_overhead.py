@@ -85,24 +85,15 @@ def backend_round(batch: int, context: int, steps: int, round_: int) -> float:
 
 def direct_round(batch: int, context: int, steps: int, round_: int) -> float:
     """Decode tokens/s of a plain vLLM engine on the same prompts."""
-    from dualpath_ray.runtime.vllm_engine.host import VLLM_ENV_DEFAULTS
-    from dualpath_ray.runtime.vllm_engine.model_dir import dummy_model_dir
-    import os
+    from dualpath_ray.runtime.vllm_engine.host import configure_vllm_env, engine_kwargs
+    from dualpath_ray.scheduling.types import Role
 
     if "engine" not in _STATE:
-        for name, value in VLLM_ENV_DEFAULTS.items():
-            os.environ.setdefault(name, value)
+        configure_vllm_env()
         from vllm import EngineArgs, LLMEngine
 
-        cfg = bench_config()
-        _STATE["engine"] = LLMEngine.from_engine_args(EngineArgs(
-            model=str(dummy_model_dir(cfg.model)), load_format="dummy", skip_tokenizer_init=True,
-            dtype=cfg.model.dtype, seed=cfg.model.seed, block_size=cfg.store.block_size,
-            max_model_len=cfg.model.max_context, enable_prefix_caching=False,
-            num_gpu_blocks_override=cfg.cluster.hbm_tokens_per_engine // cfg.store.block_size + cfg.engine.vllm_max_num_seqs,
-            max_num_seqs=cfg.engine.vllm_max_num_seqs, max_num_batched_tokens=cfg.cluster.prefill_hbm_tokens,
-            async_scheduling=False, enforce_eager=True,
-        ))
+        # The backend's decode engine, built from the same arguments, without the connector.
+        _STATE["engine"] = LLMEngine.from_engine_args(EngineArgs(**engine_kwargs(bench_config(), Role.DECODE)))
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -110,7 +101,7 @@ def direct_round(batch: int, context: int, steps: int, round_: int) -> float:
     for i, p in enumerate(prompts(batch, context, round_)):
         engine.add_request(f"r{round_}-{i}", TokensPrompt(prompt_token_ids=p),  # type: ignore[attr-defined]
                            SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True, detokenize=False,
-                                                          logprobs=0))
+                                          logprobs=0))
     produced = 0
     while produced < batch:  # every request's first token (prefill), untimed
         produced += sum(1 for out in engine.step() if len(out.outputs[0].token_ids) == 1)  # type: ignore[attr-defined]

@@ -5,7 +5,6 @@ computed from scratch. It runs in a spawned process of its own (a process holds 
 from __future__ import annotations
 
 import multiprocessing
-import os
 from concurrent.futures import ProcessPoolExecutor
 
 from dualpath_ray.config import DualPathConfig, parse_config
@@ -28,20 +27,14 @@ def vllm_config(mode: str) -> DualPathConfig:
 
 
 def _recompute(cfg: DualPathConfig, trajs: list[Trajectory]) -> dict[str, list[tuple[int, ...]]]:
-    from dualpath_ray.runtime.vllm_engine.host import VLLM_ENV_DEFAULTS
-    from dualpath_ray.runtime.vllm_engine.model_dir import dummy_model_dir
+    from dualpath_ray.runtime.vllm_engine.host import configure_vllm_env, engine_kwargs
+    from dualpath_ray.scheduling.types import Role
 
-    for name, value in VLLM_ENV_DEFAULTS.items():
-        os.environ.setdefault(name, value)
+    configure_vllm_env()
     from vllm import EngineArgs, LLMEngine, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    engine = LLMEngine.from_engine_args(EngineArgs(
-        model=str(dummy_model_dir(cfg.model)), load_format="dummy", skip_tokenizer_init=True, dtype=cfg.model.dtype,
-        seed=cfg.model.seed, block_size=cfg.store.block_size, max_model_len=cfg.model.max_context,
-        enable_prefix_caching=False, num_gpu_blocks_override=cfg.model.max_context // cfg.store.block_size + 4,
-        async_scheduling=False, enforce_eager=True,
-    ))
+    engine = LLMEngine.from_engine_args(EngineArgs(**engine_kwargs(cfg, Role.DECODE)))  # the decode engine, no connector
     outputs: dict[str, list[tuple[int, ...]]] = {}
     for traj in trajs:
         context: list[int] = []

@@ -134,7 +134,9 @@ class EngineCompute(ABC):
 
     @abstractmethod
     def decode_step(self, seqs: Sequence[DecodeSeq], pages: torch.Tensor, params: Sequence[SamplingParams]) -> list[Sampled]:
-        """One step of every sequence: write the input token's KV into its page, sample the next."""
+        """One step of every sequence: compute the input token's KV, sample the next. The input
+        token's KV is in its page once its block is full at the latest (what the persistence
+        reads); the native model writes every token at once, vLLM's compute copies whole blocks."""
 
     def release(self, state: Any) -> None:
         """A decode sequence left the engine (finished, failed, aborted): free what its

@@ -105,7 +105,7 @@ class VllmCompute(EngineCompute):
             return
         run.step.abandon()
         run.thread.join(self.timeout_s)
-        self.host.abort([key for key in run.keys])
+        self.host.abort(list(run.keys))
 
     # --- decode -------------------------------------------------------------------------
 
@@ -151,9 +151,12 @@ class VllmCompute(EngineCompute):
             self.host.abort([state.key])
 
     def fill_pages_many(self, fills: Sequence[PageFill], pages: torch.Tensor) -> None:
-        """fill_pages, batched: vLLM runs the fills in as few steps as its token budget allows
-        (a fill longer than the budget is chunked by vLLM across steps; each step saves what it
-        computed)."""
+        """Recompute tokens [start, end) of each fill into pages (oracle handoffs, KV
+        verification), in as few vLLM steps as its token budget allows (a fill longer than the
+        budget is chunked by vLLM across steps; each step saves what it computed). vLLM would run
+        every live decode sequence in those steps too and sample for it outside the core's decode
+        step, so they leave vLLM first; each is added again at its next decode step, loading the
+        full blocks the engine's pages hold and recomputing its tail."""
         if not fills:
             return
         self._suspend_decode_sequences()
@@ -162,10 +165,6 @@ class VllmCompute(EngineCompute):
             key = self.host.new_key("f")
             self.host.add(key, fill.prompt[: fill.end], fill.start, GREEDY, max_tokens=1)
             tables[key] = fill.table
-        self._run_to_end(tables, pages)
-
-    def _run_to_end(self, tables: dict[str, Sequence[int]], pages: torch.Tensor) -> None:
-        """Steps until every request of `tables` sampled its one token."""
         left = set(tables)
         while left:
             sampled = self.host.run(PagesStep(self.layout, pages, tables, whole_spans=True))
@@ -174,14 +173,7 @@ class VllmCompute(EngineCompute):
             left -= set(sampled)
 
     def fill_pages(self, prompt: np.ndarray, start: int, end: int, pages: torch.Tensor, table: Sequence[int]) -> None:
-        """Recompute tokens [start, end) into pages (oracle handoffs, KV verification) in a step of
-        its own. vLLM would run every live decode sequence in that step too and sample for it
-        outside the core's decode step, so they leave vLLM first: their KV is all in the
-        engine's pages, and each is added again (loading it back) at its next decode step."""
-        self._suspend_decode_sequences()
-        key = self.host.new_key("f")
-        self.host.add(key, prompt[:end], start, GREEDY, max_tokens=1)
-        self._run_to_end({key: table}, pages)
+        self.fill_pages_many([PageFill(prompt, start, end, table)], pages)
 
     def stats(self) -> dict[str, Any]:
         """vLLM's own figures: steps run, requests it holds and its free KV pages (its scheduler's count)."""

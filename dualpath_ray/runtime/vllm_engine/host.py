@@ -39,6 +39,35 @@ VLLM_ENV_DEFAULTS = {
 }
 
 
+def configure_vllm_env() -> None:
+    """This process's vLLM settings (VLLM_ENV_DEFAULTS where unset), before vLLM is imported."""
+    for name, value in VLLM_ENV_DEFAULTS.items():
+        os.environ.setdefault(name, value)
+    if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] != "0":
+        raise RuntimeError("the vllm backend runs vLLM in the engine's process: unset VLLM_ENABLE_V1_MULTIPROCESSING")
+
+
+def engine_kwargs(cfg: DualPathConfig, role: Role) -> dict[str, Any]:
+    """vLLM's EngineArgs for an engine of `role`, the connector aside: a benchmark or test that
+    drives the same engine directly builds it from these."""
+    model_dir = Path(cfg.engine.vllm_model) if cfg.engine.vllm_model is not None else dummy_model_dir(cfg.model)
+    check_kv_geometry(model_dir, cfg.model)
+    tokens = cfg.cluster.prefill_hbm_tokens if role is Role.PREFILL else cfg.cluster.hbm_tokens_per_engine
+    max_seqs = cfg.engine.vllm_max_num_seqs
+    return dict(
+        model=str(model_dir), load_format="dummy" if cfg.engine.vllm_model is None else "auto",
+        skip_tokenizer_init=True, dtype=cfg.model.dtype, seed=cfg.model.seed,
+        block_size=cfg.store.block_size, max_model_len=cfg.model.max_context,
+        enable_prefix_caching=False,  # the store is the prefix cache; external tokens come through the connector
+        num_gpu_blocks_override=-(-tokens // cfg.store.block_size) + max_seqs, max_num_seqs=max_seqs,
+        # A prefill batch is one step whatever its size (the window bounds it); a decode step runs every sequence.
+        max_num_batched_tokens=max(cfg.cluster.prefill_hbm_tokens, max_seqs),
+        async_scheduling=False, enforce_eager=cfg.engine.vllm_enforce_eager,
+        enable_sleep_mode=torch.cuda.is_available(),  # sleep between rollouts frees the GPU (not on the CPU)
+        gpu_memory_utilization=cfg.engine.vllm_gpu_memory_utilization,
+    )
+
+
 def vllm_missing_hint() -> str:
     return (
         "engine.backend vllm needs vLLM in the engines' Python: pip install 'dualpath-ray[vllm]' on GPU machines, "
@@ -51,36 +80,17 @@ class VllmHost:
     """The engine, its two connector instances, and the calls the compute makes on them."""
 
     def __init__(self, cfg: DualPathConfig, layout: KVLayout, role: Role) -> None:
-        for name, value in VLLM_ENV_DEFAULTS.items():
-            os.environ.setdefault(name, value)
-        if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] != "0":
-            raise RuntimeError("the vllm backend runs vLLM in the engine's process: unset VLLM_ENABLE_V1_MULTIPROCESSING")
+        configure_vllm_env()
         try:
             from vllm import EngineArgs, LLMEngine
             from vllm.config import KVTransferConfig
             from vllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group
         except ImportError as exc:
             raise RuntimeError(f"{vllm_missing_hint()} ({exc})") from None
-        self.layout = layout
-        self.role = role
         if not torch.cuda.is_available():
             check_cpu_attention(layout)
-        model_dir = Path(cfg.engine.vllm_model) if cfg.engine.vllm_model is not None else dummy_model_dir(cfg.model)
-        check_kv_geometry(model_dir, cfg.model)
-        tokens = cfg.cluster.prefill_hbm_tokens if role is Role.PREFILL else cfg.cluster.hbm_tokens_per_engine
-        max_seqs = cfg.engine.vllm_max_num_seqs
-        blocks = layout.blocks_for(tokens) + max_seqs
         args = EngineArgs(
-            model=str(model_dir), load_format="dummy" if cfg.engine.vllm_model is None else "auto",
-            skip_tokenizer_init=True, dtype=cfg.model.dtype, seed=cfg.model.seed,
-            block_size=layout.block_size, max_model_len=cfg.model.max_context,
-            enable_prefix_caching=False,  # the store is the prefix cache; external tokens come through the connector
-            num_gpu_blocks_override=blocks, max_num_seqs=max_seqs,
-            # A prefill batch is one step whatever its size (the window bounds it); a decode step runs every sequence.
-            max_num_batched_tokens=max(cfg.cluster.prefill_hbm_tokens, max_seqs),
-            async_scheduling=False, enforce_eager=cfg.engine.vllm_enforce_eager,
-            enable_sleep_mode=torch.cuda.is_available(),  # sleep between rollouts frees the GPU (not on the CPU)
-            gpu_memory_utilization=cfg.engine.vllm_gpu_memory_utilization,
+            **engine_kwargs(cfg, role),
             kv_transfer_config=KVTransferConfig(
                 kv_connector="DualPathConnector", kv_role="kv_both", kv_connector_module_path=CONNECTOR_MODULE,
             ),

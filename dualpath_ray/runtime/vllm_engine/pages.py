@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 import torch
 
 LAYOUTS = ("head_major", "kv_first", "blocks_first")
@@ -84,28 +85,35 @@ class PageCodec:
         else:
             layer[blocks, :, slots] = kv
 
-    def positions(self, block_ids: Sequence[int], lo: int, hi: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(page, slot) of each of tokens [lo, hi) of a request whose pages are `block_ids`."""
-        return token_positions(block_ids, lo, hi, self.block_size, device)
+    def positions(self, spans: Sequence[tuple[Sequence[int], int, int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(page, slot) of every token of each (block_ids, lo, hi) span, in vLLM's pages."""
+        return token_positions(spans, self.block_size, device)
 
     # --- token ranges ---------------------------------------------------------------------
 
     def read(self, layer: torch.Tensor, block_ids: Sequence[int], lo: int, hi: int) -> torch.Tensor:
         """Tokens [lo, hi) of one layer as token-major KV [hi - lo, 2, H, D] (a copy)."""
-        return self.gather(layer, *self.positions(block_ids, lo, hi, layer.device))
+        return self.gather(layer, *self.positions([(block_ids, lo, hi)], layer.device))
 
     def write(self, layer: torch.Tensor, block_ids: Sequence[int], lo: int, hi: int, kv: torch.Tensor) -> None:
         """Store token-major KV [hi - lo, 2, H, D] as tokens [lo, hi) of one layer."""
-        self.scatter(layer, *self.positions(block_ids, lo, hi, layer.device), kv)
+        self.scatter(layer, *self.positions([(block_ids, lo, hi)], layer.device), kv)
 
 
 def token_positions(
-    table: Sequence[int], lo: int, hi: int, block_size: int, device: torch.device | str = "cpu"
+    spans: Sequence[tuple[Sequence[int], int, int]], block_size: int, device: torch.device | str = "cpu"
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(page, slot in the page) of each of tokens [lo, hi) of a sequence whose page i holds its
-    tokens [i * block_size, (i + 1) * block_size); ValueError past its pages."""
-    if not 0 <= lo <= hi or hi > len(table) * block_size:
-        raise ValueError(f"tokens [{lo}, {hi}) are not inside {len(table)} pages of {block_size}")
-    tokens = torch.arange(lo, hi, dtype=torch.int64)
-    pages = torch.as_tensor(list(table), dtype=torch.int64)[tokens // block_size]
-    return pages.to(device), (tokens % block_size).to(device)
+    """(page, slot in the page) of every token of each (table, lo, hi) span, spans in order: a
+    sequence's page table[i] holds its tokens [i * block_size, (i + 1) * block_size). Two tensors
+    for any number of spans (a decode step's are one token each); ValueError past a table's pages."""
+    pages, slots = [], []
+    for table, lo, hi in spans:
+        if not 0 <= lo <= hi or hi > len(table) * block_size:
+            raise ValueError(f"tokens [{lo}, {hi}) are not inside {len(table)} pages of {block_size}")
+        tokens = np.arange(lo, hi, dtype=np.int64)
+        pages.append(np.asarray(table, dtype=np.int64)[tokens // block_size])
+        slots.append(tokens % block_size)
+    if not pages:
+        empty = torch.empty(0, dtype=torch.int64, device=device)
+        return empty, empty
+    return torch.from_numpy(np.concatenate(pages)).to(device), torch.from_numpy(np.concatenate(slots)).to(device)

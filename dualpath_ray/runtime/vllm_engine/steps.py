@@ -21,18 +21,12 @@ from __future__ import annotations
 import threading
 from typing import Sequence
 
-import numpy as np
 import torch
 
 from dualpath_ray.kv.layout import KVLayout
 from dualpath_ray.runtime.engine.compute import ChunkSpec
-from dualpath_ray.runtime.vllm_engine.pages import PageCodec
+from dualpath_ray.runtime.vllm_engine.pages import PageCodec, token_positions
 from dualpath_ray.runtime.vllm_engine.step_kv import ScheduledKV
-
-
-class StepAbandoned(RuntimeError):
-    """The batch was given up (its transfers failed): vLLM's forward finishes on stale pages and
-    its outputs are dropped."""
 
 
 class PrefillStep:
@@ -173,15 +167,9 @@ class PagesStep:
         return (request, lo, hi) if hi > lo else None
 
     def _positions(self, spans: list[tuple[ScheduledKV, int, int]], codec: PageCodec, device: torch.device) -> tuple:
-        """((our page, slot), (vLLM page, slot)) of every token of these spans, in one order:
-        four tensors for the whole step (a decode step's spans are one token each)."""
-        size = self.layout.block_size
-        tokens = [np.arange(lo, hi) for _, lo, hi in spans]
-        ours = np.concatenate([np.asarray(self.tables[r.key])[t // size] for (r, _, _), t in zip(spans, tokens)])
-        theirs = np.concatenate([np.asarray(r.block_ids)[t // codec.block_size] for (r, _, _), t in zip(spans, tokens)])
-        slots = np.concatenate(tokens)
-        return ((torch.from_numpy(ours).to(self.pages.device), torch.from_numpy(slots % size).to(self.pages.device)),
-                (torch.from_numpy(theirs).to(device), torch.from_numpy(slots % codec.block_size).to(device)))
+        """((our page, slot), (vLLM page, slot)) of every token of these spans, in one order."""
+        ours = token_positions([(self.tables[r.key], lo, hi) for r, lo, hi in spans], self.layout.block_size, self.pages.device)
+        return ours, codec.positions([(r.block_ids, lo, hi) for r, lo, hi in spans], device)
 
     def before_layer(self, layer: int) -> None:
         if self._load is None:
@@ -212,5 +200,5 @@ def _moves(spans: list[tuple[Sequence[int], int, int, int]], codec: PageCodec, d
     if not spans:
         return None
     rows = torch.cat([torch.arange(offset + lo, offset + hi, dtype=torch.int64) for _, offset, lo, hi in spans])
-    positions = [codec.positions(block_ids, lo, hi, device) for block_ids, _, lo, hi in spans]
-    return rows.to(device), torch.cat([p for p, _ in positions]), torch.cat([s for _, s in positions])
+    pages, slots = codec.positions([(block_ids, lo, hi) for block_ids, _, lo, hi in spans], device)
+    return rows.to(device), pages, slots
