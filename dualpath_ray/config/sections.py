@@ -124,6 +124,25 @@ class SchedulerConfig(Section):
         "queue (the paper's); proportional = split between the prefill-side and decode-side readers in proportion "
         "to their read-queue headroom below alpha (the paper's future work; so far the simulator only).",
     )
+    stage_tool_time: bool = Field(
+        True,
+        description="Beyond the paper: when a turn ends with the caller's hint that its session continues "
+        "(the trace's tool_latency_s in rollouts; expect_next_turn_s on the rollout server and the OpenAI "
+        "endpoint), stage the next turn's hit KV on a decode node's buffer while the tool runs, behind every "
+        "real read, and read that turn's hits from there (dualpath mode only; scheduling/staging.py). Without "
+        "a hint nothing is staged.",
+    )
+    stage_slack: float = Field(
+        0.5, ge=0,
+        description="A staged extent is held for the hinted wait times (1 + stage_slack), plus stage_margin_s; "
+        "then its reader frees it (a session that never returns costs one expired extent).",
+    )
+    stage_margin_s: float = Field(2.0, ge=0, description="See stage_slack.")
+    stage_buffer_fraction: float = Field(
+        0.5, gt=0, le=1,
+        description="At most this share of a node's buffer holds staged extents; a real lease that finds the "
+        "buffer full cancels the oldest staged extents first.",
+    )
     max_queued_turns: int = Field(
         65536, ge=0,
         description="Most turns that may wait at the scheduler for an engine (its decode and prefill queues; "

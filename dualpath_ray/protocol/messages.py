@@ -133,11 +133,26 @@ class RequestSpec:
     # served requests, one per nanosecond at the very most).
     epoch: int = 0
     stream: bool = False  # the decode engine sends its tokens as they are sampled (TokenChunk)
+    # The caller's hint that its session continues about this many seconds after this turn ends
+    # (an agent's tool call): the scheduler stages the next turn's hit KV meanwhile
+    # (scheduling/staging.py). None: no hint, nothing staged.
+    expect_next_turn_s: float | None = None
 
     @property
     def owner(self) -> str:
         """The lease owner of this attempt's buffer extents."""
         return attempt_owner(self.request_id, self.attempt, self.epoch)
+
+
+@dataclass(frozen=True)
+class StagedRead:
+    """A prefill task's first hit blocks, staged on the decode node while the session's tool ran
+    (scheduling/staging.py): that node's reader hands over the extent leased to `stage_id`, which
+    holds the first `blocks` hit blocks, instead of reading them."""
+
+    stage_id: str
+    node_id: str
+    blocks: int
 
 
 @dataclass(frozen=True)
@@ -156,6 +171,9 @@ class PrefillTask:
     # Hit blocks the prefill-side reader reads: the first ones (all of them on the PE path, none
     # on the DE path, some on a split read); the decode-side reader reads the rest.
     pe_hit_blocks: int = 0
+    # The first hit blocks were staged on the decode node while the session's tool ran: its
+    # reader hands over that extent instead of reading them (scheduling/staging.py).
+    staged: StagedRead | None = None
 
     @property
     def request_id(self) -> str:

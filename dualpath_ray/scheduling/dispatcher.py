@@ -62,6 +62,7 @@ class Dispatcher:
         self._engine_node: dict[str, str] = {}
         # Prefill nodes whose storage reader is down: their requests read through the DE path.
         self.no_pe_reads: set[str] = set()
+        self.staged_missed = 0  # staged chains dropped: their turn was placed on another decode node
         # Phase 1 spreads the global queue over the decode groups that have reported. A fresh
         # dispatcher (a restarted scheduler, whose callers retry their turns at once) holds its
         # first spread until all `decode_groups` have reported, or for at most 2 x that many
@@ -97,7 +98,7 @@ class Dispatcher:
         self._engine_node.update({e.engine_id: e.node_id for e in engines})
         self.decode_private.setdefault(group_id, deque())
         if self.decode_global and self._may_spread():
-            queue = [self._decode_request(rid) for rid in self.decode_global]
+            queue = [self._decode_request(rid) for rid in self._to_staged_groups(self.decode_global)]
             for assignment in assign_to_groups(queue, self.decode_tok):
                 self.decode_private[assignment.target].append(assignment.request_id)
             self.decode_global.clear()
@@ -115,6 +116,28 @@ class Dispatcher:
         for _ in requests:  # phase 2 places a prefix of the queue
             private.popleft()
         return requests
+
+    def _to_staged_groups(self, queue: deque[str]) -> list[str]:
+        """Phase 1's exception for tool-time staging (scheduling/staging.py): a request whose
+        first hits are staged on a decode node that takes work goes to that node's group, where
+        its staged extent is; the rest of the queue, returned, is spread by the paper's rule."""
+        group_of = self._decode_group_of_node()
+        rest = []
+        for rid in queue:
+            staged = self.requests[rid].staged
+            group = group_of.get(staged.node_id) if staged is not None else None
+            if group is None:
+                rest.append(rid)
+                continue
+            self.decode_private[group].append(rid)
+        return rest
+
+    def _decode_group_of_node(self) -> dict[str, str]:
+        return {loads[0].node_id: group for group, loads in self.decode_loads.items() if loads}
+
+    def decode_nodes_taking_work(self) -> dict[str, int]:
+        """Each decode node whose group took work at its last report: its summed decode tok."""
+        return {node: self.decode_tok[group] for node, group in self._decode_group_of_node().items()}
 
     def _may_spread(self) -> bool:
         """Whether phase 1 may drain the global queue now (see decode_groups in __init__)."""
@@ -151,15 +174,17 @@ class Dispatcher:
         for assignment in assignments:
             request = self.requests[assignment.request_id]
             pe_node = self._engine_node[assignment.target]
-            pe_blocks = self._pe_blocks(request, pe_node)
+            staged = self._staged_blocks(request)
+            pe_blocks = 0 if staged else self._pe_blocks(request, pe_node)
             hit_blocks = len(request.hit_keys)
             path = ReadPath.PE if pe_blocks == hit_blocks and hit_blocks else ReadPath.DE if not pe_blocks else ReadPath.SPLIT
             if not hit_blocks:
                 path = self._path(pe_node, request.decode_node)  # nothing to read: the policy's pick, for the record
-            # Until the readers report again, count this request's hits in the queues they join.
+            # Until the readers report again, count this request's hits in the queues they join
+            # (staged blocks are read already).
             block_tokens = request.hit_tokens // hit_blocks if hit_blocks else 0
             self.read_q[pe_node] = self.read_q.get(pe_node, 0) + pe_blocks * block_tokens
-            de_tokens = (hit_blocks - pe_blocks) * block_tokens
+            de_tokens = (hit_blocks - pe_blocks - staged) * block_tokens
             self.read_q[request.decode_node] = self.read_q.get(request.decode_node, 0) + de_tokens
             request.prefill_engine, request.prefill_node, request.path = assignment.target, pe_node, path
             request.pe_hit_blocks = pe_blocks
@@ -262,6 +287,19 @@ class Dispatcher:
 
     def _decode_request(self, request_id: str) -> QueuedRequest:
         return QueuedRequest(request_id, self.requests[request_id].decode_tokens)
+
+    def _staged_blocks(self, request: Request) -> int:
+        """How many of its first hit blocks wait staged on its decode node (then its hits are
+        read through the DE path, the staged extent being the decode-node extent); a staged chain
+        on another node than the one it was placed on is dropped here (its reader expires it)."""
+        staged = request.staged
+        if staged is None:
+            return 0
+        if staged.node_id != request.decode_node:
+            request.staged = None
+            self.staged_missed += 1
+            return 0
+        return staged.blocks
 
     def _pe_blocks(self, request: Request, pe_node: str) -> int:
         """How many of the request's hit blocks the prefill-side reader reads: all of them (PE

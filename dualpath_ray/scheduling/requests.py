@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dualpath_ray.scheduling.loads import prefill_tokens
 from dualpath_ray.scheduling.types import ReadPath
+
+if TYPE_CHECKING:
+    from dualpath_ray.scheduling.staging import StageOrder
 
 
 class RequestState(enum.Enum):
@@ -75,6 +78,9 @@ class Request:
     prefill_node: str = ""
     path: ReadPath | None = None
     pe_hit_blocks: int = 0  # of its hit blocks, how many the prefill-side reader reads (the first ones)
+    # Its first hit blocks staged on a decode node while the session's tool ran (claimed at
+    # submit; placement prefers that node, and drops this when it cannot honour it).
+    staged: StageOrder | None = None
 
     @property
     def prefill_tokens(self) -> int:

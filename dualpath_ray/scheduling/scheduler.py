@@ -10,8 +10,9 @@ Ray calls; the cluster simulator (sim/) drives the very same object with simulat
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 from dualpath_ray.kv.index import PrefixIndex
 from dualpath_ray.protocol.messages import (
@@ -29,6 +30,7 @@ from dualpath_ray.scheduling.dispatcher import Constants, Dispatcher
 from dualpath_ray.scheduling.liveness import is_attempt
 from dualpath_ray.scheduling.loads import decode_tokens
 from dualpath_ray.scheduling.requests import Request, RequestState
+from dualpath_ray.scheduling.staging import StageOrder, StagingBook, StagingSettings
 from dualpath_ray.scheduling.types import Mode, ReadPath, Role
 
 if TYPE_CHECKING:
@@ -51,21 +53,27 @@ class CoreSettings:
     read_split: str = "whole"  # or "proportional" (scheduler.read_split)
     decode_groups: int = 0  # decode groups the cluster has (one per decode node); 0 = unknown
     admission: Admission = Admission()  # no limit unless configured (scheduler.max_queued_turns)
+    staging: StagingSettings = StagingSettings()  # tool-time staging (scheduler.stage_tool_time)
 
     @classmethod
     def of(cls, cfg: DualPathConfig, mode: Mode | str, constants: Constants, epoch: int = 0) -> CoreSettings:
         return cls(Mode(mode), cfg.store.block_size, constants, cfg.runtime.max_attempts,
                    cfg.runtime.kv_failure_policy, epoch, cfg.scheduler.read_split, cfg.cluster.decode_nodes,
-                   Admission(cfg.scheduler.max_queued_turns))
+                   Admission(cfg.scheduler.max_queued_turns), StagingSettings(
+                       cfg.scheduler.stage_tool_time and Mode(mode) is Mode.DUALPATH,
+                       cfg.scheduler.stage_slack, cfg.scheduler.stage_margin_s))
 
 
 class SchedulerCore:
     """The scheduler's state and decisions. `eviction` (the store's capacity) and `store` (to
-    delete a corrupt block before its recompute) are optional: the simulator has neither."""
+    delete a corrupt block before its recompute) are optional: the simulator has neither.
+    `clock` times the staged chains' orders (scheduling/staging.py): the simulator's event time,
+    the runtime's monotonic clock."""
 
     def __init__(
         self, settings: CoreSettings, index: PrefixIndex,
         eviction: LRUEviction | None = None, store: BlockDeleter | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.settings = settings
         self.mode = settings.mode
@@ -79,6 +87,9 @@ class SchedulerCore:
         self.readmitted = 0
         self.readers_dead: set[str] = set()  # nodes whose reader is gone for good
         self.readers_unavailable: set[str] = set()  # nodes whose reader is silent or restarting
+        self.clock = clock
+        self.staging = StagingBook(settings.staging)
+        self._stage_orders: list[StageOrder] = []  # planned, not yet taken by the driver
 
     @property
     def requests(self) -> dict[str, Request]:
@@ -102,6 +113,8 @@ class SchedulerCore:
         keys, hit_tokens = self.lookup(spec)
         reserved = decode_tokens(len(spec.prompt), spec.sampling.max_new_tokens, self.settings.block_size)
         request = Request(spec.request_id, len(spec.prompt), hit_tokens, reserved, keys, spec)
+        if len(self.staging) and keys:
+            request.staged = self.staging.claim(keys, self.clock())
         return self.dispatcher.submit(request)
 
     # --- placement ----------------------------------------------------------------------
@@ -131,7 +144,7 @@ class SchedulerCore:
             request=request.spec, hit_keys=request.hit_keys, hit_tokens=request.hit_tokens, path=request.path,
             oracle=self.mode is Mode.ORACLE, prefill_engine=request.prefill_engine,
             prefill_node=request.prefill_node, decode_engine=request.decode_engine, decode_node=request.decode_node,
-            pe_hit_blocks=request.pe_hit_blocks,
+            pe_hit_blocks=request.pe_hit_blocks, staged=request.staged.read() if request.staged else None,
         )
 
     def handed_off(self, request_id: str) -> bool:
@@ -221,6 +234,7 @@ class SchedulerCore:
                 self.dispatcher.no_pe_reads.add(node)
             return []
         self.readers_dead.add(node)
+        self.staging.drop_node(node)
         if dualpath_prefill:
             if node in self.dispatcher.no_pe_reads:
                 return []
@@ -252,6 +266,8 @@ class SchedulerCore:
             self.index.insert_block(block.key, block.parent)
         current = self.is_current(result)
         request = self.dispatcher.finish(result.request_id, failed=result.error is not None) if current else None
+        if request is not None and result.error is None:
+            self._plan_staging(request, result)
         if self.eviction is not None:
             self.eviction.touch(block.key for block in result.persisted)
             if self.eviction.over_capacity():
@@ -259,6 +275,25 @@ class SchedulerCore:
         if request is None or result.error is None:
             return ()
         return tuple(e for e in (request.decode_engine, request.prefill_engine) if e and e != result.prefill_engine)
+
+    def _plan_staging(self, request: Request, result: TurnResult) -> None:
+        """A finished turn hinted to continue: order its context's blocks (its hits, then what it
+        published) staged on the decode node the next turn will most likely read through."""
+        hint = request.spec.expect_next_turn_s if request.spec is not None else None
+        if hint is None or not self.staging.settings.enabled:
+            return
+        keys = request.hit_keys + tuple(block.key for block in result.persisted)
+        nodes = self.dispatcher.decode_nodes_taking_work()
+        read_q = {node: self.dispatcher.read_q.get(node, 0) for node in nodes if node not in self.readers_unavailable
+                  and node not in self.readers_dead}
+        order = self.staging.plan(keys, hint, self.clock(), read_q, nodes)
+        if order is not None:
+            self._stage_orders.append(order)
+
+    def take_stage_orders(self) -> list[StageOrder]:
+        """The staging orders planned since the last call, for the driver to send to the readers."""
+        orders, self._stage_orders = self._stage_orders, []
+        return orders
 
     def keys_in_use(self) -> set[str]:
         """The hit blocks of every request in flight: eviction keeps them."""

@@ -37,8 +37,16 @@ def rollout_killing_actor(cluster: DualPathCluster, trajs, actor, after_turns: i
     ray.kill(actor, no_restart=True)
     killed_at = ray.get(scheduler.call_counts.remote())["complete"]
     worker.join(timeout=300)
-    assert not worker.is_alive(), "the rollout finishes (never hangs on a dead engine)"
+    assert not worker.is_alive(), f"the rollout finishes (never hangs on a dead engine); {hang_report(scheduler)}"
     return box["result"], killed_at
+
+
+def hang_report(scheduler) -> str:
+    """What the scheduler holds when a rollout did not finish: each live request's state and
+    engines, who is out of service, its tables' sizes (what a hang's diagnosis starts from)."""
+    views = {"in_flight": scheduler.in_flight.remote(), "service_view": scheduler.service_view.remote(),
+             "tracked": scheduler.tracked.remote(), "call_counts": scheduler.call_counts.remote()}
+    return "; ".join(f"{name}: {ray.get(ref, timeout=30)}" for name, ref in views.items())
 
 
 @pytest.mark.parametrize("victim", ["decode/d0/g1", "decode/d0/g0", "prefill/p0/g0"])
