@@ -151,7 +151,8 @@ class OpenAIEndpoint:
         request = prepared.request
         try:
             outs = await asyncio.gather(*(
-                self.server.generate.remote(rid, prompt_ids, prepared.sampling, request.session_id)
+                self.server.generate.remote(rid, prompt_ids, prepared.sampling, request.session_id,
+                                            request.expect_next_turn_s)
                 for rid, prompt_ids in zip(prepared.request_ids, prepared.prompts)
             ))
         except Exception as exc:  # noqa: BLE001 - only a full queue becomes the client's to retry
@@ -184,7 +185,9 @@ class OpenAIEndpoint:
         try:
             if request.chat:
                 yield _event(response_object(request, rid, "", None, None, None, chunk=True, first=True))
-            generator = self.server.generate_stream.remote(rid, prompt_ids, prepared.sampling, request.session_id)
+            generator = self.server.generate_stream.remote(
+                rid, prompt_ids, prepared.sampling, request.session_id, request.expect_next_turn_s
+            )
             async for ref in generator:
                 item = await ref
                 if isinstance(item, StreamDelta):

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from dualpath_ray.api.sessions import check_session_id
+from dualpath_ray.api.validation import validate_next_turn_hint
 
 # Fields accepted only at the value that means "off".
 _NEUTRAL = {
@@ -26,7 +27,8 @@ _NEUTRAL = {
     "parallel_tool_calls": (None, False),
 }
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stream", "stream_options", "user", "metadata",
-           "store", "session_id", "conversation_id", "stop_token_ids", "return_token_ids", *_NEUTRAL}
+           "store", "session_id", "conversation_id", "stop_token_ids", "return_token_ids", "expect_next_turn_s",
+           *_NEUTRAL}
 COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs"}
 CHAT_FIELDS = _COMMON | {"messages", "logprobs", "max_completion_tokens", "response_format"}
 ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -61,6 +63,9 @@ class GenerationRequest:
     session_id: str | None
     log_probs: bool
     return_token_ids: bool = False
+    # The caller's hint that the session sends its next turn about this many seconds after this
+    # one ends (its tool runs meanwhile): the next turn's KV is staged (scheduling/staging.py).
+    expect_next_turn_s: float | None = None
 
 
 def _number(body: Mapping[str, Any], key: str, default: float, low: float, high: float) -> float:
@@ -101,6 +106,13 @@ def _session(body: Mapping[str, Any]) -> str | None:
             except ValueError as exc:
                 raise APIError(str(exc), key) from None
     return None
+
+
+def _next_turn_hint(body: Mapping[str, Any]) -> float | None:
+    try:
+        return validate_next_turn_hint(body.get("expect_next_turn_s"))
+    except ValueError as exc:
+        raise APIError(str(exc), "expect_next_turn_s") from None
 
 
 def _stream_usage(body: Mapping[str, Any]) -> bool:
@@ -175,7 +187,7 @@ def parse_completion(body: Any, served_model: str) -> GenerationRequest:
     max_tokens = _int_or_none(body, "max_tokens", 1)
     return GenerationRequest(False, model, text, ids, _sampling(body, 16 if max_tokens is None else max_tokens),
                              bool(body.get("stream", False)), _stream_usage(body), _session(body), logprobs == 0,
-                             _flag(body, "return_token_ids"))
+                             _flag(body, "return_token_ids"), _next_turn_hint(body))
 
 
 def _message_text(message: Any, index: int) -> dict[str, str]:
@@ -212,7 +224,7 @@ def parse_chat(body: Any, served_model: str) -> tuple[GenerationRequest, list[di
     max_tokens = _int_or_none(body, key, 1)
     request = GenerationRequest(True, model, "", None, _sampling(body, max_tokens), bool(body.get("stream", False)),
                                 _stream_usage(body), _session(body), bool(body.get("logprobs")),
-                                _flag(body, "return_token_ids"))
+                                _flag(body, "return_token_ids"), _next_turn_hint(body))
     return request, texts
 
 

@@ -124,6 +124,16 @@ class _Progress:
             self.bar.close()
 
 
+def _next_tool_latency(trajectory: Trajectory, index: int) -> float | None:
+    """The hint that turn `index` is followed by another after this many seconds of tool time (the
+    scheduler stages that turn's KV meanwhile: scheduling/staging.py); None after the last turn or
+    when the next one follows at once."""
+    if index + 1 >= len(trajectory.turns):
+        return None
+    latency = trajectory.turns[index + 1].tool_latency_s
+    return latency if latency > 0 else None
+
+
 async def _run_trajectory(
     generate: Any, cfg: DualPathConfig, namespace: str, trajectory: Trajectory, done: list[dict[str, Any]],
     started: float, progress: _Progress, served: list[TurnResult], metrics: MetricSink,
@@ -145,7 +155,8 @@ async def _run_trajectory(
                 await asyncio.sleep(turn.tool_latency_s)
             request_id = f"{trajectory_prefix(trajectory.trajectory_id)}t{index}"
             prompt = validate_prompt(request_id, context, turn.gen_len, cfg.model)
-            spec = make_spec(request_id, prompt, dataclasses.replace(sampling, max_new_tokens=turn.gen_len), namespace)
+            spec = make_spec(request_id, prompt, dataclasses.replace(sampling, max_new_tokens=turn.gen_len), namespace,
+                             expect_next_turn_s=_next_tool_latency(trajectory, index))
             result: TurnResult = await generate(spec)
             if result.stop_reason is StopReason.ABORTED:
                 _observe_jct(metrics, started + trajectory.arrival_s, "aborted")

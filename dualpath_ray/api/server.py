@@ -126,7 +126,7 @@ class RolloutServer:
 
     def _prepare(
         self, request_id: str, prompt_ids: Sequence[int], sampling_params: Mapping[str, Any] | None,
-        session_id: str | None,
+        session_id: str | None, expect_next_turn_s: float | None = None,
     ) -> tuple[RequestSpec, bool]:
         """The scheduler's spec of one turn, and whether log-probs were asked for."""
         if not isinstance(request_id, str) or not request_id:
@@ -137,7 +137,11 @@ class RolloutServer:
             raise RequestError(f"request {request_id} is already in flight; request ids must be unique", "request_id")
         scheduler_id = self.sessions.next_turn(check_session_id(session_id)) if session_id is not None else request_id
         namespace = self.cfg.kv_namespace(self.weight_version)
-        return make_spec(scheduler_id, prompt, parsed.params, namespace), parsed.want_log_probs
+        try:
+            spec = make_spec(scheduler_id, prompt, parsed.params, namespace, expect_next_turn_s=expect_next_turn_s)
+        except ValueError as exc:
+            raise RequestError(f"request {request_id}: {exc}", "expect_next_turn_s") from None
+        return spec, parsed.want_log_probs
 
     def _token_output(self, result: TurnResult, want_log_probs: bool) -> TokenOutput:
         aborted = result.stop_reason is StopReason.ABORTED
@@ -163,18 +167,20 @@ class RolloutServer:
             name = (multimodal or unknown)[0]
             raise RequestError(
                 f"request {request_id}: {name} is not supported (text-only decoder; known arguments: "
-                "request_id, prompt_ids, sampling_params, session_id)", name,
+                "request_id, prompt_ids, sampling_params, session_id, expect_next_turn_s)", name,
             )
 
     async def generate(
         self, request_id: str, prompt_ids: Sequence[int], sampling_params: Mapping[str, Any] | None = None,
-        session_id: str | None = None, **kwargs: Any,
+        session_id: str | None = None, expect_next_turn_s: float | None = None, **kwargs: Any,
     ) -> TokenOutput:
         """One turn. `session_id` puts it on its conversation's request ids ("<session>/t<k>"), so
-        `abort_session` stops the conversation; verl's keyword arguments (`image_data`, ...,
+        `abort_session` stops the conversation; `expect_next_turn_s` hints that the session's next
+        turn comes about that many seconds after this one ends (an agent's tool call), and its KV is
+        staged meanwhile (scheduling/staging.py); verl's keyword arguments (`image_data`, ...,
         `priority`) are accepted when empty."""
         self._check_kwargs(request_id, kwargs)
-        spec, want_log_probs = self._prepare(request_id, prompt_ids, sampling_params, session_id)
+        spec, want_log_probs = self._prepare(request_id, prompt_ids, sampling_params, session_id, expect_next_turn_s)
         try:
             if not await self.verl.admit():
                 return self._token_output(aborted_result(spec), want_log_probs)
@@ -205,11 +211,11 @@ class RolloutServer:
 
     async def generate_stream(
         self, request_id: str, prompt_ids: Sequence[int], sampling_params: Mapping[str, Any] | None = None,
-        session_id: str | None = None,
+        session_id: str | None = None, expect_next_turn_s: float | None = None,
     ) -> AsyncIterator[StreamDelta | TokenOutput]:
         """`generate`, streamed (a Ray streaming generator): StreamDeltas in order, no token
         twice, then the TokenOutput of the whole turn."""
-        spec, want_log_probs = self._prepare(request_id, prompt_ids, sampling_params, session_id)
+        spec, want_log_probs = self._prepare(request_id, prompt_ids, sampling_params, session_id, expect_next_turn_s)
         try:
             if not await self.verl.admit():
                 yield self._token_output(aborted_result(spec), want_log_probs)

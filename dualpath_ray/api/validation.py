@@ -8,6 +8,7 @@ changes nothing here are accepted at that value only (`top_k` -1/0 = off, `repet
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
@@ -133,5 +134,21 @@ def parse_sampling(request_id: str, params: Mapping[str, Any] | None, default_ma
     return parse_sampling_request(request_id, params, default_max_new).params
 
 
-def make_spec(request_id: str, prompt: np.ndarray, sampling: SamplingParams, namespace: str, attempt: int = 0) -> RequestSpec:
-    return RequestSpec(request_id, attempt, prompt, sampling, namespace, time.time())
+def make_spec(
+    request_id: str, prompt: np.ndarray, sampling: SamplingParams, namespace: str, attempt: int = 0,
+    expect_next_turn_s: float | None = None,
+) -> RequestSpec:
+    return RequestSpec(request_id, attempt, prompt, sampling, namespace, time.time(),
+                       expect_next_turn_s=validate_next_turn_hint(expect_next_turn_s))
+
+
+def validate_next_turn_hint(value: Any) -> float | None:
+    """expect_next_turn_s: None, or seconds >= 0 until the session's next turn (a finite number)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ValueError(
+            f"expect_next_turn_s must be a finite number of seconds >= 0 until the session's next turn, or "
+            f"left out (got {value!r})"
+        )
+    return float(value)

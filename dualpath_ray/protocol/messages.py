@@ -133,9 +133,8 @@ class RequestSpec:
     # served requests, one per nanosecond at the very most).
     epoch: int = 0
     stream: bool = False  # the decode engine sends its tokens as they are sampled (TokenChunk)
-    # The caller's hint that its session continues about this many seconds after this turn ends
-    # (an agent's tool call): the scheduler stages the next turn's hit KV meanwhile
-    # (scheduling/staging.py). None: no hint, nothing staged.
+    # The caller's hint that its session's next turn comes about this many seconds after this one
+    # ends (a tool call): its KV is staged meanwhile (scheduling/staging.py). None: no hint.
     expect_next_turn_s: float | None = None
 
     @property
@@ -146,9 +145,8 @@ class RequestSpec:
 
 @dataclass(frozen=True)
 class StagedRead:
-    """A prefill task's first hit blocks, staged on the decode node while the session's tool ran
-    (scheduling/staging.py): that node's reader hands over the extent leased to `stage_id`, which
-    holds the first `blocks` hit blocks, instead of reading them."""
+    """A task's first `blocks` hit blocks, staged on its decode node while the session's tool ran
+    (scheduling/staging.py): that reader hands over the extent of `stage_id` instead of reading them."""
 
     stage_id: str
     node_id: str
@@ -171,9 +169,7 @@ class PrefillTask:
     # Hit blocks the prefill-side reader reads: the first ones (all of them on the PE path, none
     # on the DE path, some on a split read); the decode-side reader reads the rest.
     pe_hit_blocks: int = 0
-    # The first hit blocks were staged on the decode node while the session's tool ran: its
-    # reader hands over that extent instead of reading them (scheduling/staging.py).
-    staged: StagedRead | None = None
+    staged: StagedRead | None = None  # its first hit blocks wait staged on its decode node
 
     @property
     def request_id(self) -> str:
@@ -379,15 +375,6 @@ class Collected:
 
     epoch: int
     results: tuple[TurnResult, ...] = ()
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """One tensor of a trainer's weight broadcast, in manifest order (runtime/deploy/weight_sync.py)."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: str  # "float32", "bfloat16", ...
 
 
 def aborted_result(spec: RequestSpec) -> TurnResult:

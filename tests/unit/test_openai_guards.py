@@ -55,7 +55,8 @@ class FakeRolloutServer:
         self.generate_stream = FakeMethod(self._stream)
         self.abort = FakeMethod(lambda request_id: None)
 
-    async def _generate(self, request_id: str, prompt: list[int], sampling: dict[str, Any], session: Any) -> FakeOutput:
+    async def _generate(self, request_id: str, prompt: list[int], sampling: dict[str, Any], session: Any,
+                        expect_next_turn_s: float | None = None) -> FakeOutput:
         self.prompts.append(list(prompt))
         tokens = GENERATED[: sampling["max_tokens"]]
         return FakeOutput(tokens, [-0.5] * len(tokens), {"finish_reason": "length", "hit_tokens": 0})

@@ -25,11 +25,13 @@ from dualpath_ray.runtime.telemetry.actor_metrics import SchedulerMetrics
 from dualpath_ray.runtime.control.counts import SchedulerCounts
 from dualpath_ray.runtime.control.fanout import ClusterControl
 from dualpath_ray.protocol.messages import PeerState, PrefillTask
+from dualpath_ray.protocol.names import reader_name
 from dualpath_ray.runtime.deploy.topology import plan_nodes
 from dualpath_ray.scheduling.liveness import Liveness
 from dualpath_ray.scheduling.loads import EngineLoad
 from dualpath_ray.scheduling.rounds import Outputs, Rounds
 from dualpath_ray.scheduling.scheduler import SchedulerCore
+from dualpath_ray.scheduling.staging import StageOrder
 from dualpath_ray.scheduling.types import Role
 
 LOG = logging.getLogger("dualpath_ray.scheduler")
@@ -133,6 +135,7 @@ class Decisions:
             Outputs(on_tasks=self._queue, on_decided=metrics.decided if metrics.sink.enabled else None),
         )
         self._outgoing: defaultdict[str, list[PrefillTask]] = defaultdict(list)
+        self._stage_orders: defaultdict[str, list[StageOrder]] = defaultdict(list)
         self._flush_due = False
 
     def _queue(self, tasks: list[PrefillTask], now: float) -> None:
@@ -143,9 +146,21 @@ class Decisions:
             self._flush_due = True
             self.loop.call_soon(self._flush)
 
+    def stage_ahead(self, orders: list[StageOrder]) -> None:
+        """Staging orders of finished turns (scheduling/staging.py), sent with this moment's tasks."""
+        for order in orders:
+            self._stage_orders[order.node_id].append(order)
+        if not self._flush_due:
+            self._flush_due = True
+            self.loop.call_soon(self._flush)
+
     def _flush(self) -> None:
-        """Everything decided this moment leaves: one `accept` per prefill engine."""
+        """Everything decided this moment leaves: one `accept` per prefill engine, one
+        `stage_ahead` per reader."""
         self._flush_due = False
+        stage_orders, self._stage_orders = self._stage_orders, defaultdict(list)
+        for node, orders in stage_orders.items():
+            self.control.stage_ahead(reader_name(node), orders)
         outgoing, self._outgoing = self._outgoing, defaultdict(list)
         for engine, tasks in outgoing.items():
             owners = [task.request.owner for task in tasks]

@@ -1,5 +1,5 @@
 """Calls the Scheduler makes to the engines and readers of its deployment: cancels, aborts and
-reclaims of one attempt, and, to all at once, sleep and wake between rollouts, the trainer's
+reclaims of one attempt, staging orders to one reader, and, to all at once, sleep and wake between rollouts, the trainer's
 weight broadcast group, and a new gloo world. Every call names its method (no string dispatch).
 
 The Scheduler is the one actor every trainer, adapter and restarted endpoint can reach by name,
@@ -17,8 +17,9 @@ from typing import Any, Callable, Mapping, Sequence
 import ray
 
 from dualpath_ray.config import DualPathConfig
-from dualpath_ray.protocol.messages import TensorSpec
+from dualpath_ray.protocol.weights import TensorSpec
 from dualpath_ray.runtime.deploy.topology import plan_nodes
+from dualpath_ray.scheduling.staging import StageOrder
 
 LOG = logging.getLogger("dualpath_ray.control")
 
@@ -62,6 +63,10 @@ class ClusterControl:
     def reclaim(self, reader: str, owner: str) -> None:
         """Free the extents `reader` leased to an attempt whose engine is certainly gone."""
         self._send("reclaim", reader, lambda handle: handle.reclaim.remote(owner))
+
+    def stage_ahead(self, reader: str, orders: Sequence[StageOrder]) -> None:
+        """Have `reader` stage these chains while their sessions' tools run (scheduling/staging.py)."""
+        self._send("stage_ahead", reader, lambda handle: handle.stage_ahead.remote(list(orders)))
 
     def _send(self, method: str, name: str, call: Callable[[Any], Any]) -> None:
         self.sent[method] += 1

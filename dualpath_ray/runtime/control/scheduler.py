@@ -36,10 +36,10 @@ from dualpath_ray.protocol.messages import (
     Refusal,
     RequestSpec,
     StreamDelta,
-    TensorSpec,
     TurnResult,
     failed_result,
 )
+from dualpath_ray.protocol.weights import TensorSpec
 from dualpath_ray.protocol.names import SCHEDULER
 from dualpath_ray.runtime.control.counts import SchedulerCounts
 from dualpath_ray.runtime.control.aborts import Aborts
@@ -368,7 +368,16 @@ class Scheduler:
                 "adopted": self.adoptions.adopted, "adoptions_dropped": self.adoptions.dropped,
                 "restarted": int(self.restarted), "mailboxes": len(self.mailboxes),
                 "dropped_results": self.mailboxes.dropped, "queue_full": self.serving.refused,
-                "decode_pulls": rounds.decode_pulls if rounds else 0, "prefill_pulls": rounds.prefill_pulls if rounds else 0}
+                "decode_pulls": rounds.decode_pulls if rounds else 0, "prefill_pulls": rounds.prefill_pulls if rounds else 0,
+                **self._staging_counts()}
+
+    def _staging_counts(self) -> dict[str, int]:
+        """Tool-time staging at the scheduler: chains ordered staged (and their blocks), claimed by
+        a next turn, expired unclaimed, and claims the placement could not honour."""
+        stats = self.core.staging.stats
+        return {"stage_orders": stats.ordered, "stage_order_blocks": stats.ordered_blocks,
+                "stage_claims": stats.claimed, "stage_claimed_blocks": stats.claimed_blocks,
+                "stage_expired": stats.expired, "stage_missed": self.core.dispatcher.staged_missed}
 
     async def tracked(self) -> dict[str, int]:
         """Sizes of every per-request table this actor keeps, and the aborted trajectories' marks

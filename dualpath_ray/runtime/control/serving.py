@@ -159,6 +159,9 @@ class Serving:
         decode_engine = result.decode_engine or (request.decode_engine if request is not None else "")
         holders = self.decisions.rounds.finish(result, self.decisions.decode_group_of.get(decode_engine))
         self._cancel_at(holders, result.owner)
+        orders = self.core.take_stage_orders()
+        if orders:
+            self.decisions.stage_ahead(orders)
         if not current:
             if result.epoch < self.core.epoch and self.adoptions.deliver(result):
                 self.calls.adopted = self.adoptions.adopted

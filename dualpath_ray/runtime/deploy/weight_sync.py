@@ -20,7 +20,7 @@ from typing import Any, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from dualpath_ray.protocol.messages import TensorSpec
+from dualpath_ray.protocol.weights import TensorSpec
 
 _DTYPES = {str(t).removeprefix("torch."): t for t in (torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32)}
 

@@ -30,7 +30,8 @@ from dualpath_ray.protocol.counters import NodeCounters
 from dualpath_ray.runtime.telemetry.actor_metrics import EngineMetrics
 from dualpath_ray.runtime.emulation import make_compute, make_link
 from dualpath_ray.runtime.engine.directory import ActorDirectory
-from dualpath_ray.protocol.messages import EngineHoldings, TensorSpec
+from dualpath_ray.protocol.messages import EngineHoldings
+from dualpath_ray.protocol.weights import TensorSpec
 from dualpath_ray.runtime.engine.hbm_moves import HbmMoves
 from dualpath_ray.runtime.deploy.qos import kv_transport_knobs
 from dualpath_ray.runtime.engine.ray_ports import RayScheduler

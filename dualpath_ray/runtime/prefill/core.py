@@ -15,9 +15,8 @@ runtime/prefill/job.py with the job record, the ports and the settings).
   from the decode node's extent, which by then holds every token before it. A chunk sends the
   decode node everything not yet there: hits + new tokens on the PE path's first chunk, only new
   tokens otherwise.
-- Handoff: after the last layer the first token is sampled, the PE extent is freed, and the
-  decode engine gets a `DecodeHandoff` naming the decode node's extent (one call per decode
-  engine for all of a batch's requests that go there).
+- Handoff: after the last layer the first token is sampled, the PE extent is freed, and the decode
+  engine gets a `DecodeHandoff` naming the decode node's extent (one call per decode engine).
 Oracle mode moves nothing: hit KV comes straight from the store and nothing is sent.
 """
 
@@ -197,12 +196,14 @@ class PrefillCore:
             job.oracle_kv = oracle_kv_for(self.layout, len(prompt), self._read_oracle_hits(keys))
         else:
             # The first pe_blocks hits (all on the PE path, none on the DE path) into this
-            # node's buffer; the rest into the decode node's extent at their own block
-            # positions, so that extent ends up holding the whole prompt.
+            # node's buffer; the rest into the decode node's extent at their own block positions,
+            # so that extent ends up holding the whole prompt (with task.staged, its reader hands
+            # over the chain staged in tool time and reads only the rest).
             if pe_blocks:
                 job.staging["pe"] = readers.stage(self.settings.node_id, owner, keys[:pe_blocks], pe_blocks, "pe")
             if keys[pe_blocks:]:
-                job.staging["de"] = readers.stage(task.decode_node, owner, keys[pe_blocks:], blocks, "de", pe_blocks)
+                job.staging["de"] = readers.stage(task.decode_node, owner, keys[pe_blocks:], blocks, "de",
+                                                  pe_blocks, staged=task.staged)
             else:
                 job.staging["de"] = readers.lease(task.decode_node, owner, blocks)
         self.stats.port_calls += len(job.staging)

@@ -47,7 +47,7 @@ class BusyServer:
         self.generate = Method(self._generate)
 
     async def _generate(self, request_id: str, prompt_ids: list[int], sampling: dict[str, Any],
-                        session_id: str | None) -> TokenOutput:
+                        session_id: str | None, expect_next_turn_s: float | None = None) -> TokenOutput:
         if self.in_flight >= self.capacity:
             spec = RequestSpec(request_id, 0, np.asarray(prompt_ids), SamplingParams(), "ns", 0.0)
             raise GenerationError(request_id, failed_result(spec, "scheduler", "queue full", ErrorKind.QUEUE_FULL))
