@@ -51,6 +51,7 @@ class FakeRolloutServer:
 
     def __init__(self) -> None:
         self.prompts: list[list[int]] = []
+        self.hints: list[float | None] = []  # each request's expect_next_turn_s
         self.generate = FakeMethod(self._generate)
         self.generate_stream = FakeMethod(self._stream)
         self.abort = FakeMethod(lambda request_id: None)
@@ -58,12 +59,14 @@ class FakeRolloutServer:
     async def _generate(self, request_id: str, prompt: list[int], sampling: dict[str, Any], session: Any,
                         expect_next_turn_s: float | None = None) -> FakeOutput:
         self.prompts.append(list(prompt))
+        self.hints.append(expect_next_turn_s)
         tokens = GENERATED[: sampling["max_tokens"]]
         return FakeOutput(tokens, [-0.5] * len(tokens), {"finish_reason": "length", "hit_tokens": 0})
 
     async def _stream(self, request_id: str, prompt: list[int], sampling: dict[str, Any],
-                      session: Any) -> AsyncIterator[Any]:
+                      session: Any, expect_next_turn_s: float | None = None) -> AsyncIterator[Any]:
         self.prompts.append(list(prompt))
+        self.hints.append(expect_next_turn_s)
         for start, token in enumerate(GENERATED):
             yield _ready(StreamDelta(start, (token,), (-0.5,)))
         yield _ready(FakeOutput(GENERATED, None, {"finish_reason": "length", "hit_tokens": 0}))
@@ -211,3 +214,18 @@ def test_embedded_defaults_mean_token_ids_mode_and_a_given_tokenizer_must_exist(
     assert tokenizer_dir(no_files, None, skip=True) is None, "--skip-tokenizer-init serves ids even then"
     with pytest.raises(TokenizerError, match="contradict"):
         tokenizer_dir(no_files, tmp_path, skip=True)
+
+
+def test_the_next_turn_hint_reaches_the_rollout_server_and_a_bad_one_is_a_400_naming_it() -> None:
+    server = FakeRolloutServer()
+    http = client(None, server=server)
+    assert http.post("/v1/completions", json=completion(prompt=[5, 6, 7], expect_next_turn_s=4.5)).status_code == 200
+    assert http.post("/v1/completions", json=completion(prompt=[5, 6], stream=True, expect_next_turn_s=2)).status_code == 200
+    assert http.post("/v1/completions", json=completion(prompt=[5, 6])).status_code == 200
+    assert server.hints == [4.5, 2.0, None], "the hint (seconds until the session's next turn) is passed on, or None"
+    for bad in ("-1", '"soon"', "1e999", "true"):  # negative, not a number, infinite (JSON's overflow), a boolean
+        body = json.dumps(completion(prompt=[5]))[:-1] + f', "expect_next_turn_s": {bad}}}'
+        answer = http.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+        assert answer.status_code == 400, f"expect_next_turn_s={bad} is refused"
+        assert answer.json()["error"]["param"] == "expect_next_turn_s", "the error names the field"
+    assert len(server.hints) == 3, "a refused request reaches nothing"
