@@ -201,7 +201,13 @@ class Rounds:
         if self._decode_round_at != when:
             return
         self._decode_round_at = None
-        if self.core.dispatcher.decode_global:
+        # Phase 1 is run by the next group in rotation; one that takes no work (its reader is
+        # down) drains nothing, so the next one is asked in the same round. Asking only one left
+        # the queue waiting for a trigger that, once the last turn in flight ended, never came
+        # (a decode node's reader killed mid-rollout: the CI hang of 727ecd8).
+        for _ in range(len(self.decode)):
+            if not self.core.dispatcher.decode_global:
+                break
             self._pull_decode(self.decode[self._decode_turn % len(self.decode)])
             self._decode_turn += 1
         for pulls in self.decode:

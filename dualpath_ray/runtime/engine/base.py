@@ -164,8 +164,11 @@ class EngineBase(TransportEndpoint):
                     self.wake.wait(POLL_S if self.core.polling() else IDLE_S)
         except BaseException as exc:  # noqa: BLE001 - reported by health(), its requests failed
             LOG.exception("%s: worker loop died", self.id.engine_id)
-            self.error = exc
-            self.core.fail_all(exc)
+            self.error = exc  # from now on load() and holds() fail: the heartbeat drops this engine
+            try:
+                self.core.fail_all(exc)
+            except Exception:  # noqa: BLE001 - what could not be failed here, the heartbeat fails
+                LOG.exception("%s: failing the requests of a dead worker loop failed", self.id.engine_id)
 
     # --- control ------------------------------------------------------------------------
 

@@ -15,6 +15,7 @@ import ray
 from dualpath_ray.protocol.names import SCHEDULER, reader_name
 from dualpath_ray.runtime.engine.directory import ActorDirectory
 from dualpath_ray.runtime.control.report_channel import ChannelAddress, ReportClient, SentReport
+from dualpath_ray.runtime.transport.moves import PeerDiedError
 from dualpath_ray.protocol.messages import (
     DecodeHandoff, EngineReport, ExtentGrant, Holding, PersistedBlock, TokenChunk, TurnResult,
 )
@@ -69,12 +70,24 @@ class RayReaders:
         return RefPending(self._reader(node_id).lease.remote(owner, n_blocks), self.wake)
 
     def free(self, grant: ExtentGrant) -> None:
+        """Free an extent; nothing to do when its reader is gone for good: its buffer, and so the
+        extent, went with it. (Raising here killed a decode engine's worker loop in the middle of
+        failing a job whose reader had died, and its turns waited for good.)"""
         self.sent["free"] += 1
-        self.directory.get(grant.reader).free.remote(grant.extent_id, grant.incarnation)
+        try:
+            reader = self.directory.get(grant.reader)
+        except PeerDiedError:
+            return
+        reader.free.remote(grant.extent_id, grant.incarnation)
 
     def reclaim(self, node_id: str, owner: str) -> None:
+        """Free what `owner` leased on the node; nothing to do when its reader is gone (see free)."""
         self.sent["reclaim"] += 1
-        self._reader(node_id).reclaim.remote(owner)
+        try:
+            reader = self._reader(node_id)
+        except PeerDiedError:
+            return
+        reader.reclaim.remote(owner)
 
     def persist_extent(self, grant: ExtentGrant, blocks: Sequence[tuple[int, PersistedBlock]]) -> RefPending:
         self.sent["persist_extent"] += 1

@@ -62,6 +62,7 @@ class BookView:
     decode: bool
     hbm: int = 4096
     asked: int = 0
+    reader: PeerState = PeerState.ALIVE
 
     def loads(self) -> tuple[EngineLoad, ...]:
         book = self.core.dispatcher.decode_book if self.decode else self.core.dispatcher.prefill_book
@@ -73,7 +74,7 @@ class BookView:
         return None
 
     def reader_state(self) -> PeerState:
-        return PeerState.ALIVE
+        return self.reader
 
 
 @dataclass
@@ -183,3 +184,21 @@ def test_everything_changed_asks_every_group() -> None:
     assert made.rounds.stats.decode_pulls >= pulls[0] + 2, "every decode group was asked again"
     made.timers.run(until=made.timers.t + 1.0)
     assert made.timers.pending() == 0, "nothing polls afterwards (a group that placed reports once more, then sleeps)"
+
+
+def test_a_decode_group_that_takes_no_work_does_not_strand_the_global_queue() -> None:
+    made = setup(prefill_nodes=1, decode_nodes=2)
+    made.rounds.submit(spec("first"))  # served before the death: the first spread is behind us
+    made.timers.run()
+    (first,) = made.tasks.pop()
+    made.rounds.finish(result_of(first), None)
+    dead = made.rounds.decode[made.rounds._decode_turn % 2].view
+    dead.reader = PeerState.DEAD  # the group next in phase 1's rotation lost its reader for good
+    for engine in dead.engines:
+        made.core.engine_died(engine)
+    made.rounds.submit(spec("r"))
+    made.timers.run()
+    placed = [task for tasks in made.tasks for task in tasks]
+    assert [t.request_id for t in placed] == ["r"], "the same round asks the next group, which places it"
+    assert placed[0].decode_node != dead.node_id, "on the group that takes work"
+    assert not made.core.dispatcher.decode_waiting(), "nothing is left in any decode queue"
