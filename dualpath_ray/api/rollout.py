@@ -124,7 +124,7 @@ class _Progress:
             self.bar.close()
 
 
-def _next_tool_latency(trajectory: Trajectory, index: int) -> float | None:
+def next_turn_hint(trajectory: Trajectory, index: int) -> float | None:
     """The hint that turn `index` is followed by another after this many seconds of tool time (the
     scheduler stages that turn's KV meanwhile: scheduling/staging.py); None after the last turn or
     when the next one follows at once."""
@@ -156,7 +156,7 @@ async def _run_trajectory(
             request_id = f"{trajectory_prefix(trajectory.trajectory_id)}t{index}"
             prompt = validate_prompt(request_id, context, turn.gen_len, cfg.model)
             spec = make_spec(request_id, prompt, dataclasses.replace(sampling, max_new_tokens=turn.gen_len), namespace,
-                             expect_next_turn_s=_next_tool_latency(trajectory, index))
+                             expect_next_turn_s=next_turn_hint(trajectory, index))
             result: TurnResult = await generate(spec)
             if result.stop_reason is StopReason.ABORTED:
                 _observe_jct(metrics, started + trajectory.arrival_s, "aborted")
