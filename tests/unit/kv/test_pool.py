@@ -246,7 +246,7 @@ def test_concurrent_leases_and_releases_keep_integrity() -> None:
 
 
 def test_grow_appends_free_slots_after_the_old_ones_and_keeps_the_id() -> None:
-    pool = BufferPool(6, LAYOUT)
+    pool = BufferPool(8, LAYOUT)
     extent = pool.lease("stage/k", 2)
     assert extent is not None
     pool.full_block(extent.slots[1]).fill_(7)
@@ -255,11 +255,16 @@ def test_grow_appends_free_slots_after_the_old_ones_and_keeps_the_id() -> None:
     assert grown.slots[:2] == extent.slots, "block order is kept: the old slots stay first, in their order"
     assert len(set(grown.slots)) == 5, "the new slots are distinct from the old ones"
     assert bool((pool.full_blocks(grown)[1] == 7).all()), "bytes already in the extent stay at their block position"
-    assert pool.check_integrity() == PoolCounts(1, 5, 0, 6), "grown slots are leased, not free"
+    assert pool.check_integrity() == PoolCounts(3, 5, 0, 8), "grown slots are leased, not free"
+    other = pool.lease("req", 2)
+    assert other is not None
     assert pool.grow(extent.extent_id, 2) is None, "None while fewer slots are free (nothing taken)"
-    assert pool.check_integrity() == PoolCounts(1, 5, 0, 6), "a refused grow takes no slot"
+    assert pool.check_integrity() == PoolCounts(1, 7, 0, 8), "a refused grow takes no slot"
+    with pytest.raises(ValueError, match="exceeds the pool capacity"):
+        pool.grow(extent.extent_id, 4)
     pool.release(extent.extent_id)
-    assert pool.check_integrity() == PoolCounts(6, 0, 0, 6), "releasing a grown extent frees every slot of it"
+    pool.release(other.extent_id)
+    assert pool.check_integrity() == PoolCounts(8, 0, 0, 8), "releasing a grown extent frees every slot of it"
 
 
 def test_adopt_changes_the_owner_of_a_leased_extent_only() -> None:
