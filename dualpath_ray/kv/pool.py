@@ -115,6 +115,11 @@ class BufferPool:
     def nbytes(self) -> int:
         return self.capacity * self.layout.full_block_bytes
 
+    def free_blocks(self) -> int:
+        """Slots free right now (a lease of more waits; staging cancels to cover the rest)."""
+        with self._lock:
+            return len(self._free)
+
     def lease(self, owner: str, n_blocks: int) -> Extent | None:
         """Lease `n_blocks` slots to `owner`; None while fewer slots are free."""
         if not isinstance(owner, str) or not owner:
