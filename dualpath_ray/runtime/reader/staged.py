@@ -162,9 +162,11 @@ class StagedTable:
         return min(deadlines) if deadlines else None
 
     def victims(self, shortfall: int) -> list[StagedExtent]:
-        """Oldest unclaimed entries whose blocks cover `shortfall` (all of them if they cannot)."""
+        """Oldest unclaimed entries whose blocks cover `shortfall` (all of them if they cannot).
+        Blocks of ended entries their readers have yet to free count as covering it already: a
+        lease woken before they are freed must not cancel more than it needs."""
         chosen: list[StagedExtent] = []
-        covered = 0
+        covered = self.held_blocks - sum(e.blocks for e in self._live.values())
         for entry in self._live.values():
             if covered >= shortfall:
                 break

@@ -299,3 +299,40 @@ def test_reclaim_of_the_claimant_frees_the_grown_extent(tmp_path: Path) -> None:
     core.expire(T0 + 100.0)
     assert_integrity(core, free_all=True)
     core.store.close()
+
+
+def test_pressure_cancels_a_reading_entry_which_frees_itself_at_its_next_block(tmp_path: Path) -> None:
+    """A staged read yielding to a held-open real read is cancelled by a lease short of room: its
+    reader wakes, reads no further block and frees the extent, and the lease gets the room."""
+    core = reader(tmp_path, buffer_blocks=8, fraction=1.0)
+    real_keys, keys = stored_chain(core, 1, 16), stored_chain(core, 5, 17)
+    inside, release = threading.Event(), threading.Event()
+    inner = core.store.get_many_into
+
+    def held(keys_, outs, before_read=None, on_verified=None):  # type: ignore[no-untyped-def]
+        if before_read is not None:
+            inside.set()
+            release.wait(10)
+        return inner(keys_, outs, before_read=before_read, on_verified=on_verified)
+
+    core.store.get_many_into = held  # type: ignore[method-assign]
+    real = threading.Thread(target=lambda: core.read_blocks("real@0", real_keys, 1, "pe"))
+    real.start()
+    assert inside.wait(10)
+    results: list[bool] = []
+    ahead = threading.Thread(target=lambda: results.append(core.stage_ahead(order(keys), T0)))
+    ahead.start()
+    ahead.join(0.1)
+    assert core.pool.free_blocks() == 2, "1 block for the real read, 5 for the staged one"
+    extent = core.lease("other@0", 4)  # waits until the cancelled reader freed its 5 blocks
+    ahead.join(10)
+    assert results == [False], "the cancelled order reports it did not stage"
+    counts = core.staging_counts()
+    assert (counts["staged"], counts["cancelled"]) == (0, 5), "no block was read after the cancel; all 5 counted"
+    release.set()
+    real.join(10)
+    core.free(extent.extent_id)
+    for extent_id in list(core._extents):
+        core.free(extent_id)
+    assert_integrity(core, free_all=True)
+    core.store.close()
