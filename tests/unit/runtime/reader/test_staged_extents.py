@@ -336,3 +336,21 @@ def test_pressure_cancels_a_reading_entry_which_frees_itself_at_its_next_block(t
         core.free(extent_id)
     assert_integrity(core, free_all=True)
     core.store.close()
+
+
+def test_the_in_process_readers_port_stages_ahead_and_claims(tmp_path: Path) -> None:
+    """tests/fakes.py FakeReaders carries `staged` through the ReaderPort's stage, as RayReaders
+    does to the actor, and runs orders as the actor's stage_ahead."""
+    from tests.fakes import Fabric, FakeReaders
+
+    core = reader(tmp_path)
+    readers = FakeReaders({"d0": core}, Fabric())
+    keys = stored_chain(core, 3, 18)
+    readers.stage_ahead([order(keys[:2])], T0)
+    grant = readers.stage("d0", "req@0", keys, 4, "de", staged=StagedRead(stage_id_of(keys[:2]), "d0", 2)).wait()
+    assert core.staging_counts()["used"] == 2, "the port's stage claimed the staged extent"
+    assert readers.calls == ["stage_ahead", "stage"]
+    readers.free(grant)
+    readers.close()
+    assert_integrity(core, free_all=True)
+    core.store.close()
