@@ -354,3 +354,24 @@ def test_the_in_process_readers_port_stages_ahead_and_claims(tmp_path: Path) -> 
     readers.close()
     assert_integrity(core, free_all=True)
     core.store.close()
+
+
+def test_the_reader_exports_its_staging_counts_as_staged_blocks_by_outcome(tmp_path: Path) -> None:
+    from dualpath_ray import metrics as m
+    from dualpath_ray.runtime.telemetry.actor_metrics import ReaderMetrics
+    from tests.metric_sink import RecordingSink
+
+    core = reader(tmp_path)
+    keys = stored_chain(core, 3, 19)
+    core.stage_ahead(order(keys[:2]), T0)
+    core.stage_ahead(order(keys[:2]), T0)  # a duplicate: skipped
+    core.free(core.stage("req@0", keys, 3, "de", "reader/d0", staged=StagedRead(stage_id_of(keys[:2]), "d0", 2)).extent_id)
+    sink = RecordingSink()
+    ReaderMetrics(sink, core, "decode").collect()
+    for outcome, blocks in core.staging_counts().items():
+        assert sink.counter(m.STAGED_BLOCKS, node="d0", role="decode", outcome=outcome) == blocks, (
+            f"dualpath_staged_blocks{{outcome={outcome}}} equals the reader's count"
+        )
+    assert (core.staging_counts()["staged"], core.staging_counts()["used"], core.staging_counts()["skipped"]) == (2, 2, 2)
+    assert_integrity(core, free_all=True)
+    core.store.close()
