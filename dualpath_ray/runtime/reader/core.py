@@ -317,12 +317,12 @@ class ReaderCore:
             return extent
         finally:
             turn.end()
-            if queued and (pending or keys):
+            if queued and keys:
                 with self._cond:
-                    self._read_q_tokens -= pending
-                    if keys:
-                        self.stager.real_read_ended()
-                    self.on_read_q()
+                    self.stager.real_read_ended()
+                    if pending:
+                        self._read_q_tokens -= pending
+                        self.on_read_q()
 
     def _note_bad_block(self, kind: str, key: str) -> None:
         if kind == "missing":
