@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Iterator
 
 
 class StageState(enum.Enum):
@@ -123,9 +122,6 @@ class StagedTable:
 
     def __len__(self) -> int:
         return len(self._live)
-
-    def __iter__(self) -> Iterator[StagedExtent]:
-        return iter(list(self._live.values()))
 
     def get(self, stage_id: str) -> StagedExtent | None:
         return self._live.get(stage_id)

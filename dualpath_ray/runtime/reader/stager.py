@@ -29,7 +29,7 @@ from dualpath_ray.protocol.counters import NodeCounters
 from dualpath_ray.protocol.messages import StagedRead
 from dualpath_ray.runtime.reader.snic import SnicLink
 from dualpath_ray.runtime.reader.staged import (
-    CLAIMABLE, StagedExtent, StagedTable, StageEvent, StageState, StagingCounts,
+    CLAIMABLE, StagedExtent, StagedTable, StageEvent, StageState,
 )
 from dualpath_ray.scheduling.staging import StageOrder
 
@@ -210,7 +210,3 @@ class ReaderStaging:
     def counts(self) -> dict[str, int]:
         with self.cond:
             return self.table.counts.as_dict()
-
-    def snapshot(self) -> StagingCounts:
-        with self.cond:
-            return StagingCounts(**self.table.counts.as_dict())
