@@ -56,7 +56,8 @@ TAGS: dict[str, str] = {
     "mode": "the deployment's read-path mode: dualpath, basic or oracle",
     "kind": "why an attempt failed: an ErrorKind value (kv_missing, kv_corrupt, kv_mismatch, transfer, "
     "call_failed, store_io, peer_died, timeout, internal)",
-    "outcome": "ok (every turn served), failed (a turn failed after its retries) or aborted (its caller aborted it)",
+    "outcome": "of a trajectory: ok (every turn served), failed (a turn failed after its retries) or aborted (its "
+    "caller aborted it); of staged blocks: staged, used, expired, cancelled, skipped, failed or missed",
 }
 
 _SECONDS_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0)
@@ -172,6 +173,13 @@ STORE_WRITE_FAILURES = MetricSpec(
     "it in its chain are not published, a later turn misses them; the turn itself is served.",
     ("node", "role"), "writes",
 )
+STAGED_BLOCKS = MetricSpec(
+    "dualpath_staged_blocks", MetricKind.COUNTER,
+    "Tool-time staging on the node's reader, in blocks, by outcome: staged (read into the buffer ahead), used "
+    "(claimed by the next turn), expired, cancelled (buffer pressure), skipped (order refused), failed (store "
+    "read failed), missed (a claim found nothing usable and read them as usual).",
+    ("node", "role", "outcome"), "blocks",
+)
 KV_DIGEST_MISMATCHES = MetricSpec(
     "dualpath_kv_digest_mismatches", MetricKind.COUNTER,
     "(layer, token)s of KV that failed their digest when the engine loaded them (read again once).",
@@ -183,6 +191,7 @@ ALL_METRICS: tuple[MetricSpec, ...] = (
     ENGINE_REQUESTS, BUFFER_BYTES_USED, BUFFER_BYTES_CAPACITY, HBM_BYTES_USED, HBM_BYTES_CAPACITY,
     TTFT_SECONDS, TPOT_SECONDS, KV_LOAD_SECONDS, DECISION_SECONDS, TRAJECTORY_JCT_SECONDS, RETRIES,
     RECOMPUTED_BLOCKS, ATTEMPT_FAILURES, STORE_CHECKSUM_FAILURES, STORE_WRITE_FAILURES, KV_DIGEST_MISMATCHES,
+    STAGED_BLOCKS,
 )
 
 Tags = Mapping[str, str]

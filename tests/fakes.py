@@ -24,11 +24,14 @@ import torch
 
 from dualpath_ray.faults.injector import FaultCount, fault_label
 from dualpath_ray.faults.plan import FaultMode, FaultSite, FaultSpec
-from dualpath_ray.protocol.messages import DecodeHandoff, ExtentGrant, Holding, PersistedBlock, TokenChunk, TurnResult
+from dualpath_ray.protocol.messages import (
+    DecodeHandoff, ExtentGrant, Holding, PersistedBlock, StagedRead, TokenChunk, TurnResult,
+)
 from dualpath_ray.protocol.names import Pool
 from dualpath_ray.runtime.engine.ports import Failed, Ready
 from dualpath_ray.runtime.reader.core import ReaderCore
 from dualpath_ray.runtime.transport.moves import Move, Region, RegionError
+from dualpath_ray.scheduling.staging import StageOrder
 
 
 class Fabric:
@@ -145,14 +148,22 @@ class FakeReaders:
             fabric.register(f"reader/{node}", Pool.BUFFER, core.pool.buffer)
 
     def stage(
-        self, node_id: str, owner: str, keys: Sequence[str], total_blocks: int, path: str, first_block: int = 0
+        self, node_id: str, owner: str, keys: Sequence[str], total_blocks: int, path: str, first_block: int = 0,
+        staged: StagedRead | None = None,
     ) -> Any:
         self.calls.append("stage")
         if self.fail_stage:
             self.fail_stage -= 1
             return Failed(RuntimeError(f"injected read failure on {node_id}"))
         core = self.cores[node_id]
-        return Ready(core.stage(owner, keys, total_blocks, path, f"reader/{node_id}", first_block))
+        return Ready(core.stage(owner, keys, total_blocks, path, f"reader/{node_id}", first_block, staged))
+
+    def stage_ahead(self, orders: Sequence[StageOrder], now: float) -> None:
+        """As the reader actor's stage_ahead, synchronously, on the test's clock `now` (expire
+        staged extents with `cores[node].expire(now)`)."""
+        self.calls.append("stage_ahead")
+        for order in orders:
+            self.cores[order.node_id].stage_ahead(order, now)
 
     def lease(self, node_id: str, owner: str, n_blocks: int) -> Any:
         self.calls.append("lease")

@@ -115,6 +115,11 @@ class BufferPool:
     def nbytes(self) -> int:
         return self.capacity * self.layout.full_block_bytes
 
+    def free_blocks(self) -> int:
+        """Slots free right now (a lease of more waits; staging cancels to cover the rest)."""
+        with self._lock:
+            return len(self._free)
+
     def lease(self, owner: str, n_blocks: int) -> Extent | None:
         """Lease `n_blocks` slots to `owner`; None while fewer slots are free."""
         if not isinstance(owner, str) or not owner:
@@ -134,6 +139,36 @@ class BufferPool:
             state = transition(extent.extent_id, ExtentState.FREE, ExtentEvent.LEASE)
             self._leases[extent.extent_id] = _Lease(extent, state)
             return extent
+
+    def grow(self, extent_id: int, n_blocks: int) -> Extent | None:
+        """Append `n_blocks` free slots to a LEASED extent, keeping block order (its old slots,
+        then the new ones: a block's position in the extent never moves, so bytes already read
+        into it stay where their grant says); None while fewer slots are free. The extent keeps
+        its id: a grant of it names the grown extent."""
+        if isinstance(n_blocks, bool) or not isinstance(n_blocks, int) or n_blocks < 0:
+            raise ValueError(f"n_blocks must be an int >= 0, got {n_blocks!r}")
+        with self._lock:
+            lease = self._live_lease(extent_id)
+            if lease.extent.n_blocks + n_blocks > self.capacity:
+                raise ValueError(
+                    f"extent {extent_id} of {lease.extent.n_blocks} blocks cannot grow by {n_blocks}: "
+                    f"that exceeds the pool capacity {self.capacity}"
+                )
+            if n_blocks > len(self._free):
+                return None
+            added = tuple(self._free.pop() for _ in range(n_blocks))
+            lease.extent = Extent(extent_id, lease.extent.owner, lease.extent.slots + added)
+            return lease.extent
+
+    def adopt(self, extent_id: int, owner: str) -> Extent:
+        """A LEASED extent changes owner (a staged extent handed to the request that claims it):
+        same id, same slots, so nothing is copied."""
+        if not isinstance(owner, str) or not owner:
+            raise ValueError(f"owner must be a non-empty string, got {owner!r}")
+        with self._lock:
+            lease = self._live_lease(extent_id)
+            lease.extent = Extent(extent_id, owner, lease.extent.slots)
+            return lease.extent
 
     def begin_transfer(self, extent_id: int) -> None:
         """Mark the extent as the target or source of a transfer in progress."""
@@ -209,6 +244,18 @@ class BufferPool:
         if isinstance(extent, Extent) and extent != live:
             raise ValueError(f"extent {extent} does not match the pool's extent {live}")
         return live
+
+    def _live_lease(self, extent_id: int) -> _Lease:
+        """The lease of a LEASED extent (caller holds the lock). Growing or re-owning one in a
+        transfer would change slots or owner under a transfer that addresses them: refused."""
+        lease = self._leases.get(extent_id)
+        current = ExtentState.FREE if lease is None else lease.state
+        if lease is None or current is not ExtentState.LEASED:
+            raise ExtentTransitionError(
+                f"extent {extent_id}: only a LEASED extent can grow or change owner, it is {current.name} "
+                f"({_HINTS[current]})"
+            )
+        return lease
 
     def _move(self, extent_id: int, event: ExtentEvent) -> None:
         with self._lock:

@@ -160,6 +160,10 @@ MEMORY_ROW = Row(500, "Buffers and HBM", (
           "percentunit", (Target(
               f"sum by (engine) ({sel(m.HBM_BYTES_USED)}) / sum by (engine) ({sel(m.HBM_BYTES_CAPACITY)})",
               "{{engine}}"),)),
+    Panel(503, "Tool-time staging (last 5 min)",
+          "Blocks the decode nodes' readers staged while agents' tools ran, and what became of them: used by "
+          "the next turn, expired, cancelled for real leases, skipped, failed, or missed by a claim.",
+          "short", (Target(increase(m.STAGED_BLOCKS, "outcome"), "{{outcome}}"),)),
 ))
 
 FAILURE_ROW = Row(600, "Failures, retries, recomputes", (

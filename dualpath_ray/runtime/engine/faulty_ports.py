@@ -22,7 +22,9 @@ import torch
 
 from dualpath_ray.faults.injector import FaultInjector, InjectedFault
 from dualpath_ray.faults.plan import CallPhase, FaultMode, FaultSite
-from dualpath_ray.protocol.messages import DecodeHandoff, ExtentGrant, Holding, PersistedBlock, TokenChunk, TurnResult
+from dualpath_ray.protocol.messages import (
+    DecodeHandoff, ExtentGrant, Holding, PersistedBlock, StagedRead, TokenChunk, TurnResult,
+)
 from dualpath_ray.runtime.engine.ports import DecodePort, Failed, Pending, ReaderPort, Ready, SchedulerPort, TransportPort
 from dualpath_ray.runtime.transport.moves import Move, Region, TransportError
 
@@ -71,9 +73,12 @@ class FaultyReaders:
         self.faults = faults
 
     def stage(
-        self, node_id: str, owner: str, keys: Sequence[str], total_blocks: int, path: str, first_block: int = 0
+        self, node_id: str, owner: str, keys: Sequence[str], total_blocks: int, path: str, first_block: int = 0,
+        staged: StagedRead | None = None,
     ) -> Pending[ExtentGrant]:
-        return _call(self.faults, "stage", lambda: self.inner.stage(node_id, owner, keys, total_blocks, path, first_block))
+        return _call(
+            self.faults, "stage", lambda: self.inner.stage(node_id, owner, keys, total_blocks, path, first_block, staged)
+        )
 
     def lease(self, node_id: str, owner: str, n_blocks: int) -> Pending[ExtentGrant]:
         return _call(self.faults, "lease", lambda: self.inner.lease(node_id, owner, n_blocks))

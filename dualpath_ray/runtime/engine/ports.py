@@ -12,7 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Generic, Protocol, Sequence, TypeVar
 
-from dualpath_ray.protocol.messages import DecodeHandoff, ExtentGrant, Holding, PersistedBlock, TokenChunk, TurnResult
+from dualpath_ray.protocol.messages import (
+    DecodeHandoff, ExtentGrant, Holding, PersistedBlock, StagedRead, TokenChunk, TurnResult,
+)
 from dualpath_ray.runtime.transport.moves import Move
 
 T = TypeVar("T")
@@ -57,11 +59,14 @@ class ReaderPort(Protocol):
     """The storage readers of every node, addressed by node id."""
 
     def stage(
-        self, node_id: str, owner: str, keys: Sequence[str], total_blocks: int, path: str, first_block: int = 0
+        self, node_id: str, owner: str, keys: Sequence[str], total_blocks: int, path: str, first_block: int = 0,
+        staged: StagedRead | None = None,
     ) -> Pending[ExtentGrant]:
         """Lease an extent of total_blocks on the node and read the hit blocks `keys` into its
         slots from block `first_block` on (a split read's decode-side part starts past the
-        blocks the prefill side reads)."""
+        blocks the prefill side reads). With `staged` (PrefillTask.staged, DE path), the node's
+        reader hands over the extent it staged for the first `staged.blocks` keys and reads
+        only the rest; one it no longer holds is read as usual. The grant is the same."""
 
     def lease(self, node_id: str, owner: str, n_blocks: int) -> Pending[ExtentGrant]:
         """Lease an empty extent (the decode side of a PE-path request)."""

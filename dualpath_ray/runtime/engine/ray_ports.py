@@ -17,7 +17,7 @@ from dualpath_ray.runtime.engine.directory import ActorDirectory
 from dualpath_ray.runtime.control.report_channel import ChannelAddress, ReportClient, SentReport
 from dualpath_ray.runtime.transport.moves import PeerDiedError
 from dualpath_ray.protocol.messages import (
-    DecodeHandoff, EngineReport, ExtentGrant, Holding, PersistedBlock, TokenChunk, TurnResult,
+    DecodeHandoff, EngineReport, ExtentGrant, Holding, PersistedBlock, StagedRead, TokenChunk, TurnResult,
 )
 
 
@@ -59,11 +59,12 @@ class RayReaders:
         return self.directory.get(reader_name(node_id))
 
     def stage(
-        self, node_id: str, owner: str, keys: Sequence[str], total_blocks: int, path: str, first_block: int = 0
+        self, node_id: str, owner: str, keys: Sequence[str], total_blocks: int, path: str, first_block: int = 0,
+        staged: StagedRead | None = None,
     ) -> RefPending:
         self.sent["stage"] += 1
         reader = self._reader(node_id)
-        return RefPending(reader.stage.remote(owner, list(keys), total_blocks, path, first_block), self.wake)
+        return RefPending(reader.stage.remote(owner, list(keys), total_blocks, path, first_block, staged), self.wake)
 
     def lease(self, node_id: str, owner: str, n_blocks: int) -> RefPending:
         self.sent["lease"] += 1

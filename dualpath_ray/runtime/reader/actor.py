@@ -13,6 +13,7 @@ as a Ray actor with a transport, metrics and the read-queue reporter.
 from __future__ import annotations
 
 import os
+import time
 
 import ray
 import torch
@@ -27,8 +28,10 @@ from dualpath_ray.protocol.names import reader_name
 from dualpath_ray.runtime.telemetry.actor_metrics import ReaderMetrics
 from dualpath_ray.runtime.emulation import make_link
 from dualpath_ray.runtime.engine.directory import ActorDirectory
-from dualpath_ray.protocol.messages import ExtentGrant, PersistedBlock, ReaderReport
+from dualpath_ray.protocol.messages import ExtentGrant, PersistedBlock, ReaderReport, StagedRead
 from dualpath_ray.runtime.reader.core import ReaderCore, ReaderSettings
+from dualpath_ray.runtime.reader.expiry_timer import ExpiryTimer
+from dualpath_ray.scheduling.staging import StageOrder
 from dualpath_ray.runtime.reader.queue_reporter import QueueReporter
 from dualpath_ray.runtime.engine.ray_ports import scheduler_channel
 from dualpath_ray.runtime.control.report_channel import ReportClient
@@ -57,6 +60,7 @@ def build_core(
         stale_temporary_s=cfg.store.stale_temporary_s,
         pin_host_buffers=cfg.cluster.pin_host_buffers,
         incarnation=incarnation,
+        stage_buffer_fraction=cfg.scheduler.stage_buffer_fraction,
     )
     # cluster.snic_gbps is per direction: the NIC is full duplex.
     links = (
@@ -68,8 +72,9 @@ def build_core(
 
 
 # "io" methods may wait for free buffer blocks or the SNIC; freeing runs on "ctl", so a full
-# pool can always drain.
-@ray.remote(**endpoint_actor_options(extra_concurrency_groups={"io": 16, "ctl": 8}))
+# pool can always drain. Staging orders run on "stage", one at a time: they wait while real
+# reads are active, and on "io" threads that wait would keep real reads from starting.
+@ray.remote(**endpoint_actor_options(extra_concurrency_groups={"io": 16, "ctl": 8, "stage": 1}))
 class StorageReader(TransportEndpoint):
     """The per-node reader actor (`reader/<node>`): a thin shell around ReaderCore."""
 
@@ -90,6 +95,11 @@ class StorageReader(TransportEndpoint):
         self.transport.register(Pool.BUFFER, self.core.pool.buffer)
         self.transport.seal()
         self.metrics = ReaderMetrics.start(cfg, self.core)
+        # Staged extents are freed at their deadlines (receipt + ttl_s) on this process's
+        # monotonic clock, which stage_ahead stamps them with: no polling while none is staged.
+        self.clock = time.monotonic
+        self.expiry = ExpiryTimer(self.core.expire, self.clock)
+        self.core.stager.on_deadline = self.expiry.scheduled
         # The scheduler learns this node's read queue from here, when it changes (and this
         # incarnation at once: a new one tells it the old process and its extents are gone).
         self.reporter = QueueReporter(
@@ -133,9 +143,25 @@ class StorageReader(TransportEndpoint):
         return bool(incarnation) and incarnation != self.incarnation
 
     @ray.method(concurrency_group="io")
-    def stage(self, owner: str, keys: list[str], total_blocks: int, path: str, first_block: int = 0) -> ExtentGrant:
+    def stage(
+        self, owner: str, keys: list[str], total_blocks: int, path: str, first_block: int = 0,
+        staged: StagedRead | None = None,
+    ) -> ExtentGrant:
         with self.metrics.kv_load(path, len(keys)):
-            return self.core.stage(owner, keys, total_blocks, path, self.name, first_block)
+            return self.core.stage(owner, keys, total_blocks, path, self.name, first_block, staged)
+
+    @ray.method(concurrency_group="stage")
+    def stage_ahead(self, orders: list[StageOrder]) -> None:
+        """Read tool-time staging orders ahead (scheduling/staging.py), one after another, behind
+        every real read; each is held until this call's start + its ttl_s."""
+        received = self.clock()
+        for order in orders:
+            self.core.stage_ahead(order, received)
+
+    @ray.method(concurrency_group="ctl")
+    def staging_counts(self) -> dict[str, int]:
+        """Staged blocks by outcome: staged, used, expired, cancelled, skipped, failed, missed."""
+        return self.core.staging_counts()
 
     @ray.method(concurrency_group="io")
     def lease(self, owner: str, n_blocks: int) -> ExtentGrant:

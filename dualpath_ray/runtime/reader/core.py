@@ -17,16 +17,14 @@ and counting it made congested decode buffers push reads onto the prefill nodes'
 from __future__ import annotations
 
 import errno
-import random
 import threading
 import time
-from dataclasses import dataclass
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Sequence
 
 import torch
 
 from dualpath_ray.faults.injector import FaultCount
-from dualpath_ray.faults.plan import FaultMode, FaultSite, FaultSpec
+from dualpath_ray.faults.plan import FaultMode, FaultSite
 from dualpath_ray.faults.store import damage_stored_block
 from dualpath_ray.kv.block_store import BlockStore
 from dualpath_ray.kv.digest import block_digests
@@ -34,46 +32,12 @@ from dualpath_ray.kv.errors import BadBlockError, BlockCorruptedError, BlockNotF
 from dualpath_ray.kv.layout import KVLayout
 from dualpath_ray.kv.pool import BufferPool, Extent, ExtentState
 from dualpath_ray.protocol.counters import NodeCounters
-from dualpath_ray.protocol.messages import ExtentGrant, PersistedBlock
+from dualpath_ray.protocol.messages import ExtentGrant, PersistedBlock, StagedRead
+from dualpath_ray.runtime.reader.settings import ReaderFaults, ReaderSettings
 from dualpath_ray.runtime.reader.snic import ReadTurn, SnicLink
+from dualpath_ray.runtime.reader.stager import ReaderStaging
 from dualpath_ray.runtime.reader.store_errors import WriteRefusals, bad_block_kind
-
-
-@dataclass(frozen=True)
-class ReaderSettings:
-    """What one node's reader core needs to know, as plain values (the actor takes them from the
-    config: cluster.buffer_blocks_per_node and pin_host_buffers, twice runtime.transfer_timeout_s,
-    runtime.kv_digests, store.stale_temporary_s)."""
-
-    node_id: str
-    buffer_blocks: int
-    lease_timeout_s: float
-    kv_digests: bool = True
-    # Temporaries of crashed puts older than this are swept at start; younger ones may be a put
-    # still running on another node of a shared mount.
-    stale_temporary_s: float = 600.0
-    pin_host_buffers: bool = False
-    # This process's transport incarnation: grants name it, so a free or persist addressed to an
-    # extent of a dead incarnation is recognised as stale (the actor checks it).
-    incarnation: str = ""
-
-
-class ReaderFaults(Protocol):
-    """The fault plan as the reader core asks it (faults/injector.py FaultInjector, or a fake)."""
-
-    @property
-    def active(self) -> bool:
-        """Whether any fault applies to this reader: without one the core never calls `decide`."""
-        ...
-
-    @property
-    def corruption_rng(self) -> random.Random:
-        """Where a store_read corrupt fault flips its byte."""
-        ...
-
-    def decide(self, site: FaultSite, method: str | None = None) -> FaultSpec | None: ...
-
-    def counts(self) -> dict[str, FaultCount]: ...
+from dualpath_ray.scheduling.staging import StageOrder
 
 
 MAX_RECLAIMED_OWNERS = 65536  # reclaimed attempts remembered (see ReaderCore._reclaimed)
@@ -129,6 +93,10 @@ class ReaderCore:
         # blocks for an owner that will never free them. Bounded: an attempt is reclaimed once.
         self._reclaimed: dict[str, None] = {}
         self._cond = threading.Condition()
+        # Tool-time staging (runtime/reader/stager.py): under this core's lock, fed by its reads.
+        self.stager = ReaderStaging(
+            self.pool, store, self.snic_read, layout, self.counters, self._cond, settings.stage_cap_blocks
+        )
 
     # --- extents ------------------------------------------------------------------------
 
@@ -141,13 +109,21 @@ class ReaderCore:
                 f"request {owner} needs {n_blocks} buffer blocks but node {self.node_id} has "
                 f"{self.pool.capacity}; raise cluster.buffer_blocks_per_node"
             )
+        return self._wait_for_room(owner, n_blocks, lambda: self.pool.lease(owner, n_blocks))
+
+    def _wait_for_room(self, owner: str, n_blocks: int, take: Callable[[], Extent | None]) -> Extent:
+        """`take` (a lease, or a grow of a claimed staged extent, by n_blocks) once the pool has
+        room, cancelling the oldest unclaimed staged extents when it has not (a real lease comes
+        before a guess), else waiting for frees; the extent is tracked under its owner."""
         timeout_s = self.settings.lease_timeout_s
         deadline = time.monotonic() + timeout_s
         with self._cond:
             while True:
                 if owner in self._reclaimed:
                     raise ReclaimedOwnerError(f"node {self.node_id}: {owner}'s engine died; its extents were reclaimed")
-                if (extent := self.pool.lease(owner, n_blocks)) is not None:
+                if (extent := take()) is not None:
+                    break
+                if self.stager.relieve(n_blocks - self.pool.free_blocks()) and (extent := take()) is not None:
                     break
                 if not self._cond.wait(timeout=max(0.0, deadline - time.monotonic())):
                     raise TimeoutError(f"node {self.node_id}: no {n_blocks} free buffer blocks in {timeout_s}s")
@@ -202,15 +178,62 @@ class ReaderCore:
         return ExtentGrant(self.node_id, reader, extent.extent_id, extent.slots, incarnation=self.incarnation)
 
     def stage(
-        self, owner: str, keys: Sequence[str], total_blocks: int, path: str, reader: str, first_block: int = 0
+        self, owner: str, keys: Sequence[str], total_blocks: int, path: str, reader: str, first_block: int = 0,
+        staged: StagedRead | None = None,
     ) -> ExtentGrant:
-        """read_blocks, granted with the digests of the verified hit KV (runtime.kv_digests)."""
-        extent = self.read_blocks(owner, keys, total_blocks, path, first_block)
+        """read_blocks, granted with the digests of the verified hit KV (runtime.kv_digests).
+        With `staged` (a claim of a tool-time staged extent), the staged extent is handed over
+        instead of reading its blocks, if this reader still holds it for these keys."""
+        extent = None
+        if staged is not None and 0 <= first_block and first_block + len(keys) <= total_blocks:  # else: raises below
+            extent = self._claim_staged(owner, keys, total_blocks, path, first_block, staged)
+        if extent is None:
+            extent = self.read_blocks(owner, keys, total_blocks, path, first_block)
         digests = None
         if self.settings.kv_digests and keys:
             hits = torch.stack([self.pool.full_block(slot) for slot in extent.slots[first_block : first_block + len(keys)]])
             digests = block_digests(hits, len(keys) * self.layout.block_size)
         return ExtentGrant(self.node_id, reader, extent.extent_id, extent.slots, digests, self.incarnation)
+
+    # --- tool-time staging (runtime/reader/stager.py) -----------------------------------------
+
+    def stage_ahead(self, order: StageOrder, now: float) -> bool:
+        """Read an order's blocks ahead on this thread, behind real reads (False: skipped/failed)."""
+        return self.stager.stage_ahead(order, now)
+
+    def expire(self, now: float) -> float | None:
+        """Free the staged extents past their deadline; the next deadline (None: none staged)."""
+        return self.stager.expire(now)
+
+    def staging_counts(self) -> dict[str, int]:
+        """Staged blocks by outcome (staged, used, expired, cancelled, skipped, failed, missed)."""
+        return self.stager.counts()
+
+    def _claim_staged(
+        self, owner: str, keys: Sequence[str], total_blocks: int, path: str, first_block: int, staged: StagedRead
+    ) -> Extent | None:
+        """The claimed staged extent, grown to total_blocks with the rest of `keys` read into it;
+        None (a counted miss) when it cannot be claimed: the caller reads all of them."""
+        claimed = self.stager.claim(staged, self.node_id, owner, keys, path, first_block)
+        if claimed is None:
+            return None
+        with self._cond:
+            self._extents[claimed.extent_id] = claimed  # reclaim(owner) frees it from now on
+            if owner in self._reclaimed:  # reclaimed before it was tracked: nobody else frees it
+                self.free(claimed.extent_id)
+                raise ReclaimedOwnerError(f"node {self.node_id}: {owner}'s engine died; its extents were reclaimed")
+        have = claimed.n_blocks
+
+        def grown() -> Extent:
+            if total_blocks == have:
+                return claimed
+            try:
+                return self._wait_for_room(owner, total_blocks - have, lambda: self.pool.grow(claimed.extent_id, total_blocks - have))
+            except BaseException:
+                self.free(claimed.extent_id)
+                raise
+
+        return self._read(owner, keys[have:], path, have, grown)
 
     # --- storage I/O --------------------------------------------------------------------
 
@@ -228,6 +251,14 @@ class ReaderCore:
             raise ValueError(
                 f"request {owner}: blocks [{first_block}, {first_block + len(keys)}) do not fit an extent of {total_blocks}"
             )
+        return self._read(owner, keys, path, first_block, lambda: self.lease(owner, total_blocks))
+
+    def _read(
+        self, owner: str, keys: Sequence[str], path: str, first_block: int, get_extent: Callable[[], Extent]
+    ) -> Extent:
+        """read_blocks into the extent `get_extent` leases (or grows), which it frees itself if
+        it fails; from entering the read queue to its end the read counts as a real read, which
+        staged reads yield to."""
         block_bytes = self.layout.full_block_bytes
         block_tokens = self.layout.block_size
         pending = len(keys) * block_tokens
@@ -238,6 +269,8 @@ class ReaderCore:
             nonlocal queued
             with self._cond:
                 self._read_q_tokens += pending
+                if keys:
+                    self.stager.real_read_began()
                 self.on_read_q()
             queued = True
 
@@ -262,7 +295,7 @@ class ReaderCore:
                 self.on_read_q()
 
         try:
-            extent = self.lease(owner, total_blocks)
+            extent = get_extent()
             if not queued:
                 enqueue()
             try:
@@ -284,10 +317,12 @@ class ReaderCore:
             return extent
         finally:
             turn.end()
-            if queued and pending:
+            if queued and keys:
                 with self._cond:
-                    self._read_q_tokens -= pending
-                    self.on_read_q()
+                    self.stager.real_read_ended()
+                    if pending:
+                        self._read_q_tokens -= pending
+                        self.on_read_q()
 
     def _note_bad_block(self, kind: str, key: str) -> None:
         if kind == "missing":

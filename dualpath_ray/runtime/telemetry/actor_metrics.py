@@ -69,6 +69,8 @@ class ReaderFigures(Protocol):
 
     def store_faults(self) -> tuple[list[str], int]: ...
 
+    def staging_counts(self) -> dict[str, int]: ...
+
 
 class ReaderMetrics:
     """A node's storage NIC bytes, read queue, buffer use, bad stored blocks and refused block
@@ -95,6 +97,8 @@ class ReaderMetrics:
         _, corrupt = self.core.integrity_keys()
         self.totals.update(m.STORE_CHECKSUM_FAILURES, len(corrupt), self.tags)
         self.totals.update(m.STORE_WRITE_FAILURES, self.core.store_faults()[1], self.tags)
+        for outcome, blocks in self.core.staging_counts().items():
+            self.totals.update(m.STAGED_BLOCKS, blocks, {**self.tags, "outcome": outcome})
         self.sink.set(m.READ_QUEUE_TOKENS, self.core.read_q(), self.tags)
         pool = self.core.pool.check_integrity()
         block_bytes = self.core.layout.full_block_bytes

@@ -243,3 +243,46 @@ def test_concurrent_leases_and_releases_keep_integrity() -> None:
         thread.join()
     assert errors == [], f"concurrent use must not fail: {errors}"
     assert pool.check_integrity() == PoolCounts(16, 0, 0, 16), "every slot must be free again"
+
+
+def test_grow_appends_free_slots_after_the_old_ones_and_keeps_the_id() -> None:
+    pool = BufferPool(8, LAYOUT)
+    extent = pool.lease("stage/k", 2)
+    assert extent is not None
+    pool.full_block(extent.slots[1]).fill_(7)
+    grown = pool.grow(extent.extent_id, 3)
+    assert grown is not None and grown.extent_id == extent.extent_id, "a grown extent keeps its id (grants name it)"
+    assert grown.slots[:2] == extent.slots, "block order is kept: the old slots stay first, in their order"
+    assert len(set(grown.slots)) == 5, "the new slots are distinct from the old ones"
+    assert bool((pool.full_blocks(grown)[1] == 7).all()), "bytes already in the extent stay at their block position"
+    assert pool.check_integrity() == PoolCounts(3, 5, 0, 8), "grown slots are leased, not free"
+    other = pool.lease("req", 2)
+    assert other is not None
+    assert pool.grow(extent.extent_id, 2) is None, "None while fewer slots are free (nothing taken)"
+    assert pool.check_integrity() == PoolCounts(1, 7, 0, 8), "a refused grow takes no slot"
+    with pytest.raises(ValueError, match="exceeds the pool capacity"):
+        pool.grow(extent.extent_id, 4)
+    pool.release(extent.extent_id)
+    pool.release(other.extent_id)
+    assert pool.check_integrity() == PoolCounts(8, 0, 0, 8), "releasing a grown extent frees every slot of it"
+
+
+def test_adopt_changes_the_owner_of_a_leased_extent_only() -> None:
+    pool = BufferPool(4, LAYOUT)
+    extent = pool.lease("stage/k", 2)
+    assert extent is not None
+    adopted = pool.adopt(extent.extent_id, "req-1@0")
+    assert (adopted.extent_id, adopted.slots, adopted.owner) == (extent.extent_id, extent.slots, "req-1@0"), (
+        "adopt keeps id and slots and changes only the owner"
+    )
+    assert pool.holders() == {"req-1@0": 2}, "the blocks are blamed on the new owner"
+    pool.begin_transfer(extent.extent_id)
+    with pytest.raises(ExtentTransitionError, match="only a LEASED extent"):
+        pool.adopt(extent.extent_id, "other")
+    with pytest.raises(ExtentTransitionError, match="only a LEASED extent"):
+        pool.grow(extent.extent_id, 1)
+    pool.end_transfer(extent.extent_id)
+    pool.release(extent.extent_id)
+    with pytest.raises(ExtentTransitionError, match="FREE"):
+        pool.grow(extent.extent_id, 1)
+    assert pool.check_integrity() == PoolCounts(4, 0, 0, 4), "refused moves leave the accounting exact"
