@@ -82,11 +82,14 @@ def test_a_session_that_never_returns_costs_one_extent_until_it_expires() -> Non
         first = ray.get(server.generate.remote("twice", prompt + [7, 8], {"max_tokens": 4, "temperature": 0.0},
                                                None, 1.0))
         assert first.token_ids, "the hinted turn is served as any other"
-        staged_blocks = max(capacity - free for free, _, _, capacity in cluster.pool_integrity().values())
+        held = max(capacity - free for free, _, _, capacity in cluster.pool_integrity().values())
         pools = settled(cluster, 10.0)
         staging = reader_staging(cluster)
-        print(f"staged blocks held right after the hinted turn: {staged_blocks}; readers: {staging}")
-        assert sum(counts["expired"] for counts in staging.values()) == 1, "the one order nobody claimed expired"
+        calls = ray.get(cluster.deployment.scheduler.call_counts.remote())
+        print(f"blocks held right after the hinted turn: {held}; readers: {staging}")
+        assert calls["stage_orders"] == 1, "the hinted turn's context was ordered staged, once"
+        expired = sum(counts["expired"] for counts in staging.values())
+        assert expired == calls["stage_order_blocks"] > 0, "that one extent, unclaimed, expired whole"
         assert sum(counts["used"] for counts in staging.values()) == 0, "nothing claimed it"
         assert all(free == capacity for free, _, _, capacity in pools.values()), f"and its extent was freed: {pools}"
     finally:
