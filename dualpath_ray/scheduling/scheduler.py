@@ -61,7 +61,8 @@ class CoreSettings:
                    cfg.runtime.kv_failure_policy, epoch, cfg.scheduler.read_split, cfg.cluster.decode_nodes,
                    Admission(cfg.scheduler.max_queued_turns), StagingSettings(
                        cfg.scheduler.stage_tool_time and Mode(mode) is Mode.DUALPATH,
-                       cfg.scheduler.stage_slack, cfg.scheduler.stage_margin_s))
+                       cfg.scheduler.stage_slack, cfg.scheduler.stage_margin_s,
+                       read_tokens_per_s=constants.alpha_tokens / cfg.scheduler.alpha_seconds))
 
 
 class SchedulerCore:
@@ -286,7 +287,8 @@ class SchedulerCore:
         nodes = self.dispatcher.decode_nodes_taking_work()
         read_q = {node: self.dispatcher.read_q.get(node, 0) for node in nodes if node not in self.readers_unavailable
                   and node not in self.readers_dead}
-        order = self.staging.plan(keys, hint, self.clock(), read_q, nodes)
+        tokens = len(keys) * self.settings.block_size
+        order = self.staging.plan(keys, tokens, hint, self.clock(), read_q, nodes)
         if order is not None:
             self._stage_orders.append(order)
 

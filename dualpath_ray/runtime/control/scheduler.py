@@ -373,11 +373,13 @@ class Scheduler:
 
     def _staging_counts(self) -> dict[str, int]:
         """Tool-time staging at the scheduler: chains ordered staged (and their blocks), claimed by
-        a next turn, expired unclaimed, and claims the placement could not honour."""
+        a next turn, expired unclaimed, claims the placement could not honour, hints whose tool
+        time could not cover the read, and next turns that came before their chain was read."""
         stats = self.core.staging.stats
         return {"stage_orders": stats.ordered, "stage_order_blocks": stats.ordered_blocks,
                 "stage_claims": stats.claimed, "stage_claimed_blocks": stats.claimed_blocks,
-                "stage_expired": stats.expired, "stage_missed": self.core.dispatcher.staged_missed}
+                "stage_expired": stats.expired, "stage_missed": self.core.dispatcher.staged_missed,
+                "stage_too_short": stats.too_short, "stage_unready": stats.unready}
 
     async def tracked(self) -> dict[str, int]:
         """Sizes of every per-request table this actor keeps, and the aborted trajectories' marks

@@ -5,6 +5,8 @@ no hint, basic mode or staging off change nothing; orders expire on the injected
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from dualpath_ray.config import DualPathConfig
@@ -118,13 +120,13 @@ def test_an_order_expires_on_the_clock_and_a_late_turn_reads_as_usual() -> None:
 
 def test_a_turn_that_left_the_staged_context_does_not_claim_it() -> None:
     book = StagingBook(ON)
-    order = book.plan(("a", "b", "c"), 1.0, 0.0, {"d0": 0}, {"d0": 0})
+    order = book.plan(("a", "b", "c"), 48, 1.0, 0.0, {"d0": 0}, {"d0": 0})
     assert order is not None
     assert book.claim(("a", "b"), 0.5) is None, "a chain longer than the hits is not claimed"
     assert book.claim(("a", "x", "c"), 0.5) is None, "a chain claims only when every key matches"
     assert book.claim(("a", "b", "c", "d"), 0.5) == order, "hits that begin with the chain claim it"
-    assert book.plan(("a",), None, 0.0, {"d0": 0}, {"d0": 0}) is None, "no hint, no order"
-    assert book.plan(("a",), 1.0, 0.0, {}, {}) is None, "no decode node takes work: no order"
+    assert book.plan(("a",), 16, None, 0.0, {"d0": 0}, {"d0": 0}) is None, "no hint, no order"
+    assert book.plan(("a",), 16, 1.0, 0.0, {}, {}) is None, "no decode node takes work: no order"
 
 
 def test_a_claim_the_placement_cannot_honour_is_dropped() -> None:
@@ -145,3 +147,20 @@ def test_a_claim_the_placement_cannot_honour_is_dropped() -> None:
     assert task.staged is None, "a staged chain on another node than its decode node is not used"
     assert c.dispatcher.staged_missed == 1, "and it is counted as missed (its reader expires it)"
     c.dispatcher.check_integrity()
+
+
+def test_staging_is_ordered_only_where_the_tool_time_covers_the_read_and_claimed_once_it_is_done() -> None:
+    book = StagingBook(dataclasses.replace(ON, read_tokens_per_s=1000.0))  # a SNIC reads 1000 tokens/s
+    assert book.plan(("a",), 2000, 1.5, 0.0, {"d0": 0}, {"d0": 0}) is None, (
+        "2000 tokens take 2 s, more than the 1.5 s of tool time: no order"
+    )
+    assert book.stats.too_short == 1, "and it is counted"
+    first = book.plan(("b",), 500, 1.0, 0.0, {"d0": 300, "d1": 0}, {"d0": 0, "d1": 0})
+    assert first is not None and first.node_id == "d1", "the node that would finish it first (empty queue)"
+    assert first.ready_at == 0.5, "ready when its 500 tokens are read"
+    second = book.plan(("c",), 500, 1.0, 0.0, {"d0": 300, "d1": 0}, {"d0": 0, "d1": 0})
+    assert second is not None and second.node_id == "d0", "d1's SNIC has 500 staged tokens ahead: d0 (300) is sooner"
+    assert second.ready_at == 0.8, "ready after the 300 tokens queued there, then its own 500"
+    assert book.claim(("b", "x"), 0.4) is None, "a turn that comes before its chain is read is not steered to it"
+    assert book.stats.unready == 1 and len(book) == 1, "counted, and forgotten (its reader expires the extent)"
+    assert book.claim(("c", "x"), 0.8) == second, "one that comes after it is read claims it"
