@@ -45,7 +45,6 @@ class SimPrefillJob:
     decode_links: EngineLinks
     owner: str = ""  # the attempt's name (request#attempt), what the engine keys it by
     pending: int = 0  # staging steps not done yet
-    staged_blocks: int = 0  # hit blocks staged on its decode node during the tool time (sim/staged.py)
     ready: bool = False
     chunks: int = 0
     # When it got its decode reservation, its prefill engine, its staged KV; its first token.

@@ -65,7 +65,6 @@ class Stager:
             )
             return
         reads = job.de_blocks - extent.issued  # the hits beyond the staged ones, and staged ones not read yet
-        job.staged_blocks = extent.issued
         decode_node.buffer.lease(
             now, prompt_blocks - extent.blocks,
             lambda t: self._read(job, decode_node, reads, ReadPath.DE, t, extent.last_done),
