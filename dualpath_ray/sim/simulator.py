@@ -249,7 +249,6 @@ class Simulation:
                               for a in self.agents.agents if a.finished_at >= 0} if len(self.agents.agents) <= 4096 else {},
         )
 
-
     def _staging(self) -> dict[str, int]:
         """Tool-time staging's counters: the readers' (sim/staged.py), the core's book's
         (`claimed` at submit) and placements that could not honour a claim (`placed_elsewhere`)."""
