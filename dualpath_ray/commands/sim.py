@@ -58,6 +58,7 @@ def main(args: argparse.Namespace) -> int:
     parts = ", ".join(f"{part} {seconds:.3f} s" for part, seconds in result.ttft_parts_s.items())
     print(f"mean TTFT by part: {parts}")
     print(_attention_line(result))
+    print(result.staging_line())
     print(f"scheduler CPU: {result.scheduler_cpu_s:.2f} s ({result.scheduler_cpu_per_sim_s:.4f} s per simulated s); "
           f"{result.events} events in {result.wall_s:.1f} s")
     return 0

@@ -2,7 +2,9 @@
 
 Turn k+1 is submitted when turn k's result is back, after turn k+1's tool latency; its prompt is
 the whole context so far (every earlier appended and generated token) plus what it appends
-(api/rollout.py). With `warmup_turns`, every trajectory first runs that many turns, and the
+(api/rollout.py). A turn followed by one after a tool latency carries that latency as its hint
+that the session continues (`RequestSpec.expect_next_turn_s`, what the rollout passes on from its
+trace), which tool-time staging acts on (scheduling/staging.py, sim/staged.py). With `warmup_turns`, every trajectory first runs that many turns, and the
 timed phase starts when the last of them is done, all trajectories resuming at once (as
 benchmarks/demo_jct.py's untimed first turns and resumed rollout do).
 """
@@ -36,6 +38,16 @@ class AgentStats:
     finished: int = 0
     jct_s: list[float] = field(default_factory=list)  # per trajectory, timed phase only
     last_finish: float = 0.0
+
+
+def next_turn_hint(trajectory: SimTrajectory, turn: int) -> float | None:
+    """The tool latency before turn `turn` + 1 when there is such a turn and it waits for a tool
+    (> 0), else None: no hint, nothing staged."""
+    following = turn + 1
+    if following >= trajectory.turns:
+        return None
+    latency = float(trajectory.tool_latency_s[following])
+    return latency if latency > 0 else None
 
 
 class Agents:
@@ -80,7 +92,7 @@ class Agents:
         prompt = SimPrompt(agent.prompt, t.chain, t.keys)
         spec = RequestSpec(
             f"{t.trajectory_id}/t{k}", 0, prompt, SamplingParams(max_new_tokens=int(t.gen[k])),  # type: ignore[arg-type]
-            NAMESPACE, self.loop.now,
+            NAMESPACE, self.loop.now, expect_next_turn_s=next_turn_hint(t, k),
         )
         self.submit(spec, agent)
 

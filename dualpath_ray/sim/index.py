@@ -9,9 +9,10 @@ hashing, and the answer is the same longest stored prefix in whole blocks:
 - `ChainIndex`: one chain per trajectory (synthetic and Parquet traces, whose trajectories share
   no tokens). Block j of chain c has key c * KEY_STRIDE + j, and the index keeps each chain's
   stored length: O(1) time and memory per trajectory, which is what lets 48K agents of 64K-token
-  contexts fit in memory. The hit keys it reports are block positions in the prompt's own chain
-  (one tuple shared by every lookup), since nothing in the simulator reads more of them than
-  their number.
+  contexts fit in memory. The hit keys it reports are the chain's own keys, the ones a finished
+  turn publishes: tool-time staging (scheduling/staging.py) names a staged chain by its last key
+  and claims it for the next turn whose hits begin with it, so positions shared by every chain
+  would let one trajectory claim another's.
 - `TreeIndex`: explicit keys per block and a parent map (Mooncake traces, whose requests share
   prefixes named by hash ids).
 """
@@ -23,13 +24,6 @@ from dataclasses import dataclass
 from dualpath_ray.kv.index import PrefixHit
 
 KEY_STRIDE = 1 << 32
-# Block positions 0..65535 (4M tokens of 64): hit keys of ChainIndex lookups are slices of it.
-_POSITIONS = tuple(range(1 << 16))
-
-
-def positions(count: int) -> tuple[int, ...]:
-    """(0, 1, ..., count - 1), a slice of one shared tuple when it is long enough."""
-    return _POSITIONS[:count] if count <= len(_POSITIONS) else tuple(range(count))
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +52,8 @@ class ChainIndex:
 
     def match(self, prompt: SimPrompt, namespace: str) -> PrefixHit:
         hit = min(self.stored.get(prompt.chain, 0), prompt.length // self.block_size)
-        return PrefixHit(hit, hit * self.block_size, positions(hit))  # type: ignore[arg-type]
+        base = prompt.chain * KEY_STRIDE
+        return PrefixHit(hit, hit * self.block_size, tuple(range(base, base + hit)))  # type: ignore[arg-type]
 
     def insert_block(self, key: int, parent: int | None) -> bool:
         chain, position = divmod(key, KEY_STRIDE)

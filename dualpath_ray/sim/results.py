@@ -145,12 +145,23 @@ class SimResult:
     quota_scope: str = "forward"  # what the compute quota bounded (SimOptions.quota_scope, resolved)
     decisions: list[tuple[str, str, str, str]] = field(default_factory=list)
     trajectory_jct_s: dict[str, float] = field(default_factory=dict)
+    # Tool-time staging (sim/staged.py, StagingCounters, plus the core's claims); {} when it is off.
+    staging: dict[str, int] = field(default_factory=dict)
 
     def to_json(self, decisions: bool = False) -> dict[str, Any]:
         data = asdict(self)
         if not decisions:
             data.pop("decisions")
         return data
+
+    def staging_line(self) -> str:
+        """Tool-time staging's counters in one line (`dualpath sim`)."""
+        s = self.staging
+        if not s:
+            return "tool-time staging: off (scheduler.stage_tool_time false, or not dualpath mode)"
+        return (f"tool-time staging: {s['orders']} orders ({s['ordered_blocks']} blocks), {s['skipped']} skipped, "
+                f"{s['staged_blocks']} blocks staged, {s['used']} used ({s['used_blocks']} blocks, {s['promoted']} "
+                f"still reading), {s['expired']} expired, {s['cancelled']} cancelled, {s['missed']} missed")
 
     def headline(self) -> str:
         balance = f"{self.snic_balance:.2f}" if self.snic_balance is not None else "n/a"

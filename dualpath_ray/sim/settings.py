@@ -17,6 +17,7 @@ from typing import Literal
 from dualpath_ray.config import ConfigError, DualPathConfig
 from dualpath_ray.model.cost import DecodeModel, EngineCost, WithDecode, derive_beta_tokens, derive_gpu_cost
 from dualpath_ray.scheduling.dispatcher import Constants
+from dualpath_ray.scheduling.staging import StagingSettings
 from dualpath_ray.scheduling.types import Mode
 
 @dataclass(frozen=True)
@@ -46,6 +47,9 @@ class SimOptions:
     # (online runs leave out the ramp-up and the drain after the last arrival).
     measure_from_s: float = 0.0
     measure_until_s: float = float("inf")
+    # Tool-time staging (sim/staged.py): a staged read takes its node's SNIC this many blocks at a
+    # time, only while no real read is queued there, so a real read that comes waits at most one.
+    stage_chunk_blocks: int = 32
 
 
 @dataclass(frozen=True)
@@ -67,6 +71,10 @@ class SimSettings:
     read_split: str
     report_interval_s: float
     options: SimOptions
+    # Tool-time staging (scheduler.stage_tool_time, its timing; dualpath mode only), and the share
+    # of a node's buffer that staged extents may hold (scheduler.stage_buffer_fraction).
+    staging: StagingSettings = StagingSettings()
+    stage_buffer_fraction: float = 0.5
 
     @property
     def n_layer(self) -> int:
@@ -116,6 +124,9 @@ def settings_for(cfg: DualPathConfig, mode: Mode | str, options: SimOptions = Si
         dram_bytes_s=cluster.dram_gbs * 1e9, burst_s=burst, lockstep_prefill=lockstep,
         constants=Constants(alpha, beta, cfg.scheduler.z_margin), read_split=cfg.scheduler.read_split,
         report_interval_s=cfg.scheduler.report_interval_ms / 1000.0, options=options,
+        staging=StagingSettings(cfg.scheduler.stage_tool_time and Mode(mode) is Mode.DUALPATH,
+                                cfg.scheduler.stage_slack, cfg.scheduler.stage_margin_s),
+        stage_buffer_fraction=cfg.scheduler.stage_buffer_fraction,
     )
 
 

@@ -10,6 +10,7 @@ every scheduling decision is the scheduler core's, asked when the runtime's roun
 from __future__ import annotations
 
 import time
+from dataclasses import asdict
 from typing import NamedTuple, Sequence
 
 from dualpath_ray.config import DualPathConfig
@@ -29,6 +30,7 @@ from dualpath_ray.sim.results import (
 )
 from dualpath_ray.sim.settings import SimOptions, settings_for
 from dualpath_ray.sim.round_robin import RoundRobinPaths
+from dualpath_ray.sim.staged import StagedReads
 from dualpath_ray.sim.staging import Stager
 from dualpath_ray.sim.workload import Workload, block_key
 
@@ -66,7 +68,9 @@ class Simulation:
             loop, self.core, prefill_groups, list(dict.fromkeys(self.decode_groups.values())), options.pull_delay_s,
             settings.report_interval_s, settings.constants.beta_tokens, Outputs(self._reserve, self._assign),
         )
-        self.stager = Stager(loop, settings, self._kick, self.driver.read_queue_changed)
+        # Tool-time staging (scheduler.stage_tool_time): the decode nodes' readers act on the core's orders.
+        self.staged = StagedReads(loop, settings, self.decode_nodes) if settings.staging.enabled else None
+        self.stager = Stager(loop, settings, self._kick, self.driver.read_queue_changed, self.staged)
         self.agents = Agents(loop, workload, self._submit, options.warmup_turns, cfg.model.max_context)
         self.log = TurnLog()
         self._reserved_at: dict[str, float] = {}  # request id -> when its decode reservation was made
@@ -75,8 +79,9 @@ class Simulation:
         settings = self.settings
         index = TreeIndex(settings.block_size) if self.workload.tree else ChainIndex(settings.block_size)
         core_settings = CoreSettings(settings.mode, settings.block_size, settings.constants, read_split=settings.read_split,
-                                     decode_groups=self.cfg.cluster.decode_nodes)
-        core = SchedulerCore(core_settings, index)  # type: ignore[arg-type]
+                                     decode_groups=self.cfg.cluster.decode_nodes, staging=settings.staging)
+        loop = self.loop
+        core = SchedulerCore(core_settings, index, clock=lambda: loop.now)  # type: ignore[arg-type]
         if settings.options.path_choice == "round_robin":
             core.dispatcher = RoundRobinPaths(settings.constants, settings.mode, settings.read_split)
         return core
@@ -152,6 +157,9 @@ class Simulation:
             persisted=self._persisted(agent, job.task.hit_tokens, job.prompt + gen - 1),
         )
         self.driver.finish(result, self.decode_groups[engine.engine_id].group_id)
+        if self.staged is not None:
+            for order in self.core.take_stage_orders():
+                self.staged.order(order, now)
         if self._measured(agent, job.task.request.submitted_at):
             self.log.ttft_s.append(ttft)
             if gen > 1:
@@ -191,6 +199,8 @@ class Simulation:
         self.driver.start()
         self.agents.start()
         self.loop.run(self.settings.options.until_s)
+        if self.staged is not None:
+            self.staged.close(self.loop.now)
         wall = time.perf_counter() - started
         return self._result(wall)
 
@@ -234,10 +244,19 @@ class Simulation:
             engines={"prefill_busy": busy, "prefill_rounds": prefill.rounds, "prefill_chunks": prefill.chunks,
                      "decode_steps": self.decode_stats.steps, "decode_max_batch": self.decode_stats.max_batch},
             quota_scope=str(self.settings.options.quota_scope),
-            decisions=self.log.decisions,
+            decisions=self.log.decisions, staging=self._staging(),
             trajectory_jct_s={a.trajectory.trajectory_id: a.finished_at - (timed_from if self.agents.warmup_turns else a.trajectory.arrival_s)
                               for a in self.agents.agents if a.finished_at >= 0} if len(self.agents.agents) <= 4096 else {},
         )
+
+    def _staging(self) -> dict[str, int]:
+        """Tool-time staging's counters: the readers' (sim/staged.py), the core's book's
+        (`claimed` at submit) and placements that could not honour a claim (`placed_elsewhere`)."""
+        if self.staged is None:
+            return {}
+        book = self.core.staging.stats
+        return {**asdict(self.staged.counters), "claimed": book.claimed, "claimed_blocks": book.claimed_blocks,
+                "placed_elsewhere": self.core.dispatcher.staged_missed}
 
 
 def simulate(
