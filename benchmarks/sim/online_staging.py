@@ -9,12 +9,8 @@ fails, then bisection), the mean and p99 TTFT at that rate, and both settings' T
 common rate (the highest that staging off sustains), where the gain shows as latency, with
 Oracle (no I/O at all) at that rate as the ceiling of anything a read can save.
 
-Two experiments at the common rate, with staging on, ask where its gain comes from and what
-limits it: `informed`, the readers telling the core of every extent they skipped, cancelled or
-let expire, so a miss is placed as any other turn (neither the runtime nor the simulator does
-this: the core claims at submit, sends the turn to the staged node's group and down the DE
-path, and only the reader knows the extent is gone; patched in here, see `informed_core`);
-and `whole_buffer`, scheduler.stage_buffer_fraction 1.0 instead of 0.5.
+One experiment at the common rate, with staging on, asks what limits it: `whole_buffer`,
+scheduler.stage_buffer_fraction 1.0 instead of 0.5.
 
 To keep it affordable the clock stops `DRAIN_S` after the window (SimOptions.until_s) instead of
 running every trajectory to its end: only the measured turns matter, and a rate at which any
@@ -30,53 +26,16 @@ Writes results/online_staging.json.
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 from common import LARGE_MLA, agents, cluster, parser, save, with_options
 
-from dualpath_ray.sim import staged as staged_module
 from dualpath_ray.sim.simulator import Simulation
 
 TTFT_SLO_S, TPOT_SLO_S = 4.0, 0.050
 MAX_LEN = 65536
 DRAIN_S = 60.0
 TOOL_MEANS_S = (2.0, 10.0)
-
-
-@contextmanager
-def informed_core() -> Iterator[None]:
-    """The experiment `informed`: while it lasts, a reader that skips an order or frees an
-    unclaimed extent (cancelled, expired) takes the order out of the core's staging book, so no
-    turn claims it. The book has no call for this, hence its private map."""
-    cores: list = []
-    readers = staged_module.StagedReads
-    original_init, original_order, original_free = Simulation.__init__, readers.order, readers._free
-
-    def forget(order) -> None:  # noqa: ANN001
-        book = cores[-1].staging._by_last_key
-        if book.get(order.keys[-1]) is order:
-            del book[order.keys[-1]]
-
-    def init(self, *args, **kwargs) -> None:  # noqa: ANN001, ANN002, ANN003
-        original_init(self, *args, **kwargs)
-        cores.append(self.core)
-
-    def order(self, stage_order, now) -> None:  # noqa: ANN001
-        skipped = self.counters.skipped
-        original_order(self, stage_order, now)
-        if self.counters.skipped > skipped:
-            forget(stage_order)
-
-    def free(self, staging, extent, now) -> None:  # noqa: ANN001
-        forget(extent.order)
-        original_free(self, staging, extent, now)
-
-    Simulation.__init__, readers.order, readers._free = init, order, free  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        Simulation.__init__, readers.order, readers._free = original_init, original_order, original_free  # type: ignore[method-assign]
 
 
 def serve(tool_s: float, staging: bool, rate: float, window_s: float, mode: str = "dualpath",
@@ -146,12 +105,8 @@ def main() -> None:
         row["off"]["at_common_rate"] = at_rate(found["off"][1], common)
         row["oracle_at_common_rate"] = serve(tool_s, False, common, window_s, "oracle") if common else None
         if common:
-            print("  experiment informed:", flush=True)
-            with informed_core():
-                informed = serve(tool_s, True, common, window_s)
             print("  experiment whole_buffer:", flush=True)
-            row["experiments"] = {"informed": informed,
-                                  "whole_buffer": serve(tool_s, True, common, window_s, stage_buffer_fraction=1.0)}
+            row["experiments"] = {"whole_buffer": serve(tool_s, True, common, window_s, stage_buffer_fraction=1.0)}
         row["aps_gain"] = found["on"][0] / common if common else None
         rows.append(row)
         off, on = row["off"], row["on"]

@@ -55,7 +55,7 @@ class StagingCounters:
 
 
 @dataclass(eq=False)
-class StagedExtent:
+class SimStagedExtent:
     order: StageOrder
     expires_at: float
     issued: int = 0  # blocks handed to the SNIC (read, or in the chunk in service)
@@ -72,9 +72,9 @@ class NodeStaging:
     """One decode node's reader: its staged extents, by receipt, and its staged-read state."""
 
     node: SimNode
-    extents: dict[str, StagedExtent] = field(default_factory=dict)  # stage id -> extent, by receipt
-    to_read: deque[StagedExtent] = field(default_factory=deque)
-    expiries: list[tuple[float, int, StagedExtent]] = field(default_factory=list)  # heap
+    extents: dict[str, SimStagedExtent] = field(default_factory=dict)  # stage id -> extent, by receipt
+    to_read: deque[SimStagedExtent] = field(default_factory=deque)
+    expiries: list[tuple[float, int, SimStagedExtent]] = field(default_factory=list)  # heap
     held: int = 0  # blocks of its live staged extents
     reading: bool = False  # a chunk is in service, or a wake-up is set for when the SNIC is free
 
@@ -112,7 +112,7 @@ class StagedReads:
         if staging.held + order.blocks > self.limit or not staging.node.buffer.try_lease(order.blocks):
             counters.skipped += 1
             return
-        extent = StagedExtent(order, now + order.ttl_s, last_done=now)
+        extent = SimStagedExtent(order, now + order.ttl_s, last_done=now)
         staging.extents[order.stage_id] = extent
         staging.held += order.blocks
         heapq.heappush(staging.expiries, (extent.expires_at, next(self._sequence), extent))
@@ -158,7 +158,7 @@ class StagedReads:
 
     # --- claims, expiry, cancellation -------------------------------------------------------
 
-    def claim(self, node_id: str, stage_id: str, now: float) -> StagedExtent | None:
+    def claim(self, node_id: str, stage_id: str, now: float) -> SimStagedExtent | None:
         """A prefill job's task names the extent staged as `stage_id` on `node_id`: the extent,
         now the job's (its unread blocks are the job's to read, no longer staged), or None."""
         staging = self.nodes.get(node_id)
@@ -198,7 +198,7 @@ class StagedReads:
             self._free(staging, extent, now)
             self.counters.cancelled += 1
 
-    def _free(self, staging: NodeStaging, extent: StagedExtent, now: float) -> None:
+    def _free(self, staging: NodeStaging, extent: SimStagedExtent, now: float) -> None:
         extent.live = False
         staging.held -= extent.blocks
         staging.node.buffer.release(now, extent.blocks)
