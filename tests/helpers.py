@@ -36,12 +36,14 @@ def runtime_config(transport: str = "gloo", mode: str = "dualpath", **runtime: o
 
 
 def trajectories(count: int = 8, turns: int = 4, first: int = 150, appended: int = 40,
-                 gen: int = 6, vocab: int = 512, seed: int = 7) -> list[Trajectory]:
+                 gen: int = 6, vocab: int = 512, seed: int = 7, tool_s: float = 0.0) -> list[Trajectory]:
+    """`count` agents of `turns` turns; each turn after the first waits `tool_s` for its tool (the
+    rollout hints it, and the next turn's KV is staged meanwhile: scheduling/staging.py)."""
     rng = np.random.default_rng(seed)
     result = []
     for t in range(count):
         steps = tuple(
-            Turn(tuple(int(x) for x in rng.integers(0, vocab, first if k == 0 else appended)), gen)
+            Turn(tuple(int(x) for x in rng.integers(0, vocab, first if k == 0 else appended)), gen, tool_s if k else 0.0)
             for k in range(turns)
         )
         result.append(Trajectory(f"traj{t}", steps))

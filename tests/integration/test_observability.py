@@ -95,6 +95,9 @@ def observed(tmp_path_factory: pytest.TempPathFactory):
         server = PrometheusServer(info["prometheus_url"]) if binary else None
         started = time.time()
         first = cluster.rollout(trajectories(count=6, turns=4, seed=7), progress=False)
+        # Two agents with tool time between turns: the rollout hints it and their next turns' KV
+        # is staged, so the staging metric has series too.
+        staged = cluster.rollout(trajectories(count=2, turns=3, seed=9, tool_s=0.5), progress=False)
         if server is not None:
             # Every series exists in Prometheus before the second rollout, so the second one's
             # observations show up as rates (a series' first sample has no rate before it).
@@ -102,7 +105,7 @@ def observed(tmp_path_factory: pytest.TempPathFactory):
                      lambda: f"missing: {missing_metrics(server)}")
         second = cluster.rollout(trajectories(count=6, turns=4, seed=8), progress=False)
         yield {"cfg": cfg, "cluster": cluster, "info": info, "server": server, "started": started,
-               "results": [first, second], "counters": cluster.counters(), "temp_dir": temp_dir, "scratch": state}
+               "results": [first, staged, second], "counters": cluster.counters(), "temp_dir": temp_dir, "scratch": state}
     finally:
         if cluster is not None:
             cluster.teardown()

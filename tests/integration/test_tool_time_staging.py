@@ -17,17 +17,10 @@ ray_test_env()
 import ray  # noqa: E402
 
 from dualpath_ray.cluster import DualPathCluster  # noqa: E402
-from dualpath_ray.workload.trace import Trajectory, Turn  # noqa: E402
 
 pytestmark = [pytest.mark.integration]
 
 TOOL_S = 1.5
-
-
-def with_tool_time(trajs: list[Trajectory], tool_s: float) -> list[Trajectory]:
-    """The same turns, each after the first waiting `tool_s` for its tool (the rollout's hint)."""
-    return [Trajectory(t.trajectory_id, tuple(Turn(turn.appended, turn.gen_len, tool_s if k else 0.0)
-                                               for k, turn in enumerate(t.turns)), t.arrival_s) for t in trajs]
 
 
 def settled(cluster: DualPathCluster, timeout_s: float) -> dict[str, tuple[int, int, int, int]]:
@@ -47,7 +40,7 @@ def reader_staging(cluster: DualPathCluster) -> dict[str, dict[str, int]]:
 
 def test_a_rollout_with_tool_time_stages_each_next_turn_and_uses_it() -> None:
     cfg = runtime_config(heartbeat_s=0.2).with_overrides(scheduler={"stage_margin_s": 1.0, "stage_slack": 0.0})
-    trajs = with_tool_time(trajectories(count=4, turns=3), TOOL_S)
+    trajs = trajectories(count=4, turns=3, tool_s=TOOL_S)
     cluster = DualPathCluster.start(cfg)
     try:
         deployment = cluster.deploy("dualpath")
