@@ -46,18 +46,11 @@ def workload(agents: int, turns: int, context: int, appended: int, gen: int, too
     return trajs
 
 
-def settled_pools(cluster: Any, timeout_s: float) -> dict[str, tuple[int, int, int, int]]:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        pools = cluster.pool_integrity()
-        if all(free == capacity for free, _, _, capacity in pools.values()) or time.monotonic() > deadline:
-            return pools
-        time.sleep(0.2)
-
-
 def run_once(cluster: Any, cfg: Any, staging: bool, trajs: list[Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """One rollout on a fresh store: its figures, and its outputs."""
     import ray
+
+    from tests.helpers import settled_pools
 
     run_cfg = cfg.with_overrides(scheduler={"stage_tool_time": staging})
     with tempfile.TemporaryDirectory(prefix="dualpath-staging-bench-") as root:

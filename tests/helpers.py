@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import time
+from typing import Any
 
 import numpy as np
 
@@ -65,3 +67,15 @@ def recompute_outputs(cfg: DualPathConfig, trajs: list[Trajectory]) -> dict[str,
             outputs[traj.trajectory_id].append(generated)
             context = context + list(generated)
     return outputs
+
+
+def settled_pools(cluster: Any, timeout_s: float) -> dict[str, tuple[int, int, int, int]]:
+    """Every reader's pool (free, leased, in flight, capacity) once nothing is leased, staged
+    extents included, or as it stands after timeout_s: a transfer from a dead peer frees its
+    extents only at its timeout, an unclaimed staged extent at its expiry."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        pools = cluster.pool_integrity()
+        if all(free == capacity for free, _, _, capacity in pools.values()) or time.monotonic() > deadline:
+            return pools
+        time.sleep(0.2)

@@ -19,7 +19,7 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from dualpath_ray.config import DualPathConfig
 from dualpath_ray.sim.profiles import sim_config
@@ -120,3 +120,15 @@ def wait_for_quiet(max_wait_s: float = 1800.0, poll_s: float = 30.0) -> dict[str
             return {"load_1min": load, "ray_running": ray_running, "waited_s": round(waited), "quiet": not ray_running and load < 1.0}
         print(f"waiting for a quiet machine (load {load:.2f}, raylet running: {ray_running})", flush=True)
         time.sleep(poll_s)
+
+
+def bisect_rate(serve_at: Callable[[float], dict[str, Any]], low: float, high: float, steps: int,
+                trials: list[dict[str, Any]]) -> float:
+    """`steps` bisections between a rate meeting the SLO (`low`) and one over it (`high`): the
+    highest rate found to meet it. Each trial (`serve_at(rate)`, a dict with "ok") is appended."""
+    for _ in range(steps):
+        middle = (low + high) / 2
+        trial = serve_at(middle)
+        trials.append(trial)
+        low, high = (middle, high) if trial["ok"] else (low, middle)
+    return low

@@ -19,7 +19,7 @@ Writes results/online.json and .png.
 
 from __future__ import annotations
 
-from common import LARGE_MLA, MODES, SMALL_MLA, agents, cluster, figure, parser, save, with_options
+from common import LARGE_MLA, MODES, SMALL_MLA, agents, bisect_rate, cluster, figure, parser, save, with_options
 
 from dualpath_ray.sim.simulator import simulate
 
@@ -51,12 +51,7 @@ def max_rate(cfg, mode: str, low: float, high: float, steps: int, window_s: floa
         return 0.0, trials
     if trials[1]["ok"]:
         return high, trials
-    for _ in range(steps):
-        middle = (low + high) / 2
-        trial = serve(cfg, mode, middle, window_s)
-        trials.append(trial)
-        low, high = (middle, high) if trial["ok"] else (low, middle)
-    return low, trials
+    return bisect_rate(lambda rate: serve(cfg, mode, rate, window_s), low, high, steps, trials), trials
 
 
 def main() -> None:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from common import LARGE_MLA, agents, cluster, parser, save, with_options
+from common import LARGE_MLA, agents, bisect_rate, cluster, parser, save, with_options
 
 from dualpath_ray.sim.simulator import Simulation
 
@@ -73,12 +73,7 @@ def max_rate(tool_s: float, staging: bool, start: float, steps: int, window_s: f
         trials.append(serve(tool_s, staging, high, window_s))
     if trials[-1]["ok"]:
         return high, trials
-    for _ in range(steps):
-        middle = (low + high) / 2
-        trial = serve(tool_s, staging, middle, window_s)
-        trials.append(trial)
-        low, high = (middle, high) if trial["ok"] else (low, middle)
-    return low, trials
+    return bisect_rate(lambda rate: serve(tool_s, staging, rate, window_s), low, high, steps, trials), trials
 
 
 def at_rate(trials: list[dict], rate: float) -> dict | None:

@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from tests.chaos.test_fault_plan import fault_config, settled_pools
-from tests.helpers import ray_test_env, trajectories
+from tests.chaos.test_fault_plan import fault_config
+from tests.helpers import ray_test_env, settled_pools, trajectories
 from tests.ledger import Ledger
 
 ray_test_env()

@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
-from tests.helpers import ray_test_env, trajectories
+from tests.helpers import ray_test_env, settled_pools, trajectories
 from tests.ledger import Ledger
 
 ray_test_env()
@@ -105,16 +105,6 @@ def settled_resources(timeout_s: float) -> tuple[dict[str, float], dict[str, flo
         total, free = schedulable(ray.cluster_resources()), schedulable(ray.available_resources())
         if total == free or time.monotonic() > deadline:
             return total, free
-        time.sleep(0.2)
-
-
-def settled_pools(cluster: DualPathCluster, timeout_s: float) -> dict[str, tuple[int, int, int, int]]:
-    """Every reader's pool once nothing is leased, or as it stands after timeout_s."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        pools = cluster.pool_integrity()
-        if all(free == capacity for free, _, _, capacity in pools.values()) or time.monotonic() > deadline:
-            return pools
         time.sleep(0.2)
 
 

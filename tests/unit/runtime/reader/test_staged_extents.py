@@ -66,6 +66,14 @@ def assert_integrity(core: ReaderCore, free_all: bool = False) -> None:
         assert core.stager.table.held_blocks == 0, "the staging holds no block once everything ended"
 
 
+def free_all_and_check(core: ReaderCore) -> None:
+    """End of a scenario: free what its requests still hold; then every slot is free."""
+    for extent_id in list(core._extents):
+        core.free(extent_id)
+    assert_integrity(core, free_all=True)
+    core.store.close()
+
+
 def test_the_lifecycle_table_refuses_illegal_moves() -> None:
     assert transition("s", StageState.READING, StageEvent.PROMOTE) is StageState.PROMOTED, "a claim promotes a read"
     assert transition("s", StageState.PROMOTED, StageEvent.READ_DONE) is StageState.CLAIMED, (
@@ -175,10 +183,7 @@ def test_a_staged_read_never_starts_a_block_while_a_real_read_is_active(tmp_path
     )
     assert core.staging_counts()["staged"] == 3
     core.expire(T0 + 100.0)
-    for extent_id in list(core._extents):
-        core.free(extent_id)
-    assert_integrity(core, free_all=True)
-    core.store.close()
+    free_all_and_check(core)
 
 
 def test_a_claim_of_a_reading_entry_promotes_it_and_waits_for_its_last_block(tmp_path: Path) -> None:
@@ -212,10 +217,7 @@ def test_a_claim_of_a_reading_entry_promotes_it_and_waits_for_its_last_block(tmp
     real.join(10)
     ahead.join(10)
     core.free(grant.extent_id)
-    for extent_id in list(core._extents):
-        core.free(extent_id)
-    assert_integrity(core, free_all=True)
-    core.store.close()
+    free_all_and_check(core)
 
 
 def test_expiry_frees_exactly_the_expired_and_returns_the_next_deadline(tmp_path: Path) -> None:
@@ -332,10 +334,7 @@ def test_pressure_cancels_a_reading_entry_which_frees_itself_at_its_next_block(t
     release.set()
     real.join(10)
     core.free(extent.extent_id)
-    for extent_id in list(core._extents):
-        core.free(extent_id)
-    assert_integrity(core, free_all=True)
-    core.store.close()
+    free_all_and_check(core)
 
 
 def test_the_in_process_readers_port_stages_ahead_and_claims(tmp_path: Path) -> None:
