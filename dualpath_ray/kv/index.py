@@ -64,6 +64,28 @@ def namespace_for(
     return f"{model_id}@w{int(weight_version)}{suffix}{tag}"
 
 
+# A tenant's cache salt follows the layout tag after this marker (no namespace_for part holds '!').
+_SALT_MARK = "!salt:"
+
+
+def salted_namespace(namespace: str, salt: str | None) -> str:
+    """`namespace` with a tenant's cache salt (None: unchanged). Blocks of one salt never hit
+    another's, so a client cannot learn from cached_tokens what another client's prompts held.
+    The salt is hashed, so a key never carries the tenant's secret."""
+    if salt is None:
+        return namespace
+    if not isinstance(salt, str) or not salt:
+        raise ValueError(f"cache_salt must be a non-empty string or None, got {salt!r}")
+    if _SALT_MARK in namespace:
+        raise ValueError(f"namespace {namespace!r} is already salted")
+    return f"{namespace}{_SALT_MARK}{xxhash.xxh3_128_hexdigest(salt.encode())}"
+
+
+def unsalted_namespace(namespace: str) -> str:
+    """The model's namespace of a (possibly salted) key namespace: what names its weights."""
+    return namespace.split(_SALT_MARK, 1)[0]
+
+
 def _token_array(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
     array = np.asarray(token_ids)
     if array.ndim != 1:

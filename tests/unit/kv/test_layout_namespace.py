@@ -61,3 +61,18 @@ def test_namespaces_with_a_layout_stay_one_to_one() -> None:
     )
     assert namespace_for("m", 1, 2, BASE) != namespace_for("m", 12, None, BASE), "version and seed must not alias"
     assert "@" not in BASE.key_tag and "#" not in BASE.key_tag, "the layout tag holds neither separator"
+
+
+def test_salted_namespaces_never_share_keys_and_unsalt_back() -> None:
+    from dualpath_ray.kv.index import block_keys, salted_namespace, unsalted_namespace
+
+    base = "m@w3#kv:f32"
+    a, b = salted_namespace(base, "tenant-a"), salted_namespace(base, "tenant-b")
+    tokens = list(range(8))
+    # Invariant: a tenant's salt separates its keys from every other tenant's and from unsalted keys.
+    assert len({block_keys(tokens, 4, ns)[0] for ns in (base, a, b)}) == 3
+    # Invariant: the model's namespace (what names the weights) is recovered from a salted one.
+    assert unsalted_namespace(a) == base and unsalted_namespace(base) == base
+    # Invariant: the secret itself never appears in a key namespace.
+    assert "tenant-a" not in a
+    assert salted_namespace(base, None) == base
