@@ -21,6 +21,7 @@ from dualpath_ray.faults.injector import FaultCount, merge_counts
 from dualpath_ray.observability.job_metadata import driver_job_config
 from dualpath_ray.protocol.counters import NodeCounters
 from dualpath_ray.protocol.messages import TurnResult
+from dualpath_ray.protocol.weights import WeightSource
 from dualpath_ray.runtime.deploy.deployment import Deployment, create_deployment, tear_down
 from dualpath_ray.runtime.deploy.topology import (
     HEAD_RESOURCE, ROLE_LABEL, NodeSpec, front_end_options, plan_nodes, slot_resource,
@@ -263,11 +264,11 @@ class DualPathCluster:
         checkpoint directory, or a state dict (put once in the object store for all engines)."""
         assert self.deployment is not None
         _check_version(version)
-        if not isinstance(source, (str, os.PathLike)):
-            source = ray.put(dict(source))
+        if isinstance(source, (str, os.PathLike)):
+            weights = WeightSource(checkpoint=os.fspath(source))
         else:
-            source = os.fspath(source)
-        ray.get([e.update_weights.remote(version, source) for e in self.deployment.engines.values()])
+            weights = WeightSource(state=ray.put(dict(source)))
+        ray.get(self._scheduler().update_weights.remote(version, weights))
         self._use_weight_version(version)
         return version
 

@@ -27,6 +27,7 @@ from dualpath_ray.kv.window import LayerWindow
 from dualpath_ray.model.profile import attention_predictor
 from dualpath_ray.protocol.names import Pool
 from dualpath_ray.runtime.engine.compute import EngineCompute
+from dualpath_ray.runtime.engine.held_weights import HeldWeights
 from dualpath_ray.runtime.decode.core import DecodeCore
 from dualpath_ray.runtime.decode.job import DecodePorts, DecodeSettings
 from dualpath_ray.runtime.emulation import make_compute, make_link
@@ -64,6 +65,7 @@ class EngineHarness:
         self.collector = Collector(on_result=self._index_blocks)
         self.handoff = DirectHandoff(readers=self.readers)
         self.clock = FakeClock()
+        self.weights = HeldWeights.of_config(cfg)  # both engines hold the config's weights
         self.device = torch.device(device)
         self.compute = compute or make_compute(cfg, self.layout, self.device)
         self.pe_transport = FakeTransport(self.fabric, PE, lazy=lazy)
@@ -74,7 +76,7 @@ class EngineHarness:
             PrefillSettings(PE, "p0", "reader/p0", cfg.scheduler.compute_quota_ms, cfg.runtime.transfer_timeout_s,
                             cfg.runtime.kv_digests),
             self.layout, self.compute, self.window, attention_predictor(cfg),
-            PrefillPorts(self.readers, self.pe_transport, self.collector, self.handoff, self.clock),
+            PrefillPorts(self.readers, self.pe_transport, self.collector, self.handoff, self.clock, self.weights),
             self.store, self._links("pe"),
         )
         self.pages = PagedKVPool(cfg.cluster.hbm_tokens_per_engine // self.layout.block_size, self.layout, self.device)
@@ -83,7 +85,8 @@ class EngineHarness:
             DecodeSettings(DE, "d0", cfg.model.max_context, cfg.runtime.max_persists_in_flight,
                            cfg.runtime.transfer_timeout_s, cfg.runtime.verify_kv, cfg.runtime.kv_digests),
             self.layout, self.compute, self.pages,
-            DecodePorts(self.readers, self.de_transport, self.collector, self.clock), self.store, self._links("de"),
+            DecodePorts(self.readers, self.de_transport, self.collector, self.clock, self.weights), self.store,
+            self._links("de"),
         )
         self.handoff.cores[DE] = self.decode
 

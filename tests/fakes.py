@@ -338,3 +338,24 @@ class ScriptedFaults:
 
     def counts(self) -> dict[str, FaultCount]:
         return {label: FaultCount(c.events, c.injected) for label, c in self._counts.items()}
+
+
+# --- state a restarted actor finds again (runtime/deploy/kept_state.py) ----------------------
+
+
+class FakeKeptState:
+    """KeptState in a dict instead of Ray's GCS: the record survives what a test calls a restart."""
+
+    def __init__(self) -> None:
+        self.record: dict[str, Any] = {}
+
+    def save(self, state: dict[str, Any]) -> None:
+        import json
+
+        self.record = json.loads(json.dumps(state, sort_keys=True))  # what the GCS keeps: JSON
+
+    def load(self) -> dict[str, Any]:
+        return dict(self.record)
+
+    def forget(self) -> None:
+        self.record = {}

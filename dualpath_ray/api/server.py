@@ -36,7 +36,9 @@ from dualpath_ray.api.verl_server import VerlServerControl
 from dualpath_ray.config import DualPathConfig
 from dualpath_ray.protocol.messages import RequestSpec, StreamDelta, TurnResult, aborted_result
 from dualpath_ray.protocol.names import ROLLOUT_SERVER, SCHEDULER
+from dualpath_ray.protocol.weights import WeightSource
 from dualpath_ray.runtime.deploy.kept_state import KeptState
+from dualpath_ray.runtime.deploy.weight_ledger import WeightLedger
 from dualpath_ray.runtime.engine.restarts import was_restarted
 from dualpath_ray.scheduling.types import StopReason
 
@@ -112,9 +114,14 @@ class RolloutServer:
         # verl's control methods and their state (the submission gate, verl's global steps).
         self.verl = VerlServerControl(self)
         self.record = ServerRecord(KeptState(cfg.runtime.namespace, SERVER_NAME))
+        self.ledger = WeightLedger(cfg.runtime.namespace)
         self.restarted = was_restarted()
         if self.restarted:
             self.weight_version = self.record.restore(self.weight_version, self.verl)
+            # What the engines hold wins over the kept record (its predecessor may have died first).
+            published = self.ledger.current()
+            if published is not None:
+                self.weight_version = published.weights.version
         else:
             self._keep()  # replaces any record a crashed deployment left in this namespace
 
@@ -287,12 +294,10 @@ class RolloutServer:
         the object store), then later requests use `version`'s KV namespace."""
         check_version(version)
         if isinstance(source, (str, os.PathLike)):
-            source = os.fspath(source)
-        elif not isinstance(source, ray.ObjectRef):
-            source = ray.put(dict(source))
-        names = await self.scheduler.engine_names.remote()
-        namespace = self.cfg.runtime.namespace
-        await asyncio.gather(*(ray.get_actor(n, namespace=namespace).update_weights.remote(version, source) for n in names))
+            weights = WeightSource(checkpoint=os.fspath(source))
+        else:
+            weights = WeightSource(state=source if isinstance(source, ray.ObjectRef) else ray.put(dict(source)))
+        await self.scheduler.update_weights.remote(version, weights)
         self.weight_version = version
         self._keep()
         return version
@@ -316,9 +321,17 @@ class RolloutServer:
         return version
 
     async def update_weight_version(self, version: int) -> int:
-        """Move later requests to `version`'s KV namespace (the engines' weights were swapped by
-        the caller, e.g. `DualPathCluster.update_weights`)."""
-        self.weight_version = check_version(version)
+        """Move later requests to `version`'s KV namespace once the engines hold it (loaded through
+        the scheduler, e.g. by `DualPathCluster.update_weights`); refused for any other version,
+        which every engine would refuse (runtime/engine/held_weights.py)."""
+        check_version(version)
+        published = self.ledger.current()
+        if published is not None and published.weights.version != version:
+            raise RequestError(
+                f"weight version {version} is not the one the engines hold ({published.weights.version}); load it "
+                "with update_weights or update_weights_from_group, which move the version too", "version",
+            )
+        self.weight_version = version
         self._keep()
         return version
 

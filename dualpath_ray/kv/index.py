@@ -13,7 +13,7 @@ lookup walks the prompt's key chain from the root and stops at the first key it 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -220,6 +220,24 @@ class PrefixIndex:
             parent_node.children[key] = node
         self._nodes[key] = node
         return True
+
+    def publish(self, blocks: Iterable[tuple[str, str | None]]) -> int:
+        """Index a turn's persisted (key, parent) blocks in chain order, as far as their chain
+        holds: from the first block whose parent is not indexed (taken out meanwhile by a
+        repair, an eviction or reset_prefix_cache) none is, since no lookup could reach them
+        (an orphan chain is simply not published). Returns how many are indexed now."""
+        indexed = 0
+        for key, parent in blocks:
+            existing = self._nodes.get(key)
+            if existing is not None:
+                if (None if existing.parent is None else existing.parent.key) != parent:
+                    break  # another chain under this key: a collision no lookup must follow
+            elif parent is not None and parent not in self._nodes:
+                break
+            else:
+                self.insert_block(key, parent)
+            indexed += 1
+        return indexed
 
     def insert(self, keys: Sequence[str]) -> int:
         """Add a key chain (parent first, the first key a first block); returns how many were new."""

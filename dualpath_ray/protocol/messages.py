@@ -15,45 +15,10 @@ import numpy as np
 
 from dualpath_ray.scheduling.types import ReadPath, StopReason
 
+from dualpath_ray.protocol.errors import ErrorKind  # carried by TurnResult; callers import it from here too
+
 if TYPE_CHECKING:
     from dualpath_ray.scheduling.loads import EngineLoad
-
-
-
-class ErrorKind(str, enum.Enum):
-    """Why a turn failed; the scheduler retries the retryable kinds with attempt + 1, and a
-    caller may submit a `resubmittable` one again later."""
-
-    KV_MISSING = "kv_missing"  # a hit block was gone from the store (evicted, deleted)
-    KV_CORRUPT = "kv_corrupt"  # a hit block failed its checksum at read
-    KV_MISMATCH = "kv_mismatch"  # assembled KV differed at the decode side (runtime.verify_kv)
-    TRANSFER = "transfer"  # a KV transfer failed or timed out
-    CALL_FAILED = "call_failed"  # an actor call or its reply was lost (the callee is alive)
-    STORE_IO = "store_io"  # the store raised an I/O error (not a bad block)
-    PEER_DIED = "peer_died"  # an engine or reader this request depended on died
-    HBM_FULL = "hbm_full"  # its decode engine had no free pages for it in time (pages held by an abandoned attempt)
-    TIMEOUT = "timeout"  # runtime.request_timeout_s passed
-    INTERNAL = "internal"  # anything else: a bug, never retried
-    # The scheduler refused to queue a new turn: scheduler.max_queued_turns turns already wait
-    # for an engine. Nothing of it ran. Not retried by the scheduler (a retry there would only
-    # spin against the same full queue); its caller may submit it again after a pause
-    # (`resubmittable`): the rollout API does, the OpenAI endpoint answers 429 with Retry-After.
-    QUEUE_FULL = "queue_full"
-
-    @property
-    def retryable(self) -> bool:
-        """The scheduler itself retries it with attempt + 1 (within runtime.max_attempts)."""
-        return self not in (ErrorKind.TIMEOUT, ErrorKind.INTERNAL, ErrorKind.QUEUE_FULL)
-
-    @property
-    def resubmittable(self) -> bool:
-        """The turn never started: its caller may submit it again, as it is, after a pause."""
-        return self is ErrorKind.QUEUE_FULL
-
-    @property
-    def about_stored_kv(self) -> bool:
-        """A failure of the store's blocks, which runtime.kv_failure_policy governs."""
-        return self in (ErrorKind.KV_MISSING, ErrorKind.KV_CORRUPT)
 
 
 class PeerState(str, enum.Enum):
@@ -324,10 +289,12 @@ class GroupReport:
 
 
 class EngineHoldings(NamedTuple):
-    """An engine's answer to the scheduler's heartbeat."""
+    """An engine's answer to the scheduler's heartbeat; `ready`: it holds the published weights
+    (False: restarted, still catching up: runtime/engine/held_weights.py) and takes work."""
 
     incarnation: str
     held: dict[str, Holding]
+    ready: bool = True
 
 
 @dataclass(frozen=True)
@@ -336,13 +303,14 @@ class EngineReport:
     when there is something to say): the attempts whose handoff it took (a decode engine: from
     now on they no longer depend on their prefill engine), the turns that ended (served or
     failed; persisted blocks included) and the tokens streamed requests sampled. `incarnation`
-    names the process, so a report of a restarted engine's new process is recognised."""
+    names the process, so a report of a restarted engine's new process is recognised (`ready`: see EngineHoldings)."""
 
     engine: str
     incarnation: str
     handed_off: dict[str, Holding] = field(default_factory=dict)
     results: tuple[TurnResult, ...] = ()
     chunks: tuple[TokenChunk, ...] = ()
+    ready: bool = True
 
 
 @dataclass(frozen=True)

@@ -86,6 +86,10 @@ class SchedulerCore:
         self.dead: set[str] = set()  # engines gone for good
         self.presumed_dead: set[str] = set()  # silent past the heartbeat timeout; see _live
         self.readmitted = 0
+        self.unpublished_blocks = 0  # persisted blocks whose chain was gone from the index (not indexed)
+        # Engines that said they do not hold the published weights yet (restarted, catching up):
+        # no work until they say they do (runtime/engine/held_weights.py).
+        self.unready: set[str] = set()
         self.readers_dead: set[str] = set()  # nodes whose reader is gone for good
         self.readers_unavailable: set[str] = set()  # nodes whose reader is silent or restarting
         self.clock = clock
@@ -183,7 +187,20 @@ class SchedulerCore:
         return True
 
     def out_of_service(self) -> set[str]:
-        return self.dead | self.presumed_dead
+        return self.dead | self.presumed_dead | self.unready
+
+    def engine_readiness(self, engine_id: str, ready: bool) -> bool:
+        """What `engine_id` said of its weights (see `unready`); True when that changed. An engine
+        turning unready holds nothing of this scheduler's: it is a new process (engine_restarted
+        failed what its old one held), and it refuses whatever reaches it before this."""
+        if ready == (engine_id not in self.unready):
+            return False
+        if ready:
+            self.unready.discard(engine_id)
+        else:
+            self.unready.add(engine_id)
+            self.dispatcher.forget_engine(engine_id)
+        return True
 
     def engine_died(self, engine_id: str, confirmed: bool = True) -> list[RequestSpec]:
         """Place no more work on `engine_id` (for good when its death is certain; until it is
@@ -198,6 +215,7 @@ class SchedulerCore:
         returned (the caller fails and retries them), and the engine takes work again."""
         self.dead.discard(engine_id)
         self.presumed_dead.discard(engine_id)
+        self.unready.discard(engine_id)  # the new process says whether it is ready
         self.dispatcher.forget_engine(engine_id)
         return [r.spec for r in self.dispatcher.requests_on(engine_id)]
 
@@ -263,14 +281,14 @@ class SchedulerCore:
         """Record a finished turn; for a failed one, returns the engines that may still hold
         something of its attempt (its HBM reservation, its queued prefill), other than the one
         that reported it. A late result of an earlier attempt only contributes its published blocks."""
-        for block in result.persisted:
-            self.index.insert_block(block.key, block.parent)
+        published = self.index.publish((block.key, block.parent) for block in result.persisted)
+        self.unpublished_blocks += len(result.persisted) - published
         current = self.is_current(result)
         request = self.dispatcher.finish(result.request_id, failed=result.error is not None) if current else None
         if request is not None and result.error is None:
             self._plan_staging(request, result)
         if self.eviction is not None:
-            self.eviction.touch(block.key for block in result.persisted)
+            self.eviction.touch(block.key for block in result.persisted[:published])
             if self.eviction.over_capacity():
                 self.eviction.evict(self.keys_in_use())
         if request is None or result.error is None:

@@ -1,8 +1,8 @@
 """Prefix indexes for the simulated store, answering the scheduler core's lookups without tokens.
 
 The scheduler core (scheduling/scheduler.py) asks its index `match(prompt, namespace)` for the
-longest stored prefix and calls `insert_block(key, parent)` for every block a finished turn
-published. The runtime's `PrefixIndex` hashes the prompt's token ids into chained block keys;
+longest stored prefix and `publish`es the (key, parent) blocks a finished turn persisted, as far
+as their chain holds (kv/index.py PrefixIndex.publish). The runtime's `PrefixIndex` hashes the prompt's token ids into chained block keys;
 the simulator's prompts carry their block chain instead (`SimPrompt`), so a lookup costs no
 hashing, and the answer is the same longest stored prefix in whole blocks:
 
@@ -19,6 +19,7 @@ hashing, and the answer is the same longest stored prefix in whole blocks:
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from dualpath_ray.kv.index import PrefixHit
@@ -66,6 +67,18 @@ class ChainIndex:
         self.blocks += 1
         return True
 
+    def publish(self, blocks: Iterable[tuple[int, int | None]]) -> int:
+        indexed = 0
+        for key, parent in blocks:
+            chain, position = divmod(key, KEY_STRIDE)
+            if position >= self.stored.get(chain, 0) and (
+                position != self.stored.get(chain, 0) or (parent is None) != (position == 0)
+            ):
+                break  # its chain is not stored up to it (taken out meanwhile): not published
+            self.insert_block(key, parent)
+            indexed += 1
+        return indexed
+
     def remove(self, key: int) -> int:
         chain, position = divmod(key, KEY_STRIDE)
         stored = self.stored.get(chain, 0)
@@ -110,6 +123,15 @@ class TreeIndex:
             raise ValueError(f"block {key}: its parent {parent} is not indexed")
         self.parents[key] = parent
         return True
+
+    def publish(self, blocks: Iterable[tuple[int, int | None]]) -> int:
+        indexed = 0
+        for key, parent in blocks:
+            if key not in self.parents and parent is not None and parent not in self.parents:
+                break  # its parent was taken out meanwhile: not published
+            self.insert_block(key, parent)
+            indexed += 1
+        return indexed
 
     def remove(self, key: int) -> int:
         """Remove a block and every block after it (they can never be hit)."""

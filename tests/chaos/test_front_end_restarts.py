@@ -64,7 +64,8 @@ def wait_in_flight(cluster: DualPathCluster, count: int, timeout_s: float = 60.0
 def test_a_killed_rollout_server_is_restarted_and_its_callers_turns_complete(front_ends) -> None:
     cluster, _ = front_ends
     server = cluster.server()
-    ray.get(server.update_weight_version.remote(3))
+    # Version 3 of the same tensors, read from the checkpoint directory the cluster was built from.
+    ray.get(server.update_weights.remote(3, str(cluster.cfg.model.weights_dir)))
     ray.get(server.set_global_steps.remote(7))
     rng = np.random.default_rng(5)
     prompts = [[int(x) for x in rng.integers(0, 512, 150)] for _ in range(4)]

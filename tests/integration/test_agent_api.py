@@ -16,6 +16,7 @@ import numpy as np  # noqa: E402
 
 from dualpath_ray.api import RequestError  # noqa: E402
 from dualpath_ray.cluster import DualPathCluster  # noqa: E402
+from dualpath_ray.model.llama import DecoderModel  # noqa: E402
 from dualpath_ray.workload.trace import Trajectory, Turn  # noqa: E402
 
 pytestmark = pytest.mark.integration
@@ -69,7 +70,11 @@ def test_weight_version_change_makes_the_next_turn_miss(cluster):
     context = context + list(first.token_ids) + [1, 2, 3]
     reused = ray.get(server.generate.remote("wv-1", context, {"max_tokens": 4}))
     assert reused.extra_fields["hit_tokens"] > 0, "same policy: the turn reuses the stored prefix"
-    ray.get(server.update_weight_version.remote(7))
+    with pytest.raises(RequestError, match="not the one the engines hold"):
+        # A version the engines do not hold: every engine would refuse its requests.
+        ray.get(server.update_weight_version.remote(7))
+    same_weights = DecoderModel(cluster.cfg.model).checkpoint_tensors()  # a new version, the same tensors
+    ray.get(server.update_weights.remote(7, same_weights))
     after = ray.get(server.generate.remote("wv-2", context, {"max_tokens": 4}))
     assert after.extra_fields["hit_tokens"] == 0, "KV of an old policy is never served after an update"
     assert after.extra_fields["weight_version"] == 7, "the server reports the version it served with"
@@ -78,7 +83,6 @@ def test_weight_version_change_makes_the_next_turn_miss(cluster):
     ray.get(server.reset_prefix_cache.remote())
     reset = ray.get(server.generate.remote("wv-4", context + list(after.token_ids), {"max_tokens": 4}))
     assert reset.extra_fields["hit_tokens"] == 0, "after reset_prefix_cache nothing is hit"
-    ray.get(server.update_weight_version.remote(0))
 
 
 @pytest.mark.parametrize(

@@ -18,7 +18,7 @@ ray_test_env()
 import ray  # noqa: E402
 
 from dualpath_ray.config import DualPathConfig  # noqa: E402
-from dualpath_ray.runtime.control.scheduler import Scheduler  # noqa: E402
+from dualpath_ray.runtime.control.scheduler import EPOCH_SERVING_BITS, Scheduler  # noqa: E402
 from dualpath_ray.runtime.deploy.topology import front_end_options, scheduler_options  # noqa: E402
 
 pytestmark = pytest.mark.integration
@@ -72,6 +72,7 @@ def test_the_scheduler_is_restarted_at_most_scheduler_max_restarts_times(bare_ra
     )
     scheduler = Scheduler.options(**scheduler_options(cfg, on_head=False)).remote(cfg, tempfile.mkdtemp(), "dualpath")
     assert ray.get(scheduler.ready.remote(), timeout=120), "the scheduler starts"
+    epochs = [ray.get(scheduler.collect.remote("probe", None, 0.0), timeout=120).epoch]
     first = pid_of(scheduler)
     ray.kill(scheduler, no_restart=False)
     deadline = time.monotonic() + 120
@@ -79,6 +80,10 @@ def test_the_scheduler_is_restarted_at_most_scheduler_max_restarts_times(bare_ra
         assert time.monotonic() < deadline, "the scheduler's first death is restarted (1 restart allowed)"
         time.sleep(0.2)
     assert ray.get(scheduler.ready.remote(), timeout=120), "the restarted scheduler is ready"
+    epochs.append(ray.get(scheduler.collect.remote("probe", None, 0.0), timeout=120).epoch)
+    # Invariant: epochs come from the incarnation counter kept in the GCS, not a clock: the next
+    # incarnation's is exactly one incarnation above, whatever the clocks did meanwhile.
+    assert epochs[1] == epochs[0] + (1 << EPOCH_SERVING_BITS), f"consecutive incarnations' epochs: {epochs}"
     second = pid_of(scheduler)
     ray.kill(scheduler, no_restart=False)
     error = wait_for_death(scheduler, second)

@@ -28,16 +28,25 @@ from dataclasses import dataclass, field
 from dualpath_ray.protocol.messages import Holding, TurnResult
 
 
+# Adopted results kept for a caller that has not asked again: at most this many, oldest first out.
+MAX_UNCLAIMED = 65536
+
+
 @dataclass
 class Adoptions:
-    """Requests of a dead incarnation that engines still hold."""
+    """Requests of a dead incarnation that engines still hold. `unclaimed_ttl_s`: how long an
+    adopted result waits for its caller's resent `generate` (the Scheduler gives the callers'
+    deadline, runtime.request_timeout_s: a caller that has not asked by then never will)."""
 
+    unclaimed_ttl_s: float = 600.0
     holders: dict[str, set[str]] = field(default_factory=dict)  # request id -> engines holding it
     waiting: dict[str, asyncio.Future[TurnResult | None]] = field(default_factory=dict)
     unclaimed: dict[str, TurnResult] = field(default_factory=dict)
+    unclaimed_at: dict[str, float] = field(default_factory=dict)  # when each unclaimed result came
     unheld_since: dict[str, float] = field(default_factory=dict)
     adopted: int = 0
     dropped: int = 0
+    expired: int = 0  # unclaimed results dropped (their caller never asked, or the cap)
 
     def learn(self, engine: str, holds: dict[str, Holding]) -> list[str]:
         """Record what `engine` holds at the restart; returns the owners to cancel there."""
@@ -56,6 +65,7 @@ class Adoptions:
 
     def claim(self, request_id: str) -> TurnResult | None:
         """The old attempt's result if it already arrived (and is then forgotten)."""
+        self.unclaimed_at.pop(request_id, None)
         return self.unclaimed.pop(request_id, None)
 
     def wait_for(self, request_id: str) -> asyncio.Future[TurnResult | None]:
@@ -64,16 +74,28 @@ class Adoptions:
         self.waiting[request_id] = future
         return future
 
-    def deliver(self, result: TurnResult) -> bool:
+    def deliver(self, result: TurnResult, now: float) -> bool:
         """An old attempt's result arrived: hand it to its waiting caller, or keep it until the
-        caller's resent `generate` asks. False when the request was not adoptable."""
+        caller's resent `generate` asks (for unclaimed_ttl_s at most). False when the request
+        was not adoptable."""
         rid = result.request_id
         if rid not in self.holders:
             return False
         self.adopted += 1
         if not self._settle(rid, result):
             self.unclaimed[rid] = result
+            self.unclaimed_at[rid] = now
+        self.expire(now)
         return True
+
+    def expire(self, now: float) -> None:
+        """Drop the unclaimed results older than unclaimed_ttl_s, and the oldest past MAX_UNCLAIMED."""
+        for rid, since in list(self.unclaimed_at.items()):  # in arrival order: the oldest first
+            if now - since < self.unclaimed_ttl_s and len(self.unclaimed_at) <= MAX_UNCLAIMED:
+                break
+            del self.unclaimed_at[rid]
+            self.unclaimed.pop(rid, None)
+            self.expired += 1
 
     def check(self, held: dict[str, dict[str, Holding]], silent: set[str], now: float, grace_s: float) -> list[str]:
         """After a heartbeat round: drop the adoptable requests no engine has named for
@@ -89,6 +111,7 @@ class Adoptions:
         for rid in dropped:
             self.dropped += 1
             self._settle(rid, None)
+        self.expire(now)
         return dropped
 
     def _settle(self, rid: str, outcome: TurnResult | None) -> bool:

@@ -15,6 +15,7 @@ class SchedulerCounts:
     collect: int = 0  # callers' long-poll collects
     report: int = 0  # engines' step reports (report channel)
     reader_report: int = 0  # readers' read-queue reports (report channel)
+    report_errors: int = 0  # parts of reports whose handling raised (a bug: logged, the rest handled)
     # turns
     generate: int = 0  # turns begun
     complete: int = 0  # attempt results handled (current or stale)
@@ -34,6 +35,7 @@ class SchedulerCounts:
     dead_engines: int = 0
     presumed_dead: int = 0  # of those, judged by silence rather than confirmed by Ray
     restarted_engines: int = 0
+    unready_engines: int = 0  # engines that reported not holding the published weights (restarted)
     lost_assignments: int = 0  # attempts no engine named for the grace: retried
     stale_holdings: int = 0  # holdings of attempts no longer current: dropped at the engine
     dead_readers: int = 0

@@ -107,9 +107,17 @@ class ClusterControl:
         ))
         return world_size
 
-    async def receive_weights(self, version: int, manifest: Sequence[TensorSpec]) -> None:
-        """Every engine receives the broadcast the trainer sends beside this call and loads it."""
-        await self._gather([self.handle(name).receive_weights.remote(version, list(manifest)) for name in self.engines])
+    async def receive_weights(self, version: int, manifest: Sequence[TensorSpec], expected: str | None) -> list[str]:
+        """Every engine receives the broadcast the trainer sends beside this call and loads it;
+        returns the fingerprint each loaded (see the engines' update_weights for `expected`)."""
+        return await self._gather([
+            self.handle(name).receive_weights.remote(version, list(manifest), expected) for name in self.engines
+        ])
+
+    async def update_weights(self, version: int, source: Any, expected: str | None) -> list[str]:
+        """Every engine loads `source` (a checkpoint directory, or a state dict's ObjectRef, which
+        each engine fetches itself) as weight version `version`; returns each one's fingerprint."""
+        return await self._gather([self.handle(name).update_weights.remote(version, source, expected) for name in self.engines])
 
     # --- gloo worlds --------------------------------------------------------------------
 

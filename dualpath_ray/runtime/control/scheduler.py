@@ -29,17 +29,17 @@ from dualpath_ray.config import DualPathConfig
 from dualpath_ray.faults.injector import FaultInjector
 from dualpath_ray.protocol.messages import (
     Collected,
-    EngineReport,
     ErrorKind,
-    PeerState,
-    ReaderReport,
     Refusal,
     RequestSpec,
     StreamDelta,
     TurnResult,
     failed_result,
 )
-from dualpath_ray.protocol.weights import TensorSpec
+from dualpath_ray.protocol.weights import TensorSpec, WeightSource
+from dualpath_ray.runtime.deploy.kept_state import IncarnationCounter
+from dualpath_ray.runtime.deploy.weight_ledger import Publication
+from dualpath_ray.runtime.control.weight_updates import WeightUpdates
 from dualpath_ray.protocol.names import SCHEDULER
 from dualpath_ray.runtime.control.counts import SchedulerCounts
 from dualpath_ray.runtime.control.aborts import Aborts
@@ -48,18 +48,21 @@ from dualpath_ray.runtime.control.decisions import Decisions, ReaderStates
 from dualpath_ray.runtime.control.fanout import ClusterControl
 from dualpath_ray.runtime.control.mailboxes import Mailboxes
 from dualpath_ray.runtime.control.report_channel import ChannelAddress, ReportServer
+from dualpath_ray.runtime.control.report_intake import ReportIntake
 from dualpath_ray.runtime.control.scheduler_core import build_core
 from dualpath_ray.runtime.control.serving import Serving
 from dualpath_ray.runtime.control.streaming import TokenStreams
 from dualpath_ray.runtime.control.watchdog import Watchdog
 from dualpath_ray.runtime.engine.restarts import was_restarted
 from dualpath_ray.runtime.telemetry.actor_metrics import SchedulerMetrics
-from dualpath_ray.scheduling.liveness import Liveness, is_attempt
+from dualpath_ray.scheduling.liveness import Liveness
 
 LOG = logging.getLogger("dualpath_ray.scheduler")
 # How long a client's `collect` waits for a first result before it answers with none (the
 # client asks again while it has turns in flight).
 COLLECT_WAIT_S = 10.0
+# An incarnation's epoch is its number shifted by this: room for 2^40 servings each.
+EPOCH_SERVING_BITS = 40
 
 @ray.remote(num_cpus=0, max_concurrency=4096)
 class Scheduler:
@@ -69,14 +72,18 @@ class Scheduler:
     def __init__(
         self, cfg: DualPathConfig, store_root: str | None, mode: str, routes: Mapping[str, str] | None = None,
     ) -> None:
-        # A new epoch per incarnation (Ray restarts this actor with the same arguments).
+        # A new epoch per incarnation (Ray restarts this actor with the same arguments), from a
+        # counter kept in the GCS: above every epoch of the incarnations before, whatever the
+        # clocks do, with room for 2^EPOCH_SERVING_BITS servings each (RequestSpec.epoch).
         self.cfg = cfg
-        self.core = build_core(cfg, store_root, mode, epoch=time.time_ns())
+        incarnation = IncarnationCounter(cfg.runtime.namespace, SCHEDULER).begin()
+        self.core = build_core(cfg, store_root, mode, epoch=incarnation << EPOCH_SERVING_BITS)
         self.restarted = was_restarted()
-        self.adoptions = Adoptions()
+        self.adoptions = Adoptions(unclaimed_ttl_s=cfg.runtime.request_timeout_s)
         self.aborts = Aborts(cfg.runtime.session_ttl_s, time.monotonic)
         self.streams = TokenStreams()
         self.control = ClusterControl(cfg, routes)
+        self.weight_updates = WeightUpdates(cfg, self.control, fresh=not self.restarted)
         self.asleep = False
         self.starting: asyncio.Task[None] | None = None
         self.clients: dict[str, str] = {}  # request id -> the client that submitted it (submit/collect)
@@ -127,9 +134,10 @@ class Scheduler:
         self.decisions.rounds.start()
         asyncio.get_running_loop().create_task(self.watchdog.run())
         # Last: a report handled before the holdings were learnt would race the adoption.
-        self.reports = await ReportServer.start(
-            self._received, ray.util.get_node_ip_address(), self.cfg.scheduler.report_port
+        intake = ReportIntake(
+            self.core, self.decisions, self.watchdog, self.serving, self.streams, self.readers, self.calls
         )
+        self.reports = await ReportServer.start(intake.received, ray.util.get_node_ip_address(), self.cfg.scheduler.report_port)
 
     def _accepted(self, engine: str, incarnation: str) -> None:
         assert self.watchdog is not None
@@ -169,13 +177,26 @@ class Scheduler:
         await self._started()
         return await self.control.join_weight_group(host, port, group_name, timeout_s)
 
+    async def update_weights(self, version: int, source: WeightSource) -> int:
+        """Every engine loads the weights of `source` as weight version `version`, then they are
+        published (runtime/control/weight_updates.py). Refused while a request is in flight."""
+        await self._started()
+        self._require_idle("update_weights")
+        await self.weight_updates.load(version, source)
+        return version
+
     async def update_weights_from_group(self, version: int, manifest: list[TensorSpec]) -> int:
         """Every engine receives the trainer's broadcast of `manifest` (sent beside this call)
-        and loads it as weight version `version`. Refused while a request is in flight."""
+        and loads it as weight version `version`, published as update_weights does. Refused
+        while a request is in flight."""
         await self._started()
         self._require_idle("update_weights_from_group")
-        await self.control.receive_weights(version, manifest)
+        await self.weight_updates.receive(version, manifest)
         return version
+
+    async def weights(self) -> Publication | None:
+        """The weights every engine holds now (the ledger's current publication)."""
+        return self.weight_updates.current()
 
     async def engine_names(self) -> list[str]:
         return list(self.control.engines)
@@ -270,38 +291,6 @@ class Scheduler:
         assert self.reports is not None and self.reports.address is not None
         return self.reports.address
 
-    def _received(self, message: EngineReport | ReaderReport) -> None:
-        """A message from the report channel, on this actor's event loop."""
-        if isinstance(message, EngineReport):
-            self._engine_report(message)
-        elif isinstance(message, ReaderReport):
-            self._reader_report(message)
-        else:
-            raise TypeError(f"the report channel carries EngineReport and ReaderReport, not {type(message).__name__}")
-
-    def _engine_report(self, report: EngineReport) -> None:
-        """One step of an engine: the handoffs it took (those attempts are decoding and no
-        longer depend on their prefill engines), the turns that ended, the tokens it streamed."""
-        assert self.decisions is not None and self.watchdog is not None
-        self.calls.report += 1
-        self.watchdog.observe(report.engine, report.incarnation)
-        for rid, holding in report.handed_off.items():
-            request = self.core.requests.get(rid)
-            if request is not None and is_attempt(holding, request.spec):
-                self.decisions.rounds.handed_off(rid)
-        for result in report.results:
-            self.serving.complete(result)
-        self.streams.pass_on(report.chunks, self.core.requests)
-
-    def _reader_report(self, report: ReaderReport) -> None:
-        """A reader's read queue changed (or the reader just started)."""
-        assert self.watchdog is not None
-        self.calls.reader_report += 1
-        self.watchdog.observe(report.reader, report.incarnation)
-        self.core.dispatcher.report_read_q(report.node_id, report.read_q_tokens)
-        if self.readers.state(report.node_id) is not PeerState.ALIVE and report.node_id not in self.core.readers_dead:
-            self.watchdog.reader_state(report.node_id, PeerState.ALIVE)
-
     # --- aborts -------------------------------------------------------------------------
 
     async def abort(self, request_id: str) -> bool:
@@ -352,6 +341,7 @@ class Scheduler:
         known = self.watchdog.incarnations.known if self.watchdog is not None else {}
         return {
             "dead": sorted(core.dead), "presumed_dead": sorted(core.presumed_dead),
+            "unready": sorted(core.unready),
             "readers_dead": sorted(core.readers_dead), "readers_unavailable": sorted(core.readers_unavailable),
             "no_pe_reads": sorted(core.dispatcher.no_pe_reads),
             "incarnations": [f"{name}={inc}" for name, inc in sorted(known.items())],

@@ -30,6 +30,7 @@ from dualpath_ray.scheduling.admission import QueueFull
 from dualpath_ray.scheduling.liveness import Liveness
 from dualpath_ray.scheduling.requests import Request
 from dualpath_ray.scheduling.scheduler import SchedulerCore
+from dualpath_ray.scheduling.types import StopReason
 
 
 class Serving:
@@ -163,7 +164,7 @@ class Serving:
         if orders:
             self.decisions.stage_ahead(orders)
         if not current:
-            if result.epoch < self.core.epoch and self.adoptions.deliver(result):
+            if result.epoch < self.core.epoch and self.adoptions.deliver(result, time.monotonic()):
                 self.calls.adopted = self.adoptions.adopted
                 return
             self.calls.stale_results += 1
@@ -173,6 +174,19 @@ class Serving:
         future = self.pending.get(result.request_id)
         if future is not None and not future.done():
             future.set_result(result)
+
+    def answer_failed(self, result: TurnResult, error: BaseException) -> None:
+        """`complete` raised on `result` (a bug): its turn, if it still waits for this attempt,
+        gets an INTERNAL failure now rather than its deadline's TIMEOUT."""
+        request = self.core.requests.get(result.request_id)
+        if request is not None and not self.core.is_current(result):
+            return  # a late result of an earlier attempt: the current one is still served
+        future = self.pending.get(result.request_id)
+        if future is not None and not future.done():
+            future.set_result(dataclasses.replace(
+                result, output_tokens=(), log_probs=(), stop_reason=StopReason.ERROR, persisted=(),
+                error=f"{SCHEDULER}: {error!r}", error_kind=ErrorKind.INTERNAL,
+            ))
 
     @staticmethod
     def _peers_of(request: Request) -> set[str]:

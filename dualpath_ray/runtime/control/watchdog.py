@@ -49,6 +49,7 @@ from dualpath_ray.scheduling.types import Role
 
 Fail = Callable[[RequestSpec, str, str], None]
 LOG = logging.getLogger("dualpath_ray.scheduler")
+MAX_UNRECLAIMED = 65536  # per engine (see Watchdog.unreclaimed)
 
 
 class Watchdog:
@@ -67,8 +68,11 @@ class Watchdog:
         self.changed = changed
         self.incarnations = IncarnationTracker()
         # Attempts failed because their engine went silent: their extents are reclaimed only
-        # once the death is certain (Ray reports it, or the engine comes back as a new process).
-        self.unreclaimed: dict[str, list[str]] = {}
+        # once the death is certain (Ray reports it, or the engine comes back as a new process);
+        # forgotten if it answers again as the same process (its own cancels free them). At most
+        # MAX_UNRECLAIMED per engine, the oldest dropped: an engine silent for that many
+        # attempts holds far fewer extents (its buffers are a few hundred blocks).
+        self.unreclaimed: dict[str, dict[str, None]] = {}
         nodes = plan_nodes(cfg)
         self.node_of = {engine: spec.node_id for spec in nodes for engine in spec.engine_names()}
         self.role_of = {spec.node_id: Role(spec.role) for spec in nodes}
@@ -138,6 +142,7 @@ class Watchdog:
         for engine, (answer, state) in zip(engines, answers):
             if answer is not None:
                 self.observe(engine, answer.incarnation)
+                self.engine_ready(engine, answer.ready)
                 held[engine] = answer.held
             elif engine in self.core.presumed_dead:
                 if state is PeerState.DEAD:
@@ -155,7 +160,7 @@ class Watchdog:
         """An engine presumed dead from its silence that Ray now reports gone for good: it never
         comes back, and the extents its failed attempts leased are reclaimed."""
         self.core.engine_died(engine, confirmed=True)
-        self._reclaim(self.unreclaimed.pop(engine, []))
+        self._reclaim(list(self.unreclaimed.pop(engine, {})))
 
     def _judge(self, held: dict[str, dict[str, Holding]], silent: set[str], timeout_s: float) -> None:
         """With what every engine in use holds: lost attempts failed, lost handoff notes made
@@ -208,6 +213,7 @@ class Watchdog:
         for engine, (answer, _) in zip(engines, answers):
             if answer is not None:
                 self.incarnations.observe(engine, answer.incarnation)
+                self.core.engine_readiness(engine, answer.ready)
             for owner in self.adoptions.learn(engine, answer.held if answer is not None else {}):
                 self.control.cancel(engine, owner)
         self.calls.adoptable = len(self.adoptions.holders)
@@ -222,17 +228,29 @@ class Watchdog:
             self.fail(spec, engine, f"engine {engine} died")
             owners.append(spec.owner)
         if confirmed:
-            self._reclaim(owners + self.unreclaimed.pop(engine, []))
+            self._reclaim(owners + list(self.unreclaimed.pop(engine, {})))
         else:
             # Not from an engine that only stopped answering: it may still move KV into the
             # extents, and a slot freed under a transfer would damage its next owner's KV.
-            self.unreclaimed.setdefault(engine, []).extend(owners)
+            kept = self.unreclaimed.setdefault(engine, {})
+            kept.update(dict.fromkeys(owners))
+            while len(kept) > MAX_UNRECLAIMED:
+                del kept[next(iter(kept))]
         self.changed()
+
+    def engine_ready(self, engine: str, ready: bool) -> None:
+        """Whether `engine` holds the published weights and takes work (a restarted engine
+        catching up does not: runtime/engine/held_weights.py); a change asks every group again."""
+        if self.core.engine_readiness(engine, ready):
+            self.calls.unready_engines += not ready
+            self.changed()
 
     def _readmit(self, engine: str) -> None:
         """An engine presumed dead answered: a loaded host is slow, not dead (its earlier
         attempts were failed already; the heartbeat cancels what they still hold)."""
         if self.core.readmit(engine):
+            # The same process: it frees what its failed attempts leased when their cancels come.
+            self.unreclaimed.pop(engine, None)
             self.changed()
 
     def observe(self, name: str, incarnation: str) -> None:
@@ -255,7 +273,7 @@ class Watchdog:
         for spec in self.core.engine_restarted(name):
             self.fail(spec, name, f"engine {name} restarted")
             owners.append(spec.owner)
-        self._reclaim(owners + self.unreclaimed.pop(name, []))
+        self._reclaim(owners + list(self.unreclaimed.pop(name, {})))
         self.changed()
 
     def _reclaim(self, owners: list[str]) -> None:

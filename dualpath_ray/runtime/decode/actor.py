@@ -37,7 +37,7 @@ class DecodeEngine(EngineBase):
         readers = RayReaders(self.directory, self.id.engine_id, self.wake, self.sent)
         ports = DecodePorts(
             self.hbm.readers_port(readers, self.layout.full_block_bytes, Pool.HBM), self.hbm.transport_port(),
-            self.scheduler_port, SystemClock(),
+            self.scheduler_port, SystemClock(), self.weights,
         )
         if self.faults.active:
             ports = with_faults(ports, self.faults, self.hbm.view)

@@ -145,6 +145,9 @@ class DecodeIntake:
                 self._drop_handoff(handoff, verdict)
                 continue
             try:
+                # Before its KV is loaded or a token sampled: a decode engine holding other weights
+                # (or a restarted one not caught up yet) must neither decode nor persist it.
+                self.ports.weights.check(handoff.task.request)
                 self._start_load(job)
             except Exception as exc:  # noqa: BLE001 - fail this request, keep serving the others
                 self.hooks.fail(job, exc)

@@ -25,6 +25,7 @@ from dualpath_ray.runtime.engine.ports import (
     ReaderPort,
     SchedulerPort,
     TransportPort,
+    WeightsPort,
 )
 from dualpath_ray.runtime.decode.verify import KVCheck
 from dualpath_ray.scheduling.types import StopReason
@@ -117,6 +118,7 @@ class DecodePorts:
     transport: TransportPort
     scheduler: SchedulerPort
     clock: Clock
+    weights: WeightsPort
 
 
 @dataclass(frozen=True)

@@ -41,3 +41,20 @@ class KeptState:
 
     def forget(self) -> None:
         internal_kv._internal_kv_del(self.key, namespace=KV_NAMESPACE)
+
+
+class IncarnationCounter:
+    """How many incarnations of actor `actor` (in Ray namespace `namespace`) began, kept in the
+    GCS: `begin` counts one more and returns its number (1 for the first). Unlike a clock, it
+    never goes back (an NTP step, another host's clock), so numbers derived from it order the
+    incarnations for sure. One incarnation runs at a time (Ray restarts an actor only once the
+    old process is gone), so the read-then-write needs no lock."""
+
+    def __init__(self, namespace: str, actor: str) -> None:
+        self.key = f"{namespace}/{actor}/incarnations"
+
+    def begin(self) -> int:
+        raw = internal_kv._internal_kv_get(self.key, namespace=KV_NAMESPACE)
+        number = (int(raw) if raw else 0) + 1
+        internal_kv._internal_kv_put(self.key, str(number), True, namespace=KV_NAMESPACE)
+        return number

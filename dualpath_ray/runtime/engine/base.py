@@ -31,7 +31,12 @@ from dualpath_ray.runtime.telemetry.actor_metrics import EngineMetrics
 from dualpath_ray.runtime.emulation import make_compute, make_link
 from dualpath_ray.runtime.engine.directory import ActorDirectory
 from dualpath_ray.protocol.messages import EngineHoldings
-from dualpath_ray.protocol.weights import TensorSpec
+from dualpath_ray.model.weights import read_checkpoint, weights_fingerprint
+from dualpath_ray.protocol.weights import TensorSpec, WeightsId
+from dualpath_ray.runtime.deploy.topology import plan_nodes
+from dualpath_ray.runtime.deploy.weight_ledger import WeightLedger, check_version_reuse
+from dualpath_ray.runtime.engine.held_weights import HeldWeights
+from dualpath_ray.runtime.engine.weights_catch_up import CatchUpPorts, WeightsCatchUp, peers_of
 from dualpath_ray.runtime.engine.hbm_moves import HbmMoves
 from dualpath_ray.runtime.deploy.qos import kv_transport_knobs
 from dualpath_ray.runtime.engine.ray_ports import RayScheduler
@@ -104,11 +109,18 @@ class EngineBase(TransportEndpoint):
         self.directory = ActorDirectory(cfg.runtime.namespace)
         self.faults = FaultInjector(cfg.faults, identity.engine_id, self.restarted)
         self.store = open_store(cfg.store, self.layout, root=store_root)
-        self.weight_version = cfg.model.weight_version
+        # The config's weights; a restarted engine is not ready until it holds the published ones.
+        self.weights = HeldWeights.of_config(cfg)
+        self.ledger = WeightLedger(cfg.runtime.namespace)
+        published = self.ledger.current() if self.restarted else None
+        if published is not None and not self.weights.is_current(published.weights):
+            self.weights.awaiting()
         self.wake = threading.Event()
         self.hbm = HbmMoves(cfg.runtime.hbm_moves, self.transport)
         self.sent: Counter[str] = Counter()  # actor calls this engine made, by method (its ports count them)
-        self.scheduler_port = RayScheduler(self.directory, identity.engine_id, lambda: self.incarnation, self.sent)
+        self.scheduler_port = RayScheduler(
+            self.directory, identity.engine_id, lambda: self.incarnation, self.sent, ready=self.weights.ready
+        )
         self.core = self._build_core()
         self.transport.seal()
         self.metrics = EngineMetrics.start(cfg, identity.engine_id, identity.node_id, self.role, self.core)
@@ -120,6 +132,9 @@ class EngineBase(TransportEndpoint):
         self.asleep = False
         self.weight_group: WeightGroup | None = None
         self.keeper = TransportKeeper(self.transport, cfg.runtime.namespace, cfg.runtime.request_timeout_s)
+        self.catch_up: WeightsCatchUp | None = None
+        if not self.weights.ready():
+            self._start_catch_up()
         if self.restarted:
             # Tell the scheduler this incarnation now, not only once the rejoin below is done (a
             # new gloo world can take long): what the dead process held is reclaimed at once.
@@ -127,6 +142,31 @@ class EngineBase(TransportEndpoint):
             # No driver calls start() on a restarted incarnation: it rejoins the transport and
             # starts itself once this __init__ has returned (the rejoin needs this actor to serve).
             self.keeper.heal(then=self.start)
+
+    def _start_catch_up(self) -> None:
+        """Load the published weights on a thread of its own (runtime/engine/weights_catch_up.py);
+        until then every request is refused and the scheduler routes around this engine."""
+        by_node = {spec.node_id: spec.engine_names() for spec in plan_nodes(self.cfg)}
+        ports = CatchUpPorts(self.ledger.current, self._peer_weights, self._load_caught_up)
+        self.catch_up = WeightsCatchUp(
+            self.id.engine_id, peers_of(self.id.engine_id, self.id.node_id, by_node), self.weights, ports, self.stopped,
+        )
+        threading.Thread(target=self.catch_up.run, name=f"weights-{self.id.engine_id}", daemon=True).start()
+
+    def _peer_weights(self, peer: str, weights: WeightsId) -> dict[str, torch.Tensor] | None:
+        state: dict[str, torch.Tensor] | None = ray.get(
+            self.directory.get(peer).export_weights.remote(weights), timeout=self.cfg.runtime.request_timeout_s
+        )
+        return state
+
+    def _load_caught_up(self, weights: WeightsId, state: dict[str, torch.Tensor]) -> None:
+        with self.compute_lock:
+            if self.weights.is_current(weights) and self.weights.ready():
+                return  # an update loaded them meanwhile
+            self.compute.load_weights(state)
+            self.weights.now_holds(weights)
+        self.scheduler_port.report({}, (), ())  # ready: the scheduler places work here again
+        self.wake.set()
 
     def _addressed(self, engine: str) -> None:
         if engine != self.id.engine_id:
@@ -195,7 +235,7 @@ class EngineBase(TransportEndpoint):
         self.load()
         if self.faults.active and self.faults.decide(FaultSite.HEARTBEAT) is not None:
             raise TimeoutError(f"{self.id.engine_id}: heartbeat dropped by the fault plan")
-        return EngineHoldings(self.incarnation, self.core.holds())
+        return EngineHoldings(self.incarnation, self.core.holds(), self.weights.ready())
 
     @ray.method(concurrency_group="control")
     def fault_counts(self) -> dict[str, FaultCount]:
@@ -284,24 +324,52 @@ class EngineBase(TransportEndpoint):
         return rank
 
     @ray.method(concurrency_group="control")
-    def receive_weights(self, version: int, manifest: list[TensorSpec]) -> int:
+    def receive_weights(self, version: int, manifest: list[TensorSpec], expected: str | None = None) -> str:
         """Receive the trainer's broadcast of `manifest` (in order) through the joined group and
-        load it as weight version `version`; later requests use that version's key namespace."""
+        load it as weight version `version` (see update_weights); returns its fingerprint."""
         if self.weight_group is None:
             raise RuntimeError(f"{self.id.engine_id}: receive_weights before join_weight_group")
         state = self.weight_group.receive(manifest)
-        return self.update_weights(version, state)
+        return self._load_weights(version, dict(state), expected)
 
     @ray.method(concurrency_group="control")
-    def update_weights(self, version: int, source: Any) -> int:
+    def update_weights(self, version: int, source: Any, expected: str | None = None) -> str:
         """Swap the model's weights between rollouts (source: a safetensors directory, or a state
-        dict passed through the object store); later requests use the version's key namespace."""
+        dict passed through the object store) and serve them as weight version `version`: later
+        requests must name that version's key namespace. `expected`: the fingerprint the
+        version was published with before (runtime/deploy/weight_ledger.py), if it was; other
+        weights under it are refused before anything is loaded. Returns their fingerprint."""
+        state = read_checkpoint(os.fspath(source)) if isinstance(source, (str, os.PathLike)) else dict(source)
+        return self._load_weights(version, state, expected)
+
+    def _load_weights(self, version: int, state: dict[str, torch.Tensor], expected: str | None) -> str:
+        fingerprint = weights_fingerprint(state)
+        weights = WeightsId(version, fingerprint)
+        if expected is not None:
+            check_version_reuse({version: expected}, weights)
         with self.compute_lock:
             self.core.outbox.drain(DRAIN_S)
             if self.core.busy():
                 raise RuntimeError(
                     f"{self.id.engine_id}: update_weights while requests are in flight; call it between rollouts"
                 )
-            self.compute.load_weights(source)
-            self.weight_version = version
-        return version
+            was_ready = self.weights.ready()
+            self.compute.load_weights(state)
+            self.weights.now_holds(weights)
+        if not was_ready:
+            self.scheduler_port.report({}, (), ())  # a restarted engine the update caught up: ready
+        return fingerprint
+
+    @ray.method(concurrency_group="control")
+    def export_weights(self, weights: WeightsId) -> dict[str, torch.Tensor] | None:
+        """These weights as a host state dict, for a restarted peer catching up
+        (runtime/engine/weights_catch_up.py); None unless this engine is ready and holds them."""
+        with self.compute_lock:
+            if not (self.weights.ready() and self.weights.is_current(weights)):
+                return None
+            return self.compute.export_weights()
+
+    @ray.method(concurrency_group="control")
+    def held_weights(self) -> tuple[WeightsId, bool]:
+        """The weights this engine holds and whether it is ready (for `status` and tests)."""
+        return self.weights.held, self.weights.ready()

@@ -158,6 +158,11 @@ class EngineCompute(ABC):
         """New weights in place (a safetensors directory or a state dict); a bad source leaves
         the old ones."""
 
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        """The weights it computes with, as a host state dict that `load_weights` takes: what a
+        peer restarted with its config's weights loads to catch up (runtime/engine/weights_catch_up.py)."""
+        return {}
+
     def stats(self) -> dict[str, Any]:
         """What the compute itself reports for `engine_stats` (vLLM: its steps and free pages)."""
         return {}
@@ -285,6 +290,9 @@ class ModelCompute(EngineCompute):
 
     def load_weights(self, source: Any) -> None:
         self.model.load_weights(source)
+
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        return {name: tensor.cpu() for name, tensor in self.model.checkpoint_tensors().items()}
 
     def offload(self) -> int:
         if self.device.type == "cpu":

@@ -9,6 +9,7 @@ import logging
 from dualpath_ray.faults.injector import InjectedFault
 from dualpath_ray.kv.errors import BadBlockError, BlockCorruptedError, BlockNotFoundError, IncompatibleBlockError
 from dualpath_ray.protocol.messages import ErrorKind, RequestSpec, TurnResult, failed_result
+from dualpath_ray.runtime.engine.held_weights import StaleWeightsError
 from dualpath_ray.runtime.transport.moves import PeerDiedError, TransportError
 
 
@@ -43,6 +44,8 @@ def classify(error: BaseException) -> tuple[ErrorKind, tuple[str, ...]]:
         return ErrorKind.KV_CORRUPT, ()
     if isinstance(cause, KVMismatchError):
         return ErrorKind.KV_MISMATCH, ()
+    if isinstance(cause, StaleWeightsError):
+        return ErrorKind.STALE_WEIGHTS, ()
     if isinstance(cause, PeerDiedError) or _is_dead_actor(cause):
         return ErrorKind.PEER_DIED, ()
     if isinstance(cause, (TransportError, TimeoutError)):

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Generic, Protocol, Sequence, TypeVar
 
 from dualpath_ray.protocol.messages import (
-    DecodeHandoff, ExtentGrant, Holding, PersistedBlock, StagedRead, TokenChunk, TurnResult,
+    DecodeHandoff, ExtentGrant, Holding, PersistedBlock, RequestSpec, StagedRead, TokenChunk, TurnResult,
 )
 from dualpath_ray.runtime.transport.moves import Move
 
@@ -111,6 +111,15 @@ class DecodePort(Protocol):
     def hand_off(self, engine: str, handoffs: Sequence[DecodeHandoff]) -> Pending[None]:
         """Give prefilled requests to their decode engine (one call for all of a batch's that
         go there); done once the engine has them."""
+
+
+class WeightsPort(Protocol):
+    """The weights the engine holds (runtime/engine/held_weights.py HeldWeights)."""
+
+    def check(self, spec: RequestSpec) -> None:
+        """Raise StaleWeightsError unless the engine is ready and holds the weights `spec`
+        names (its key namespace): called before anything of the request is computed, so no
+        token is sampled and no KV stored under another version's namespace."""
 
 
 class Clock(Protocol):

@@ -107,19 +107,26 @@ class RayScheduler:
 
     def __init__(
         self, directory: ActorDirectory, engine: str, incarnation: Callable[[], str], sent: Counter[str] | None = None,
+        ready: Callable[[], bool] = lambda: True,
     ) -> None:
         self.engine = engine
         self.incarnation = incarnation
+        self.ready = ready
         self.sent = sent if sent is not None else Counter()
         self.channel = ReportClient(scheduler_channel(directory), name=f"{engine}-reports")
+        # Readiness is read and sent in one step: reports leave in the order their state was
+        # read, so the scheduler's last word on it is the engine's last state (a restarted
+        # engine's worker and weights catch-up report from different threads).
+        self._lock = threading.Lock()
 
     def report(
         self, handed_off: dict[str, Holding], results: Sequence[TurnResult], chunks: Sequence[TokenChunk]
     ) -> SentReport:
-        self.sent["report"] += 1
-        return self.channel.send(
-            EngineReport(self.engine, self.incarnation(), dict(handed_off), tuple(results), tuple(chunks))
-        )
+        with self._lock:
+            self.sent["report"] += 1
+            return self.channel.send(EngineReport(
+                self.engine, self.incarnation(), dict(handed_off), tuple(results), tuple(chunks), self.ready(),
+            ))
 
 
 def scheduler_channel(directory: ActorDirectory) -> Callable[[], ChannelAddress]:

@@ -36,7 +36,7 @@ class PrefillEngine(EngineBase):
         ports = PrefillPorts(
             RayReaders(self.directory, self.id.engine_id, self.wake, self.sent), self.hbm.transport_port(),
             self.scheduler_port,
-            RayDecodeTargets(self.directory, self.sent), SystemClock(),
+            RayDecodeTargets(self.directory, self.sent), SystemClock(), self.weights,
         )
         if self.faults.active:
             ports = with_faults(ports, self.faults, self.hbm.view)

@@ -1,20 +1,20 @@
 """The prefill engine's logic, without Ray: staging, compute-quota batches, layerwise prefill.
 
-A request (a `PrefillTask` from the scheduler) goes STAGING -> READY -> BATCHED -> HANDED_OFF,
-or back to READY after a chunk that does not end its prompt, or FAILED (`transition`, in
-runtime/prefill/job.py with the job record, the ports and the settings).
-- Staging: the reader of the chosen side leases an extent and reads the hit Full Blocks into
-  it (PE path: this node's reader, plus an empty extent on the decode node for the KV to send;
-  DE path: the decode node's reader, one extent for hits and computed KV alike).
+A request (a `PrefillTask` from the scheduler) goes STAGING -> READY -> BATCHED -> HANDED_OFF, or back
+to READY after a chunk that does not end its prompt, or FAILED (`transition`, in runtime/prefill/job.py
+with the job record, the ports and the settings). A task naming other weights than the engine holds is
+refused at `accept` (runtime/engine/refusals.py).
+- Staging: the reader of the chosen side leases an extent and reads the hit Full Blocks into it (PE
+  path: this node's reader, plus an empty extent on the decode node for the KV to send; DE path: the
+  decode node's reader, one extent for hits and computed KV alike).
 - A batch: READY requests in FIFO order packed by the compute quota and the window's capacity
   (`pack_prefill_batch`), laid out in the layer window (kv/window.py).
-- Layer by layer with double buffering (`LayerPipeline`, runtime/prefill/pipeline.py): layer
-  l+1's past KV is on its way in while layer l computes, and layer l-1's KV on its way out; one
-  read per (layer, source reader) and one write per (layer, destination reader) for the whole
-  batch. The past KV of a first chunk comes from the side its hits were read on; a later chunk's
-  from the decode node's extent, which by then holds every token before it. A chunk sends the
-  decode node everything not yet there: hits + new tokens on the PE path's first chunk, only new
-  tokens otherwise.
+- Layer by layer with double buffering (`LayerPipeline`, runtime/prefill/pipeline.py): layer l+1's
+  past KV is on its way in while layer l computes, and layer l-1's KV on its way out; one read per
+  (layer, source reader) and one write per (layer, destination reader) for the whole batch. The past
+  KV of a first chunk comes from the side its hits were read on; a later chunk's from the decode
+  node's extent, which by then holds every token before it. A chunk sends the decode node everything
+  not yet there: hits + new tokens on the PE path's first chunk, only new tokens otherwise.
 - Handoff: after the last layer the first token is sampled, the PE extent is freed, and the decode
   engine gets a `DecodeHandoff` naming the decode node's extent (one call per decode engine).
 Oracle mode moves nothing: hit KV comes straight from the store and nothing is sent.
@@ -37,6 +37,7 @@ from dualpath_ray.protocol.counters import NodeCounters
 from dualpath_ray.runtime.engine.compute import ChunkSpec, EngineCompute
 from dualpath_ray.runtime.emulation.links import Link
 from dualpath_ray.runtime.engine.failures import failure_of, log_failure
+from dualpath_ray.runtime.engine.refusals import Refusals
 from dualpath_ray.runtime.engine.cancelled import CancelledAttempts
 from dualpath_ray.protocol.messages import DecodeHandoff, ExtentGrant, Holding, PrefillTask, TurnResult, newest_holdings
 from dualpath_ray.runtime.engine.outbox import Outbox
@@ -96,6 +97,7 @@ class PrefillCore:
         self._to_cancel: list[str] = []
         self.outbox = Outbox()  # handoffs and failure reports not yet delivered
         self._failed: list[TurnResult] = []  # this step's failures, reported at its end
+        self.refusals = Refusals(settings.engine_id, ports.weights)  # tasks refused at accept
         self._noted: dict[str, Holding] = {}  # this step's handoffs, reported at its end
         self._lock = threading.Lock()
 
@@ -116,17 +118,15 @@ class PrefillCore:
         return newest_holdings(entries + self.outbox.holdings())
 
     def accept(self, tasks: Sequence[PrefillTask]) -> None:
-        """Stage every task. Jobs are keyed by owner (request id and attempt): a retry may land
-        here while its earlier attempt still runs, and each frees only its own extents. A task
-        already here is a duplicate delivery: it is refused before anything is leased for it."""
+        """Stage every task, keyed by owner (request id and attempt: a retry may land here while its
+        earlier attempt still runs, and each frees only its own extents); a duplicate delivery, or
+        a task naming other weights than this engine holds, is refused before anything is leased."""
         fresh, refused = [], []
         with self._lock:
             for t in tasks:
-                owner = t.request.owner
-                (refused if owner in self.jobs or owner in self._cancelled else fresh).append(t)
-        for task in fresh:
-            # Each job is held (and heartbeats name it) as soon as it is staged, not after the
-            # whole batch: staging a large batch on a loaded host takes a while.
+                (refused if t.request.owner in self.jobs or t.request.owner in self._cancelled else fresh).append(t)
+        for task in (t for t in fresh if self.refusals.admits(t.request)):
+            # Held (and named by heartbeats) once staged, not after the whole batch: that can take a while.
             job = self._stage(task)
             with self._lock:
                 self.jobs[job.owner] = job
@@ -152,12 +152,13 @@ class PrefillCore:
 
     def busy(self) -> bool:
         with self._lock:
-            return bool(self.jobs or self._orphans or len(self.outbox))
+            return bool(self.jobs or self._orphans or len(self.outbox) or len(self.refusals))
 
     # --- what the actor's worker thread calls ---------------------------------------------
 
     def step(self) -> bool:
         """Advance staging and run at most one batch; False when there was nothing to do."""
+        self._failed.extend(self.refusals.take())  # refused at accept: reported with this step's failures
         self._reap_orphans()
         self.outbox.settle()
         self._drop_cancelled()
@@ -169,9 +170,8 @@ class PrefillCore:
         return bool(batch)
 
     def polling(self) -> bool:
-        """Whether the worker must look again without being woken: never here. Staging replies
-        wake it (runtime/engine/ray_ports.py RefPending) and a batch's transfers are waited for inside
-        the batch."""
+        """Whether the worker must look again without being woken: never here. Staging replies wake it
+        (runtime/engine/ray_ports.py RefPending); a batch's transfers are waited for inside the batch."""
         return False
 
     def fail_all(self, error: BaseException) -> None:

@@ -16,7 +16,9 @@ import numpy as np
 import torch
 
 from dualpath_ray.protocol.messages import ExtentGrant, PrefillTask
-from dualpath_ray.runtime.engine.ports import Clock, DecodePort, Pending, ReaderPort, SchedulerPort, TransportPort
+from dualpath_ray.runtime.engine.ports import (
+    Clock, DecodePort, Pending, ReaderPort, SchedulerPort, TransportPort, WeightsPort,
+)
 
 
 class PrefillState(enum.Enum):
@@ -80,6 +82,7 @@ class PrefillPorts:
     scheduler: SchedulerPort
     decode: DecodePort
     clock: Clock
+    weights: WeightsPort
 
 
 @dataclass(frozen=True)

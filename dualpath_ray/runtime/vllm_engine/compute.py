@@ -64,6 +64,7 @@ class VllmCompute(EngineCompute):
         self.max_context = cfg.model.max_context
         self.host = VllmHost(cfg, layout, role)
         self._live: dict[str, _DecodeState] = {}  # decode sequences added to vLLM and not yet released
+        self._loaded: dict[str, torch.Tensor] | None = None  # the last state dict loaded (export_weights)
 
     # --- prefill ------------------------------------------------------------------------
 
@@ -192,6 +193,15 @@ class VllmCompute(EngineCompute):
 
     def load_weights(self, source: Any) -> None:
         self.host.load_weights(source)
+        # vLLM keeps its weights in its own (fused, sharded) layout, which no state dict names:
+        # what was loaded is kept on the host for a restarted peer to catch up from (one host
+        # copy of the weights; the config's weights need none, a restarted peer builds them too).
+        self._loaded = {name: tensor.detach().cpu() for name, tensor in dict(source).items()} if isinstance(source, dict) else None
+
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        if self._loaded is None:
+            raise RuntimeError("this vLLM engine holds its config's weights (or a checkpoint directory's): nothing to export")
+        return dict(self._loaded)
 
     def offload(self) -> int:
         """Sleep: vLLM's own sleep mode frees its weights and pages on a GPU; on the CPU nothing

@@ -273,3 +273,14 @@ def test_random_weight_seeds_get_their_own_namespace():
     assert a.kv_namespace(5, block_size=BLOCK) == namespace_for(
         a.model_id, 5, 1, KVLayout.from_model(a, BLOCK)
     ), "an explicit version replaces the configured one"
+
+
+def test_publish_indexes_a_chain_as_far_as_its_parents_are_indexed() -> None:
+    index = PrefixIndex(4)
+    keys = block_keys(list(range(16)), 4, "m@w0")
+    assert index.publish([(keys[0], None), (keys[1], keys[0])]) == 2, "a chain from its first block is published"
+    index.remove(keys[1])
+    # keys[2]'s parent keys[1] is gone: it and everything after it stay out (no lookup could reach them).
+    assert index.publish([(keys[2], keys[1]), (keys[3], keys[2])]) == 0
+    assert keys[2] not in index and keys[3] not in index, "an orphan chain is not published"
+    assert index.publish([(keys[1], keys[0]), (keys[2], keys[1])]) == 2, "re-published in order, it is indexed"

@@ -171,3 +171,33 @@ def test_a_prefill_engines_load_counts_the_tokens_its_requests_compute_not_their
     assert [t.request_id for t in c.fetch_prefill(idle)] == ["cold-a"], (
         "a cold 64-token turn alone puts an idle engine over beta: the next waits for another engine"
     )
+
+
+def test_a_turn_whose_chain_left_the_index_finishes_and_publishes_nothing_orphaned() -> None:
+    c = core()
+    first = spec("t0", 40)
+    keys = serve_and_store(c, first)
+    follow = RequestSpec("t1", 0, np.concatenate([first.prompt, np.arange(30)]), SamplingParams(max_new_tokens=8),
+                         NAMESPACE, 0.0)
+    c.submit(follow)
+    c.fetch_decode(decode(("decode/d0/g0", 10_000)))
+    c.fetch_prefill(prefill("prefill/p0/g0"))
+    c.reset_prefix_cache()  # verl's abort with reset_prefix_cache, while t1 runs
+    chain = block_keys(follow.prompt, BLOCK, NAMESPACE)
+    persisted = tuple(PersistedBlock(k, p) for k, p in zip(chain[len(keys):], chain[len(keys) - 1:]))
+    c.finish(result_of(follow, persisted))  # its first block's parent is gone: raised ValueError before
+    assert not c.requests, "the turn finished (a lost frame would leave it waiting for its deadline)"
+    assert len(c.index) == 0 and c.unpublished_blocks == len(persisted), (
+        "an orphan chain is not published (no lookup could reach it), and it is counted"
+    )
+
+
+def test_an_engine_that_is_not_ready_gets_no_work_until_it_is() -> None:
+    c = core()
+    assert c.engine_readiness("decode/d0/g0", False), "turning unready is a change"
+    assert not c.engine_readiness("decode/d0/g0", False), "saying it again is not"
+    c.submit(spec("r", 40))
+    assert c.fetch_decode(decode(("decode/d0/g0", 1000))) == [], "an unready engine is out of service"
+    assert c.engine_readiness("decode/d0/g0", True)
+    (reservation,) = c.fetch_decode(decode(("decode/d0/g0", 1000)))
+    assert reservation.decode_engine == "decode/d0/g0", "ready again: it takes work"

@@ -31,12 +31,12 @@ def test_a_result_reaches_its_waiting_caller_or_waits_for_it() -> None:
         adoptions = Adoptions()
         adoptions.learn("decode/d0/g0", {"a": Holding(2, True, 5), "b": Holding(2, True, 5)})
         waiting = adoptions.wait_for("a")
-        assert adoptions.deliver(result_of("a")), "a held request's result is adopted"
+        assert adoptions.deliver(result_of("a"), 0.0), "a held request's result is adopted"
         assert (await waiting).request_id == "a", "the waiting caller gets the old attempt's result"
-        assert adoptions.deliver(result_of("b")) and adoptions.claim("b").request_id == "b", (
+        assert adoptions.deliver(result_of("b"), 0.0) and adoptions.claim("b").request_id == "b", (
             "a result that came before its caller's resent generate is kept for it"
         )
-        assert not adoptions.deliver(result_of("c")), "a request nobody held is not adopted"
+        assert not adoptions.deliver(result_of("c"), 0.0), "a request nobody held is not adopted"
         assert adoptions.adopted == 2
 
     asyncio.run(scenario())
@@ -55,3 +55,15 @@ def test_a_request_no_engine_names_for_the_grace_is_dropped_to_be_dispatched_afr
         assert adoptions.adoptable("kept") and not adoptions.adoptable("gone")
 
     asyncio.run(scenario())
+
+
+def test_an_adopted_result_no_caller_asks_for_expires_after_its_ttl() -> None:
+    adoptions = Adoptions(unclaimed_ttl_s=30.0)
+    adoptions.learn("decode/d0/g0", {"orphan": Holding(2, True, 5), "late": Holding(2, True, 5)})
+    assert adoptions.deliver(result_of("orphan"), now=100.0), "kept for its caller's resent generate"
+    assert adoptions.deliver(result_of("late"), now=125.0)
+    adoptions.check({}, set(), now=131.0, grace_s=1.5)
+    # Invariant: an unclaimed result lives unclaimed_ttl_s at most (its caller died: nobody ever asks).
+    assert "orphan" not in adoptions.unclaimed and adoptions.expired == 1
+    assert adoptions.claim("late").request_id == "late", "a younger one still waits for its caller"
+    assert not adoptions.unclaimed and not adoptions.unclaimed_at, "claimed: forgotten"

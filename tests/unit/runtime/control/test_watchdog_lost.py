@@ -87,3 +87,34 @@ def test_a_lost_attempt_is_failed_and_its_extents_reclaimed_on_every_reader() ->
         "what the lost attempt leased is reclaimed on every reader, and nothing of the held one"
     )
     assert watchdog.calls.lost_assignments == 1, "the verdict is counted"
+
+
+class SilentCore(Core):
+    """Fails the given attempts when their engine goes silent, and takes the engine back."""
+
+    def __init__(self, requests: list[Request]) -> None:
+        super().__init__(requests)
+
+    def engine_died(self, engine: str, confirmed: bool) -> list[RequestSpec]:
+        return [r.spec for r in self.requests.values()]
+
+    def readmit(self, engine: str) -> bool:
+        return True
+
+
+def test_the_attempts_of_a_silent_engine_are_bounded_and_forgotten_when_it_answers_again(monkeypatch) -> None:
+    import dualpath_ray.runtime.control.watchdog as watchdog_module
+
+    monkeypatch.setattr(watchdog_module, "MAX_UNRECLAIMED", 2)
+    cfg = parse_config({"cluster": {"prefill_nodes": 1, "decode_nodes": 1, "gpus_per_node": 1}})
+    control = Control()
+    watchdog = Watchdog(
+        cfg, SilentCore([prefilling(f"r{i}") for i in range(3)]), control, Liveness(GRACE, Clock()), Adoptions(),
+        None, SchedulerCounts(), lambda spec, by, why: None, lambda: None,  # type: ignore[arg-type]
+    )
+    watchdog.engine_died(PE, confirmed=False)
+    # Invariant: a silent engine's attempts wait for its certain death, at most MAX_UNRECLAIMED of them.
+    assert list(watchdog.unreclaimed[PE]) == ["r1#0", "r2#0"] and not control.reclaimed
+    watchdog._readmit(PE)
+    # Invariant: the same process answering again frees its own (its cancels), so nothing is kept.
+    assert PE not in watchdog.unreclaimed and not control.reclaimed

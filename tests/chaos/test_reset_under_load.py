@@ -1,0 +1,65 @@
+"""An abort with reset_prefix_cache (what verl's abort does by default) while other turns run
+(issue 31, item 4): the turns in flight then persist blocks whose parents have just left the
+index. Such an orphan chain is simply not published; it never costs another message of the
+same report. Before, its ValueError escaped the report's handling after the frame was
+acknowledged, and every result in that frame was lost: those turns waited for
+runtime.request_timeout_s and failed."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from tests.helpers import ray_test_env, recompute_outputs, runtime_config, trajectories
+
+ray_test_env()
+
+import ray  # noqa: E402
+
+from dualpath_ray.cluster import DualPathCluster  # noqa: E402
+
+pytestmark = [pytest.mark.integration, pytest.mark.chaos]
+
+
+def test_resets_and_an_abort_while_turns_run_lose_no_other_turn() -> None:
+    cfg = runtime_config(request_timeout_s=90.0)
+    trajs = trajectories(count=8, turns=5, gen=12)
+    victim = trajs[0].trajectory_id
+    expected = recompute_outputs(cfg, trajs)
+    cluster = DualPathCluster.start(cfg)
+    try:
+        deployment = cluster.deploy("dualpath")
+        scheduler = deployment.scheduler
+        box: dict = {}
+        worker = threading.Thread(target=lambda: box.setdefault("result", cluster.rollout(trajs, progress=False)))
+        started = time.monotonic()
+        worker.start()
+        while ray.get(scheduler.call_counts.remote())["complete"] < 8 and worker.is_alive():
+            time.sleep(0.05)
+        cluster.abort_trajectory(victim)
+        resets = 0
+        while worker.is_alive() and resets < 40:
+            ray.get(scheduler.reset_prefix_cache.remote())  # while turns of later rounds are in flight
+            resets += 1
+            time.sleep(0.1)
+        worker.join(timeout=240)
+        assert not worker.is_alive(), "the rollout ends"
+        result = box["result"]
+        calls = ray.get(scheduler.call_counts.remote())
+        print(f"{resets} resets; rollout {time.monotonic() - started:.1f} s; report errors {calls['report_errors']}, "
+              f"timeouts {calls['timeouts']}, retries {calls['retries']}")
+        assert not result.failures, f"no turn lost to a reset of the index: {result.failures}"
+        assert calls["timeouts"] == 0, "no turn waited for its deadline"
+        assert calls["report_errors"] == 0, "no part of any report raised"
+        outputs = result.outputs()
+        for traj in trajs:
+            if traj.trajectory_id == victim:
+                continue
+            assert outputs[traj.trajectory_id] == expected[traj.trajectory_id], (
+                f"{traj.trajectory_id}: the real model's outputs equal the single-process recompute"
+            )
+        assert ray.get(scheduler.check_integrity.remote()) == 0, "the scheduler holds no request afterwards"
+    finally:
+        cluster.shutdown()
