@@ -2,8 +2,8 @@
 (issue 31, item 4): the turns in flight then persist blocks whose parents have just left the
 index. Such an orphan chain is simply not published; it never costs another message of the
 same report. Before, its ValueError escaped the report's handling after the frame was
-acknowledged, and every result in that frame was lost: those turns waited for
-runtime.request_timeout_s and failed."""
+acknowledged, and every result in that frame was lost until the heartbeat found those attempts
+held by no engine and retried them (or, without a heartbeat answer, their deadline)."""
 
 from __future__ import annotations
 
@@ -48,11 +48,17 @@ def test_resets_and_an_abort_while_turns_run_lose_no_other_turn() -> None:
         assert not worker.is_alive(), "the rollout ends"
         result = box["result"]
         calls = ray.get(scheduler.call_counts.remote())
-        print(f"{resets} resets; rollout {time.monotonic() - started:.1f} s; report errors {calls['report_errors']}, "
-              f"timeouts {calls['timeouts']}, retries {calls['retries']}")
+        print(f"{resets} resets; rollout {time.monotonic() - started:.1f} s; report errors {calls.get('report_errors')}, "
+              f"timeouts {calls['timeouts']}, retries {calls['retries']}, orphaned blocks {calls.get('unpublished_blocks')}")
         assert not result.failures, f"no turn lost to a reset of the index: {result.failures}"
         assert calls["timeouts"] == 0, "no turn waited for its deadline"
-        assert calls["report_errors"] == 0, "no part of any report raised"
+        # Before, the results of a report whose block raised were lost with it: the heartbeat found
+        # their attempts held by no engine and retried them (7 retries, 18.9 s against 2.9 s here).
+        assert calls["lost_assignments"] == 0 and calls["retries"] == 0, "no result was lost, none retried"
+        assert calls.get("unpublished_blocks", 0) > 0, (
+            "some turn in flight persisted a chain a reset had orphaned (the case under test happened)"
+        )
+        assert calls.get("report_errors") == 0, "no part of any report raised"
         outputs = result.outputs()
         for traj in trajs:
             if traj.trajectory_id == victim:

@@ -354,7 +354,8 @@ class Scheduler:
         rounds = self.decisions.rounds.stats if self.decisions is not None else None
         sent = {f"sent_{method}": count for method, count in self.control.sent.items()}
         return {**self.calls.as_dict(), **sent, "evicted_blocks": evicted,
-                "indexed_blocks": len(self.core.index), "readmitted": self.core.readmitted,
+                "indexed_blocks": len(self.core.index), "unpublished_blocks": self.core.unpublished_blocks,
+                "readmitted": self.core.readmitted,
                 "adopted": self.adoptions.adopted, "adoptions_dropped": self.adoptions.dropped,
                 "restarted": int(self.restarted), "mailboxes": len(self.mailboxes),
                 "dropped_results": self.mailboxes.dropped, "queue_full": self.serving.refused,
