@@ -28,12 +28,14 @@ from typing import Any, AsyncIterator, Mapping, Sequence
 import ray
 from pydantic import BaseModel
 
+from dualpath_ray.api.cache_salt import check_cache_salt
 from dualpath_ray.api.client import SchedulerClient
 from dualpath_ray.api.server_record import ServerRecord
 from dualpath_ray.api.sessions import SessionIds, check_session_id, session_prefix
 from dualpath_ray.api.validation import RequestError, make_spec, parse_sampling_request, validate_prompt
 from dualpath_ray.api.verl_server import VerlServerControl
 from dualpath_ray.config import DualPathConfig
+from dualpath_ray.kv.index import salted_namespace
 from dualpath_ray.protocol.messages import RequestSpec, StreamDelta, TurnResult, aborted_result
 from dualpath_ray.protocol.names import ROLLOUT_SERVER, SCHEDULER
 from dualpath_ray.runtime.deploy.kept_state import KeptState
@@ -126,17 +128,19 @@ class RolloutServer:
 
     def _prepare(
         self, request_id: str, prompt_ids: Sequence[int], sampling_params: Mapping[str, Any] | None,
-        session_id: str | None, expect_next_turn_s: float | None = None,
+        session_id: str | None, expect_next_turn_s: float | None = None, cache_salt: str | None = None,
     ) -> tuple[RequestSpec, bool]:
-        """The scheduler's spec of one turn, and whether log-probs were asked for."""
+        """The scheduler's spec of one turn, and whether log-probs were asked for. A `cache_salt`
+        keys its blocks apart from every other salt's (api/cache_salt.py)."""
         if not isinstance(request_id, str) or not request_id:
             raise RequestError(f"request_id must be a non-empty string (got {request_id!r})", "request_id")
         parsed = parse_sampling_request(request_id, sampling_params, self.cfg.runtime.max_new_tokens)
         prompt = validate_prompt(request_id, prompt_ids, parsed.params.max_new_tokens, self.cfg.model)
+        salt = check_cache_salt(cache_salt)  # before a session's turn is counted
         if request_id in self.in_flight:
             raise RequestError(f"request {request_id} is already in flight; request ids must be unique", "request_id")
         scheduler_id = self.sessions.next_turn(check_session_id(session_id)) if session_id is not None else request_id
-        namespace = self.cfg.kv_namespace(self.weight_version)
+        namespace = salted_namespace(self.cfg.kv_namespace(self.weight_version), salt)
         try:
             spec = make_spec(scheduler_id, prompt, parsed.params, namespace, expect_next_turn_s=expect_next_turn_s)
         except ValueError as exc:
@@ -167,20 +171,22 @@ class RolloutServer:
             name = (multimodal or unknown)[0]
             raise RequestError(
                 f"request {request_id}: {name} is not supported (text-only decoder; known arguments: "
-                "request_id, prompt_ids, sampling_params, session_id, expect_next_turn_s)", name,
+                "request_id, prompt_ids, sampling_params, session_id, expect_next_turn_s, cache_salt)", name,
             )
 
     async def generate(
         self, request_id: str, prompt_ids: Sequence[int], sampling_params: Mapping[str, Any] | None = None,
-        session_id: str | None = None, expect_next_turn_s: float | None = None, **kwargs: Any,
+        session_id: str | None = None, expect_next_turn_s: float | None = None, cache_salt: str | None = None,
+        **kwargs: Any,
     ) -> TokenOutput:
         """One turn. `session_id` puts it on its conversation's request ids ("<session>/t<k>"), so
         `abort_session` stops the conversation; `expect_next_turn_s` hints that the session's next
         turn comes about that many seconds after this one ends (an agent's tool call), and its KV is
-        staged meanwhile (scheduling/staging.py); verl's keyword arguments (`image_data`, ...,
-        `priority`) are accepted when empty."""
+        staged meanwhile (scheduling/staging.py); `cache_salt` shares cached prefixes only with turns of
+        the same salt; verl's keyword arguments (`image_data`, ..., `priority`) are accepted when empty."""
         self._check_kwargs(request_id, kwargs)
-        spec, want_log_probs = self._prepare(request_id, prompt_ids, sampling_params, session_id, expect_next_turn_s)
+        spec, want_log_probs = self._prepare(request_id, prompt_ids, sampling_params, session_id, expect_next_turn_s,
+                                             cache_salt)
         try:
             if not await self.verl.admit():
                 return self._token_output(aborted_result(spec), want_log_probs)
@@ -211,11 +217,12 @@ class RolloutServer:
 
     async def generate_stream(
         self, request_id: str, prompt_ids: Sequence[int], sampling_params: Mapping[str, Any] | None = None,
-        session_id: str | None = None, expect_next_turn_s: float | None = None,
+        session_id: str | None = None, expect_next_turn_s: float | None = None, cache_salt: str | None = None,
     ) -> AsyncIterator[StreamDelta | TokenOutput]:
         """`generate`, streamed (a Ray streaming generator): StreamDeltas in order, no token
         twice, then the TokenOutput of the whole turn."""
-        spec, want_log_probs = self._prepare(request_id, prompt_ids, sampling_params, session_id, expect_next_turn_s)
+        spec, want_log_probs = self._prepare(request_id, prompt_ids, sampling_params, session_id, expect_next_turn_s,
+                                             cache_salt)
         try:
             if not await self.verl.admit():
                 yield self._token_output(aborted_result(spec), want_log_probs)
