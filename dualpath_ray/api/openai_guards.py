@@ -1,5 +1,5 @@
 """What the OpenAI-compatible endpoint checks before a request reaches a handler: the API key
-and the size of the body (pure: no Ray).
+and the body, its size and the time it takes to arrive (pure: no Ray).
 
 The key works as OpenAI's and vLLM's (`--api-key` / `VLLM_API_KEY`): every route but /health
 needs `Authorization: Bearer <key>`, and a request without it, or with another key, is a 401 in
@@ -9,21 +9,26 @@ comparison's time nor its length tells anything about the key.
 
 The body limit is checked on the declared Content-Length before anything is read, and again on
 the bytes as they arrive (a chunked body declares none), so an oversized body is a 413 before it
-is parsed or held whole.
+is parsed or held whole. The body must arrive whole within a deadline (a client that sends it a
+byte at a time is a 408, and its connection is closed); the head's deadline is the server's
+(api/http_server.py).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import json
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
+from dualpath_ray.api.http_limits import DEFAULT_MAX_BODY_BYTES
 from dualpath_ray.api.openai_protocol import APIError
 
+__all__ = ["API_KEY_ENV", "DEFAULT_MAX_BODY_BYTES", "ApiKey", "BearerAuth", "read_limited_body"]
+
 API_KEY_ENV = "DUALPATH_API_KEY"
-DEFAULT_MAX_BODY_BYTES = 8 << 20
 OPEN_PATHS = frozenset({"/health"})  # a load balancer's probe carries no key
 
 Scope = dict[str, Any]
@@ -99,15 +104,32 @@ def _header(scope: Scope, name: bytes) -> str | None:
     return None
 
 
-async def read_limited_body(request: Any, limit: int) -> bytes:
-    """The body of a Starlette request, refused (413) once it is over `limit` bytes."""
+def too_slow(timeout_s: float) -> APIError:
+    return APIError(
+        f"the request body did not arrive within {timeout_s:g} s of its headers; send it at once, or restart "
+        "`dualpath serve` with a larger --body-timeout-s", None, 408, code="request_timeout",
+    )
+
+
+async def read_limited_body(request: Any, limit: int, timeout_s: float) -> bytes:
+    """The body of a Starlette request, refused once it is over `limit` bytes (413) or once it
+    took more than `timeout_s` to arrive (408: the connection is then closed, as the rest of the
+    body is never read)."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise too_large(int(declared), limit, declared=True)
     chunks, size = [], 0
-    async for chunk in request.stream():
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    stream = request.stream().__aiter__()
+    while True:
+        try:  # asyncio.timeout is Python 3.11's; this runs on 3.10 too
+            chunk = await asyncio.wait_for(stream.__anext__(), deadline - loop.time())
+        except StopAsyncIteration:
+            return b"".join(chunks)
+        except asyncio.TimeoutError:
+            raise too_slow(timeout_s) from None
         size += len(chunk)
         if size > limit:
             raise too_large(size, limit, declared=False)
         chunks.append(chunk)
-    return b"".join(chunks)

@@ -8,6 +8,8 @@ list of token ids, or a list of token-id lists (one choice each, not streamed, n
 `session_id` (or OpenAI's `conversation_id`) puts the request on its conversation's request ids
 (api/sessions.py). `return_token_ids` (vLLM's field) adds `token_ids` (the generated ids) and, on
 a whole response, `prompt_token_ids` to every choice; a server without a tokenizer always does.
+A completions batch holds at most `max_prompts` prompts (the endpoint's --max-prompts): each
+prompt is a turn of its own on the cluster.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
+from dualpath_ray.api.http_limits import DEFAULT_MAX_PROMPTS
 from dualpath_ray.api.sessions import check_session_id
 from dualpath_ray.api.validation import validate_next_turn_hint
 
@@ -149,13 +152,18 @@ def _is_token_list(value: Any) -> bool:
     return isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
 
 
-def _prompt(body: Mapping[str, Any]) -> tuple[str | None, tuple[tuple[int, ...], ...] | None]:
-    """A completions prompt: (text, None) or (None, token-id prompts)."""
+def _prompt(body: Mapping[str, Any], max_prompts: int) -> tuple[str | None, tuple[tuple[int, ...], ...] | None]:
+    """A completions prompt: (text, None) or (None, token-id prompts). The count of a batch is
+    checked before any of its prompts is looked at."""
     prompt = body.get("prompt")
     if isinstance(prompt, str) and prompt:
         return prompt, None
     if _is_token_list(prompt):
         return None, (tuple(prompt),)
+    if isinstance(prompt, list) and len(prompt) > max_prompts:
+        raise APIError(f"prompt holds {len(prompt)} prompts, over this server's limit of {max_prompts} per request "
+                       "(each is a turn of its own); send them in several requests, or restart `dualpath serve` "
+                       "with a larger --max-prompts", "prompt")
     if isinstance(prompt, list) and prompt and all(_is_token_list(p) for p in prompt):
         if len(prompt) > 1 and body.get("stream"):
             raise APIError("a streamed request takes one prompt; send each token-id list as its own request", "stream")
@@ -173,13 +181,14 @@ def _flag(body: Mapping[str, Any], key: str) -> bool:
     return bool(value)
 
 
-def parse_completion(body: Any, served_model: str) -> GenerationRequest:
-    """A /v1/completions body: `prompt` is one string, one list of token ids, or a list of them."""
+def parse_completion(body: Any, served_model: str, max_prompts: int = DEFAULT_MAX_PROMPTS) -> GenerationRequest:
+    """A /v1/completions body: `prompt` is one string, one list of token ids, or a list of at
+    most `max_prompts` of them."""
     if not isinstance(body, Mapping):
         raise APIError("the request body must be a JSON object", None)
     _check_fields(body, COMPLETION_FIELDS)
     model = _model(body, served_model)
-    text, ids = _prompt(body)
+    text, ids = _prompt(body, max_prompts)
     logprobs = body.get("logprobs")
     if logprobs not in (None, 0):
         raise APIError("logprobs must be 0 (the sampled tokens' log-probs) or null; top alternatives are not "

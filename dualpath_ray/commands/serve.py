@@ -12,8 +12,13 @@ usage.prompt_tokens_details.cached_tokens.
 
 With `--api-key KEY` (or DUALPATH_API_KEY) every route but /health needs `Authorization: Bearer
 KEY`, as OpenAI's API and vLLM's `--api-key` do; without one anyone who reaches the port can
-generate, so keep the default loopback --host or set a key. A request body over
-`--max-body-bytes` is a 413.
+generate, so keep the default loopback --host or set a key.
+
+What one client may hold is bounded (api/http_limits.py): the body (`--max-body-bytes`, 413), the
+prompts of a request (`--max-prompts`, 400), connections and requests at once
+(`--limit-concurrency`, 503), the time a request's headers (`--head-timeout-s`) and its body
+(`--body-timeout-s`) take to arrive (408, the connection closed), the headers' size
+(`--max-head-bytes`, 431) and an idle kept-alive connection (`--keep-alive-s`).
 """
 
 from __future__ import annotations
@@ -26,7 +31,8 @@ import sys
 import threading
 from pathlib import Path
 
-from dualpath_ray.api.openai_guards import API_KEY_ENV, DEFAULT_MAX_BODY_BYTES
+from dualpath_ray.api.http_limits import HttpLimits
+from dualpath_ray.api.openai_guards import API_KEY_ENV
 from dualpath_ray.config import load_config
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -45,8 +51,27 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--api-key", default=None,
                         help=f"require 'Authorization: Bearer KEY' on every route but /health (default: ${API_KEY_ENV}; "
                              "unset: no key)")
-    parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
-                        help=f"largest request body; a larger one is a 413 (default {DEFAULT_MAX_BODY_BYTES}, 8 MiB)")
+    limits = HttpLimits()
+    parser.add_argument("--max-body-bytes", type=int, default=limits.max_body_bytes,
+                        help=f"largest request body; a larger one is a 413 (default {limits.max_body_bytes}, 8 MiB)")
+    parser.add_argument("--max-prompts", type=int, default=limits.max_prompts,
+                        help="most prompts in one /v1/completions request (each is a turn of its own); more is a 400 "
+                             f"naming `prompt` (default {limits.max_prompts})")
+    parser.add_argument("--limit-concurrency", type=int, default=limits.limit_concurrency,
+                        help="most connections and requests at once; past it uvicorn answers 503 (default "
+                             f"{limits.limit_concurrency}; keep it under the process's open-files limit)")
+    parser.add_argument("--head-timeout-s", type=float, default=limits.head_timeout_s,
+                        help="a request's line and headers must arrive whole within this many seconds of the "
+                             "connection opening or of the previous response; else 408 and the connection is closed "
+                             f"(slow clients; default {limits.head_timeout_s:g})")
+    parser.add_argument("--body-timeout-s", type=float, default=limits.body_timeout_s,
+                        help="a request body must arrive whole within this many seconds of its headers; else 408 and "
+                             f"the connection is closed (default {limits.body_timeout_s:g})")
+    parser.add_argument("--keep-alive-s", type=float, default=limits.keep_alive_s,
+                        help=f"an idle kept-alive connection is closed after this many seconds (default "
+                             f"{limits.keep_alive_s:g})")
+    parser.add_argument("--max-head-bytes", type=int, default=limits.max_head_bytes,
+                        help=f"largest request line and headers; larger is a 431 (default {limits.max_head_bytes})")
     parser.add_argument("--address", default=None, help="a running Ray cluster (default: start an embedded one)")
     parser.add_argument("--replace", action="store_true",
                         help="kill actors another deployment left in runtime.namespace instead of refusing to start")
@@ -63,11 +88,18 @@ def api_key(args: argparse.Namespace) -> str | None:
     return args.api_key or os.environ.get(API_KEY_ENV) or None
 
 
+def http_limits(args: argparse.Namespace) -> HttpLimits:
+    """The HttpLimits of the flags; a bad one ends the command naming the flag."""
+    try:
+        return HttpLimits(args.max_body_bytes, args.max_prompts, args.limit_concurrency, args.head_timeout_s,
+                          args.body_timeout_s, args.keep_alive_s, args.max_head_bytes)
+    except ValueError as exc:
+        raise SystemExit(f"dualpath serve: {exc}") from None
+
+
 def _check_flags(args: argparse.Namespace) -> None:
     if not 0 <= args.port <= 65535:
         raise SystemExit(f"dualpath serve: --port must be in [0, 65535] (got {args.port})")
-    if args.max_body_bytes < 1:
-        raise SystemExit(f"dualpath serve: --max-body-bytes must be >= 1 (got {args.max_body_bytes})")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -76,6 +108,7 @@ def main(args: argparse.Namespace) -> int:
     from dualpath_ray.cluster import DualPathCluster
 
     _check_flags(args)
+    limits = http_limits(args)
     cfg = load_config(args.config)
     tokenizer = tokenizer_dir(cfg, args.tokenizer, args.skip_tokenizer_init)
     if tokenizer is not None:
@@ -89,7 +122,7 @@ def main(args: argparse.Namespace) -> int:
         cluster.deploy(replace_existing=args.replace)
         cluster.server()
         actor, url = start_openai_server(cfg, args.host, args.port, tokenizer, api_key=key,
-                                         max_body_bytes=args.max_body_bytes, skip_tokenizer_init=tokenizer is None)
+                                         limits=limits, skip_tokenizer_init=tokenizer is None)
         print(json.dumps({"url": url, "model": cfg.model.model_id, "namespace": cfg.runtime.namespace,
                           "tokenizer": str(tokenizer) if tokenizer is not None else None,
                           "api_key_required": key is not None}), flush=True)

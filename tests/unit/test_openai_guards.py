@@ -20,6 +20,7 @@ pytest.importorskip("tokenizers")
 from starlette.testclient import TestClient  # noqa: E402
 
 from dualpath_ray.api.openai_app import OpenAIEndpoint, build_app  # noqa: E402
+from dualpath_ray.api.http_limits import HttpLimits  # noqa: E402
 from dualpath_ray.api.openai_guards import ApiKey  # noqa: E402
 from dualpath_ray.api.tokenizer import HFTokenizer  # noqa: E402
 from dualpath_ray.config import parse_config  # noqa: E402
@@ -103,7 +104,7 @@ def client(tokenizer: HFTokenizer | None, api_key: ApiKey | None = None, max_bod
            server: FakeRolloutServer | None = None) -> TestClient:
     cfg = parse_config({"model": {"max_context": 256}})
     endpoint = OpenAIEndpoint(server or FakeRolloutServer(), tokenizer, cfg)
-    return TestClient(build_app(endpoint, api_key, max_body_bytes))
+    return TestClient(build_app(endpoint, api_key, HttpLimits(max_body_bytes=max_body_bytes)))
 
 
 def completion(**fields: Any) -> dict[str, Any]:
