@@ -8,8 +8,8 @@ end. A request is checked here before anything is sent, so a bad one is a 400 na
 even when streamed; a text too long for any context is refused before it is tokenized. A
 streamed request whose client goes away is aborted. A batch of prompts whose turn fails (a full
 queue's 429 among them) is aborted whole before the error is answered: the client gets no part
-of it, so no part of it keeps the cluster busy. The API key and the body's limits:
-api/openai_guards.py.
+of it, so no part of it keeps the cluster busy. The API keys and the body's limits:
+api/openai_guards.py; the tenant's and the request's cache salts: api/cache_salt.py.
 """
 
 from __future__ import annotations
@@ -20,8 +20,10 @@ import logging
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
+from dualpath_ray.api.api_keys import ApiKeys
+from dualpath_ray.api.cache_salt import combined_salt
 from dualpath_ray.api.http_limits import DEFAULT_MAX_PROMPTS, HttpLimits
-from dualpath_ray.api.openai_guards import ApiKey, BearerAuth, read_limited_body
+from dualpath_ray.api.openai_guards import TENANT_SALT, BearerAuth, read_limited_body
 from dualpath_ray.api.openai_protocol import (
     APIError,
     GenerationRequest,
@@ -59,6 +61,7 @@ class Prepared:
     request_ids: list[str]  # one per prompt
     prompts: list[list[int]]
     sampling: dict[str, Any]
+    cache_salt: str | None = None  # the tenant's and the request's, combined (api/cache_salt.py)
 
 
 class OpenAIEndpoint:
@@ -77,7 +80,8 @@ class OpenAIEndpoint:
 
     # --- request preparation ----------------------------------------------------------------
 
-    def prepare(self, body: Any, chat: bool) -> Prepared:
+    def prepare(self, body: Any, chat: bool, tenant_salt: str | None = None) -> Prepared:
+        """The checked request of `body`, from the tenant of `tenant_salt` (None: the only one)."""
         if chat:
             request, messages = parse_chat(body, self.model)
             prompts = [self._chat_prompt(messages)]
@@ -100,7 +104,8 @@ class OpenAIEndpoint:
                 validate_prompt(rid, prompt_ids, parsed.params.max_new_tokens, self.cfg.model)
         except RequestError as exc:
             raise APIError(str(exc), prompt_field if exc.field == "prompt" else exc.field) from None
-        return Prepared(request, request_id, request_ids, prompts, sampling)
+        return Prepared(request, request_id, request_ids, prompts, sampling,
+                        combined_salt(tenant_salt, request.cache_salt))
 
     def _token_prompts(self, prompts: tuple[tuple[int, ...], ...]) -> list[list[int]]:
         limit = self.cfg.model.max_context
@@ -158,6 +163,7 @@ class OpenAIEndpoint:
         request = prepared.request
         turns = [asyncio.ensure_future(self.server.generate.remote(
             rid, prompt_ids, prepared.sampling, request.session_id, request.expect_next_turn_s,
+            cache_salt=prepared.cache_salt,
         )) for rid, prompt_ids in zip(prepared.request_ids, prepared.prompts)]
         await asyncio.wait(turns, return_when=asyncio.FIRST_EXCEPTION)
         failed = [turn.exception() for turn in turns if turn.done() and turn.exception() is not None]
@@ -206,7 +212,8 @@ class OpenAIEndpoint:
             if request.chat:
                 yield _event(response_object(request, rid, "", None, None, None, chunk=True, first=True))
             generator = self.server.generate_stream.remote(
-                rid, prompt_ids, prepared.sampling, request.session_id, request.expect_next_turn_s
+                rid, prompt_ids, prepared.sampling, request.session_id, request.expect_next_turn_s,
+                cache_salt=prepared.cache_salt,
             )
             async for ref in generator:
                 item = await ref
@@ -252,10 +259,10 @@ def queue_full_error(exc: BaseException) -> APIError | None:
     )
 
 
-def build_app(endpoint: OpenAIEndpoint, api_key: ApiKey | None = None, limits: HttpLimits = HttpLimits()) -> Any:
-    """The Starlette application of an endpoint: with `api_key`, every route but /health needs
-    it (api/openai_guards.py); a body over limits.max_body_bytes is a 413 before it is parsed,
-    and one not arrived whole within limits.body_timeout_s is a 408."""
+def build_app(endpoint: OpenAIEndpoint, api_keys: ApiKeys | None = None, limits: HttpLimits = HttpLimits()) -> Any:
+    """The Starlette application of an endpoint: with `api_keys`, every route but /health needs
+    one of them (api/openai_guards.py); a body over limits.max_body_bytes is a 413 before it is
+    parsed, and one not arrived whole within limits.body_timeout_s is a 408."""
     from starlette.applications import Starlette
     from starlette.middleware import Middleware
     from starlette.requests import Request
@@ -276,7 +283,7 @@ def build_app(endpoint: OpenAIEndpoint, api_key: ApiKey | None = None, limits: H
         except ValueError:
             return error(APIError("the request body is not valid JSON", None))
         try:
-            prepared = endpoint.prepare(body, chat)
+            prepared = endpoint.prepare(body, chat, getattr(request.state, TENANT_SALT, None))
             if prepared.request.stream:
                 return StreamingResponse(endpoint.stream(prepared), media_type="text/event-stream")
             return JSONResponse(await endpoint.respond(prepared))
@@ -304,4 +311,4 @@ def build_app(endpoint: OpenAIEndpoint, api_key: ApiKey | None = None, limits: H
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
-    ], middleware=[Middleware(BearerAuth, key=api_key)] if api_key is not None else [])
+    ], middleware=[Middleware(BearerAuth, keys=api_keys)] if api_keys is not None else [])
