@@ -11,30 +11,14 @@ Two sources combine into the salt the rollout-server gets:
   e.g. per end user. Within a tenant, requests with the same `cache_salt` share.
 The combination is a SHA-256 digest of both (unambiguous: a tenant cannot pick a `cache_salt`
 that reproduces another tenant's salt), so neither the tenant nor the client's string travels on.
+The rollout-server checks a salt and salts the namespace with it (api/validation.py
+`check_cache_salt`, `salt_namespace`), as it checks every other argument of a turn.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-
-from dualpath_ray.api.validation import RequestError
-
-# Long enough for any random token (vLLM suggests 43 base64 characters, 256 bits).
-MAX_CACHE_SALT_CHARS = 1024
-
-
-def check_cache_salt(value: object, field: str = "cache_salt") -> str | None:
-    """A `cache_salt` as sent: None (no salt) or a non-empty string of at most MAX_CACHE_SALT_CHARS."""
-    if value is None:
-        return None
-    if not isinstance(value, str) or not value or len(value) > MAX_CACHE_SALT_CHARS:
-        shown = value[:40] + "..." if isinstance(value, str) and len(value) > 40 else value
-        raise RequestError(
-            f"{field} must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters, or left out "
-            f"(got {shown!r}); requests with the same {field} share cached prefixes, others never do", field,
-        )
-    return value
 
 
 def combined_salt(tenant_salt: str | None, request_salt: str | None) -> str | None:

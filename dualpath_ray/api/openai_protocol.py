@@ -19,10 +19,9 @@ import time
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from dualpath_ray.api.cache_salt import check_cache_salt
 from dualpath_ray.api.http_limits import DEFAULT_MAX_PROMPTS
 from dualpath_ray.api.sessions import check_session_id
-from dualpath_ray.api.validation import RequestError, validate_next_turn_hint
+from dualpath_ray.api.validation import RequestError, check_cache_salt, validate_next_turn_hint
 
 # Fields accepted only at the value that means "off".
 _NEUTRAL = {

@@ -28,14 +28,12 @@ from typing import Any, AsyncIterator, Mapping, Sequence
 import ray
 from pydantic import BaseModel
 
-from dualpath_ray.api.cache_salt import check_cache_salt
 from dualpath_ray.api.client import SchedulerClient
 from dualpath_ray.api.server_record import ServerRecord
 from dualpath_ray.api.sessions import SessionIds, check_session_id, session_prefix
-from dualpath_ray.api.validation import RequestError, make_spec, parse_sampling_request, validate_prompt
+from dualpath_ray.api.validation import RequestError, make_spec, parse_sampling_request, salt_namespace, validate_prompt
 from dualpath_ray.api.verl_server import VerlServerControl
 from dualpath_ray.config import DualPathConfig
-from dualpath_ray.kv.index import salted_namespace
 from dualpath_ray.protocol.messages import RequestSpec, StreamDelta, TurnResult, aborted_result
 from dualpath_ray.protocol.names import ROLLOUT_SERVER, SCHEDULER
 from dualpath_ray.runtime.deploy.kept_state import KeptState
@@ -130,17 +128,15 @@ class RolloutServer:
         self, request_id: str, prompt_ids: Sequence[int], sampling_params: Mapping[str, Any] | None,
         session_id: str | None, expect_next_turn_s: float | None = None, cache_salt: str | None = None,
     ) -> tuple[RequestSpec, bool]:
-        """The scheduler's spec of one turn, and whether log-probs were asked for. A `cache_salt`
-        keys its blocks apart from every other salt's (api/cache_salt.py)."""
+        """The scheduler's spec of one turn, and whether log-probs were asked for."""
         if not isinstance(request_id, str) or not request_id:
             raise RequestError(f"request_id must be a non-empty string (got {request_id!r})", "request_id")
         parsed = parse_sampling_request(request_id, sampling_params, self.cfg.runtime.max_new_tokens)
         prompt = validate_prompt(request_id, prompt_ids, parsed.params.max_new_tokens, self.cfg.model)
-        salt = check_cache_salt(cache_salt)  # before a session's turn is counted
+        namespace = salt_namespace(self.cfg.kv_namespace(self.weight_version), cache_salt)  # a bad salt counts no turn
         if request_id in self.in_flight:
             raise RequestError(f"request {request_id} is already in flight; request ids must be unique", "request_id")
         scheduler_id = self.sessions.next_turn(check_session_id(session_id)) if session_id is not None else request_id
-        namespace = salted_namespace(self.cfg.kv_namespace(self.weight_version), salt)
         try:
             spec = make_spec(scheduler_id, prompt, parsed.params, namespace, expect_next_turn_s=expect_next_turn_s)
         except ValueError as exc:

@@ -20,7 +20,7 @@ pytest.importorskip("tokenizers")
 from starlette.testclient import TestClient  # noqa: E402
 
 from dualpath_ray.api.api_keys import ApiKeys  # noqa: E402
-from dualpath_ray.api.cache_salt import MAX_CACHE_SALT_CHARS  # noqa: E402
+from dualpath_ray.api.validation import MAX_CACHE_SALT_CHARS  # noqa: E402
 from dualpath_ray.api.openai_app import OpenAIEndpoint, build_app  # noqa: E402
 from dualpath_ray.api.server import RolloutServer  # noqa: E402
 from dualpath_ray.api.sessions import SessionIds  # noqa: E402
