@@ -31,7 +31,9 @@ from pydantic import BaseModel
 from dualpath_ray.api.client import SchedulerClient
 from dualpath_ray.api.server_record import ServerRecord
 from dualpath_ray.api.sessions import SessionIds, check_session_id, session_prefix
-from dualpath_ray.api.validation import RequestError, make_spec, parse_sampling_request, salt_namespace, validate_prompt
+from dualpath_ray.api.validation import (
+    RequestError, check_verl_kwargs, make_spec, parse_sampling_request, salt_namespace, validate_prompt,
+)
 from dualpath_ray.api.verl_server import VerlServerControl
 from dualpath_ray.config import DualPathConfig
 from dualpath_ray.protocol.messages import RequestSpec, StreamDelta, TurnResult, aborted_result
@@ -41,9 +43,6 @@ from dualpath_ray.runtime.engine.restarts import was_restarted
 from dualpath_ray.scheduling.types import StopReason
 
 SERVER_NAME = ROLLOUT_SERVER
-# verl's generate passes these; a value other than None means multimodal input, which the
-# decoder here does not take.
-_MULTIMODAL_KWARGS = ("image_data", "video_data", "audio_data", "mm_processor_kwargs")
 # How often a restarted server asks again to submit a turn its dead incarnation left in flight.
 INHERITED_TURN_POLL_S = 0.2
 
@@ -159,17 +158,6 @@ class RolloutServer:
             },
         )
 
-    @staticmethod
-    def _check_kwargs(request_id: str, kwargs: Mapping[str, Any]) -> None:
-        multimodal = [k for k in _MULTIMODAL_KWARGS if kwargs.get(k) is not None]
-        unknown = sorted(set(kwargs) - set(_MULTIMODAL_KWARGS) - {"priority"})
-        if multimodal or unknown:
-            name = (multimodal or unknown)[0]
-            raise RequestError(
-                f"request {request_id}: {name} is not supported (text-only decoder; known arguments: "
-                "request_id, prompt_ids, sampling_params, session_id, expect_next_turn_s, cache_salt)", name,
-            )
-
     async def generate(
         self, request_id: str, prompt_ids: Sequence[int], sampling_params: Mapping[str, Any] | None = None,
         session_id: str | None = None, expect_next_turn_s: float | None = None, cache_salt: str | None = None,
@@ -180,7 +168,7 @@ class RolloutServer:
         turn comes about that many seconds after this one ends (an agent's tool call), and its KV is
         staged meanwhile (scheduling/staging.py); `cache_salt` shares cached prefixes only with turns of
         the same salt; verl's keyword arguments (`image_data`, ..., `priority`) are accepted when empty."""
-        self._check_kwargs(request_id, kwargs)
+        check_verl_kwargs(request_id, kwargs)
         spec, want_log_probs = self._prepare(request_id, prompt_ids, sampling_params, session_id, expect_next_turn_s,
                                              cache_salt)
         try:
