@@ -6,8 +6,10 @@ serves token ids only (vLLM's --skip-tokenizer-init). Generation goes to the `ro
 actor, so a request here shares the weight version, sessions and aborts with every other front
 end. A request is checked here before anything is sent, so a bad one is a 400 naming its field
 even when streamed; a text too long for any context is refused before it is tokenized. A
-streamed request whose client goes away is aborted. The API key and the body limit:
-api/openai_guards.py.
+streamed request whose client goes away is aborted. A batch of prompts whose turn fails (a full
+queue's 429 among them) is aborted whole before the error is answered: the client gets no part
+of it, so no part of it keeps the cluster busy. The API keys and the body's limits:
+api/openai_guards.py; the tenant's and the request's cache salts: api/cache_salt.py.
 """
 
 from __future__ import annotations
@@ -18,7 +20,10 @@ import logging
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
-from dualpath_ray.api.openai_guards import DEFAULT_MAX_BODY_BYTES, ApiKey, BearerAuth, read_limited_body
+from dualpath_ray.api.api_keys import ApiKeys
+from dualpath_ray.api.cache_salt import combined_salt
+from dualpath_ray.api.http_limits import DEFAULT_MAX_PROMPTS, HttpLimits
+from dualpath_ray.api.openai_guards import TENANT_SALT, BearerAuth, read_limited_body
 from dualpath_ray.api.openai_protocol import (
     APIError,
     GenerationRequest,
@@ -48,40 +53,46 @@ RETRY_AFTER_S = 1
 @dataclass
 class Prepared:
     """A checked request with its prompts' ids and the sampling the rollout-server gets: one
-    prompt, or (a completions batch of token-id lists) several, each its own request id."""
+    prompt, or (a completions batch of token-id lists) several, each its own request id
+    "<request_id>/<i>": a batch shares the prefix the rollout-server aborts as one session's."""
 
     request: GenerationRequest
     request_id: str  # the response's id
     request_ids: list[str]  # one per prompt
     prompts: list[list[int]]
     sampling: dict[str, Any]
+    cache_salt: str | None = None  # the tenant's and the request's, combined (api/cache_salt.py)
 
 
 class OpenAIEndpoint:
     """The handlers, over a rollout-server handle and a tokenizer; without a tokenizer (None)
     the endpoint serves token ids only: text prompts are a 400 naming the missing tokenizer,
-    and every choice carries its token ids."""
+    and every choice carries its token ids. A completions request holds at most `max_prompts`
+    prompts."""
 
-    def __init__(self, server: Any, tokenizer: HFTokenizer | None, cfg: DualPathConfig) -> None:
+    def __init__(self, server: Any, tokenizer: HFTokenizer | None, cfg: DualPathConfig,
+                 max_prompts: int = DEFAULT_MAX_PROMPTS) -> None:
         self.server = server
         self.tokenizer = tokenizer
         self.cfg = cfg
         self.model = cfg.model.model_id
+        self.max_prompts = max_prompts
 
     # --- request preparation ----------------------------------------------------------------
 
-    def prepare(self, body: Any, chat: bool) -> Prepared:
+    def prepare(self, body: Any, chat: bool, tenant_salt: str | None = None) -> Prepared:
+        """The checked request of `body`, from the tenant of `tenant_salt` (None: the only one)."""
         if chat:
             request, messages = parse_chat(body, self.model)
             prompts = [self._chat_prompt(messages)]
         else:
-            request = parse_completion(body, self.model)
+            request = parse_completion(body, self.model, self.max_prompts)
             if request.prompt_ids is not None:
                 prompts = self._token_prompts(request.prompt_ids)
             else:
                 prompts = [self._text_prompt(request.prompt_text or "")]
         request_id = SessionIds.fresh("chatcmpl" if chat else "cmpl")
-        request_ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
+        request_ids = [request_id] if len(prompts) == 1 else [f"{request_id}/{i}" for i in range(len(prompts))]
         sampling = dict(request.sampling)
         eos = self.tokenizer.stop_token_ids if self.tokenizer is not None else ()
         sampling["stop_token_ids"] = sorted(set(sampling["stop_token_ids"]) | set(eos))
@@ -93,7 +104,8 @@ class OpenAIEndpoint:
                 validate_prompt(rid, prompt_ids, parsed.params.max_new_tokens, self.cfg.model)
         except RequestError as exc:
             raise APIError(str(exc), prompt_field if exc.field == "prompt" else exc.field) from None
-        return Prepared(request, request_id, request_ids, prompts, sampling)
+        return Prepared(request, request_id, request_ids, prompts, sampling,
+                        combined_salt(tenant_salt, request.cache_salt))
 
     def _token_prompts(self, prompts: tuple[tuple[int, ...], ...]) -> list[list[int]]:
         limit = self.cfg.model.max_context
@@ -149,19 +161,33 @@ class OpenAIEndpoint:
 
     async def respond(self, prepared: Prepared) -> dict[str, Any]:
         request = prepared.request
-        try:
-            outs = await asyncio.gather(*(
-                self.server.generate.remote(rid, prompt_ids, prepared.sampling, request.session_id,
-                                            request.expect_next_turn_s)
-                for rid, prompt_ids in zip(prepared.request_ids, prepared.prompts)
-            ))
-        except Exception as exc:  # noqa: BLE001 - only a full queue becomes the client's to retry
-            refused = queue_full_error(exc)
+        turns = [asyncio.ensure_future(self.server.generate.remote(
+            rid, prompt_ids, prepared.sampling, request.session_id, request.expect_next_turn_s,
+            cache_salt=prepared.cache_salt,
+        )) for rid, prompt_ids in zip(prepared.request_ids, prepared.prompts)]
+        await asyncio.wait(turns, return_when=asyncio.FIRST_EXCEPTION)
+        failed = [turn.exception() for turn in turns if turn.done() and turn.exception() is not None]
+        if failed:
+            if len(turns) > 1:
+                await self._abort_batch(prepared.request_id, turns)
+            # Only a full queue becomes the client's to retry; any other failure is the server's.
+            refused = next((e for e in map(queue_full_error, failed) if e is not None), None)
             if refused is None:
-                raise
+                raise failed[0]
             raise refused from None
-        parts = [self._whole(prepared, prompt_ids, out) for prompt_ids, out in zip(prepared.prompts, outs)]
+        parts = [self._whole(prepared, prompt_ids, turn.result()) for prompt_ids, turn in zip(prepared.prompts, turns)]
         return parts[0] if len(parts) == 1 else batch_response(parts)
+
+    async def _abort_batch(self, request_id: str, turns: list[asyncio.Future[Any]]) -> None:
+        """Abort every turn of a batch one of whose turns failed, and wait until none runs: the
+        client gets an error, never these turns' outputs. The batch's ids share the prefix of
+        a session named `request_id`, whose abort also refuses a turn not yet submitted; the
+        mark is cleared once every turn ended, as no later turn has that prefix."""
+        try:
+            await self.server.abort_session.remote(request_id)
+        finally:
+            await asyncio.gather(*turns, return_exceptions=True)
+        await self.server.resume_session.remote(request_id)
 
     def _whole(self, prepared: Prepared, prompt_ids: list[int], out: Any) -> dict[str, Any]:
         request, fields, ids = prepared.request, out.extra_fields, self._returns_ids(prepared.request)
@@ -186,7 +212,8 @@ class OpenAIEndpoint:
             if request.chat:
                 yield _event(response_object(request, rid, "", None, None, None, chunk=True, first=True))
             generator = self.server.generate_stream.remote(
-                rid, prompt_ids, prepared.sampling, request.session_id, request.expect_next_turn_s
+                rid, prompt_ids, prepared.sampling, request.session_id, request.expect_next_turn_s,
+                cache_salt=prepared.cache_salt,
             )
             async for ref in generator:
                 item = await ref
@@ -232,10 +259,10 @@ def queue_full_error(exc: BaseException) -> APIError | None:
     )
 
 
-def build_app(endpoint: OpenAIEndpoint, api_key: ApiKey | None = None,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> Any:
-    """The Starlette application of an endpoint: with `api_key`, every route but /health needs
-    it (api/openai_guards.py); a body over `max_body_bytes` is a 413 before it is parsed."""
+def build_app(endpoint: OpenAIEndpoint, api_keys: ApiKeys | None = None, limits: HttpLimits = HttpLimits()) -> Any:
+    """The Starlette application of an endpoint: with `api_keys`, every route but /health needs
+    one of them (api/openai_guards.py); a body over limits.max_body_bytes is a 413 before it is
+    parsed, and one not arrived whole within limits.body_timeout_s is a 408."""
     from starlette.applications import Starlette
     from starlette.middleware import Middleware
     from starlette.requests import Request
@@ -243,18 +270,20 @@ def build_app(endpoint: OpenAIEndpoint, api_key: ApiKey | None = None,
     from starlette.routing import Route
 
     def error(exc: APIError) -> Response:
-        headers = {"Retry-After": str(RETRY_AFTER_S)} if exc.status == 429 else None
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if exc.status == 429 else {}
+        if exc.status in (408, 413):
+            headers["Connection"] = "close"  # the body's rest is never read: the connection is done
         return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
     async def generate(request: Request, chat: bool) -> Response:
         try:
-            body = json.loads(await read_limited_body(request, max_body_bytes))
+            body = json.loads(await read_limited_body(request, limits.max_body_bytes, limits.body_timeout_s))
         except APIError as exc:
             return error(exc)
         except ValueError:
             return error(APIError("the request body is not valid JSON", None))
         try:
-            prepared = endpoint.prepare(body, chat)
+            prepared = endpoint.prepare(body, chat, getattr(request.state, TENANT_SALT, None))
             if prepared.request.stream:
                 return StreamingResponse(endpoint.stream(prepared), media_type="text/event-stream")
             return JSONResponse(await endpoint.respond(prepared))
@@ -282,4 +311,4 @@ def build_app(endpoint: OpenAIEndpoint, api_key: ApiKey | None = None,
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
-    ], middleware=[Middleware(BearerAuth, key=api_key)] if api_key is not None else [])
+    ], middleware=[Middleware(BearerAuth, keys=api_keys)] if api_keys is not None else [])

@@ -8,6 +8,9 @@ list of token ids, or a list of token-id lists (one choice each, not streamed, n
 `session_id` (or OpenAI's `conversation_id`) puts the request on its conversation's request ids
 (api/sessions.py). `return_token_ids` (vLLM's field) adds `token_ids` (the generated ids) and, on
 a whole response, `prompt_token_ids` to every choice; a server without a tokenizer always does.
+`cache_salt` (vLLM's field) keeps the request's cached prefixes apart from those of requests with
+another salt (api/cache_salt.py). A completions batch holds at most `max_prompts` prompts (the
+endpoint's --max-prompts): each prompt is a turn of its own on the cluster.
 """
 
 from __future__ import annotations
@@ -16,8 +19,9 @@ import time
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
+from dualpath_ray.api.http_limits import DEFAULT_MAX_PROMPTS
 from dualpath_ray.api.sessions import check_session_id
-from dualpath_ray.api.validation import validate_next_turn_hint
+from dualpath_ray.api.validation import RequestError, check_cache_salt, validate_next_turn_hint
 
 # Fields accepted only at the value that means "off".
 _NEUTRAL = {
@@ -28,7 +32,7 @@ _NEUTRAL = {
 }
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stream", "stream_options", "user", "metadata",
            "store", "session_id", "conversation_id", "stop_token_ids", "return_token_ids", "expect_next_turn_s",
-           *_NEUTRAL}
+           "cache_salt", *_NEUTRAL}
 COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs"}
 CHAT_FIELDS = _COMMON | {"messages", "logprobs", "max_completion_tokens", "response_format"}
 ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -66,6 +70,7 @@ class GenerationRequest:
     # The caller's hint that the session sends its next turn about this many seconds after this
     # one ends (its tool runs meanwhile): the next turn's KV is staged (scheduling/staging.py).
     expect_next_turn_s: float | None = None
+    cache_salt: str | None = None  # the request's own salt (the tenant's is added by the endpoint)
 
 
 def _number(body: Mapping[str, Any], key: str, default: float, low: float, high: float) -> float:
@@ -115,6 +120,13 @@ def _next_turn_hint(body: Mapping[str, Any]) -> float | None:
         raise APIError(str(exc), "expect_next_turn_s") from None
 
 
+def _cache_salt(body: Mapping[str, Any]) -> str | None:
+    try:
+        return check_cache_salt(body.get("cache_salt"))
+    except RequestError as exc:
+        raise APIError(str(exc), "cache_salt") from None
+
+
 def _stream_usage(body: Mapping[str, Any]) -> bool:
     options = body.get("stream_options")
     if options is None:
@@ -149,13 +161,18 @@ def _is_token_list(value: Any) -> bool:
     return isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
 
 
-def _prompt(body: Mapping[str, Any]) -> tuple[str | None, tuple[tuple[int, ...], ...] | None]:
-    """A completions prompt: (text, None) or (None, token-id prompts)."""
+def _prompt(body: Mapping[str, Any], max_prompts: int) -> tuple[str | None, tuple[tuple[int, ...], ...] | None]:
+    """A completions prompt: (text, None) or (None, token-id prompts). The count of a batch is
+    checked before any of its prompts is looked at."""
     prompt = body.get("prompt")
     if isinstance(prompt, str) and prompt:
         return prompt, None
     if _is_token_list(prompt):
         return None, (tuple(prompt),)
+    if isinstance(prompt, list) and len(prompt) > max_prompts:
+        raise APIError(f"prompt holds {len(prompt)} prompts, over this server's limit of {max_prompts} per request "
+                       "(each is a turn of its own); send them in several requests, or restart `dualpath serve` "
+                       "with a larger --max-prompts", "prompt")
     if isinstance(prompt, list) and prompt and all(_is_token_list(p) for p in prompt):
         if len(prompt) > 1 and body.get("stream"):
             raise APIError("a streamed request takes one prompt; send each token-id list as its own request", "stream")
@@ -173,13 +190,14 @@ def _flag(body: Mapping[str, Any], key: str) -> bool:
     return bool(value)
 
 
-def parse_completion(body: Any, served_model: str) -> GenerationRequest:
-    """A /v1/completions body: `prompt` is one string, one list of token ids, or a list of them."""
+def parse_completion(body: Any, served_model: str, max_prompts: int = DEFAULT_MAX_PROMPTS) -> GenerationRequest:
+    """A /v1/completions body: `prompt` is one string, one list of token ids, or a list of at
+    most `max_prompts` of them."""
     if not isinstance(body, Mapping):
         raise APIError("the request body must be a JSON object", None)
     _check_fields(body, COMPLETION_FIELDS)
     model = _model(body, served_model)
-    text, ids = _prompt(body)
+    text, ids = _prompt(body, max_prompts)
     logprobs = body.get("logprobs")
     if logprobs not in (None, 0):
         raise APIError("logprobs must be 0 (the sampled tokens' log-probs) or null; top alternatives are not "
@@ -187,7 +205,7 @@ def parse_completion(body: Any, served_model: str) -> GenerationRequest:
     max_tokens = _int_or_none(body, "max_tokens", 1)
     return GenerationRequest(False, model, text, ids, _sampling(body, 16 if max_tokens is None else max_tokens),
                              bool(body.get("stream", False)), _stream_usage(body), _session(body), logprobs == 0,
-                             _flag(body, "return_token_ids"), _next_turn_hint(body))
+                             _flag(body, "return_token_ids"), _next_turn_hint(body), _cache_salt(body))
 
 
 def _message_text(message: Any, index: int) -> dict[str, str]:
@@ -224,7 +242,7 @@ def parse_chat(body: Any, served_model: str) -> tuple[GenerationRequest, list[di
     max_tokens = _int_or_none(body, key, 1)
     request = GenerationRequest(True, model, "", None, _sampling(body, max_tokens), bool(body.get("stream", False)),
                                 _stream_usage(body), _session(body), bool(body.get("logprobs")),
-                                _flag(body, "return_token_ids"), _next_turn_hint(body))
+                                _flag(body, "return_token_ids"), _next_turn_hint(body), _cache_salt(body))
     return request, texts
 
 

@@ -2,8 +2,10 @@
 event loop, on the node of the process that starts it (so `--host 127.0.0.1` means that machine).
 
 It tells the `rollout-server` where it listens, which is what a verl replica reports as its
-`server_address`. Without tokenizer files it serves token ids only (api/openai_app.py); with an
-API key only the key's digest reaches the actor (api/openai_guards.py).
+`server_address`. Without tokenizer files it serves token ids only (api/openai_app.py); with API
+keys only their digests reach the actor (api/api_keys.py). What a client may hold of it (body,
+prompts, connections, the time a head or a body takes to arrive) is bounded by its HttpLimits
+(api/http_limits.py, applied by api/http_server.py and api/openai_guards.py).
 
 Ray restarts it when its process dies (runtime.front_end_max_restarts): the new incarnation
 listens again on the address the dead one bound (kept in its record, runtime/deploy/kept_state.py),
@@ -20,8 +22,10 @@ from typing import Any
 
 import ray
 
+from dualpath_ray.api.api_keys import ApiKeys
+from dualpath_ray.api.http_limits import HttpLimits
+from dualpath_ray.api.http_server import uvicorn_config
 from dualpath_ray.api.openai_app import OpenAIEndpoint, build_app
-from dualpath_ray.api.openai_guards import DEFAULT_MAX_BODY_BYTES, ApiKey
 from dualpath_ray.api.server import SERVER_NAME
 from dualpath_ray.api.tokenizer import TOKENIZER_FILE, HFTokenizer, TokenizerError
 from dualpath_ray.config import DualPathConfig
@@ -50,12 +54,12 @@ def tokenizer_dir(cfg: DualPathConfig, override: str | Path | None, skip: bool =
 
 @ray.remote(num_cpus=0, max_concurrency=1024)
 class OpenAIServer:
-    def __init__(self, cfg: DualPathConfig, tokenizer_path: str | None, api_key: ApiKey | None = None,
-                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+    def __init__(self, cfg: DualPathConfig, tokenizer_path: str | None, api_keys: ApiKeys | None = None,
+                 limits: HttpLimits = HttpLimits()) -> None:
         self.cfg = cfg
         self.tokenizer = HFTokenizer.from_dir(tokenizer_path, cfg.model.vocab_size) if tokenizer_path else None
-        self.api_key = api_key
-        self.max_body_bytes = max_body_bytes
+        self.api_keys = api_keys
+        self.limits = limits
         self.rollout_server = ray.get_actor(SERVER_NAME, namespace=cfg.runtime.namespace)
         self.uvicorn: Any = None
         self.task: asyncio.Task[None] | None = None
@@ -83,8 +87,9 @@ class OpenAIServer:
     async def _listen(self, host: str, port: int) -> tuple[str, int]:
         import uvicorn
 
-        app = build_app(OpenAIEndpoint(self.rollout_server, self.tokenizer, self.cfg), self.api_key, self.max_body_bytes)
-        self.uvicorn = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off"))
+        endpoint = OpenAIEndpoint(self.rollout_server, self.tokenizer, self.cfg, self.limits.max_prompts)
+        app = build_app(endpoint, self.api_keys, self.limits)
+        self.uvicorn = uvicorn.Server(uvicorn_config(app, host, port, self.limits))
         self.task = asyncio.get_running_loop().create_task(self.uvicorn.serve())
         deadline = asyncio.get_running_loop().time() + START_TIMEOUT_S
         while not self.uvicorn.started:
@@ -105,21 +110,21 @@ class OpenAIServer:
 
 
 def start_openai_server(cfg: DualPathConfig, host: str = "127.0.0.1", port: int = 8000,
-                        tokenizer: str | Path | None = None, *, api_key: str | None = None,
-                        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-                        skip_tokenizer_init: bool = False) -> tuple[Any, str]:
+                        tokenizer: str | Path | None = None, *, api_keys: list[str] | tuple[str, ...] = (),
+                        limits: HttpLimits = HttpLimits(), skip_tokenizer_init: bool = False) -> tuple[Any, str]:
     """Start the endpoint for a deployment whose rollout-server runs (`DualPathCluster.server()`);
-    returns the actor and its base URL (http://host:port/v1). `api_key` None: no key needed."""
+    returns the actor and its base URL (http://host:port/v1). `api_keys` empty: no key needed;
+    several: each key is a tenant, and tenants never share cached prefixes (api/cache_salt.py)."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     path = tokenizer_dir(cfg, tokenizer, skip_tokenizer_init)
     if path is not None:
         HFTokenizer.from_dir(path, cfg.model.vocab_size)  # a bad tokenizer is an error here, not in the actor
-    key = ApiKey.of(api_key) if api_key is not None else None
+    keys = ApiKeys.of(api_keys) if api_keys else None
     here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
     # Restarted on this node (the strategy is hard), so the address it listens on stays valid.
     actor = OpenAIServer.options(**front_end_options(cfg, OPENAI_SERVER_NAME), scheduling_strategy=here).remote(
-        cfg, str(path) if path is not None else None, key, max_body_bytes
+        cfg, str(path) if path is not None else None, keys, limits
     )
     bound_host, bound_port = ray.get(actor.start.remote(host, port))
     return actor, f"http://{bound_host}:{bound_port}/v1"

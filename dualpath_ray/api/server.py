@@ -31,7 +31,9 @@ from pydantic import BaseModel
 from dualpath_ray.api.client import SchedulerClient
 from dualpath_ray.api.server_record import ServerRecord
 from dualpath_ray.api.sessions import SessionIds, check_session_id, session_prefix
-from dualpath_ray.api.validation import RequestError, make_spec, parse_sampling_request, validate_prompt
+from dualpath_ray.api.validation import (
+    RequestError, check_verl_kwargs, make_spec, parse_sampling_request, salt_namespace, validate_prompt,
+)
 from dualpath_ray.api.verl_server import VerlServerControl
 from dualpath_ray.config import DualPathConfig
 from dualpath_ray.protocol.messages import RequestSpec, StreamDelta, TurnResult, aborted_result
@@ -43,9 +45,6 @@ from dualpath_ray.runtime.engine.restarts import was_restarted
 from dualpath_ray.scheduling.types import StopReason
 
 SERVER_NAME = ROLLOUT_SERVER
-# verl's generate passes these; a value other than None means multimodal input, which the
-# decoder here does not take.
-_MULTIMODAL_KWARGS = ("image_data", "video_data", "audio_data", "mm_processor_kwargs")
 # How often a restarted server asks again to submit a turn its dead incarnation left in flight.
 INHERITED_TURN_POLL_S = 0.2
 
@@ -133,17 +132,17 @@ class RolloutServer:
 
     def _prepare(
         self, request_id: str, prompt_ids: Sequence[int], sampling_params: Mapping[str, Any] | None,
-        session_id: str | None, expect_next_turn_s: float | None = None,
+        session_id: str | None, expect_next_turn_s: float | None = None, cache_salt: str | None = None,
     ) -> tuple[RequestSpec, bool]:
         """The scheduler's spec of one turn, and whether log-probs were asked for."""
         if not isinstance(request_id, str) or not request_id:
             raise RequestError(f"request_id must be a non-empty string (got {request_id!r})", "request_id")
         parsed = parse_sampling_request(request_id, sampling_params, self.cfg.runtime.max_new_tokens)
         prompt = validate_prompt(request_id, prompt_ids, parsed.params.max_new_tokens, self.cfg.model)
+        namespace = salt_namespace(self.cfg.kv_namespace(self.weight_version), cache_salt)  # a bad salt counts no turn
         if request_id in self.in_flight:
             raise RequestError(f"request {request_id} is already in flight; request ids must be unique", "request_id")
         scheduler_id = self.sessions.next_turn(check_session_id(session_id)) if session_id is not None else request_id
-        namespace = self.cfg.kv_namespace(self.weight_version)
         try:
             spec = make_spec(scheduler_id, prompt, parsed.params, namespace, expect_next_turn_s=expect_next_turn_s)
         except ValueError as exc:
@@ -166,28 +165,19 @@ class RolloutServer:
             },
         )
 
-    @staticmethod
-    def _check_kwargs(request_id: str, kwargs: Mapping[str, Any]) -> None:
-        multimodal = [k for k in _MULTIMODAL_KWARGS if kwargs.get(k) is not None]
-        unknown = sorted(set(kwargs) - set(_MULTIMODAL_KWARGS) - {"priority"})
-        if multimodal or unknown:
-            name = (multimodal or unknown)[0]
-            raise RequestError(
-                f"request {request_id}: {name} is not supported (text-only decoder; known arguments: "
-                "request_id, prompt_ids, sampling_params, session_id, expect_next_turn_s)", name,
-            )
-
     async def generate(
         self, request_id: str, prompt_ids: Sequence[int], sampling_params: Mapping[str, Any] | None = None,
-        session_id: str | None = None, expect_next_turn_s: float | None = None, **kwargs: Any,
+        session_id: str | None = None, expect_next_turn_s: float | None = None, cache_salt: str | None = None,
+        **kwargs: Any,
     ) -> TokenOutput:
         """One turn. `session_id` puts it on its conversation's request ids ("<session>/t<k>"), so
         `abort_session` stops the conversation; `expect_next_turn_s` hints that the session's next
         turn comes about that many seconds after this one ends (an agent's tool call), and its KV is
-        staged meanwhile (scheduling/staging.py); verl's keyword arguments (`image_data`, ...,
-        `priority`) are accepted when empty."""
-        self._check_kwargs(request_id, kwargs)
-        spec, want_log_probs = self._prepare(request_id, prompt_ids, sampling_params, session_id, expect_next_turn_s)
+        staged meanwhile (scheduling/staging.py); `cache_salt` shares cached prefixes only with turns of
+        the same salt; verl's keyword arguments (`image_data`, ..., `priority`) are accepted when empty."""
+        check_verl_kwargs(request_id, kwargs)
+        spec, want_log_probs = self._prepare(request_id, prompt_ids, sampling_params, session_id, expect_next_turn_s,
+                                             cache_salt)
         try:
             if not await self.verl.admit():
                 return self._token_output(aborted_result(spec), want_log_probs)
@@ -218,11 +208,12 @@ class RolloutServer:
 
     async def generate_stream(
         self, request_id: str, prompt_ids: Sequence[int], sampling_params: Mapping[str, Any] | None = None,
-        session_id: str | None = None, expect_next_turn_s: float | None = None,
+        session_id: str | None = None, expect_next_turn_s: float | None = None, cache_salt: str | None = None,
     ) -> AsyncIterator[StreamDelta | TokenOutput]:
         """`generate`, streamed (a Ray streaming generator): StreamDeltas in order, no token
         twice, then the TokenOutput of the whole turn."""
-        spec, want_log_probs = self._prepare(request_id, prompt_ids, sampling_params, session_id, expect_next_turn_s)
+        spec, want_log_probs = self._prepare(request_id, prompt_ids, sampling_params, session_id, expect_next_turn_s,
+                                             cache_salt)
         try:
             if not await self.verl.admit():
                 yield self._token_output(aborted_result(spec), want_log_probs)

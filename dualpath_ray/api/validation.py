@@ -16,6 +16,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from dualpath_ray.config import ModelConfig
+from dualpath_ray.kv.index import salted_namespace
 from dualpath_ray.protocol.messages import RequestSpec, SamplingParams
 
 # Keys that are only accepted at the value that means "off": the sampler has no such knob.
@@ -25,6 +26,11 @@ _NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "n": (1, None),
     "ignore_eos": (False, None),
 }
+# Long enough for any random token (vLLM suggests 43 base64 characters, 256 bits).
+MAX_CACHE_SALT_CHARS = 1024
+# verl's generate passes these; a value other than None means multimodal input, which the
+# decoder here does not take.
+_MULTIMODAL_KWARGS = ("image_data", "video_data", "audio_data", "mm_processor_kwargs")
 _SAMPLING_KEYS = {
     "max_tokens", "max_new_tokens", "temperature", "top_p", "seed", "stop_token_ids", "logprobs",
     *_NEUTRAL_VALUES,
@@ -152,3 +158,35 @@ def validate_next_turn_hint(value: Any) -> float | None:
             f"left out (got {value!r})"
         )
     return float(value)
+
+
+def check_cache_salt(value: object, field: str = "cache_salt") -> str | None:
+    """A `cache_salt` as sent: None (no salt) or a non-empty string of at most MAX_CACHE_SALT_CHARS."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value or len(value) > MAX_CACHE_SALT_CHARS:
+        shown = value[:40] + "..." if isinstance(value, str) and len(value) > 40 else value
+        raise RequestError(
+            f"{field} must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters, or left out "
+            f"(got {shown!r}); requests with the same {field} share cached prefixes, others never do", field,
+        )
+    return value
+
+
+def salt_namespace(namespace: str, cache_salt: object) -> str:
+    """The key namespace of a turn with `cache_salt` (checked; None: `namespace` itself): its
+    blocks are never hit by a turn of another salt (api/cache_salt.py)."""
+    return salted_namespace(namespace, check_cache_salt(cache_salt))
+
+
+def check_verl_kwargs(request_id: str, kwargs: Mapping[str, Any]) -> None:
+    """The keyword arguments verl's generate adds beyond the rollout-server's own: accepted when
+    empty (`image_data`, ... None) or harmless (`priority`); anything else names itself."""
+    multimodal = [k for k in _MULTIMODAL_KWARGS if kwargs.get(k) is not None]
+    unknown = sorted(set(kwargs) - set(_MULTIMODAL_KWARGS) - {"priority"})
+    if multimodal or unknown:
+        name = (multimodal or unknown)[0]
+        raise RequestError(
+            f"request {request_id}: {name} is not supported (text-only decoder; known arguments: "
+            "request_id, prompt_ids, sampling_params, session_id, expect_next_turn_s, cache_salt)", name,
+        )

@@ -10,10 +10,19 @@ of token ids (or a list of such lists), `token_ids` in every choice, text prompt
 the whole conversation can be aborted; its prefix reuse shows as
 usage.prompt_tokens_details.cached_tokens.
 
-With `--api-key KEY` (or DUALPATH_API_KEY) every route but /health needs `Authorization: Bearer
-KEY`, as OpenAI's API and vLLM's `--api-key` do; without one anyone who reaches the port can
-generate, so keep the default loopback --host or set a key. A request body over
-`--max-body-bytes` is a 413.
+With `--api-key-file PATH` (or `--api-key KEY`, or DUALPATH_API_KEY) every route but /health
+needs `Authorization: Bearer KEY`, as OpenAI's API and vLLM's `--api-key` do; without one anyone
+who reaches the port can generate, so keep the default loopback --host or set a key. A key on the
+command line is visible to every user of the machine (`ps`, /proc/PID/cmdline, shell history):
+prefer the file. The file holds one key per line ('#' starts a comment line); each key is a
+tenant, and with several keys tenants never share cached prefixes (so usage.cached_tokens tells
+no tenant about another's prompts); a request's `cache_salt` field separates it further.
+
+What one client may hold is bounded (api/http_limits.py): the body (`--max-body-bytes`, 413), the
+prompts of a request (`--max-prompts`, 400), connections and requests at once
+(`--limit-concurrency`, 503), the time a request's headers (`--head-timeout-s`) and its body
+(`--body-timeout-s`) take to arrive (408, the connection closed), the headers' size
+(`--max-head-bytes`, 431) and an idle kept-alive connection (`--keep-alive-s`).
 """
 
 from __future__ import annotations
@@ -26,7 +35,8 @@ import sys
 import threading
 from pathlib import Path
 
-from dualpath_ray.api.openai_guards import API_KEY_ENV, DEFAULT_MAX_BODY_BYTES
+from dualpath_ray.api.api_keys import API_KEY_ENV, ApiKeyFileError, read_api_key_file
+from dualpath_ray.api.http_limits import HttpLimits
 from dualpath_ray.config import load_config
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -42,11 +52,34 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              "neither, token ids only)")
     parser.add_argument("--skip-tokenizer-init", action="store_true",
                         help="serve token ids only even when model.weights_dir has a tokenizer (as vLLM's flag)")
-    parser.add_argument("--api-key", default=None,
-                        help=f"require 'Authorization: Bearer KEY' on every route but /health (default: ${API_KEY_ENV}; "
-                             "unset: no key)")
-    parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
-                        help=f"largest request body; a larger one is a 413 (default {DEFAULT_MAX_BODY_BYTES}, 8 MiB)")
+    parser.add_argument("--api-key", default=None, metavar="KEY",
+                        help="require 'Authorization: Bearer KEY' on every route but /health. The KEY shows in `ps` "
+                             "and /proc to every user of this machine, and in shell history: prefer --api-key-file "
+                             f"or ${API_KEY_ENV} (the default; unset: no key)")
+    parser.add_argument("--api-key-file", type=Path, default=None, metavar="PATH",
+                        help="require one of the keys in this file (one per line, blank lines and '#' comment lines "
+                             "skipped); each key is a tenant: with several, tenants never share cached prefixes")
+    limits = HttpLimits()
+    parser.add_argument("--max-body-bytes", type=int, default=limits.max_body_bytes,
+                        help=f"largest request body; a larger one is a 413 (default {limits.max_body_bytes}, 8 MiB)")
+    parser.add_argument("--max-prompts", type=int, default=limits.max_prompts,
+                        help="most prompts in one /v1/completions request (each is a turn of its own); more is a 400 "
+                             f"naming `prompt` (default {limits.max_prompts})")
+    parser.add_argument("--limit-concurrency", type=int, default=limits.limit_concurrency,
+                        help="most connections and requests at once; past it uvicorn answers 503 (default "
+                             f"{limits.limit_concurrency}; keep it under the process's open-files limit)")
+    parser.add_argument("--head-timeout-s", type=float, default=limits.head_timeout_s,
+                        help="a request's line and headers must arrive whole within this many seconds of the "
+                             "connection opening or of the previous response; else 408 and the connection is closed "
+                             f"(slow clients; default {limits.head_timeout_s:g})")
+    parser.add_argument("--body-timeout-s", type=float, default=limits.body_timeout_s,
+                        help="a request body must arrive whole within this many seconds of its headers; else 408 and "
+                             f"the connection is closed (default {limits.body_timeout_s:g})")
+    parser.add_argument("--keep-alive-s", type=float, default=limits.keep_alive_s,
+                        help=f"an idle kept-alive connection is closed after this many seconds (default "
+                             f"{limits.keep_alive_s:g})")
+    parser.add_argument("--max-head-bytes", type=int, default=limits.max_head_bytes,
+                        help=f"largest request line and headers; larger is a 431 (default {limits.max_head_bytes})")
     parser.add_argument("--address", default=None, help="a running Ray cluster (default: start an embedded one)")
     parser.add_argument("--replace", action="store_true",
                         help="kill actors another deployment left in runtime.namespace instead of refusing to start")
@@ -57,17 +90,38 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt  # SIGTERM stops the endpoint and the cluster as Ctrl-C does
 
 
-def api_key(args: argparse.Namespace) -> str | None:
-    """The key to require: --api-key, else $DUALPATH_API_KEY; None (no key) when neither is set
-    or both are empty, as vLLM treats --api-key / VLLM_API_KEY."""
-    return args.api_key or os.environ.get(API_KEY_ENV) or None
+def api_keys(args: argparse.Namespace) -> list[str]:
+    """The keys to require: the --api-key-file's, else --api-key, else $DUALPATH_API_KEY; none
+    when no file is given and the others are unset or empty, as vLLM treats --api-key /
+    VLLM_API_KEY."""
+    if args.api_key_file is not None:
+        if args.api_key:
+            raise SystemExit("dualpath serve: pass --api-key-file or --api-key, not both (prefer the file: a key on "
+                             "the command line shows in `ps`)")
+        try:
+            keys = read_api_key_file(args.api_key_file)
+        except ApiKeyFileError as exc:
+            raise SystemExit(f"dualpath serve: {exc}") from None
+        if args.api_key_file.stat().st_mode & 0o077:
+            print(f"dualpath serve: {args.api_key_file} can be read by other users; chmod 600 it", file=sys.stderr,
+                  flush=True)
+        return keys
+    key = args.api_key or os.environ.get(API_KEY_ENV)
+    return [key] if key else []
+
+
+def http_limits(args: argparse.Namespace) -> HttpLimits:
+    """The HttpLimits of the flags; a bad one ends the command naming the flag."""
+    try:
+        return HttpLimits(args.max_body_bytes, args.max_prompts, args.limit_concurrency, args.head_timeout_s,
+                          args.body_timeout_s, args.keep_alive_s, args.max_head_bytes)
+    except ValueError as exc:
+        raise SystemExit(f"dualpath serve: {exc}") from None
 
 
 def _check_flags(args: argparse.Namespace) -> None:
     if not 0 <= args.port <= 65535:
         raise SystemExit(f"dualpath serve: --port must be in [0, 65535] (got {args.port})")
-    if args.max_body_bytes < 1:
-        raise SystemExit(f"dualpath serve: --max-body-bytes must be >= 1 (got {args.max_body_bytes})")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -76,23 +130,24 @@ def main(args: argparse.Namespace) -> int:
     from dualpath_ray.cluster import DualPathCluster
 
     _check_flags(args)
+    limits = http_limits(args)
+    keys = api_keys(args)
     cfg = load_config(args.config)
     tokenizer = tokenizer_dir(cfg, args.tokenizer, args.skip_tokenizer_init)
     if tokenizer is not None:
         HFTokenizer.from_dir(tokenizer, cfg.model.vocab_size)  # before starting anything
-    key = api_key(args)
-    if key is None and args.host not in LOOPBACK_HOSTS:
+    if not keys and args.host not in LOOPBACK_HOSTS:
         print(f"dualpath serve: listening on {args.host} without an API key: anyone who reaches the port can "
               f"generate; pass --api-key or set {API_KEY_ENV}", file=sys.stderr, flush=True)
     cluster = DualPathCluster.connect(cfg, args.address) if args.address else DualPathCluster.start(cfg)
     try:
         cluster.deploy(replace_existing=args.replace)
         cluster.server()
-        actor, url = start_openai_server(cfg, args.host, args.port, tokenizer, api_key=key,
-                                         max_body_bytes=args.max_body_bytes, skip_tokenizer_init=tokenizer is None)
+        actor, url = start_openai_server(cfg, args.host, args.port, tokenizer, api_keys=keys, limits=limits,
+                                         skip_tokenizer_init=tokenizer is None)
         print(json.dumps({"url": url, "model": cfg.model.model_id, "namespace": cfg.runtime.namespace,
                           "tokenizer": str(tokenizer) if tokenizer is not None else None,
-                          "api_key_required": key is not None}), flush=True)
+                          "api_key_required": bool(keys), "tenants": len(keys)}), flush=True)
         signal.signal(signal.SIGTERM, _interrupt)
         try:
             threading.Event().wait()

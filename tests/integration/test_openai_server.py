@@ -2,7 +2,8 @@
 cluster: a real tokenizer from the model's directory, completions and chat, SSE streaming,
 sessions whose prefix reuse grows turn by turn, a session aborted mid-stream, and 400s that
 name the bad field. A second endpoint on the same deployment runs as `dualpath serve` does on
-the embedded defaults (no tokenizer files: token ids only) with an API key."""
+the embedded defaults (no tokenizer files: token ids only) with two API keys: two tenants, whose
+identical prompts never hit each other's cached blocks."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ pytest.importorskip("tokenizers")
 
 import ray  # noqa: E402
 
-from dualpath_ray.api.openai_guards import ApiKey  # noqa: E402
+from dualpath_ray.api.api_keys import ApiKeys  # noqa: E402
 from dualpath_ray.api.openai_server import OpenAIServer, start_openai_server, tokenizer_dir  # noqa: E402
 from dualpath_ray.api.tokenizer import HFTokenizer  # noqa: E402
 from dualpath_ray.cluster import DualPathCluster  # noqa: E402
@@ -32,6 +33,7 @@ MODEL = "dualpath-tiny"
 # Over two 64-token blocks, so a conversation's second turn already hits stored blocks.
 SYSTEM = " ".join(SENTENCES * 3)
 KEY = "sk-dualpath-test"
+OTHER_KEY = "sk-dualpath-other-tenant"
 
 
 @pytest.fixture(scope="module")
@@ -52,12 +54,12 @@ def endpoint(tmp_path_factory):
 @pytest.fixture(scope="module")
 def ids_endpoint(endpoint):
     """The base URL of an endpoint as `dualpath serve` starts it on the embedded defaults (no
-    model.weights_dir, so no tokenizer) with --api-key: an unnamed second endpoint actor on the
+    model.weights_dir, so no tokenizer) with two keys (--api-key-file): an unnamed second endpoint actor on the
     same deployment (the first holds the endpoint's name; the second also writes the restart
     record of that name, which nothing reads here: no endpoint in this module is restarted)."""
     cfg = runtime_config(transport="gloo", verify_kv=False)
     assert tokenizer_dir(cfg, None) is None, "the embedded defaults configure no tokenizer"
-    actor = OpenAIServer.remote(cfg, None, ApiKey.of(KEY))
+    actor = OpenAIServer.remote(cfg, None, ApiKeys.of([KEY, OTHER_KEY]))
     host, port = ray.get(actor.start.remote("127.0.0.1", 0))
     yield f"http://{host}:{port}"
     ray.kill(actor, no_restart=True)
@@ -139,6 +141,7 @@ def test_aborting_a_session_ends_its_stream(endpoint) -> None:
     ({"stop": ["\n"]}, "stop"),
     ({"extra_body": {"beam_width": 2}}, "beam_width"),
     ({"max_tokens": 5000}, "max_tokens"),
+    ({"extra_body": {"cache_salt": ""}}, "cache_salt"),
 ])
 def test_a_bad_request_is_a_400_naming_the_field(endpoint, kwargs, field) -> None:
     _, client, _ = endpoint
@@ -169,3 +172,19 @@ def test_token_ids_mode_behind_an_api_key_with_the_openai_client(endpoint, ids_e
         wrong.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
     with urllib.request.urlopen(f"{ids_endpoint}/health", timeout=60) as health:
         assert health.status == 200, "/health answers without the key"
+
+
+def test_two_tenants_never_hit_each_others_cached_prefix(ids_endpoint) -> None:
+    """usage.cached_tokens tells a tenant only about its own prompts: the same prompt, cached for
+    one key, is all misses for the other."""
+    prompt = [(i * 7) % 240 + 5 for i in range(200)]  # over three 64-token blocks
+    tenants = {key: openai.OpenAI(base_url=f"{ids_endpoint}/v1", api_key=key, max_retries=0, timeout=120)
+               for key in (KEY, OTHER_KEY)}
+
+    def cached(key: str) -> int:
+        done = tenants[key].completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+        return done.usage.prompt_tokens_details.cached_tokens
+
+    assert cached(KEY) == 0, "the first sending has nothing stored"
+    assert cached(KEY) > 0, "the same tenant's second sending hits its stored prefix"
+    assert cached(OTHER_KEY) == 0, "another tenant's identical prompt hits none of it"

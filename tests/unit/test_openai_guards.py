@@ -20,7 +20,8 @@ pytest.importorskip("tokenizers")
 from starlette.testclient import TestClient  # noqa: E402
 
 from dualpath_ray.api.openai_app import OpenAIEndpoint, build_app  # noqa: E402
-from dualpath_ray.api.openai_guards import ApiKey  # noqa: E402
+from dualpath_ray.api.api_keys import ApiKey, ApiKeys  # noqa: E402
+from dualpath_ray.api.http_limits import HttpLimits  # noqa: E402
 from dualpath_ray.api.tokenizer import HFTokenizer  # noqa: E402
 from dualpath_ray.config import parse_config  # noqa: E402
 from dualpath_ray.protocol.messages import StreamDelta  # noqa: E402
@@ -42,8 +43,8 @@ class FakeMethod:
     def __init__(self, fn: Any) -> None:
         self.fn = fn
 
-    def remote(self, *args: Any) -> Any:
-        return self.fn(*args)
+    def remote(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
 
 
 class FakeRolloutServer:
@@ -52,21 +53,24 @@ class FakeRolloutServer:
     def __init__(self) -> None:
         self.prompts: list[list[int]] = []
         self.hints: list[float | None] = []  # each request's expect_next_turn_s
+        self.salts: list[str | None] = []  # each request's cache_salt
         self.generate = FakeMethod(self._generate)
         self.generate_stream = FakeMethod(self._stream)
         self.abort = FakeMethod(lambda request_id: None)
 
     async def _generate(self, request_id: str, prompt: list[int], sampling: dict[str, Any], session: Any,
-                        expect_next_turn_s: float | None = None) -> FakeOutput:
+                        expect_next_turn_s: float | None = None, cache_salt: str | None = None) -> FakeOutput:
         self.prompts.append(list(prompt))
         self.hints.append(expect_next_turn_s)
+        self.salts.append(cache_salt)
         tokens = GENERATED[: sampling["max_tokens"]]
         return FakeOutput(tokens, [-0.5] * len(tokens), {"finish_reason": "length", "hit_tokens": 0})
 
-    async def _stream(self, request_id: str, prompt: list[int], sampling: dict[str, Any],
-                      session: Any, expect_next_turn_s: float | None = None) -> AsyncIterator[Any]:
+    async def _stream(self, request_id: str, prompt: list[int], sampling: dict[str, Any], session: Any,
+                      expect_next_turn_s: float | None = None, cache_salt: str | None = None) -> AsyncIterator[Any]:
         self.prompts.append(list(prompt))
         self.hints.append(expect_next_turn_s)
+        self.salts.append(cache_salt)
         for start, token in enumerate(GENERATED):
             yield _ready(StreamDelta(start, (token,), (-0.5,)))
         yield _ready(FakeOutput(GENERATED, None, {"finish_reason": "length", "hit_tokens": 0}))
@@ -99,11 +103,11 @@ def tokenizer(tmp_path: Path) -> HFTokenizer:
     return loaded
 
 
-def client(tokenizer: HFTokenizer | None, api_key: ApiKey | None = None, max_body_bytes: int = 1 << 20,
+def client(tokenizer: HFTokenizer | None, api_keys: ApiKeys | None = None, max_body_bytes: int = 1 << 20,
            server: FakeRolloutServer | None = None) -> TestClient:
     cfg = parse_config({"model": {"max_context": 256}})
     endpoint = OpenAIEndpoint(server or FakeRolloutServer(), tokenizer, cfg)
-    return TestClient(build_app(endpoint, api_key, max_body_bytes))
+    return TestClient(build_app(endpoint, api_keys, HttpLimits(max_body_bytes=max_body_bytes)))
 
 
 def completion(**fields: Any) -> dict[str, Any]:
@@ -111,7 +115,7 @@ def completion(**fields: Any) -> dict[str, Any]:
 
 
 def test_every_route_but_health_needs_the_key(tokenizer: HFTokenizer) -> None:
-    http = client(tokenizer, ApiKey.of(KEY))
+    http = client(tokenizer, ApiKeys.of([KEY]))
     for headers in ({}, {"Authorization": "Bearer sk-wrong"}, {"Authorization": KEY}):
         for method, path, body in (("POST", "/v1/completions", completion(prompt=[1, 2])), ("GET", "/v1/models", None)):
             answer = http.request(method, path, json=body, headers=headers)

@@ -33,8 +33,8 @@ class Method:
     def __init__(self, fn: Any) -> None:
         self.fn = fn
 
-    def remote(self, *args: Any) -> Any:
-        return self.fn(*args)
+    def remote(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
 
 
 class BusyServer:
@@ -47,7 +47,8 @@ class BusyServer:
         self.generate = Method(self._generate)
 
     async def _generate(self, request_id: str, prompt_ids: list[int], sampling: dict[str, Any],
-                        session_id: str | None, expect_next_turn_s: float | None = None) -> TokenOutput:
+                        session_id: str | None, expect_next_turn_s: float | None = None,
+                        cache_salt: str | None = None) -> TokenOutput:
         if self.in_flight >= self.capacity:
             spec = RequestSpec(request_id, 0, np.asarray(prompt_ids), SamplingParams(), "ns", 0.0)
             raise GenerationError(request_id, failed_result(spec, "scheduler", "queue full", ErrorKind.QUEUE_FULL))
