@@ -338,3 +338,37 @@ class ScriptedFaults:
 
     def counts(self) -> dict[str, FaultCount]:
         return {label: FaultCount(c.events, c.injected) for label, c in self._counts.items()}
+
+
+class GatedStore:
+    """A block store (wrapping a real one) whose get_many_into reads one block at a time, as the
+    real one's contract says (before_read(i), the read, on_verified(i)), and before block
+    `pause_at` sets `paused` and waits for `proceed`: a store read a test catches halfway, to
+    free or reclaim its extent under it. `read_after_pause` counts the blocks it read after."""
+
+    def __init__(self, inner: Any, pause_at: int = 1, timeout_s: float = 30.0) -> None:
+        self.inner = inner
+        self.pause_at = pause_at
+        self.timeout_s = timeout_s
+        self.paused = threading.Event()
+        self.proceed = threading.Event()
+        self.read_after_pause = 0
+
+    def get_many_into(
+        self, keys: Sequence[str], outs: Sequence[torch.Tensor],
+        before_read: Callable[[int], object] | None = None, on_verified: Callable[[int], object] | None = None,
+    ) -> None:
+        for index, (key, out) in enumerate(zip(keys, outs)):
+            if index == self.pause_at:
+                self.paused.set()
+                assert self.proceed.wait(self.timeout_s), "the test never let the gated read go on"
+            if before_read is not None:
+                before_read(index)
+            self.inner.get_into(key, out)
+            if index >= self.pause_at:
+                self.read_after_pause += 1
+            if on_verified is not None:
+                on_verified(index)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)

@@ -21,6 +21,7 @@ import threading
 import time
 from typing import Callable, Sequence
 
+import numpy as np
 import torch
 
 from dualpath_ray.faults.injector import FaultCount
@@ -45,6 +46,11 @@ MAX_RECLAIMED_OWNERS = 65536  # reclaimed attempts remembered (see ReaderCore._r
 
 class ReclaimedOwnerError(RuntimeError):
     """A lease for an attempt whose extents were reclaimed: its engine is gone."""
+
+
+class ExtentRetiredError(RuntimeError):
+    """A store read's extent was freed or reclaimed while the read filled it: the read stopped at
+    its next block and its bytes are nobody's (the slots are free once it ended)."""
 
 
 class ReaderCore:
@@ -131,46 +137,63 @@ class ReaderCore:
             return extent
 
     def free(self, extent_id: int) -> None:
-        """Give an extent back. Freeing one already reclaimed is a no-op: extent ids are never
-        reused, so a late free can only name that extent, never another lease. One being
-        written to the store is freed by that write when it ends."""
+        """Give an extent back. Freeing one already freed or reclaimed is a no-op: extent ids are
+        never reused, so a late free can only name that extent, never another lease. One that a
+        transfer still uses (a store read filling it, a store write or D2H pull reading it) is
+        retired: its slots are free once that transfer ends, never while it still writes into
+        or reads out of them (kv/pool.py); a read into it stops at its next block and fails."""
         with self._cond:
-            if extent_id not in self._extents or self.pool.state_of(extent_id) is ExtentState.IN_FLIGHT:
-                return
-            del self._extents[extent_id]
-            self.pool.release(extent_id)
+            self._retire(extent_id)
+
+    def _retire(self, extent_id: int) -> bool:
+        """Stop tracking the extent and retire it in the pool (caller holds the lock); False if
+        it was not tracked (already freed or reclaimed)."""
+        if self._extents.pop(extent_id, None) is None:
+            return False
+        if self.pool.retire(extent_id):
             self._cond.notify_all()
+        return True
+
+    def _end_transfer(self, extent_id: int) -> bool:
+        """A transfer on the extent ended (caller holds the lock): True if the extent had been
+        retired meanwhile, and so is free now."""
+        if self.pool.end_transfer(extent_id):
+            self._cond.notify_all()
+            return True
+        return False
 
     def begin_write(self, extent_id: int) -> Extent:
-        """The extent is a store write's source from now on: reclaim and free leave it alone."""
+        """The extent is a store write's (or D2H pull's) from now on: a free or reclaim meanwhile
+        retires it, and its slots stay out of the free list until `end_write`. KeyError if it was
+        already freed or reclaimed."""
         with self._cond:
             extent = self._extents[extent_id]
             self.pool.begin_transfer(extent_id)
             return extent
 
     def end_write(self, extent_id: int) -> None:
-        """The store write from the extent ended (either way): it is an ordinary lease again, and
-        freed at once, since its owner's free (if any) was ignored while the write ran."""
+        """The store write from the extent ended (either way): the extent is freed in any case
+        (at once if its owner's free or a reclaim already retired it during the write)."""
         with self._cond:
-            self.pool.end_transfer(extent_id)
-        self.free(extent_id)
+            self._end_transfer(extent_id)
+            self._retire(extent_id)
 
     def reclaim(self, owner: str) -> int:
-        """Free the extents leased to one attempt that is over (its engine died, or failed it);
-        returns how many. One in a transfer is left to that transfer's own end. The attempt's
-        later leases, and one waiting for room now, are refused (ReclaimedOwnerError)."""
-        freed = 0
+        """Retire the extents leased to one attempt that is over (its engine died, or failed it);
+        returns how many. A LEASED one is free at once; one a transfer still uses (a read filling
+        it, a write or pull reading it) is free when that transfer ends, and a read stops at its
+        next block. The attempt's later leases, and one waiting for room now, are refused
+        (ReclaimedOwnerError)."""
+        retired = 0
         with self._cond:
             self._reclaimed[owner] = None
             while len(self._reclaimed) > MAX_RECLAIMED_OWNERS:
                 del self._reclaimed[next(iter(self._reclaimed))]
             for extent_id, extent in list(self._extents.items()):
-                if extent.owner == owner and self.pool.state_of(extent_id) is ExtentState.LEASED:
-                    del self._extents[extent_id]
-                    self.pool.release(extent_id)
-                    freed += 1
+                if extent.owner == owner and self._retire(extent_id):
+                    retired += 1
             self._cond.notify_all()
-        return freed
+        return retired
 
     def grant(self, extent: Extent, reader: str) -> ExtentGrant:
         """The extent as an engine addresses it: `reader` is this reader's endpoint name (the
@@ -184,15 +207,13 @@ class ReaderCore:
         """read_blocks, granted with the digests of the verified hit KV (runtime.kv_digests).
         With `staged` (a claim of a tool-time staged extent), the staged extent is handed over
         instead of reading its blocks, if this reader still holds it for these keys."""
-        extent = None
+        filled = None
         if staged is not None and 0 <= first_block and first_block + len(keys) <= total_blocks:  # else: raises below
-            extent = self._claim_staged(owner, keys, total_blocks, path, first_block, staged)
-        if extent is None:
-            extent = self.read_blocks(owner, keys, total_blocks, path, first_block)
-        digests = None
-        if self.settings.kv_digests and keys:
-            hits = torch.stack([self.pool.full_block(slot) for slot in extent.slots[first_block : first_block + len(keys)]])
-            digests = block_digests(hits, len(keys) * self.layout.block_size)
+            filled = self._claim_staged(owner, keys, total_blocks, path, first_block, staged)
+        if filled is None:
+            self._check_fits(owner, keys, total_blocks, first_block)
+            filled = self._read(owner, keys, path, first_block, lambda: self.lease(owner, total_blocks), digests=True)
+        extent, digests = filled
         return ExtentGrant(self.node_id, reader, extent.extent_id, extent.slots, digests, self.incarnation)
 
     # --- tool-time staging (runtime/reader/stager.py) -----------------------------------------
@@ -211,7 +232,7 @@ class ReaderCore:
 
     def _claim_staged(
         self, owner: str, keys: Sequence[str], total_blocks: int, path: str, first_block: int, staged: StagedRead
-    ) -> Extent | None:
+    ) -> tuple[Extent, np.ndarray | None] | None:
         """The claimed staged extent, grown to total_blocks with the rest of `keys` read into it;
         None (a counted miss) when it cannot be claimed: the caller reads all of them."""
         claimed = self.stager.claim(staged, self.node_id, owner, keys, path, first_block)
@@ -233,7 +254,9 @@ class ReaderCore:
                 self.free(claimed.extent_id)
                 raise
 
-        return self._read(owner, keys[have:], path, have, grown)
+        # The digests cover every hit block, the staged ones too: taken while the grown extent's
+        # read is still a transfer, so no free or reclaim can hand its slots on before.
+        return self._read(owner, keys[have:], path, have, grown, digests=True, digest_from=0)
 
     # --- storage I/O --------------------------------------------------------------------
 
@@ -247,18 +270,29 @@ class ReaderCore:
         read queue (and enters the SNIC read counter) once it is verified. On a failure the
         extent is freed and the queue drops every block that was not read.
         """
+        self._check_fits(owner, keys, total_blocks, first_block)
+        return self._read(owner, keys, path, first_block, lambda: self.lease(owner, total_blocks))[0]
+
+    @staticmethod
+    def _check_fits(owner: str, keys: Sequence[str], total_blocks: int, first_block: int) -> None:
         if first_block < 0 or first_block + len(keys) > total_blocks:
             raise ValueError(
                 f"request {owner}: blocks [{first_block}, {first_block + len(keys)}) do not fit an extent of {total_blocks}"
             )
-        return self._read(owner, keys, path, first_block, lambda: self.lease(owner, total_blocks))
 
     def _read(
-        self, owner: str, keys: Sequence[str], path: str, first_block: int, get_extent: Callable[[], Extent]
-    ) -> Extent:
+        self, owner: str, keys: Sequence[str], path: str, first_block: int, get_extent: Callable[[], Extent],
+        digests: bool = False, digest_from: int | None = None,
+    ) -> tuple[Extent, np.ndarray | None]:
         """read_blocks into the extent `get_extent` leases (or grows), which it frees itself if
         it fails; from entering the read queue to its end the read counts as a real read, which
-        staged reads yield to."""
+        staged reads yield to. With `digests` (and runtime.kv_digests), also the digests of the
+        hit blocks from `digest_from` (default: `first_block`) to the last one read.
+
+        The read is a transfer of the extent (kv/pool.py): a free or reclaim while it runs only
+        retires the extent, whose slots stay out of the free list until the read ended; the read
+        stops at its next block and fails with ExtentRetiredError, and its digests are taken
+        before it ends, so they certify bytes no other lease can have written."""
         block_bytes = self.layout.full_block_bytes
         block_tokens = self.layout.block_size
         pending = len(keys) * block_tokens
@@ -279,12 +313,6 @@ class ReaderCore:
 
         turn = ReadTurn(self.snic_read.turns if keys else None, len(keys))
 
-        def before_read(index: int) -> None:
-            if self.faults.active:
-                self._store_read_fault(keys[index])
-            self.snic_read.take(block_bytes)
-            turn.took_one()
-
         def on_verified(_: int) -> None:
             nonlocal pending, verified
             verified += 1
@@ -298,23 +326,46 @@ class ReaderCore:
             extent = get_extent()
             if not queued:
                 enqueue()
+            start, end = (first_block if digest_from is None else digest_from), first_block + len(keys)
+            wants_digests = digests and self.settings.kv_digests and end > start
+            if not keys and not wants_digests:
+                return extent, None
+            self._begin_read(owner, extent)
+
+            def before_read(index: int) -> None:
+                if self.pool.state_of(extent.extent_id) is ExtentState.RETIRING:
+                    raise ExtentRetiredError(self._retired_detail(owner, extent))  # stop: nobody wants these bytes
+                if self.faults.active:
+                    self._store_read_fault(keys[index])
+                self.snic_read.take(block_bytes)
+                turn.took_one()
+
             try:
-                outs = [self.pool.full_block(slot) for slot in extent.slots[first_block : first_block + len(keys)]]
-                turn.begin()
-                self.store.get_many_into(list(keys), outs, before_read=before_read, on_verified=on_verified)
+                if keys:
+                    outs = [self.pool.full_block(slot) for slot in extent.slots[first_block:end]]
+                    turn.begin()
+                    self.store.get_many_into(list(keys), outs, before_read=before_read, on_verified=on_verified)
+                hit_digests = self._digests(extent, start, end) if wants_digests else None
             except (BlockNotFoundError, BlockCorruptedError, IncompatibleBlockError, OSError) as exc:
                 # The store raises for the first bad block in key order, the one after the
                 # verified ones: name it, so the scheduler repairs that block and no other.
-                self.free(extent.extent_id)
+                retired = self._end_read(extent)
                 kind = bad_block_kind(exc)
+                if kind is not None:
+                    self._note_bad_block(kind, keys[verified])
+                if retired:
+                    raise ExtentRetiredError(self._retired_detail(owner, extent)) from exc
+                self.free(extent.extent_id)
                 if kind is None:
                     raise
-                self._note_bad_block(kind, keys[verified])
                 raise BadBlockError(kind, keys[verified], str(exc)) from None
             except BaseException:
-                self.free(extent.extent_id)
+                if not self._end_read(extent):
+                    self.free(extent.extent_id)
                 raise
-            return extent
+            if self._end_read(extent):
+                raise ExtentRetiredError(self._retired_detail(owner, extent))
+            return extent, hit_digests
         finally:
             turn.end()
             if queued and keys:
@@ -323,6 +374,28 @@ class ReaderCore:
                     if pending:
                         self._read_q_tokens -= pending
                         self.on_read_q()
+
+    def _begin_read(self, owner: str, extent: Extent) -> None:
+        """The read into `extent` becomes its transfer, unless a free or reclaim took the extent
+        between its lease and now (then nothing is read into it: ExtentRetiredError)."""
+        with self._cond:
+            if self._extents.get(extent.extent_id) is None:
+                raise ExtentRetiredError(self._retired_detail(owner, extent))
+            self.pool.begin_transfer(extent.extent_id)
+
+    def _end_read(self, extent: Extent) -> bool:
+        """The read into `extent` ended: True if it was retired meanwhile (and is free now)."""
+        with self._cond:
+            return self._end_transfer(extent.extent_id)
+
+    def _retired_detail(self, owner: str, extent: Extent) -> str:
+        why = "reclaimed (its engine died)" if owner in self._reclaimed else "freed by its owner"
+        return f"node {self.node_id}: extent {extent.extent_id} of {owner} was {why} during its store read"
+
+    def _digests(self, extent: Extent, start: int, end: int) -> np.ndarray:
+        """Digests of the extent's blocks [start, end), taken while the read is its transfer."""
+        hits = torch.stack([self.pool.full_block(slot) for slot in extent.slots[start:end]])
+        return block_digests(hits, (end - start) * self.layout.block_size)
 
     def _note_bad_block(self, kind: str, key: str) -> None:
         if kind == "missing":
