@@ -141,6 +141,9 @@ class FakeReaders:
         self.fail_stage = 0
         # While set and not open, leases wait for it on a helper thread (a pool that is full).
         self.lease_gate: threading.Event | None = None
+        # While set and not open, page pulls (persist_pages) wait for it after their lease and
+        # before they copy the pages: a D2H the engine's wait gives up on while it still runs.
+        self.pull_gate: threading.Event | None = None
         self.calls: list[str] = []
         self.engines_by_owner: dict[str, str] = {}
         self._pool = ThreadPoolExecutor(max_workers=4)
@@ -197,11 +200,17 @@ class FakeReaders:
 
         def run() -> int:
             extent = core.lease(owner, len(blocks))
-            size = core.layout.full_block_bytes
-            for slot, (page, _) in zip(extent.slots, blocks):
-                source = self.fabric.view(engine, Region(Pool.HBM, page * size, size))
-                core.pool.full_block(slot).view(-1).copy_(source)
-            return core.write_extent(extent.extent_id, [(i, b) for i, (_, b) in enumerate(blocks)])
+            core.begin_write(extent.extent_id)  # as the actor: reclaim must not free it under the D2H
+            try:
+                if self.pull_gate is not None:
+                    self.pull_gate.wait()
+                size = core.layout.full_block_bytes
+                for slot, (page, _) in zip(extent.slots, blocks):
+                    source = self.fabric.view(engine, Region(Pool.HBM, page * size, size))
+                    core.pool.full_block(slot).view(-1).copy_(source)
+                return core.write_blocks([(core.pool.full_block(slot), b) for slot, (_, b) in zip(extent.slots, blocks)])
+            finally:
+                core.end_write(extent.extent_id)
 
         return _FuturePending(self._pool.submit(self._slow, run))
 
