@@ -169,8 +169,10 @@ STORE_CHECKSUM_FAILURES = MetricSpec(
 )
 STORE_WRITE_FAILURES = MetricSpec(
     "dualpath_store_write_failures", MetricKind.COUNTER,
-    "Block writes (persists) the store refused (a full disk, an I/O error): the block and those after "
-    "it in its chain are not published, a later turn misses them; the turn itself is served.",
+    "Block writes (persists) the store refused (a full disk, an I/O error), or that the node's reader "
+    "refused because the bytes written differ from the digest of the KV their engine computed "
+    "(runtime.kv_digests): the block and those after it in its chain are not published, a later turn "
+    "misses them; the turn itself is served.",
     ("node", "role"), "writes",
 )
 STAGED_BLOCKS = MetricSpec(

@@ -236,6 +236,11 @@ class StorageReader(TransportEndpoint):
         return self.core.store_faults()
 
     @ray.method(concurrency_group="ctl")
+    def persist_mismatches(self) -> int:
+        """Blocks not published because the bytes the store wrote failed their engine's digest."""
+        return self.core.persist_mismatches
+
+    @ray.method(concurrency_group="ctl")
     def counters(self) -> NodeCounters:
         return self.core.counters
 

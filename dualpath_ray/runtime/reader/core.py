@@ -17,6 +17,7 @@ and counting it made congested decode buffers push reads onto the prefill nodes'
 from __future__ import annotations
 
 import errno
+import logging
 import threading
 import time
 from typing import Callable, Sequence
@@ -28,8 +29,10 @@ from dualpath_ray.faults.injector import FaultCount
 from dualpath_ray.faults.plan import FaultMode, FaultSite
 from dualpath_ray.faults.store import damage_stored_block
 from dualpath_ray.kv.block_store import BlockStore
-from dualpath_ray.kv.digest import block_digests
-from dualpath_ray.kv.errors import BadBlockError, BlockCorruptedError, BlockNotFoundError, IncompatibleBlockError
+from dualpath_ray.kv.digest import block_digests, full_block_digest
+from dualpath_ray.kv.errors import (
+    BadBlockError, BlockCorruptedError, BlockNotFoundError, IncompatibleBlockError, PersistDigestError,
+)
 from dualpath_ray.kv.layout import KVLayout
 from dualpath_ray.kv.pool import BufferPool, Extent, ExtentState
 from dualpath_ray.protocol.counters import NodeCounters
@@ -37,9 +40,12 @@ from dualpath_ray.protocol.messages import ExtentGrant, PersistedBlock, StagedRe
 from dualpath_ray.runtime.reader.settings import ReaderFaults, ReaderSettings
 from dualpath_ray.runtime.reader.snic import ReadTurn, SnicLink
 from dualpath_ray.runtime.reader.stager import ReaderStaging
+from dualpath_ray.runtime.engine.faulty_ports import flip_byte
 from dualpath_ray.runtime.reader.store_errors import WriteRefusals, bad_block_kind
 from dualpath_ray.scheduling.staging import StageOrder
 
+
+LOG = logging.getLogger("dualpath_ray.reader")
 
 MAX_RECLAIMED_OWNERS = 65536  # reclaimed attempts remembered (see ReaderCore._reclaimed)
 
@@ -90,6 +96,8 @@ class ReaderCore:
         # refused (a full disk, an I/O error).
         self.unreadable_keys: set[str] = set()
         self.write_refusals = WriteRefusals(settings.node_id)
+        # Blocks not published because the bytes the store wrote failed their engine's digest.
+        self.persist_mismatches = 0
         self._read_q_tokens = 0
         # Called (under this core's lock) whenever the read queue changed: the actor's reporter.
         self.on_read_q: Callable[[], None] = lambda: None
@@ -432,14 +440,19 @@ class ReaderCore:
 
     def write_block(self, block: PersistedBlock, data: torch.Tensor) -> bool:
         """Persist one Full Block (already in this node's buffer) through the SNIC: True if
-        written, False if already stored; an OSError if the store refused it."""
+        written, False if already stored; an OSError if the store refused it, PersistDigestError
+        if the bytes the store wrote differ from the engine's digest of the KV it computed
+        (block.digest, runtime.kv_digests): then nothing is published under its key."""
         self.snic_write.take(self.layout.full_block_bytes)
         spec = self.faults.decide(FaultSite.STORE_PUBLISH) if self.faults.active else None
         if spec is not None and spec.mode is FaultMode.FAIL:
             raise OSError(errno.EIO, f"injected store_publish fault: I/O error writing block {block.key}")
         if spec is not None and spec.mode is FaultMode.DROP:
             return True  # a lost write that claims success: a later read of it is a miss
-        written = self.store.put(block.key, data, parent=block.parent)
+        if spec is not None and spec.mode is FaultMode.CORRUPT:
+            flip_byte(data, self.faults.corruption_rng)  # the buffer went bad after its engine computed it
+        verify = None if block.digest is None else _digest_check(block)
+        written = self.store.put(block.key, data, parent=block.parent, verify=verify)
         with self._cond:
             self.counters.snic_write += self.layout.full_block_bytes
         return written
@@ -453,12 +466,20 @@ class ReaderCore:
         block or any after it (the index is a chain of prefixes, so those could never be hit),
         and a later turn misses them and recomputes. The blocks after a refused one are not
         tried, for the same reason. Refusals are counted and logged once per run of them
-        (runtime/reader/store_errors.py)."""
+        (runtime/reader/store_errors.py). A block whose bytes fail the engine's digest is
+        refused the same way (never published with content its engine did not compute), and
+        counted in `persist_mismatches` and logged, each one: it means KV went wrong in this
+        node's buffer."""
         for stored, (data, block) in enumerate(blocks):
             try:
                 self.write_block(block, data)
             except OSError as exc:
                 self.write_refusals.refused(block.key, exc)
+                return stored
+            except PersistDigestError as exc:
+                with self._cond:
+                    self.persist_mismatches += 1
+                LOG.warning("node %s: %s; not published, nor the blocks after it in its chain", self.node_id, exc)
                 return stored
         if blocks:
             self.write_refusals.succeeded()
@@ -471,3 +492,17 @@ class ReaderCore:
             return self.write_blocks([(self.pool.full_block(extent.slots[index]), block) for index, block in blocks])
         finally:
             self.end_write(extent_id)
+
+
+def _digest_check(block: PersistedBlock) -> Callable[[torch.Tensor], None]:
+    """The store's check of `block`'s bytes as written, before it publishes them."""
+
+    def check(written: torch.Tensor) -> None:
+        got = full_block_digest(written)
+        if got != block.digest:
+            raise PersistDigestError(
+                f"block {block.key}: the bytes the store wrote have digest {got}, the KV its engine "
+                f"computed {block.digest}"
+            )
+
+    return check

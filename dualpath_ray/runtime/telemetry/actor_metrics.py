@@ -69,6 +69,9 @@ class ReaderFigures(Protocol):
 
     def store_faults(self) -> tuple[list[str], int]: ...
 
+    @property
+    def persist_mismatches(self) -> int: ...
+
     def staging_counts(self) -> dict[str, int]: ...
 
 
@@ -96,7 +99,8 @@ class ReaderMetrics:
         self.totals.update(m.SNIC_WRITE_BYTES, counters.snic_write, self.tags)
         _, corrupt = self.core.integrity_keys()
         self.totals.update(m.STORE_CHECKSUM_FAILURES, len(corrupt), self.tags)
-        self.totals.update(m.STORE_WRITE_FAILURES, self.core.store_faults()[1], self.tags)
+        # Writes the store refused and blocks whose bytes failed their engine's digest: neither published.
+        self.totals.update(m.STORE_WRITE_FAILURES, self.core.store_faults()[1] + self.core.persist_mismatches, self.tags)
         for outcome, blocks in self.core.staging_counts().items():
             self.totals.update(m.STAGED_BLOCKS, blocks, {**self.tags, "outcome": outcome})
         self.sink.set(m.READ_QUEUE_TOKENS, self.core.read_q(), self.tags)
