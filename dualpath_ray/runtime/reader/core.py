@@ -37,6 +37,7 @@ from dualpath_ray.kv.layout import KVLayout
 from dualpath_ray.kv.pool import BufferPool, Extent, ExtentState
 from dualpath_ray.protocol.counters import NodeCounters
 from dualpath_ray.protocol.messages import ExtentGrant, PersistedBlock, StagedRead
+from dualpath_ray.runtime.reader.recent_keys import RecentKeys
 from dualpath_ray.runtime.reader.settings import ReaderFaults, ReaderSettings
 from dualpath_ray.runtime.reader.snic import ReadTurn, SnicLink
 from dualpath_ray.runtime.reader.stager import ReaderStaging
@@ -89,12 +90,14 @@ class ReaderCore:
         self.counters = NodeCounters()
         self.faults = faults
         # Keys whose stored block this reader damaged (fault plan) and keys it found corrupt:
-        # a chaos test proves every damage was caught by comparing the two.
-        self.damaged_keys: set[str] = set()
-        self.corrupt_keys: set[str] = set()
-        # Keys whose file the store could not read (an I/O error), and the block writes the store
-        # refused (a full disk, an I/O error).
-        self.unreadable_keys: set[str] = set()
+        # a chaos test proves every damage was caught by comparing the two. Bounded (the newest
+        # settings.bad_key_cap of each, runtime/reader/recent_keys.py): a reader on a failing
+        # disk must not grow them for good; the comparison holds while neither dropped a key.
+        self.damaged_keys = RecentKeys(settings.bad_key_cap)
+        self.corrupt_keys = RecentKeys(settings.bad_key_cap)
+        # Keys whose file the store could not read (an I/O error), bounded the same way, and the
+        # block writes the store refused (a full disk, an I/O error).
+        self.unreadable_keys = RecentKeys(settings.bad_key_cap)
         self.write_refusals = WriteRefusals(settings.node_id)
         # Blocks not published because the bytes the store wrote failed their engine's digest.
         self.persist_mismatches = 0
@@ -430,8 +433,15 @@ class ReaderCore:
         return self.faults.counts()
 
     def integrity_keys(self) -> tuple[list[str], list[str]]:
+        """(keys of blocks this reader damaged, keys it found corrupt): the newest of each, up to
+        settings.bad_key_cap (see __init__)."""
         with self._cond:
             return sorted(self.damaged_keys), sorted(self.corrupt_keys)
+
+    def corrupt_found(self) -> int:
+        """Distinct corrupt blocks found so far, past the cap of the keys remembered too."""
+        with self._cond:
+            return self.corrupt_keys.total
 
     def store_faults(self) -> tuple[list[str], int]:
         """(keys of hit blocks the store could not read, block writes the store refused)."""

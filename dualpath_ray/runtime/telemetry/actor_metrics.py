@@ -67,6 +67,8 @@ class ReaderFigures(Protocol):
 
     def integrity_keys(self) -> tuple[list[str], list[str]]: ...
 
+    def corrupt_found(self) -> int: ...
+
     def store_faults(self) -> tuple[list[str], int]: ...
 
     @property
@@ -97,8 +99,7 @@ class ReaderMetrics:
         for path in PATHS:
             self.totals.update(m.SNIC_READ_BYTES, counters.snic_read[path], {**self.tags, "path": path})
         self.totals.update(m.SNIC_WRITE_BYTES, counters.snic_write, self.tags)
-        _, corrupt = self.core.integrity_keys()
-        self.totals.update(m.STORE_CHECKSUM_FAILURES, len(corrupt), self.tags)
+        self.totals.update(m.STORE_CHECKSUM_FAILURES, self.core.corrupt_found(), self.tags)
         # Writes the store refused and blocks whose bytes failed their engine's digest: neither published.
         self.totals.update(m.STORE_WRITE_FAILURES, self.core.store_faults()[1] + self.core.persist_mismatches, self.tags)
         for outcome, blocks in self.core.staging_counts().items():
