@@ -272,9 +272,7 @@ class StreamDelta:
 class PersistedBlock:
     key: str
     parent: str | None
-    # kv/digest.py persist_digest of the KV its engine computed (runtime.kv_digests; None: off,
-    # or oracle mode): the reader publishes the block only if the bytes the store wrote match it.
-    digest: int | None = None
+    digest: int | None = None  # persist_digest of the KV its engine computed (kv/digest.py; None: not checked)
 
 
 @dataclass(frozen=True)

@@ -258,6 +258,11 @@ class StorageReader(TransportEndpoint):
         return self.core.persist_mismatches
 
     @ray.method(concurrency_group="ctl")
+    def retired_reads(self) -> int:
+        """Store reads stopped because their extent was freed or reclaimed while they ran."""
+        return self.core.retired_reads
+
+    @ray.method(concurrency_group="ctl")
     def counters(self) -> NodeCounters:
         return self.core.counters
 

@@ -1,5 +1,8 @@
 """The storage reader's logic, without Ray: buffer extents, hit-block reads, persists.
 
+Its parts: the extents by owner (runtime/reader/extents.py), tool-time staging (stager.py), the
+block writes (writer.py); the hit-block reads are its own.
+
 `ReaderCore` is what the reader actor (runtime/reader/actor.py) runs for its node, and what the
 unit tests and the in-process engine harness (tests/engine_harness.py) call directly. It is
 handed plain settings (`ReaderSettings`) and its collaborators: the block store, the two
@@ -17,9 +20,7 @@ and counting it made congested decode buffers push reads onto the prefill nodes'
 from __future__ import annotations
 
 import errno
-import logging
 import threading
-import time
 from typing import Callable, Sequence
 
 import numpy as np
@@ -29,35 +30,23 @@ from dualpath_ray.faults.injector import FaultCount
 from dualpath_ray.faults.plan import FaultMode, FaultSite
 from dualpath_ray.faults.store import damage_stored_block
 from dualpath_ray.kv.block_store import BlockStore
-from dualpath_ray.kv.digest import block_digests, full_block_digest
-from dualpath_ray.kv.errors import (
-    BadBlockError, BlockCorruptedError, BlockNotFoundError, IncompatibleBlockError, PersistDigestError,
-)
+from dualpath_ray.kv.digest import block_digests
+from dualpath_ray.kv.errors import BadBlockError, BlockCorruptedError, BlockNotFoundError, IncompatibleBlockError
 from dualpath_ray.kv.layout import KVLayout
 from dualpath_ray.kv.pool import BufferPool, Extent, ExtentState
 from dualpath_ray.protocol.counters import NodeCounters
 from dualpath_ray.protocol.messages import ExtentGrant, PersistedBlock, StagedRead
+from dualpath_ray.runtime.reader.extents import ExtentRetiredError, ReaderExtents, ReclaimedOwnerError
 from dualpath_ray.runtime.reader.recent_keys import RecentKeys
 from dualpath_ray.runtime.reader.settings import ReaderFaults, ReaderSettings
 from dualpath_ray.runtime.reader.snic import ReadTurn, SnicLink
 from dualpath_ray.runtime.reader.stager import ReaderStaging
-from dualpath_ray.runtime.engine.faulty_ports import flip_byte
 from dualpath_ray.runtime.reader.store_errors import WriteRefusals, bad_block_kind
+from dualpath_ray.runtime.reader.writer import BlockWriter
 from dualpath_ray.scheduling.staging import StageOrder
 
-
-LOG = logging.getLogger("dualpath_ray.reader")
-
-MAX_RECLAIMED_OWNERS = 65536  # reclaimed attempts remembered (see ReaderCore._reclaimed)
-
-
-class ReclaimedOwnerError(RuntimeError):
-    """A lease for an attempt whose extents were reclaimed: its engine is gone."""
-
-
-class ExtentRetiredError(RuntimeError):
-    """A store read's extent was freed or reclaimed while the read filled it: the read stopped at
-    its next block and its bytes are nobody's (the slots are free once it ended)."""
+# The errors of leases and reads (runtime/reader/extents.py) are the core's to its callers.
+__all__ = ["ExtentRetiredError", "ReaderCore", "ReaderFaults", "ReaderSettings", "ReclaimedOwnerError"]
 
 
 class ReaderCore:
@@ -79,7 +68,7 @@ class ReaderCore:
         self.node_id = settings.node_id
         self.incarnation = settings.incarnation
         self.layout = layout
-        self.store = store
+        self._store = store
         # A writer that crashed between write and publish left a temporary no reader will ever
         # see (publish is an atomic rename); sweep those once at start so they do not pile up.
         self.swept_temporaries = store.remove_stale_temporaries(settings.stale_temporary_s)
@@ -95,116 +84,68 @@ class ReaderCore:
         # disk must not grow them for good; the comparison holds while neither dropped a key.
         self.damaged_keys = RecentKeys(settings.bad_key_cap)
         self.corrupt_keys = RecentKeys(settings.bad_key_cap)
-        # Keys whose file the store could not read (an I/O error), bounded the same way, and the
-        # block writes the store refused (a full disk, an I/O error).
+        # Keys whose file the store could not read (an I/O error), bounded the same way.
         self.unreadable_keys = RecentKeys(settings.bad_key_cap)
-        self.write_refusals = WriteRefusals(settings.node_id)
-        # Blocks not published because the bytes the store wrote failed their engine's digest.
-        self.persist_mismatches = 0
+        # Store reads stopped because their extent was freed or reclaimed while they ran.
+        self.retired_reads = 0
         self._read_q_tokens = 0
         # Called (under this core's lock) whenever the read queue changed: the actor's reporter.
         self.on_read_q: Callable[[], None] = lambda: None
-        self._extents: dict[int, Extent] = {}
-        # Attempts whose extents were reclaimed (their engine died), oldest first: a lease of
-        # theirs still waiting for room, or arriving late, is refused, or it would hold its
-        # blocks for an owner that will never free them. Bounded: an attempt is reclaimed once.
-        self._reclaimed: dict[str, None] = {}
         self._cond = threading.Condition()
         # Tool-time staging (runtime/reader/stager.py): under this core's lock, fed by its reads.
         self.stager = ReaderStaging(
             self.pool, store, self.snic_read, layout, self.counters, self._cond, settings.stage_cap_blocks
         )
+        # Extents by owner (runtime/reader/extents.py): under this core's lock too.
+        self.extents = ReaderExtents(settings.node_id, self.pool, self._cond, settings.lease_timeout_s, self.stager.relieve)
+        # Persists (runtime/reader/writer.py): the store's refusals, the persist digest check.
+        self.writer = BlockWriter(settings.node_id, layout, store, self.snic_write, faults, self.counters, self._cond)
 
-    # --- extents ------------------------------------------------------------------------
+    @property
+    def store(self) -> BlockStore:
+        return self._store
+
+    @store.setter
+    def store(self, store: BlockStore) -> None:
+        """Reads, staged reads and writes all go to `store` from now on (a test swaps in a fake)."""
+        self._store = self.stager.store = self.writer.store = store
+
+    @property
+    def write_refusals(self) -> WriteRefusals:
+        """Block writes the store refused (a full disk, an I/O error)."""
+        return self.writer.refusals
+
+    @property
+    def persist_mismatches(self) -> int:
+        """Blocks not published because the bytes the store wrote failed their engine's digest."""
+        with self._cond:
+            return self.writer.persist_mismatches
+
+    # --- extents (runtime/reader/extents.py) ------------------------------------------
 
     def lease(self, owner: str, n_blocks: int) -> Extent:
         """Lease n_blocks slots, waiting while the pool is full (back-pressure, not failure)."""
-        if n_blocks < 1:
-            raise ValueError(f"request {owner}: an extent needs at least one block")
-        if n_blocks > self.pool.capacity:
-            raise ValueError(
-                f"request {owner} needs {n_blocks} buffer blocks but node {self.node_id} has "
-                f"{self.pool.capacity}; raise cluster.buffer_blocks_per_node"
-            )
-        return self._wait_for_room(owner, n_blocks, lambda: self.pool.lease(owner, n_blocks))
-
-    def _wait_for_room(self, owner: str, n_blocks: int, take: Callable[[], Extent | None]) -> Extent:
-        """`take` (a lease, or a grow of a claimed staged extent, by n_blocks) once the pool has
-        room, cancelling the oldest unclaimed staged extents when it has not (a real lease comes
-        before a guess), else waiting for frees; the extent is tracked under its owner."""
-        timeout_s = self.settings.lease_timeout_s
-        deadline = time.monotonic() + timeout_s
-        with self._cond:
-            while True:
-                if owner in self._reclaimed:
-                    raise ReclaimedOwnerError(f"node {self.node_id}: {owner}'s engine died; its extents were reclaimed")
-                if (extent := take()) is not None:
-                    break
-                if self.stager.relieve(n_blocks - self.pool.free_blocks()) and (extent := take()) is not None:
-                    break
-                if not self._cond.wait(timeout=max(0.0, deadline - time.monotonic())):
-                    raise TimeoutError(f"node {self.node_id}: no {n_blocks} free buffer blocks in {timeout_s}s")
-            self._extents[extent.extent_id] = extent
-            return extent
+        return self.extents.lease(owner, n_blocks)
 
     def free(self, extent_id: int) -> None:
-        """Give an extent back. Freeing one already freed or reclaimed is a no-op: extent ids are
-        never reused, so a late free can only name that extent, never another lease. One that a
-        transfer still uses (a store read filling it, a store write or D2H pull reading it) is
-        retired: its slots are free once that transfer ends, never while it still writes into
-        or reads out of them (kv/pool.py); a read into it stops at its next block and fails."""
-        with self._cond:
-            self._retire(extent_id)
-
-    def _retire(self, extent_id: int) -> bool:
-        """Stop tracking the extent and retire it in the pool (caller holds the lock); False if
-        it was not tracked (already freed or reclaimed)."""
-        if self._extents.pop(extent_id, None) is None:
-            return False
-        if self.pool.retire(extent_id):
-            self._cond.notify_all()
-        return True
-
-    def _end_transfer(self, extent_id: int) -> bool:
-        """A transfer on the extent ended (caller holds the lock): True if the extent had been
-        retired meanwhile, and so is free now."""
-        if self.pool.end_transfer(extent_id):
-            self._cond.notify_all()
-            return True
-        return False
+        """Give an extent back; a no-op if already freed or reclaimed. One that a transfer
+        still uses (a store read filling it, a write or D2H pull reading it) is free once that
+        transfer ends, and a read into it stops at its next block and fails."""
+        self.extents.free(extent_id)
 
     def begin_write(self, extent_id: int) -> Extent:
-        """The extent is a store write's (or D2H pull's) from now on: a free or reclaim meanwhile
-        retires it, and its slots stay out of the free list until `end_write`. KeyError if it was
-        already freed or reclaimed."""
-        with self._cond:
-            extent = self._extents[extent_id]
-            self.pool.begin_transfer(extent_id)
-            return extent
+        """The extent is a store write's (or D2H pull's) until `end_write`."""
+        return self.extents.begin_write(extent_id)
 
     def end_write(self, extent_id: int) -> None:
-        """The store write from the extent ended (either way): the extent is freed in any case
-        (at once if its owner's free or a reclaim already retired it during the write)."""
-        with self._cond:
-            self._end_transfer(extent_id)
-            self._retire(extent_id)
+        """The write from the extent ended: it is freed in any case."""
+        self.extents.end_write(extent_id)
 
     def reclaim(self, owner: str) -> int:
-        """Retire the extents leased to one attempt that is over (its engine died, or failed it);
-        returns how many. A LEASED one is free at once; one a transfer still uses (a read filling
-        it, a write or pull reading it) is free when that transfer ends, and a read stops at its
-        next block. The attempt's later leases, and one waiting for room now, are refused
-        (ReclaimedOwnerError)."""
-        retired = 0
-        with self._cond:
-            self._reclaimed[owner] = None
-            while len(self._reclaimed) > MAX_RECLAIMED_OWNERS:
-                del self._reclaimed[next(iter(self._reclaimed))]
-            for extent_id, extent in list(self._extents.items()):
-                if extent.owner == owner and self._retire(extent_id):
-                    retired += 1
-            self._cond.notify_all()
-        return retired
+        """Retire the extents of an attempt that is over (its engine died, or failed it); returns
+        how many. One a transfer still uses is free when it ends; the attempt's later leases,
+        and one waiting for room now, are refused (ReclaimedOwnerError)."""
+        return self.extents.reclaim(owner)
 
     def grant(self, extent: Extent, reader: str) -> ExtentGrant:
         """The extent as an engine addresses it: `reader` is this reader's endpoint name (the
@@ -249,18 +190,14 @@ class ReaderCore:
         claimed = self.stager.claim(staged, self.node_id, owner, keys, path, first_block)
         if claimed is None:
             return None
-        with self._cond:
-            self._extents[claimed.extent_id] = claimed  # reclaim(owner) frees it from now on
-            if owner in self._reclaimed:  # reclaimed before it was tracked: nobody else frees it
-                self.free(claimed.extent_id)
-                raise ReclaimedOwnerError(f"node {self.node_id}: {owner}'s engine died; its extents were reclaimed")
+        self.extents.track(claimed)  # reclaim(owner) frees it from now on
         have = claimed.n_blocks
 
         def grown() -> Extent:
             if total_blocks == have:
                 return claimed
             try:
-                return self._wait_for_room(owner, total_blocks - have, lambda: self.pool.grow(claimed.extent_id, total_blocks - have))
+                return self.extents.wait_for_room(owner, total_blocks - have, lambda: self.pool.grow(claimed.extent_id, total_blocks - have))
             except BaseException:
                 self.free(claimed.extent_id)
                 raise
@@ -341,11 +278,11 @@ class ReaderCore:
             wants_digests = digests and self.settings.kv_digests and end > start
             if not keys and not wants_digests:
                 return extent, None
-            self._begin_read(owner, extent)
+            self.extents.begin_read(extent)
 
             def before_read(index: int) -> None:
                 if self.pool.state_of(extent.extent_id) is ExtentState.RETIRING:
-                    raise ExtentRetiredError(self._retired_detail(owner, extent))  # stop: nobody wants these bytes
+                    raise ExtentRetiredError(self.extents.retired_detail(extent))  # stop: nobody wants these bytes
                 if self.faults.active:
                     self._store_read_fault(keys[index])
                 self.snic_read.take(block_bytes)
@@ -360,23 +297,27 @@ class ReaderCore:
             except (BlockNotFoundError, BlockCorruptedError, IncompatibleBlockError, OSError) as exc:
                 # The store raises for the first bad block in key order, the one after the
                 # verified ones: name it, so the scheduler repairs that block and no other.
-                retired = self._end_read(extent)
+                retired = self.extents.end_transfer(extent.extent_id)
                 kind = bad_block_kind(exc)
                 if kind is not None:
                     self._note_bad_block(kind, keys[verified])
                 if retired:
-                    raise ExtentRetiredError(self._retired_detail(owner, extent)) from exc
+                    raise ExtentRetiredError(self.extents.retired_detail(extent)) from exc
                 self.free(extent.extent_id)
                 if kind is None:
                     raise
                 raise BadBlockError(kind, keys[verified], str(exc)) from None
             except BaseException:
-                if not self._end_read(extent):
+                if not self.extents.end_transfer(extent.extent_id):
                     self.free(extent.extent_id)
                 raise
-            if self._end_read(extent):
-                raise ExtentRetiredError(self._retired_detail(owner, extent))
+            if self.extents.end_transfer(extent.extent_id):
+                raise ExtentRetiredError(self.extents.retired_detail(extent))
             return extent, hit_digests
+        except ExtentRetiredError:
+            with self._cond:
+                self.retired_reads += 1
+            raise
         finally:
             turn.end()
             if queued and keys:
@@ -385,23 +326,6 @@ class ReaderCore:
                     if pending:
                         self._read_q_tokens -= pending
                         self.on_read_q()
-
-    def _begin_read(self, owner: str, extent: Extent) -> None:
-        """The read into `extent` becomes its transfer, unless a free or reclaim took the extent
-        between its lease and now (then nothing is read into it: ExtentRetiredError)."""
-        with self._cond:
-            if self._extents.get(extent.extent_id) is None:
-                raise ExtentRetiredError(self._retired_detail(owner, extent))
-            self.pool.begin_transfer(extent.extent_id)
-
-    def _end_read(self, extent: Extent) -> bool:
-        """The read into `extent` ended: True if it was retired meanwhile (and is free now)."""
-        with self._cond:
-            return self._end_transfer(extent.extent_id)
-
-    def _retired_detail(self, owner: str, extent: Extent) -> str:
-        why = "reclaimed (its engine died)" if owner in self._reclaimed else "freed by its owner"
-        return f"node {self.node_id}: extent {extent.extent_id} of {owner} was {why} during its store read"
 
     def _digests(self, extent: Extent, start: int, end: int) -> np.ndarray:
         """Digests of the extent's blocks [start, end), taken while the read is its transfer."""
@@ -449,51 +373,13 @@ class ReaderCore:
             return sorted(self.unreadable_keys), self.write_refusals.count
 
     def write_block(self, block: PersistedBlock, data: torch.Tensor) -> bool:
-        """Persist one Full Block (already in this node's buffer) through the SNIC: True if
-        written, False if already stored; an OSError if the store refused it, PersistDigestError
-        if the bytes the store wrote differ from the engine's digest of the KV it computed
-        (block.digest, runtime.kv_digests): then nothing is published under its key."""
-        self.snic_write.take(self.layout.full_block_bytes)
-        spec = self.faults.decide(FaultSite.STORE_PUBLISH) if self.faults.active else None
-        if spec is not None and spec.mode is FaultMode.FAIL:
-            raise OSError(errno.EIO, f"injected store_publish fault: I/O error writing block {block.key}")
-        if spec is not None and spec.mode is FaultMode.DROP:
-            return True  # a lost write that claims success: a later read of it is a miss
-        if spec is not None and spec.mode is FaultMode.CORRUPT:
-            flip_byte(data, self.faults.corruption_rng)  # the buffer went bad after its engine computed it
-        verify = None if block.digest is None else _digest_check(block)
-        written = self.store.put(block.key, data, parent=block.parent, verify=verify)
-        with self._cond:
-            self.counters.snic_write += self.layout.full_block_bytes
-        return written
+        """BlockWriter.write_block (runtime/reader/writer.py)."""
+        return self.writer.write_block(block, data)
 
     def write_blocks(self, blocks: Sequence[tuple[torch.Tensor, PersistedBlock]]) -> int:
-        """Persist (data, block) pairs in chain order; returns how many leading ones are stored.
-
-        A write the store refuses (any OSError: a full disk, an I/O error, a read-only file
-        system) ends the call without raising: the turn that filled these blocks has its tokens
-        and must not fail for a cache write; its decode engine just does not publish the refused
-        block or any after it (the index is a chain of prefixes, so those could never be hit),
-        and a later turn misses them and recomputes. The blocks after a refused one are not
-        tried, for the same reason. Refusals are counted and logged once per run of them
-        (runtime/reader/store_errors.py). A block whose bytes fail the engine's digest is
-        refused the same way (never published with content its engine did not compute), and
-        counted in `persist_mismatches` and logged, each one: it means KV went wrong in this
-        node's buffer."""
-        for stored, (data, block) in enumerate(blocks):
-            try:
-                self.write_block(block, data)
-            except OSError as exc:
-                self.write_refusals.refused(block.key, exc)
-                return stored
-            except PersistDigestError as exc:
-                with self._cond:
-                    self.persist_mismatches += 1
-                LOG.warning("node %s: %s; not published, nor the blocks after it in its chain", self.node_id, exc)
-                return stored
-        if blocks:
-            self.write_refusals.succeeded()
-        return len(blocks)
+        """BlockWriter.write_blocks: how many leading blocks are stored (a refused write, or one
+        whose bytes fail their engine's digest, ends the chain there without raising)."""
+        return self.writer.write_blocks(blocks)
 
     def write_extent(self, extent_id: int, blocks: Sequence[tuple[int, PersistedBlock]]) -> int:
         """write_blocks of (index in the extent, key) pairs from an extent, then free it in any case."""
@@ -503,16 +389,3 @@ class ReaderCore:
         finally:
             self.end_write(extent_id)
 
-
-def _digest_check(block: PersistedBlock) -> Callable[[torch.Tensor], None]:
-    """The store's check of `block`'s bytes as written, before it publishes them."""
-
-    def check(written: torch.Tensor) -> None:
-        got = full_block_digest(written)
-        if got != block.digest:
-            raise PersistDigestError(
-                f"block {block.key}: the bytes the store wrote have digest {got}, the KV its engine "
-                f"computed {block.digest}"
-            )
-
-    return check

@@ -112,6 +112,7 @@ def test_a_read_whose_extent_is_reclaimed_or_freed_stops_and_the_next_lease_gets
         f"the read of a retired extent fails (no grant certifies its bytes): {read_outcome[0]!r}"
     )
     assert gated.read_after_pause == 0, "the read stops at its next block boundary, reading nothing more"
+    assert core.retired_reads == 1, "the stopped read is counted once"
     assert core.read_q() == 0, "the stopped read leaves nothing in the read queue"
     assert core.pool.check_integrity() == PoolCounts(0, BLOCKS, 0, BLOCKS), "only the next lease holds slots"
     core.free(new.extent_id)
