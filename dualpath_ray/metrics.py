@@ -178,7 +178,7 @@ STORE_WRITE_FAILURES = MetricSpec(
 STAGED_BLOCKS = MetricSpec(
     "dualpath_staged_blocks", MetricKind.COUNTER,
     "Tool-time staging on the node's reader, in blocks, by outcome: staged (read into the buffer ahead), used "
-    "(claimed by the next turn), expired, cancelled (buffer pressure), skipped (order refused), failed (store "
+    "(claimed by the next turn), expired, cancelled (buffer pressure), skipped (order refused or dropped unread), failed (store "
     "read failed), missed (a claim found nothing usable and read them as usual).",
     ("node", "role", "outcome"), "blocks",
 )
