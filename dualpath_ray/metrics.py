@@ -169,14 +169,16 @@ STORE_CHECKSUM_FAILURES = MetricSpec(
 )
 STORE_WRITE_FAILURES = MetricSpec(
     "dualpath_store_write_failures", MetricKind.COUNTER,
-    "Block writes (persists) the store refused (a full disk, an I/O error): the block and those after "
-    "it in its chain are not published, a later turn misses them; the turn itself is served.",
+    "Block writes (persists) the store refused (a full disk, an I/O error), or that the node's reader "
+    "refused because the bytes written differ from the digest of the KV their engine computed "
+    "(runtime.kv_digests): the block and those after it in its chain are not published, a later turn "
+    "misses them; the turn itself is served.",
     ("node", "role"), "writes",
 )
 STAGED_BLOCKS = MetricSpec(
     "dualpath_staged_blocks", MetricKind.COUNTER,
     "Tool-time staging on the node's reader, in blocks, by outcome: staged (read into the buffer ahead), used "
-    "(claimed by the next turn), expired, cancelled (buffer pressure), skipped (order refused), failed (store "
+    "(claimed by the next turn), expired, cancelled (buffer pressure), skipped (order refused or dropped unread), failed (store "
     "read failed), missed (a claim found nothing usable and read them as usual).",
     ("node", "role", "outcome"), "blocks",
 )

@@ -141,6 +141,9 @@ class FakeReaders:
         self.fail_stage = 0
         # While set and not open, leases wait for it on a helper thread (a pool that is full).
         self.lease_gate: threading.Event | None = None
+        # While set and not open, page pulls (persist_pages) wait for it after their lease and
+        # before they copy the pages: a D2H the engine's wait gives up on while it still runs.
+        self.pull_gate: threading.Event | None = None
         self.calls: list[str] = []
         self.engines_by_owner: dict[str, str] = {}
         self._pool = ThreadPoolExecutor(max_workers=4)
@@ -197,11 +200,17 @@ class FakeReaders:
 
         def run() -> int:
             extent = core.lease(owner, len(blocks))
-            size = core.layout.full_block_bytes
-            for slot, (page, _) in zip(extent.slots, blocks):
-                source = self.fabric.view(engine, Region(Pool.HBM, page * size, size))
-                core.pool.full_block(slot).view(-1).copy_(source)
-            return core.write_extent(extent.extent_id, [(i, b) for i, (_, b) in enumerate(blocks)])
+            core.begin_write(extent.extent_id)  # as the actor: reclaim must not free it under the D2H
+            try:
+                if self.pull_gate is not None:
+                    self.pull_gate.wait()
+                size = core.layout.full_block_bytes
+                for slot, (page, _) in zip(extent.slots, blocks):
+                    source = self.fabric.view(engine, Region(Pool.HBM, page * size, size))
+                    core.pool.full_block(slot).view(-1).copy_(source)
+                return core.write_blocks([(core.pool.full_block(slot), b) for slot, (_, b) in zip(extent.slots, blocks)])
+            finally:
+                core.end_write(extent.extent_id)
 
         return _FuturePending(self._pool.submit(self._slow, run))
 
@@ -359,3 +368,40 @@ class FakeKeptState:
 
     def forget(self) -> None:
         self.record = {}
+
+
+# --- a store read caught halfway (runtime/reader/extents.py) ---------------------------------
+
+
+class GatedStore:
+    """A block store (wrapping a real one) whose get_many_into reads one block at a time, as the
+    real one's contract says (before_read(i), the read, on_verified(i)), and before block
+    `pause_at` sets `paused` and waits for `proceed`: a store read a test catches halfway, to
+    free or reclaim its extent under it. `read_after_pause` counts the blocks it read after."""
+
+    def __init__(self, inner: Any, pause_at: int = 1, timeout_s: float = 30.0) -> None:
+        self.inner = inner
+        self.pause_at = pause_at
+        self.timeout_s = timeout_s
+        self.paused = threading.Event()
+        self.proceed = threading.Event()
+        self.read_after_pause = 0
+
+    def get_many_into(
+        self, keys: Sequence[str], outs: Sequence[torch.Tensor],
+        before_read: Callable[[int], object] | None = None, on_verified: Callable[[int], object] | None = None,
+    ) -> None:
+        for index, (key, out) in enumerate(zip(keys, outs)):
+            if index == self.pause_at:
+                self.paused.set()
+                assert self.proceed.wait(self.timeout_s), "the test never let the gated read go on"
+            if before_read is not None:
+                before_read(index)
+            self.inner.get_into(key, out)
+            if index >= self.pause_at:
+                self.read_after_pause += 1
+            if on_verified is not None:
+                on_verified(index)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)

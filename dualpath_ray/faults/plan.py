@@ -40,7 +40,9 @@ class CallPhase(str, enum.Enum):
 
 MODES_BY_SITE: dict[FaultSite, frozenset[FaultMode]] = {
     FaultSite.STORE_READ: frozenset({FaultMode.FAIL, FaultMode.CORRUPT, FaultMode.DELAY, FaultMode.KILL}),
-    FaultSite.STORE_PUBLISH: frozenset({FaultMode.FAIL, FaultMode.DROP, FaultMode.DELAY, FaultMode.KILL}),
+    # corrupt: one byte of the block's buffer flipped just before the store writes it (after its
+    # engine computed it), which only the persist digest (runtime.kv_digests) can catch
+    FaultSite.STORE_PUBLISH: frozenset({FaultMode.FAIL, FaultMode.CORRUPT, FaultMode.DROP, FaultMode.DELAY, FaultMode.KILL}),
     FaultSite.LAYER_TRANSFER: frozenset({FaultMode.FAIL, FaultMode.CORRUPT, FaultMode.DELAY, FaultMode.KILL}),
     FaultSite.BUFFER_TO_HBM: frozenset({FaultMode.FAIL, FaultMode.CORRUPT, FaultMode.DELAY, FaultMode.KILL}),
     FaultSite.ACTOR_CALL: frozenset({FaultMode.FAIL, FaultMode.DELAY, FaultMode.KILL}),

@@ -29,11 +29,13 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
-    "KEY_PATTERN", "BlockCorruptedError", "BlockHook", "BlockNotFoundError", "BlockStore",
+    "KEY_PATTERN", "BlockCheck", "BlockCorruptedError", "BlockHook", "BlockNotFoundError", "BlockStore",
     "IncompatibleBlockError", "byte_view", "check_batch", "check_host_block", "validate_key",
 ]
 
 BlockHook = Callable[[int], object]
+# Checks a block's bytes as a put wrote them, before they are published; raises to refuse them.
+BlockCheck = Callable[["torch.Tensor"], None]
 
 
 def check_host_block(layout: KVLayout, block: torch.Tensor, what: str) -> None:
@@ -73,10 +75,18 @@ class BlockStore(ABC):
         return None
 
     @abstractmethod
-    def put(self, key: str, block: torch.Tensor, parent: str | None = None) -> bool:
+    def put(
+        self, key: str, block: torch.Tensor, parent: str | None = None, verify: BlockCheck | None = None
+    ) -> bool:
         """Store `block` under `key`, after block `parent`. False only if a valid block of this
         layout is already stored under `key` (a key names its content: it is this block); what
-        is stored there and is not (another layout, a damaged file) is replaced."""
+        is stored there and is not (another layout, a damaged file) is replaced.
+
+        `verify`, if given, is called with the block once its bytes are written and before they
+        are published; if it raises, nothing is published under `key` (a miss, as a failed
+        write leaves) and the error propagates. It is the end-to-end check of persisted KV
+        (runtime/reader/core.py write_block): the bytes the store took, against the engine's
+        digest of what it computed."""
 
     @abstractmethod
     def get_into(self, key: str, out: torch.Tensor) -> None:

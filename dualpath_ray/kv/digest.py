@@ -7,9 +7,15 @@ used. A digest is one int64 per (layer, token): a Fletcher-style pair of sums ov
 bytes (plain and position-weighted), computed with tensor ops on the device where the KV is,
 so checking costs a few passes over data that is already there, and only digests travel.
 Any single flipped byte changes its token's digest (the plain sum changes by an odd amount).
+
+A persisted block carries one digest of its own (`persist_digest`): its per-token digests folded
+into one int64, from the engine that computed its KV; the reader checks the bytes the store
+wrote against it before the block is published (runtime/reader/core.py write_block).
 """
 
 from __future__ import annotations
+
+import hashlib
 
 import numpy as np
 import torch
@@ -72,3 +78,16 @@ def mismatched_tokens(got: np.ndarray, want: np.ndarray) -> np.ndarray:
     if got.shape != want.shape:
         raise ValueError(f"digest shapes differ: {got.shape} vs {want.shape}")
     return np.flatnonzero(got != want)
+
+
+def persist_digest(per_token: np.ndarray) -> int:
+    """One Full Block's [n_layer, block_size] per-token digests folded into one signed int64
+    (what a PersistedBlock carries): a hash of them in (layer, token) order, so a moved token
+    changes it as a changed byte does."""
+    folded = hashlib.blake2b(np.ascontiguousarray(per_token, dtype=np.int64).tobytes(), digest_size=8)
+    return int.from_bytes(folded.digest(), "little", signed=True)
+
+
+def full_block_digest(block: torch.Tensor) -> int:
+    """persist_digest of one Full Block [n_layer, block_size, bytes] (on its own device)."""
+    return persist_digest(block_digests(block.unsqueeze(0), block.shape[1]))

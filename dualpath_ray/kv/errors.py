@@ -35,3 +35,8 @@ class BadBlockError(Exception):
 
 class IncompatibleBlockError(ValueError):
     """A block was written with another format version or KV layout than this store's."""
+
+
+class PersistDigestError(Exception):
+    """A block on its way to the store differs from the digest of the KV its engine computed
+    (runtime.kv_digests): the store publishes nothing under its key (see BlockStore.put)."""

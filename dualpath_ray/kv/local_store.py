@@ -21,6 +21,7 @@ from dualpath_ray.kv.block_format import (
 )
 from dualpath_ray.kv.block_store import (
     KEY_PATTERN,
+    BlockCheck,
     BlockCorruptedError,
     BlockHook,
     BlockNotFoundError,
@@ -91,12 +92,19 @@ class LocalDirStore(BlockStore):
         key = validate_key(key)
         return f"{self._root_text}/{key[:2]}/{key[2:4]}/{key}{BLOCK_SUFFIX}"
 
-    def put(self, key: str, block: torch.Tensor, parent: str | None = None) -> bool:
+    def put(
+        self, key: str, block: torch.Tensor, parent: str | None = None, verify: BlockCheck | None = None
+    ) -> bool:
         """BlockStore.put. False only when a valid block of this layout and key is already
         published (its header and size checked, not its payload: a key names its content, so it
         is this block). Anything else at the path (a block of another layout or format version,
         a torn or foreign file) is replaced by this block with the same atomic rename a first
-        put uses, so a block reported persisted is always one a read of this layout accepts."""
+        put uses, so a block reported persisted is always one a read of this layout accepts.
+
+        `verify` runs on the buffer after it was written to the temporary, before the rename
+        (a raise deletes the temporary): the header's checksum was taken before the write, so a
+        buffer that changed under the write either fails that checksum at every read or fails
+        `verify`; what is published is what `verify` accepted."""
         path = self.path_of(key)
         if parent is not None:
             validate_key(parent)
@@ -115,6 +123,8 @@ class LocalDirStore(BlockStore):
                     os.fsync(fd)
             finally:
                 os.close(fd)
+            if verify is not None:
+                verify(block)
             os.replace(temp, path)
         except BaseException:
             temp.unlink(missing_ok=True)

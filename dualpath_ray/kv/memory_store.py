@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from dualpath_ray.kv.block_format import BlockHeader, checksum, verify_payload
 from dualpath_ray.kv.block_store import (
+    BlockCheck,
     BlockNotFoundError,
     BlockStore,
     byte_view,
@@ -78,13 +79,19 @@ class MemoryStore(BlockStore):
         """Run `hook(key)` before each put is published (raising leaves a miss); None removes it."""
         self._before_put = hook
 
-    def put(self, key: str, block: torch.Tensor, parent: str | None = None) -> bool:
+    def put(
+        self, key: str, block: torch.Tensor, parent: str | None = None, verify: BlockCheck | None = None
+    ) -> bool:
         validate_key(key)
         if parent is not None:
             validate_key(parent)
         check_host_block(self.layout, block, "block")
         payload = bytearray(byte_view(block))
         header = BlockHeader.for_block(self.layout, key, parent, checksum(payload))
+        if verify is not None:  # the bytes as this store holds them
+            import torch
+
+            verify(torch.frombuffer(payload, dtype=torch.uint8).view(block.shape))
         with self._lock:
             if self._failing_puts:
                 self._failing_puts -= 1

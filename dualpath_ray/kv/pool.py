@@ -7,7 +7,15 @@ slots; layer-by-layer movement uses Layer Block views of them. Nothing is copied
 
 An extent's lifecycle is FREE -> LEASED -> (IN_FLIGHT -> LEASED)* -> FREE, and every move goes
 through `transition`, so an extent cannot be released while a transfer still writes into it,
-nor a transfer begun on slots that were handed back.
+nor a transfer begun on slots that were handed back. A transfer is anything that reads into or
+out of the slots: a store read filling them, a store write or a D2H pull using them.
+
+An owner that is done with an extent whatever it is doing (its engine died and the extent is
+reclaimed; its engine freed it while a read still fills it) retires it: a LEASED extent is
+free at once; an IN_FLIGHT one becomes RETIRING, takes no new transfer, and its slots return
+to the free list only when the transfer ends (IN_FLIGHT -> RETIRING -> FREE). A slot is free only
+when nothing reads into or out of it; the transfer learns it was retired (`state_of`) and may
+stop early, at its next block.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ class ExtentState(enum.Enum):
     FREE = "free"
     LEASED = "leased"
     IN_FLIGHT = "in_flight"
+    RETIRING = "retiring"  # retired during a transfer: free when that transfer ends
 
 
 class ExtentEvent(enum.Enum):
@@ -35,6 +44,7 @@ class ExtentEvent(enum.Enum):
     BEGIN_TRANSFER = "begin_transfer"
     END_TRANSFER = "end_transfer"
     RELEASE = "release"
+    RETIRE = "retire"
 
 
 _MOVES = {
@@ -42,11 +52,15 @@ _MOVES = {
     (ExtentState.LEASED, ExtentEvent.BEGIN_TRANSFER): ExtentState.IN_FLIGHT,
     (ExtentState.IN_FLIGHT, ExtentEvent.END_TRANSFER): ExtentState.LEASED,
     (ExtentState.LEASED, ExtentEvent.RELEASE): ExtentState.FREE,
+    (ExtentState.LEASED, ExtentEvent.RETIRE): ExtentState.FREE,
+    (ExtentState.IN_FLIGHT, ExtentEvent.RETIRE): ExtentState.RETIRING,
+    (ExtentState.RETIRING, ExtentEvent.END_TRANSFER): ExtentState.FREE,
 }
 _HINTS = {
     ExtentState.FREE: "the extent is not leased (never leased, or already released)",
     ExtentState.LEASED: "the extent is leased with no transfer in flight",
     ExtentState.IN_FLIGHT: "a transfer is in flight: end_transfer first (one transfer at a time)",
+    ExtentState.RETIRING: "it was retired during a transfer: only that transfer's end_transfer (which frees it)",
 }
 
 
@@ -82,12 +96,14 @@ class Extent:
 
 
 class PoolCounts(NamedTuple):
-    """Slots by state; free + leased + in_flight == capacity always."""
+    """Slots by state; free + leased + in_flight == capacity always. `retiring` counts the
+    in_flight slots already retired (free once their transfer ends): they are not free."""
 
     free: int
     leased: int
     in_flight: int
     capacity: int
+    retiring: int = 0
 
 
 @dataclass
@@ -174,12 +190,18 @@ class BufferPool:
         """Mark the extent as the target or source of a transfer in progress."""
         self._move(extent_id, ExtentEvent.BEGIN_TRANSFER)
 
-    def end_transfer(self, extent_id: int) -> None:
-        self._move(extent_id, ExtentEvent.END_TRANSFER)
+    def end_transfer(self, extent_id: int) -> bool:
+        """The transfer ended: LEASED again (False), or freed if it was retired meanwhile (True)."""
+        return self._move(extent_id, ExtentEvent.END_TRANSFER) is ExtentState.FREE
 
     def release(self, extent_id: int) -> None:
         """Give the extent's slots back; illegal while a transfer is in flight."""
         self._move(extent_id, ExtentEvent.RELEASE)
+
+    def retire(self, extent_id: int) -> bool:
+        """The owner is done with the extent: free now if LEASED (True), else RETIRING, freed by
+        the end_transfer of the transfer in flight (False)."""
+        return self._move(extent_id, ExtentEvent.RETIRE) is ExtentState.FREE
 
     def state_of(self, extent_id: int) -> ExtentState:
         with self._lock:
@@ -218,13 +240,15 @@ class BufferPool:
             holder: list[str | None] = [None] * self.capacity
             for slot in self._free:
                 self._claim(holder, slot, "the free list")
-            counts = {ExtentState.LEASED: 0, ExtentState.IN_FLIGHT: 0}
+            counts = {ExtentState.LEASED: 0, ExtentState.IN_FLIGHT: 0, ExtentState.RETIRING: 0}
             for extent_id, lease in self._leases.items():
                 for slot in lease.extent.slots:
                     self._claim(holder, slot, f"extent {extent_id}")
                 counts[lease.state] += lease.extent.n_blocks
+            retiring = counts[ExtentState.RETIRING]
             result = PoolCounts(
-                len(self._free), counts[ExtentState.LEASED], counts[ExtentState.IN_FLIGHT], self.capacity
+                len(self._free), counts[ExtentState.LEASED], counts[ExtentState.IN_FLIGHT] + retiring,
+                self.capacity, retiring,
             )
         if result.free + result.leased + result.in_flight != self.capacity:
             lost = [slot for slot, who in enumerate(holder) if who is None]
@@ -257,7 +281,7 @@ class BufferPool:
             )
         return lease
 
-    def _move(self, extent_id: int, event: ExtentEvent) -> None:
+    def _move(self, extent_id: int, event: ExtentEvent) -> ExtentState:
         with self._lock:
             lease = self._leases.get(extent_id)
             current = ExtentState.FREE if lease is None else lease.state
@@ -269,3 +293,4 @@ class BufferPool:
                 self._free.extend(reversed(lease.extent.slots))
             else:
                 lease.state = target
+            return target

@@ -237,6 +237,7 @@ class StreamDelta:
 class PersistedBlock:
     key: str
     parent: str | None
+    digest: int | None = None  # persist_digest of the KV its engine computed (kv/digest.py; None: not checked)
 
 
 @dataclass(frozen=True)

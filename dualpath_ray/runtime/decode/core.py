@@ -47,6 +47,7 @@ from dualpath_ray.protocol.messages import (
     newest_holdings,
 )
 from dualpath_ray.runtime.engine.outbox import Outbox
+from dualpath_ray.runtime.engine.ports import Pending
 from dualpath_ray.scheduling import EngineLoad
 from dualpath_ray.scheduling.types import StopReason
 
@@ -80,6 +81,12 @@ class DecodeCore:
         self._cancelled = CancelledAttempts(settings.cancel_horizon_s, ports.clock)
         self._table = DecodeJobTable(self.jobs, self._lock, self._cancelled)
         self._aborting: set[str] = set()
+        # Pages of failed jobs that a page pull (persist_pages: the reader's D2H of filled pages)
+        # may still be reading, by owner: kept reserved until every such pull replied, so no
+        # other request's KV lands in a page the reader is copying into a block under this
+        # job's key. Each pull ends on its own (the reader's lease and transfer timeouts, or
+        # its death fails the call).
+        self._pulled: dict[str, list[Pending[int]]] = {}
         self.intake = DecodeIntake(
             settings, layout, compute, pages, ports, store, self._table,
             IntakeHooks(run=self._run, fail=self._fail, report=self._report),
@@ -163,8 +170,10 @@ class DecodeCore:
             return self.intake.has_arrivals_locked() or loading
 
     def busy(self) -> bool:
+        """Whether the engine holds any request, or pages a reader may still pull (its memory
+        must not be released under them)."""
         with self._lock:
-            return bool(self.jobs) or self.intake.has_arrivals_locked() or bool(len(self.outbox))
+            return bool(self.jobs) or self.intake.has_arrivals_locked() or bool(len(self.outbox)) or bool(self._pulled)
 
     # --- the worker thread ----------------------------------------------------------------
 
@@ -177,6 +186,7 @@ class DecodeCore:
         did |= self._decode_once()
         did |= self._advance_persists()
         did |= self._finish_ready()
+        did |= self._release_pulled()
         self._send_report()
         return did
 
@@ -311,7 +321,11 @@ class DecodeCore:
 
     def _fail(self, job: DecodeJob, error: BaseException, report: bool = True) -> None:
         """Wait out the request's transfers (the reader may still read its pages), free all it
-        holds, report the error (unless it was aborted: its caller has its answer)."""
+        holds, report the error (unless it was aborted: its caller has its answer). A page pull
+        still running after its wait timed out keeps the job's pages reserved until it ends
+        (`_release_pulled`): a timed-out wait says nothing about the reader having stopped. (The
+        prompt load is a transport transfer, which a timed-out wait aborts: no byte of it lands
+        after.)"""
         if job.state in (DecodeState.DONE, DecodeState.FAILED):
             return
         for pending in [job.load, job.extent_persist] + [p for p, _ in job.persists]:
@@ -321,6 +335,7 @@ class DecodeCore:
                 pending.wait(self.settings.transfer_timeout_s)
             except Exception:  # noqa: BLE001 - only that it ended matters now
                 pass
+        pulls = [pending for pending, _ in job.persists if not _ended(pending)]
         self.persistence.abandon(job)
         job.load = None
         if job.handoff is not None and job.handoff.extent is not None:
@@ -331,17 +346,36 @@ class DecodeCore:
                 # extent then, and leaves it to the write that is using it otherwise.
                 self.ports.readers.reclaim(job.handoff.extent.node_id, job.owner)
         transition(job, DecodeState.FAILED)
-        self._forget(job)
+        self._forget(job, pulls)
         spec = job.handoff.task.request if job.handoff else None
         if spec is not None and report:
             self.stats.failures += 1
             self._report(failure_of(spec, self.settings.engine_id, error))
 
-    def _forget(self, job: DecodeJob) -> None:
+    def _forget(self, job: DecodeJob, pulls: Sequence[Pending[int]] = ()) -> None:
+        """The job leaves the engine; its pages are released now, or once `pulls` (page pulls
+        that may still read them) ended."""
         with self._lock:
             self.jobs.pop(job.owner, None)
-            self.pages.release(job.owner)
+            if pulls:
+                self._pulled[job.owner] = list(pulls)
+            else:
+                self.pages.release(job.owner)
         self.compute.release(job.compute_state)
+
+    def _release_pulled(self) -> bool:
+        """Release the pages of failed jobs whose page pulls have all ended (a pull's reply wakes
+        the worker: RefPending)."""
+        with self._lock:
+            held = list(self._pulled.items())
+        ended = [owner for owner, pulls in held if all(_ended(p) for p in pulls)]
+        if not ended:
+            return False
+        with self._lock:
+            for owner in ended:
+                del self._pulled[owner]
+                self.pages.release(owner)
+        return True
 
     def _report(self, result: TurnResult) -> None:
         """The turn ended: its result leaves with this step's report."""
@@ -349,3 +383,11 @@ class DecodeCore:
 
     def _jobs_in(self, *states: DecodeState) -> list[DecodeJob]:
         return self._table.in_states(*states)
+
+
+def _ended(pending: Pending[int]) -> bool:
+    """Whether a call or transfer is over, either way (an error is an end too)."""
+    try:
+        return pending.done()
+    except Exception:  # noqa: BLE001 - it failed: it ended
+        return True

@@ -10,6 +10,11 @@ only after every one of its blocks is settled (`pending`), so the next turn neve
 block this one produced. Keys extend the chain block by block (`next_block_key`), O(n) per
 request. Oracle mode writes each block from its page into the store in place.
 
+Each block carries the digest of the KV this engine holds for it (runtime.kv_digests: the prefill
+engine's digests for a computed prompt block, the page's for one filled while decoding); the
+reader publishes it only if the bytes the store wrote match (runtime/reader/core.py write_block),
+and a mismatch is refused like a full disk.
+
 A block the store refuses (a full disk, an I/O error: the reader answers with how many leading
 blocks of a persist it stored) never fails the turn: its tokens are served, and the turn
 publishes (`publish`) only its chain up to the first block not stored, since the index is a
@@ -24,6 +29,7 @@ from collections import deque
 from typing import Sequence
 
 from dualpath_ray.kv.block_store import BlockStore
+from dualpath_ray.kv.digest import full_block_digest, persist_digest
 from dualpath_ray.kv.index import next_block_key
 from dualpath_ray.kv.layout import KVLayout
 from dualpath_ray.kv.paged import PagedKVPool
@@ -67,7 +73,7 @@ class DecodePersistence:
         first = task.hit_tokens // size
         blocks = []
         for block in range(first, job.prompt_len // size):
-            blocks.append((block, self._next_key(job, block)))
+            blocks.append((block, self._next_key(job, block, self._prompt_digest(job, block))))
         if task.oracle:
             for block, persisted in blocks:
                 self._oracle_write(job, block, persisted)
@@ -86,13 +92,20 @@ class DecodePersistence:
         """A decode step filled the job's `block`: keyed now (the chain is in token order), and
         written at once in oracle mode or queued for the reader to pull from its page."""
         assert job.handoff is not None
-        persisted = self._next_key(job, block)
+        oracle = job.handoff.task.oracle
+        page = self.pages.table(job.owner)[block]
+        # The page as this engine computed it: the reader publishes the block only if what it
+        # pulled and the store wrote is this (the pull may come much later).
+        digest = None
+        if self.settings.kv_digests and not oracle and not job.refused:
+            digest = full_block_digest(self.pages.page(page))
+        persisted = self._next_key(job, block, digest)
         if job.refused:
             return  # a block after a refused one could never be hit: not written at all
-        if job.handoff.task.oracle:
+        if oracle:
             self._oracle_write(job, block, persisted)
         else:
-            job.queued.append((self.pages.table(job.owner)[block], persisted))
+            job.queued.append((page, persisted))
 
     def pending(self, job: DecodeJob) -> bool:
         """Whether a block of the job is still queued or on its way (its turn cannot end yet)."""
@@ -173,11 +186,22 @@ class DecodePersistence:
         self._in_flight -= sum(len(blocks) for _, blocks in job.persists)
         job.persists, job.queued, job.extent_persist = [], deque(), None
 
-    def _next_key(self, job: DecodeJob, block: int) -> PersistedBlock:
+    def _prompt_digest(self, job: DecodeJob, block: int) -> int | None:
+        """The digest of a computed prompt block, from the prefill engine's per-token digests
+        of the KV it computed (which the load into this engine's pages was checked against);
+        None when runtime.kv_digests is off or the handoff carries none (oracle mode)."""
+        assert job.handoff is not None
+        digests = job.handoff.digests
+        size = self.layout.block_size
+        if not self.settings.kv_digests or digests is None or digests.shape[1] < (block + 1) * size:
+            return None
+        return persist_digest(digests[:, block * size : (block + 1) * size])
+
+    def _next_key(self, job: DecodeJob, block: int, digest: int | None = None) -> PersistedBlock:
         assert job.handoff is not None
         size = self.layout.block_size
         key = next_block_key(job.parent_key, job.tokens[block * size : (block + 1) * size], job.handoff.task.request.namespace)
-        persisted = PersistedBlock(key, job.parent_key)
+        persisted = PersistedBlock(key, job.parent_key, digest)
         job.parent_key = key
         job.chain.append(persisted)
         return persisted

@@ -12,7 +12,9 @@ as a Ray actor with a transport, metrics and the read-queue reporter.
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
 import time
 
 import ray
@@ -31,6 +33,7 @@ from dualpath_ray.runtime.engine.directory import ActorDirectory
 from dualpath_ray.protocol.messages import ExtentGrant, PersistedBlock, ReaderReport, StagedRead
 from dualpath_ray.runtime.reader.core import ReaderCore, ReaderSettings
 from dualpath_ray.runtime.reader.expiry_timer import ExpiryTimer
+from dualpath_ray.runtime.reader.stage_queue import StageQueue
 from dualpath_ray.scheduling.staging import StageOrder
 from dualpath_ray.runtime.reader.queue_reporter import QueueReporter
 from dualpath_ray.runtime.engine.ray_ports import scheduler_channel
@@ -41,6 +44,8 @@ from dualpath_ray.runtime.transport.moves import PeerDiedError, Region
 from dualpath_ray.runtime.transport.endpoint import TransportEndpoint, endpoint_actor_options
 from dualpath_ray.runtime.transport.factory import make_transport
 
+
+LOG = logging.getLogger("dualpath_ray.reader")
 
 
 def build_core(
@@ -72,9 +77,10 @@ def build_core(
 
 
 # "io" methods may wait for free buffer blocks or the SNIC; freeing runs on "ctl", so a full
-# pool can always drain. Staging orders run on "stage", one at a time: they wait while real
-# reads are active, and on "io" threads that wait would keep real reads from starting.
-@ray.remote(**endpoint_actor_options(extra_concurrency_groups={"io": 16, "ctl": 8, "stage": 1}))
+# pool can always drain. Staging orders are queued on arrival (runtime/reader/stage_queue.py) and
+# read by one thread of their own, one at a time: they wait while real reads are active, and on
+# "io" threads that wait would keep real reads from starting.
+@ray.remote(**endpoint_actor_options(extra_concurrency_groups={"io": 16, "ctl": 8}))
 class StorageReader(TransportEndpoint):
     """The per-node reader actor (`reader/<node>`): a thin shell around ReaderCore."""
 
@@ -96,10 +102,15 @@ class StorageReader(TransportEndpoint):
         self.transport.seal()
         self.metrics = ReaderMetrics.start(cfg, self.core)
         # Staged extents are freed at their deadlines (receipt + ttl_s) on this process's
-        # monotonic clock, which stage_ahead stamps them with: no polling while none is staged.
+        # monotonic clock, which the stage queue stamps orders with on arrival: no polling while
+        # none is staged.
         self.clock = time.monotonic
         self.expiry = ExpiryTimer(self.core.expire, self.clock)
         self.core.stager.on_deadline = self.expiry.scheduled
+        # Orders wait here for the staging thread, bounded, timed from their arrival.
+        self.stage_queue = StageQueue(max(1, self.core.settings.stage_cap_blocks), self.clock, self.core.stager.dropped)
+        self.stager = threading.Thread(target=self._stage_orders, name=f"stage-{endpoint}", daemon=True)
+        self.stager.start()
         # The scheduler learns this node's read queue from here, when it changes (and this
         # incarnation at once: a new one tells it the old process and its extents are gone).
         self.reporter = QueueReporter(
@@ -150,13 +161,19 @@ class StorageReader(TransportEndpoint):
         with self.metrics.kv_load(path, len(keys)):
             return self.core.stage(owner, keys, total_blocks, path, self.name, first_block, staged)
 
-    @ray.method(concurrency_group="stage")
+    @ray.method(concurrency_group="ctl")
     def stage_ahead(self, orders: list[StageOrder]) -> None:
-        """Read tool-time staging orders ahead (scheduling/staging.py), one after another, behind
-        every real read; each is held until this call's start + its ttl_s."""
-        received = self.clock()
-        for order in orders:
-            self.core.stage_ahead(order, received)
+        """Queue tool-time staging orders (scheduling/staging.py), read ahead one after another
+        behind every real read; each lives until its arrival here + its ttl_s, waiting or held."""
+        self.stage_queue.submit(orders)
+
+    def _stage_orders(self) -> None:
+        """The staging thread: the queue's orders, oldest first, each read by the core."""
+        while (queued := self.stage_queue.take()) is not None:
+            try:
+                self.core.stage_ahead(queued.order, queued.received)
+            except Exception:  # noqa: BLE001 - one order's failure must not stop staging
+                LOG.exception("%s: staging order %s failed", self.name, queued.order.stage_id)
 
     @ray.method(concurrency_group="ctl")
     def staging_counts(self) -> dict[str, int]:
@@ -234,6 +251,16 @@ class StorageReader(TransportEndpoint):
     def store_faults(self) -> tuple[list[str], int]:
         """(keys of hit blocks the store could not read, block writes the store refused)."""
         return self.core.store_faults()
+
+    @ray.method(concurrency_group="ctl")
+    def persist_mismatches(self) -> int:
+        """Blocks not published because the bytes the store wrote failed their engine's digest."""
+        return self.core.persist_mismatches
+
+    @ray.method(concurrency_group="ctl")
+    def retired_reads(self) -> int:
+        """Store reads stopped because their extent was freed or reclaimed while they ran."""
+        return self.core.retired_reads
 
     @ray.method(concurrency_group="ctl")
     def counters(self) -> NodeCounters:

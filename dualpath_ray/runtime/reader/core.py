@@ -1,5 +1,8 @@
 """The storage reader's logic, without Ray: buffer extents, hit-block reads, persists.
 
+Its parts: the extents by owner (runtime/reader/extents.py), tool-time staging (stager.py), the
+block writes (writer.py); the hit-block reads are its own.
+
 `ReaderCore` is what the reader actor (runtime/reader/actor.py) runs for its node, and what the
 unit tests and the in-process engine harness (tests/engine_harness.py) call directly. It is
 handed plain settings (`ReaderSettings`) and its collaborators: the block store, the two
@@ -18,9 +21,9 @@ from __future__ import annotations
 
 import errno
 import threading
-import time
 from typing import Callable, Sequence
 
+import numpy as np
 import torch
 
 from dualpath_ray.faults.injector import FaultCount
@@ -33,18 +36,17 @@ from dualpath_ray.kv.layout import KVLayout
 from dualpath_ray.kv.pool import BufferPool, Extent, ExtentState
 from dualpath_ray.protocol.counters import NodeCounters
 from dualpath_ray.protocol.messages import ExtentGrant, PersistedBlock, StagedRead
+from dualpath_ray.runtime.reader.extents import ExtentRetiredError, ReaderExtents, ReclaimedOwnerError
+from dualpath_ray.runtime.reader.recent_keys import RecentKeys
 from dualpath_ray.runtime.reader.settings import ReaderFaults, ReaderSettings
 from dualpath_ray.runtime.reader.snic import ReadTurn, SnicLink
 from dualpath_ray.runtime.reader.stager import ReaderStaging
 from dualpath_ray.runtime.reader.store_errors import WriteRefusals, bad_block_kind
+from dualpath_ray.runtime.reader.writer import BlockWriter
 from dualpath_ray.scheduling.staging import StageOrder
 
-
-MAX_RECLAIMED_OWNERS = 65536  # reclaimed attempts remembered (see ReaderCore._reclaimed)
-
-
-class ReclaimedOwnerError(RuntimeError):
-    """A lease for an attempt whose extents were reclaimed: its engine is gone."""
+# The errors of leases and reads (runtime/reader/extents.py) are the core's to its callers.
+__all__ = ["ExtentRetiredError", "ReaderCore", "ReaderFaults", "ReaderSettings", "ReclaimedOwnerError"]
 
 
 class ReaderCore:
@@ -66,7 +68,7 @@ class ReaderCore:
         self.node_id = settings.node_id
         self.incarnation = settings.incarnation
         self.layout = layout
-        self.store = store
+        self._store = store
         # A writer that crashed between write and publish left a temporary no reader will ever
         # see (publish is an atomic rename); sweep those once at start so they do not pile up.
         self.swept_temporaries = store.remove_stale_temporaries(settings.stale_temporary_s)
@@ -77,100 +79,73 @@ class ReaderCore:
         self.counters = NodeCounters()
         self.faults = faults
         # Keys whose stored block this reader damaged (fault plan) and keys it found corrupt:
-        # a chaos test proves every damage was caught by comparing the two.
-        self.damaged_keys: set[str] = set()
-        self.corrupt_keys: set[str] = set()
-        # Keys whose file the store could not read (an I/O error), and the block writes the store
-        # refused (a full disk, an I/O error).
-        self.unreadable_keys: set[str] = set()
-        self.write_refusals = WriteRefusals(settings.node_id)
+        # a chaos test proves every damage was caught by comparing the two. Bounded (the newest
+        # settings.bad_key_cap of each, runtime/reader/recent_keys.py): a reader on a failing
+        # disk must not grow them for good; the comparison holds while neither dropped a key.
+        self.damaged_keys = RecentKeys(settings.bad_key_cap)
+        self.corrupt_keys = RecentKeys(settings.bad_key_cap)
+        # Keys whose file the store could not read (an I/O error), bounded the same way.
+        self.unreadable_keys = RecentKeys(settings.bad_key_cap)
+        # Store reads stopped because their extent was freed or reclaimed while they ran.
+        self.retired_reads = 0
         self._read_q_tokens = 0
         # Called (under this core's lock) whenever the read queue changed: the actor's reporter.
         self.on_read_q: Callable[[], None] = lambda: None
-        self._extents: dict[int, Extent] = {}
-        # Attempts whose extents were reclaimed (their engine died), oldest first: a lease of
-        # theirs still waiting for room, or arriving late, is refused, or it would hold its
-        # blocks for an owner that will never free them. Bounded: an attempt is reclaimed once.
-        self._reclaimed: dict[str, None] = {}
         self._cond = threading.Condition()
         # Tool-time staging (runtime/reader/stager.py): under this core's lock, fed by its reads.
         self.stager = ReaderStaging(
             self.pool, store, self.snic_read, layout, self.counters, self._cond, settings.stage_cap_blocks
         )
+        # Extents by owner (runtime/reader/extents.py): under this core's lock too.
+        self.extents = ReaderExtents(settings.node_id, self.pool, self._cond, settings.lease_timeout_s, self.stager.relieve)
+        # Persists (runtime/reader/writer.py): the store's refusals, the persist digest check.
+        self.writer = BlockWriter(settings.node_id, layout, store, self.snic_write, faults, self.counters, self._cond)
 
-    # --- extents ------------------------------------------------------------------------
+    @property
+    def store(self) -> BlockStore:
+        return self._store
+
+    @store.setter
+    def store(self, store: BlockStore) -> None:
+        """Reads, staged reads and writes all go to `store` from now on (a test swaps in a fake)."""
+        self._store = self.stager.store = self.writer.store = store
+
+    @property
+    def write_refusals(self) -> WriteRefusals:
+        """Block writes the store refused (a full disk, an I/O error)."""
+        return self.writer.refusals
+
+    @property
+    def persist_mismatches(self) -> int:
+        """Blocks not published because the bytes the store wrote failed their engine's digest."""
+        with self._cond:
+            return self.writer.persist_mismatches
+
+    # --- extents (runtime/reader/extents.py) ------------------------------------------
 
     def lease(self, owner: str, n_blocks: int) -> Extent:
         """Lease n_blocks slots, waiting while the pool is full (back-pressure, not failure)."""
-        if n_blocks < 1:
-            raise ValueError(f"request {owner}: an extent needs at least one block")
-        if n_blocks > self.pool.capacity:
-            raise ValueError(
-                f"request {owner} needs {n_blocks} buffer blocks but node {self.node_id} has "
-                f"{self.pool.capacity}; raise cluster.buffer_blocks_per_node"
-            )
-        return self._wait_for_room(owner, n_blocks, lambda: self.pool.lease(owner, n_blocks))
-
-    def _wait_for_room(self, owner: str, n_blocks: int, take: Callable[[], Extent | None]) -> Extent:
-        """`take` (a lease, or a grow of a claimed staged extent, by n_blocks) once the pool has
-        room, cancelling the oldest unclaimed staged extents when it has not (a real lease comes
-        before a guess), else waiting for frees; the extent is tracked under its owner."""
-        timeout_s = self.settings.lease_timeout_s
-        deadline = time.monotonic() + timeout_s
-        with self._cond:
-            while True:
-                if owner in self._reclaimed:
-                    raise ReclaimedOwnerError(f"node {self.node_id}: {owner}'s engine died; its extents were reclaimed")
-                if (extent := take()) is not None:
-                    break
-                if self.stager.relieve(n_blocks - self.pool.free_blocks()) and (extent := take()) is not None:
-                    break
-                if not self._cond.wait(timeout=max(0.0, deadline - time.monotonic())):
-                    raise TimeoutError(f"node {self.node_id}: no {n_blocks} free buffer blocks in {timeout_s}s")
-            self._extents[extent.extent_id] = extent
-            return extent
+        return self.extents.lease(owner, n_blocks)
 
     def free(self, extent_id: int) -> None:
-        """Give an extent back. Freeing one already reclaimed is a no-op: extent ids are never
-        reused, so a late free can only name that extent, never another lease. One being
-        written to the store is freed by that write when it ends."""
-        with self._cond:
-            if extent_id not in self._extents or self.pool.state_of(extent_id) is ExtentState.IN_FLIGHT:
-                return
-            del self._extents[extent_id]
-            self.pool.release(extent_id)
-            self._cond.notify_all()
+        """Give an extent back; a no-op if already freed or reclaimed. One that a transfer
+        still uses (a store read filling it, a write or D2H pull reading it) is free once that
+        transfer ends, and a read into it stops at its next block and fails."""
+        self.extents.free(extent_id)
 
     def begin_write(self, extent_id: int) -> Extent:
-        """The extent is a store write's source from now on: reclaim and free leave it alone."""
-        with self._cond:
-            extent = self._extents[extent_id]
-            self.pool.begin_transfer(extent_id)
-            return extent
+        """The extent is a store write's (or D2H pull's) until `end_write`."""
+        return self.extents.begin_write(extent_id)
 
     def end_write(self, extent_id: int) -> None:
-        """The store write from the extent ended (either way): it is an ordinary lease again, and
-        freed at once, since its owner's free (if any) was ignored while the write ran."""
-        with self._cond:
-            self.pool.end_transfer(extent_id)
-        self.free(extent_id)
+        """The write from the extent ended: it is freed in any case."""
+        self.extents.end_write(extent_id)
 
     def reclaim(self, owner: str) -> int:
-        """Free the extents leased to one attempt that is over (its engine died, or failed it);
-        returns how many. One in a transfer is left to that transfer's own end. The attempt's
-        later leases, and one waiting for room now, are refused (ReclaimedOwnerError)."""
-        freed = 0
-        with self._cond:
-            self._reclaimed[owner] = None
-            while len(self._reclaimed) > MAX_RECLAIMED_OWNERS:
-                del self._reclaimed[next(iter(self._reclaimed))]
-            for extent_id, extent in list(self._extents.items()):
-                if extent.owner == owner and self.pool.state_of(extent_id) is ExtentState.LEASED:
-                    del self._extents[extent_id]
-                    self.pool.release(extent_id)
-                    freed += 1
-            self._cond.notify_all()
-        return freed
+        """Retire the extents of an attempt that is over (its engine died, or failed it); returns
+        how many. One a transfer still uses is free when it ends; the attempt's later leases,
+        and one waiting for room now, are refused (ReclaimedOwnerError)."""
+        return self.extents.reclaim(owner)
 
     def grant(self, extent: Extent, reader: str) -> ExtentGrant:
         """The extent as an engine addresses it: `reader` is this reader's endpoint name (the
@@ -184,15 +159,13 @@ class ReaderCore:
         """read_blocks, granted with the digests of the verified hit KV (runtime.kv_digests).
         With `staged` (a claim of a tool-time staged extent), the staged extent is handed over
         instead of reading its blocks, if this reader still holds it for these keys."""
-        extent = None
+        filled = None
         if staged is not None and 0 <= first_block and first_block + len(keys) <= total_blocks:  # else: raises below
-            extent = self._claim_staged(owner, keys, total_blocks, path, first_block, staged)
-        if extent is None:
-            extent = self.read_blocks(owner, keys, total_blocks, path, first_block)
-        digests = None
-        if self.settings.kv_digests and keys:
-            hits = torch.stack([self.pool.full_block(slot) for slot in extent.slots[first_block : first_block + len(keys)]])
-            digests = block_digests(hits, len(keys) * self.layout.block_size)
+            filled = self._claim_staged(owner, keys, total_blocks, path, first_block, staged)
+        if filled is None:
+            self._check_fits(owner, keys, total_blocks, first_block)
+            filled = self._read(owner, keys, path, first_block, lambda: self.lease(owner, total_blocks), digests=True)
+        extent, digests = filled
         return ExtentGrant(self.node_id, reader, extent.extent_id, extent.slots, digests, self.incarnation)
 
     # --- tool-time staging (runtime/reader/stager.py) -----------------------------------------
@@ -211,29 +184,27 @@ class ReaderCore:
 
     def _claim_staged(
         self, owner: str, keys: Sequence[str], total_blocks: int, path: str, first_block: int, staged: StagedRead
-    ) -> Extent | None:
+    ) -> tuple[Extent, np.ndarray | None] | None:
         """The claimed staged extent, grown to total_blocks with the rest of `keys` read into it;
         None (a counted miss) when it cannot be claimed: the caller reads all of them."""
         claimed = self.stager.claim(staged, self.node_id, owner, keys, path, first_block)
         if claimed is None:
             return None
-        with self._cond:
-            self._extents[claimed.extent_id] = claimed  # reclaim(owner) frees it from now on
-            if owner in self._reclaimed:  # reclaimed before it was tracked: nobody else frees it
-                self.free(claimed.extent_id)
-                raise ReclaimedOwnerError(f"node {self.node_id}: {owner}'s engine died; its extents were reclaimed")
+        self.extents.track(claimed)  # reclaim(owner) frees it from now on
         have = claimed.n_blocks
 
         def grown() -> Extent:
             if total_blocks == have:
                 return claimed
             try:
-                return self._wait_for_room(owner, total_blocks - have, lambda: self.pool.grow(claimed.extent_id, total_blocks - have))
+                return self.extents.wait_for_room(owner, total_blocks - have, lambda: self.pool.grow(claimed.extent_id, total_blocks - have))
             except BaseException:
                 self.free(claimed.extent_id)
                 raise
 
-        return self._read(owner, keys[have:], path, have, grown)
+        # The digests cover every hit block, the staged ones too: taken while the grown extent's
+        # read is still a transfer, so no free or reclaim can hand its slots on before.
+        return self._read(owner, keys[have:], path, have, grown, digests=True, digest_from=0)
 
     # --- storage I/O --------------------------------------------------------------------
 
@@ -247,18 +218,29 @@ class ReaderCore:
         read queue (and enters the SNIC read counter) once it is verified. On a failure the
         extent is freed and the queue drops every block that was not read.
         """
+        self._check_fits(owner, keys, total_blocks, first_block)
+        return self._read(owner, keys, path, first_block, lambda: self.lease(owner, total_blocks))[0]
+
+    @staticmethod
+    def _check_fits(owner: str, keys: Sequence[str], total_blocks: int, first_block: int) -> None:
         if first_block < 0 or first_block + len(keys) > total_blocks:
             raise ValueError(
                 f"request {owner}: blocks [{first_block}, {first_block + len(keys)}) do not fit an extent of {total_blocks}"
             )
-        return self._read(owner, keys, path, first_block, lambda: self.lease(owner, total_blocks))
 
     def _read(
-        self, owner: str, keys: Sequence[str], path: str, first_block: int, get_extent: Callable[[], Extent]
-    ) -> Extent:
+        self, owner: str, keys: Sequence[str], path: str, first_block: int, get_extent: Callable[[], Extent],
+        digests: bool = False, digest_from: int | None = None,
+    ) -> tuple[Extent, np.ndarray | None]:
         """read_blocks into the extent `get_extent` leases (or grows), which it frees itself if
         it fails; from entering the read queue to its end the read counts as a real read, which
-        staged reads yield to."""
+        staged reads yield to. With `digests` (and runtime.kv_digests), also the digests of the
+        hit blocks from `digest_from` (default: `first_block`) to the last one read.
+
+        The read is a transfer of the extent (kv/pool.py): a free or reclaim while it runs only
+        retires the extent, whose slots stay out of the free list until the read ended; the read
+        stops at its next block and fails with ExtentRetiredError, and its digests are taken
+        before it ends, so they certify bytes no other lease can have written."""
         block_bytes = self.layout.full_block_bytes
         block_tokens = self.layout.block_size
         pending = len(keys) * block_tokens
@@ -279,12 +261,6 @@ class ReaderCore:
 
         turn = ReadTurn(self.snic_read.turns if keys else None, len(keys))
 
-        def before_read(index: int) -> None:
-            if self.faults.active:
-                self._store_read_fault(keys[index])
-            self.snic_read.take(block_bytes)
-            turn.took_one()
-
         def on_verified(_: int) -> None:
             nonlocal pending, verified
             verified += 1
@@ -298,23 +274,50 @@ class ReaderCore:
             extent = get_extent()
             if not queued:
                 enqueue()
+            start, end = (first_block if digest_from is None else digest_from), first_block + len(keys)
+            wants_digests = digests and self.settings.kv_digests and end > start
+            if not keys and not wants_digests:
+                return extent, None
+            self.extents.begin_read(extent)
+
+            def before_read(index: int) -> None:
+                if self.pool.state_of(extent.extent_id) is ExtentState.RETIRING:
+                    raise ExtentRetiredError(self.extents.retired_detail(extent))  # stop: nobody wants these bytes
+                if self.faults.active:
+                    self._store_read_fault(keys[index])
+                self.snic_read.take(block_bytes)
+                turn.took_one()
+
             try:
-                outs = [self.pool.full_block(slot) for slot in extent.slots[first_block : first_block + len(keys)]]
-                turn.begin()
-                self.store.get_many_into(list(keys), outs, before_read=before_read, on_verified=on_verified)
+                if keys:
+                    outs = [self.pool.full_block(slot) for slot in extent.slots[first_block:end]]
+                    turn.begin()
+                    self.store.get_many_into(list(keys), outs, before_read=before_read, on_verified=on_verified)
+                hit_digests = self._digests(extent, start, end) if wants_digests else None
             except (BlockNotFoundError, BlockCorruptedError, IncompatibleBlockError, OSError) as exc:
                 # The store raises for the first bad block in key order, the one after the
                 # verified ones: name it, so the scheduler repairs that block and no other.
-                self.free(extent.extent_id)
+                retired = self.extents.end_transfer(extent.extent_id)
                 kind = bad_block_kind(exc)
+                if kind is not None:
+                    self._note_bad_block(kind, keys[verified])
+                if retired:
+                    raise ExtentRetiredError(self.extents.retired_detail(extent)) from exc
+                self.free(extent.extent_id)
                 if kind is None:
                     raise
-                self._note_bad_block(kind, keys[verified])
                 raise BadBlockError(kind, keys[verified], str(exc)) from None
             except BaseException:
-                self.free(extent.extent_id)
+                if not self.extents.end_transfer(extent.extent_id):
+                    self.free(extent.extent_id)
                 raise
-            return extent
+            if self.extents.end_transfer(extent.extent_id):
+                raise ExtentRetiredError(self.extents.retired_detail(extent))
+            return extent, hit_digests
+        except ExtentRetiredError:
+            with self._cond:
+                self.retired_reads += 1
+            raise
         finally:
             turn.end()
             if queued and keys:
@@ -323,6 +326,11 @@ class ReaderCore:
                     if pending:
                         self._read_q_tokens -= pending
                         self.on_read_q()
+
+    def _digests(self, extent: Extent, start: int, end: int) -> np.ndarray:
+        """Digests of the extent's blocks [start, end), taken while the read is its transfer."""
+        hits = torch.stack([self.pool.full_block(slot) for slot in extent.slots[start:end]])
+        return block_digests(hits, (end - start) * self.layout.block_size)
 
     def _note_bad_block(self, kind: str, key: str) -> None:
         if kind == "missing":
@@ -349,8 +357,15 @@ class ReaderCore:
         return self.faults.counts()
 
     def integrity_keys(self) -> tuple[list[str], list[str]]:
+        """(keys of blocks this reader damaged, keys it found corrupt): the newest of each, up to
+        settings.bad_key_cap (see __init__)."""
         with self._cond:
             return sorted(self.damaged_keys), sorted(self.corrupt_keys)
+
+    def corrupt_found(self) -> int:
+        """Distinct corrupt blocks found so far, past the cap of the keys remembered too."""
+        with self._cond:
+            return self.corrupt_keys.total
 
     def store_faults(self) -> tuple[list[str], int]:
         """(keys of hit blocks the store could not read, block writes the store refused)."""
@@ -358,38 +373,13 @@ class ReaderCore:
             return sorted(self.unreadable_keys), self.write_refusals.count
 
     def write_block(self, block: PersistedBlock, data: torch.Tensor) -> bool:
-        """Persist one Full Block (already in this node's buffer) through the SNIC: True if
-        written, False if already stored; an OSError if the store refused it."""
-        self.snic_write.take(self.layout.full_block_bytes)
-        spec = self.faults.decide(FaultSite.STORE_PUBLISH) if self.faults.active else None
-        if spec is not None and spec.mode is FaultMode.FAIL:
-            raise OSError(errno.EIO, f"injected store_publish fault: I/O error writing block {block.key}")
-        if spec is not None and spec.mode is FaultMode.DROP:
-            return True  # a lost write that claims success: a later read of it is a miss
-        written = self.store.put(block.key, data, parent=block.parent)
-        with self._cond:
-            self.counters.snic_write += self.layout.full_block_bytes
-        return written
+        """BlockWriter.write_block (runtime/reader/writer.py)."""
+        return self.writer.write_block(block, data)
 
     def write_blocks(self, blocks: Sequence[tuple[torch.Tensor, PersistedBlock]]) -> int:
-        """Persist (data, block) pairs in chain order; returns how many leading ones are stored.
-
-        A write the store refuses (any OSError: a full disk, an I/O error, a read-only file
-        system) ends the call without raising: the turn that filled these blocks has its tokens
-        and must not fail for a cache write; its decode engine just does not publish the refused
-        block or any after it (the index is a chain of prefixes, so those could never be hit),
-        and a later turn misses them and recomputes. The blocks after a refused one are not
-        tried, for the same reason. Refusals are counted and logged once per run of them
-        (runtime/reader/store_errors.py)."""
-        for stored, (data, block) in enumerate(blocks):
-            try:
-                self.write_block(block, data)
-            except OSError as exc:
-                self.write_refusals.refused(block.key, exc)
-                return stored
-        if blocks:
-            self.write_refusals.succeeded()
-        return len(blocks)
+        """BlockWriter.write_blocks: how many leading blocks are stored (a refused write, or one
+        whose bytes fail their engine's digest, ends the chain there without raising)."""
+        return self.writer.write_blocks(blocks)
 
     def write_extent(self, extent_id: int, blocks: Sequence[tuple[int, PersistedBlock]]) -> int:
         """write_blocks of (index in the extent, key) pairs from an extent, then free it in any case."""
@@ -398,3 +388,4 @@ class ReaderCore:
             return self.write_blocks([(self.pool.full_block(extent.slots[index]), block) for index, block in blocks])
         finally:
             self.end_write(extent_id)
+

@@ -2,13 +2,18 @@
 
 No polling: with nothing staged no timer runs. Each accepted StageOrder reports its deadline
 (`scheduled`); a deadline earlier than the one the timer sleeps for restarts it, a later one is
-left for the expiry run, which returns the next deadline and sleeps again until then.
+left for the expiry run, which returns the next deadline and sleeps again until then. An expiry
+run that raises is logged and tried again `retry_s` later: the deadlines it would have returned
+are unknown, and a timer that stopped would hold every staged extent until the next order.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Callable, Protocol
+
+LOG = logging.getLogger("dualpath_ray.reader")
 
 
 class Cancellable(Protocol):
@@ -30,11 +35,13 @@ class ExpiryTimer:
 
     def __init__(
         self, expire: Callable[[float], float | None], clock: Callable[[], float],
-        start_timer: Callable[[float, Callable[[], None]], Cancellable] = thread_timer,
+        start_timer: Callable[[float, Callable[[], None]], Cancellable] = thread_timer, retry_s: float = 1.0,
     ) -> None:
         self.expire = expire
         self.clock = clock
         self.start_timer = start_timer
+        self.retry_s = retry_s
+        self.failures = 0  # expiry runs that raised (each logged, then retried)
         self._lock = threading.Lock()
         self._target: float | None = None  # the deadline the running timer sleeps for
         self._timer: Cancellable | None = None
@@ -62,7 +69,12 @@ class ExpiryTimer:
             if self._closed or self._armed != armed or self._target is None:
                 return  # superseded (a cancelled timer may still fire) or closed
             self._target = self._timer = None
-        following = self.expire(self.clock())
+        try:
+            following = self.expire(self.clock())
+        except Exception:  # noqa: BLE001 - the timer's thread must not die with it: retried
+            self.failures += 1
+            LOG.exception("staged-extent expiry failed; trying again in %.1f s", self.retry_s)
+            following = self.clock() + self.retry_s
         if following is not None:
             self.scheduled(following)
 

@@ -10,6 +10,7 @@ from typing import Protocol
 
 from dualpath_ray.faults.injector import FaultCount
 from dualpath_ray.faults.plan import FaultSite, FaultSpec
+from dualpath_ray.runtime.reader.recent_keys import DEFAULT_KEY_CAP
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,9 @@ class ReaderSettings:
     incarnation: str = ""
     # scheduler.stage_buffer_fraction: at most this share of the buffer holds staged extents.
     stage_buffer_fraction: float = 0.5
+    # How many keys of damaged, corrupt and unreadable blocks the reader remembers, each (the
+    # oldest dropped first: runtime/reader/recent_keys.py).
+    bad_key_cap: int = DEFAULT_KEY_CAP
 
     @property
     def stage_cap_blocks(self) -> int:

@@ -72,13 +72,20 @@ class ReaderStaging:
     # --- orders --------------------------------------------------------------------------
 
     def stage_ahead(self, order: StageOrder, now: float) -> bool:
-        """Run one order: lease, read ahead, hold until `now + ttl_s`. False if it was skipped
-        (no keys, a live duplicate, no room under the cap or in the pool) or its read failed."""
+        """Run one order: lease, read ahead, hold until `now + ttl_s` (`now`: when the reader
+        received it, runtime/reader/stage_queue.py, so time spent waiting counts). False if it
+        was skipped (no keys, a live duplicate, no room under the cap or in the pool) or its
+        read failed."""
         entry = self._accept(order, now)
         if entry is None:
             return False
         self.on_deadline(entry.deadline)
         return self._read_ahead(entry)
+
+    def dropped(self, order: StageOrder, why: object) -> None:
+        """An order the reader's queue dropped unread (full, or its time ran out waiting): skipped."""
+        with self.cond:
+            self.table.counts.skipped += order.blocks
 
     def _accept(self, order: StageOrder, now: float) -> StagedExtent | None:
         with self.cond:

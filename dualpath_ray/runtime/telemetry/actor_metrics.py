@@ -67,7 +67,12 @@ class ReaderFigures(Protocol):
 
     def integrity_keys(self) -> tuple[list[str], list[str]]: ...
 
+    def corrupt_found(self) -> int: ...
+
     def store_faults(self) -> tuple[list[str], int]: ...
+
+    @property
+    def persist_mismatches(self) -> int: ...
 
     def staging_counts(self) -> dict[str, int]: ...
 
@@ -94,9 +99,9 @@ class ReaderMetrics:
         for path in PATHS:
             self.totals.update(m.SNIC_READ_BYTES, counters.snic_read[path], {**self.tags, "path": path})
         self.totals.update(m.SNIC_WRITE_BYTES, counters.snic_write, self.tags)
-        _, corrupt = self.core.integrity_keys()
-        self.totals.update(m.STORE_CHECKSUM_FAILURES, len(corrupt), self.tags)
-        self.totals.update(m.STORE_WRITE_FAILURES, self.core.store_faults()[1], self.tags)
+        self.totals.update(m.STORE_CHECKSUM_FAILURES, self.core.corrupt_found(), self.tags)
+        # Writes the store refused and blocks whose bytes failed their engine's digest: neither published.
+        self.totals.update(m.STORE_WRITE_FAILURES, self.core.store_faults()[1] + self.core.persist_mismatches, self.tags)
         for outcome, blocks in self.core.staging_counts().items():
             self.totals.update(m.STAGED_BLOCKS, blocks, {**self.tags, "outcome": outcome})
         self.sink.set(m.READ_QUEUE_TOKENS, self.core.read_q(), self.tags)

@@ -136,6 +136,26 @@ def test_legal_lifecycle() -> None:
     assert pool.check_integrity() == PoolCounts(3, 0, 0, 3), "released slots are free again"
 
 
+def test_retiring_under_a_transfer_frees_only_when_the_transfer_ends() -> None:
+    """A slot is free only when nothing reads into or out of it: retiring an extent whose
+    transfer is in flight keeps its slots out of the free list until end_transfer."""
+    pool = BufferPool(3, LAYOUT)
+    idle = pool.lease("idle", 1)
+    busy = pool.lease("busy", 2)
+    assert idle is not None and busy is not None
+    assert pool.retire(idle.extent_id), "retiring a LEASED extent frees it at once"
+    pool.begin_transfer(busy.extent_id)
+    assert not pool.retire(busy.extent_id), "retiring an extent in a transfer does not free it yet"
+    assert pool.state_of(busy.extent_id) is ExtentState.RETIRING, "IN_FLIGHT -> RETIRING"
+    assert pool.check_integrity() == PoolCounts(1, 0, 2, 3, 2), "retiring slots are in flight, not free"
+    assert pool.lease("next", 2) is None, "a lease cannot take slots a transfer still uses"
+    for illegal in (pool.begin_transfer, pool.release, pool.retire, lambda i: pool.grow(i, 0)):
+        with pytest.raises(ExtentTransitionError, match="RETIRING"):
+            illegal(busy.extent_id)
+    assert pool.end_transfer(busy.extent_id), "the transfer's end frees a retired extent"
+    assert pool.check_integrity() == PoolCounts(3, 0, 0, 3), "every slot is free once the transfer ended"
+
+
 @pytest.mark.parametrize(
     "steps, match",
     [
@@ -189,7 +209,7 @@ def test_integrity_check_catches_shared_and_lost_slots() -> None:
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["lease", "begin", "end", "release"]), st.integers(1, 5)), max_size=40))
+@given(st.lists(st.tuples(st.sampled_from(["lease", "begin", "end", "release", "retire"]), st.integers(1, 5)), max_size=40))
 def test_random_operations_keep_the_accounting_exact(ops: list[tuple[str, int]]) -> None:
     pool = BufferPool(8, LAYOUT)
     live: dict[int, ExtentState] = {}
@@ -200,8 +220,10 @@ def test_random_operations_keep_the_accounting_exact(ops: list[tuple[str, int]])
                 live[extent.extent_id] = ExtentState.LEASED
         elif live:
             extent_id = sorted(live)[n % len(live)]
-            event = {"begin": ExtentEvent.BEGIN_TRANSFER, "end": ExtentEvent.END_TRANSFER, "release": ExtentEvent.RELEASE}[op]
-            action = {"begin": pool.begin_transfer, "end": pool.end_transfer, "release": pool.release}[op]
+            event = {"begin": ExtentEvent.BEGIN_TRANSFER, "end": ExtentEvent.END_TRANSFER, "release": ExtentEvent.RELEASE,
+                     "retire": ExtentEvent.RETIRE}[op]
+            action = {"begin": pool.begin_transfer, "end": pool.end_transfer, "release": pool.release,
+                      "retire": pool.retire}[op]
             try:
                 expected = transition(extent_id, live[extent_id], event)
             except ExtentTransitionError:
@@ -215,8 +237,11 @@ def test_random_operations_keep_the_accounting_exact(ops: list[tuple[str, int]])
                 live[extent_id] = expected
         counts = pool.check_integrity()
         leased = sum(pool.extent(i).n_blocks for i, s in live.items() if s is ExtentState.LEASED)
-        in_flight = sum(pool.extent(i).n_blocks for i, s in live.items() if s is ExtentState.IN_FLIGHT)
-        assert (counts.leased, counts.in_flight) == (leased, in_flight), (
+        in_flight = sum(
+            pool.extent(i).n_blocks for i, s in live.items() if s in (ExtentState.IN_FLIGHT, ExtentState.RETIRING)
+        )
+        retiring = sum(pool.extent(i).n_blocks for i, s in live.items() if s is ExtentState.RETIRING)
+        assert (counts.leased, counts.in_flight, counts.retiring) == (leased, in_flight, retiring), (
             "the pool's counts must match the states of the live extents"
         )
 

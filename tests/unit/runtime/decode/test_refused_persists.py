@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from dualpath_ray.kv.index import block_keys
+from dualpath_ray.kv.block_store import BlockCheck
 from dualpath_ray.kv.layout import KVLayout
 from dualpath_ray.kv.local_store import LocalDirStore
 from dualpath_ray.protocol.messages import TurnResult
@@ -27,11 +28,11 @@ class RefusingStore(LocalDirStore):
         self.full = False
         self.attempts: list[str] = []
 
-    def put(self, key: str, block: torch.Tensor, parent: str | None = None) -> bool:
+    def put(self, key: str, block: torch.Tensor, parent: str | None = None, verify: BlockCheck | None = None) -> bool:
         self.attempts.append(key)
         if self.full or key in self.refused:
             raise OSError(errno.ENOSPC, f"No space left on device writing block {key}")
-        return super().put(key, block, parent)
+        return super().put(key, block, parent, verify)
 
 
 @pytest.fixture

@@ -74,3 +74,32 @@ def test_the_timer_sleeps_until_the_earliest_deadline_and_follows_the_next_one()
     assert timers.live() == [], "close cancels the running timer"
     timer.scheduled(140.0)
     assert timers.live() == [], "a closed timer starts no other"
+
+
+def test_an_expiry_run_that_raises_is_logged_and_retried_and_the_timer_goes_on(caplog) -> None:
+    """A raising expire must not stop the timer (its thread would die with it, and every staged
+    extent would be held until the next order): it is logged, counted, and run again retry_s later."""
+    now = [100.0]
+    runs: list[float] = []
+
+    def expire(t: float) -> float | None:
+        runs.append(t)
+        if len(runs) == 1:
+            raise RuntimeError("expiry bug")
+        return 130.0 if t < 130.0 else None
+
+    timers = FakeTimers()
+    timer = ExpiryTimer(expire, lambda: now[0], timers.start)  # retry_s: 1.0 by default
+    timer.scheduled(110.0)
+    now[0] = 110.0
+    with caplog.at_level("ERROR", logger="dualpath_ray.reader"):
+        timers.fire_next()  # raises inside: must not escape the timer's thread
+    assert timer.failures == 1 and "expiry failed" in caplog.text, "the failure is counted and logged"
+    assert [r[0] for r in timers.live()] == [timer.retry_s], "and the timer sleeps retry_s, then runs the expiry again"
+    now[0] = 112.0
+    timers.fire_next()
+    assert runs == [110.0, 112.0], "the retry expires with the clock's time"
+    assert [r[0] for r in timers.live()] == [18.0], "then follows the next deadline it returned (130) as usual"
+    now[0] = 130.0
+    timers.fire_next()
+    assert runs[-1] == 130.0 and timers.live() == [], "and stops once nothing is staged"

@@ -68,7 +68,7 @@ def assert_integrity(core: ReaderCore, free_all: bool = False) -> None:
 
 def free_all_and_check(core: ReaderCore) -> None:
     """End of a scenario: free what its requests still hold; then every slot is free."""
-    for extent_id in list(core._extents):
+    for extent_id in core.extents.ids():
         core.free(extent_id)
     assert_integrity(core, free_all=True)
     core.store.close()

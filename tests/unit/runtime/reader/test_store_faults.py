@@ -14,6 +14,7 @@ import torch
 from dualpath_ray.faults.plan import FaultMode, FaultSite
 from dualpath_ray.kv.errors import BadBlockError
 from dualpath_ray.kv.index import block_keys, namespace_for
+from dualpath_ray.kv.block_store import BlockCheck
 from dualpath_ray.kv.layout import KVLayout
 from dualpath_ray.kv.local_store import LocalDirStore
 from dualpath_ray.protocol.messages import ErrorKind, PersistedBlock
@@ -43,11 +44,11 @@ class FaultyDiskStore(LocalDirStore):
             raise OSError(code, f"{errno.errorcode[code]} reading block {key}")
         return super()._read_checked_out(key, out)
 
-    def put(self, key: str, block: torch.Tensor, parent: str | None = None) -> bool:
+    def put(self, key: str, block: torch.Tensor, parent: str | None = None, verify: BlockCheck | None = None) -> bool:
         self.put_attempts.append(key)
         if self.full or key in self.refused:
             raise OSError(errno.ENOSPC, f"No space left on device writing block {key}")
-        return super().put(key, block, parent)
+        return super().put(key, block, parent, verify)
 
 
 def faulty_core(tmp_path: Path, faults: ScriptedFaults | None = None) -> tuple[ReaderCore, FaultyDiskStore, list[str]]:
