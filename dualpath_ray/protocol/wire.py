@@ -16,7 +16,7 @@ Encoding, on top of msgpack's own nil / bool / int / float / str / bin / array /
   enum member  its value, decoded as the declared enum: a value that is no member is refused
   np.ndarray   ext (protocol/wire_ext.py): dtype of an allow-list, shape, little-endian bytes;
                decoded only if the bytes are exactly what the shape needs
-  a sequence   declared of ints or of floats, 16 items or more: ext of packed 8-byte numbers
+  a sequence   declared of ints or of floats, 16 items or more: ext of packed numbers
                (wire_ext.py), made back into a tuple (or list) of them in one call
   numpy scalar (an np.int64 token, an np.float32 log-prob) its Python int / float / bool
 
@@ -41,7 +41,7 @@ import msgpack
 import numpy as np
 
 from dualpath_ray.protocol.wire_ext import (
-    FLOATS, INTS, WireError, describe, pack_array, pack_numbers, unpack_ext,
+    FLOATS, INT_CODES, INTS, WireError, describe, pack_array, pack_numbers, unpack_ext,
 )
 
 Decoder = Callable[[Any], Any]
@@ -273,9 +273,9 @@ def _wire_kinds(hint: Any) -> tuple[str, ...]:
     return ("map",) if origin is dict else (repr(hint),)
 
 
-def _packed_as(leaf: frozenset[type] | None) -> str | None:
-    """The array typecode a sequence of `leaf` items travels packed as (wire_ext.py), if any."""
-    return INTS if leaf == PRIMITIVES[int] else FLOATS if leaf == PRIMITIVES[float] else None
+def _packed_as(leaf: frozenset[type] | None) -> frozenset[str]:
+    """The array typecodes a sequence of `leaf` items may travel packed as (wire_ext.py)."""
+    return INT_CODES if leaf == PRIMITIVES[int] else frozenset({FLOATS}) if leaf == PRIMITIVES[float] else frozenset()
 
 
 def _getter(names: tuple[str, ...], hints: dict[str, Any]) -> Callable[[Any], tuple[Any, ...]]:
@@ -285,9 +285,8 @@ def _getter(names: tuple[str, ...], hints: dict[str, Any]) -> Callable[[Any], tu
     for i, name in enumerate(names):
         origin, args = typing.get_origin(hints[name]), typing.get_args(hints[name])
         item = args[0] if origin is list or (origin is tuple and len(args) == 2 and args[1] is Ellipsis) else None
-        typecode = _packed_as(PRIMITIVES.get(item)) if item in (int, float) else None
-        if typecode is not None:
-            packed.append((i, typecode))
+        if item in (int, float):
+            packed.append((i, INTS if item is int else FLOATS))
     if not packed:
         return fields  # type: ignore[return-value]
 
@@ -332,7 +331,7 @@ def _sequence(decode_item: Decoder, leaf: frozenset[type] | None, container: typ
 
     def decode(value: Any) -> Any:
         if type(value) is not tuple:
-            if type(value) is array and value.typecode == packed:
+            if type(value) is array and value.typecode in packed:
                 return container(value)  # numbers packed as bytes (wire_ext.py): ints, or floats, all
             raise WireError(f"expected a sequence, got {describe(value)}")
         if leaf is not None:

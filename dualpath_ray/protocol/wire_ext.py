@@ -21,13 +21,16 @@ import numpy as np
 ARRAY_EXT = 1  # a numpy array: msgpack [dtype name, shape, little-endian C-order bytes]
 INTS_EXT = 2  # a sequence of ints, each an 8-byte signed little-endian one
 FLOATS_EXT = 3  # a sequence of floats, each an 8-byte IEEE double, little-endian
+SMALL_INTS_EXT = 4  # a sequence of ints that all fit 4 bytes (token ids): each a 4-byte signed one
 ARRAY_DTYPES = frozenset({
     "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "float16", "float32", "float64",
 })
 MAX_ARRAY_DIMS = 8
 PACK_AT_LEAST = 16  # items; shorter sequences go as msgpack arrays
-INTS, FLOATS = "q", "d"  # array typecodes: 8-byte signed int, double
-_EXT_OF = {INTS: INTS_EXT, FLOATS: FLOATS_EXT}
+INTS, FLOATS, SMALL_INTS = "q", "d", "i"  # array typecodes: 8-byte signed int, double, 4-byte int
+INT_CODES = frozenset({INTS, SMALL_INTS})  # what a sequence declared of ints may arrive as
+_EXT_OF = {INTS: INTS_EXT, FLOATS: FLOATS_EXT, SMALL_INTS: SMALL_INTS_EXT}
+_CODE_OF = {ext: (typecode, array(typecode).itemsize) for typecode, ext in _EXT_OF.items()}
 _SWAP = sys.byteorder != "little"  # array's items are native: swapped on a big-endian host
 
 
@@ -49,12 +52,17 @@ def pack_numbers(values: Any, typecode: str) -> Any:
     if type(values) not in (tuple, list) or len(values) < PACK_AT_LEAST:
         return values
     try:
-        packed = array(typecode, values)
-    except (TypeError, OverflowError, ValueError):
+        packed = array(SMALL_INTS if typecode == INTS else typecode, values)
+    except OverflowError:  # an int beyond 4 bytes: all as 8-byte ones
+        try:
+            packed = array(typecode, values)
+        except (TypeError, OverflowError, ValueError):
+            return values
+    except (TypeError, ValueError):
         return values
     if _SWAP:
         packed.byteswap()
-    return msgpack.ExtType(_EXT_OF[typecode], packed.tobytes())
+    return msgpack.ExtType(_EXT_OF[packed.typecode], packed.tobytes())
 
 
 def pack_array(value: np.ndarray) -> msgpack.ExtType:
@@ -65,13 +73,14 @@ def pack_array(value: np.ndarray) -> msgpack.ExtType:
 
 
 def unpack_ext(code: int, data: bytes) -> Any:
-    """msgpack's hook for an ext value: a numpy array, or an `array` of numbers (typecode INTS or
-    FLOATS: only a sequence declared of them takes it); WireError for anything else, before
-    anything of a size it names is allocated."""
-    if code in (INTS_EXT, FLOATS_EXT):
-        if len(data) % 8:
-            raise WireError(f"{len(data)} bytes of 8-byte numbers")
-        numbers = array(INTS if code == INTS_EXT else FLOATS)
+    """msgpack's hook for an ext value: a numpy array, or an `array` of numbers (typecode of
+    INT_CODES or FLOATS: only a sequence declared of them takes it); WireError for anything
+    else, before anything of a size it names is allocated."""
+    if code in _CODE_OF:
+        typecode, size = _CODE_OF[code]
+        if len(data) % size:
+            raise WireError(f"{len(data)} bytes of {size}-byte numbers")
+        numbers = array(typecode)
         numbers.frombytes(data)
         if _SWAP:
             numbers.byteswap()

@@ -22,7 +22,7 @@ from dualpath_ray.protocol.messages import (
     EngineReport, ErrorKind, GroupReport, Holding, PersistedBlock, ReaderReport, TokenChunk, TurnResult,
 )
 from dualpath_ray.protocol.wire import Codec, WireError
-from dualpath_ray.protocol.wire_ext import ARRAY_EXT, FLOATS_EXT, INTS_EXT
+from dualpath_ray.protocol.wire_ext import ARRAY_EXT, FLOATS_EXT, INTS_EXT, SMALL_INTS_EXT
 from dualpath_ray.scheduling.types import ReadPath, StopReason
 
 REPORTS = (EngineReport, ReaderReport)
@@ -164,13 +164,16 @@ def test_numpy_scalars_travel_as_python_numbers():
     assert {type(x) for x in decoded.chunks[0].log_probs} == {float}, "as Python floats"
 
 
-def test_long_number_sequences_travel_packed_and_come_back_as_python_numbers():
-    tokens = tuple(range(2**40, 2**40 + 300))
+@pytest.mark.parametrize("first_token, int_bytes", [(150_000, 4), (2**40, 8)])
+def test_long_number_sequences_travel_packed_and_come_back_as_python_numbers(first_token, int_bytes):
+    tokens = tuple(range(first_token, first_token + 300))
     log_probs = tuple(-0.001 * i for i in range(300))
     chunk = TokenChunk("r", 1, 0, 3, tokens[:-1] + (np.int64(7),), log_probs[:-1] + (np.float32(-0.5),))
     codec = Codec(REPORTS)
     payload = codec.encode(EngineReport("e", "i", chunks=(chunk,)))
-    assert len(payload) < 300 * 9 * 2, "packed as 8 bytes a number (msgpack would take 9 for the floats)"
+    assert len(payload) < 300 * (int_bytes + 8) + 64, (
+        f"packed as {int_bytes}-byte ints (4 where all fit) and 8-byte doubles, a few bytes of header"
+    )
     decoded = codec.decode(payload).chunks[0]
     assert decoded == chunk, "the values are kept exactly"
     assert {type(x) for x in decoded.tokens} == {int} and {type(x) for x in decoded.log_probs} == {float}, (
@@ -236,6 +239,9 @@ HOSTILE = {
     "a nesting too deep": (deep(100_000), "not a msgpack message"),
     "packed numbers of a cut length": (
         packed(engine_report((turn_result(output_tokens=msgpack.ExtType(INTS_EXT, bytes(12))),))), "12 bytes",
+    ),
+    "packed small ints of a cut length": (
+        packed(engine_report((turn_result(output_tokens=msgpack.ExtType(SMALL_INTS_EXT, bytes(6))),))), "6 bytes",
     ),
     "packed floats where ints are declared": (
         packed(engine_report((turn_result(output_tokens=msgpack.ExtType(FLOATS_EXT, bytes(16))),))),
