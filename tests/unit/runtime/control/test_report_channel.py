@@ -163,7 +163,7 @@ def test_frames_a_client_gave_up_do_not_stop_the_server_taking_its_later_ones(lo
     client.send(report(1)).wait(10)
     reachable["yes"] = False
     loop.call(lambda: [t.close() for t in list(server.connections)])
-    wait_until(lambda: client._link is None)
+    wait_until(lambda: not server.connections)
     sent = [client.send(report(i)) for i in range(2, 7)]
     assert client.dropped == 2, "frames 2 and 3 were given up"
     reachable["yes"] = True

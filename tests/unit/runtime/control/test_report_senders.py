@@ -54,6 +54,8 @@ def test_an_idle_sender_is_forgotten_past_the_horizon_but_a_connected_one_never(
     senders.begin(b"c" * 16, 1, now=1000.0)
     assert A not in senders.handled and senders.forgotten == 1, "A, idle for 999 s, is forgotten"
     assert B in senders.handled, "B, connected all along, is kept however old"
+    senders.begin(A, 5, now=1001.0)
+    assert senders.take(A, 5), "A, back, is taken as a new sender: its first frame starts it"
 
 
 def test_the_table_holds_at_most_capacity_idle_senders_forgetting_the_oldest():
