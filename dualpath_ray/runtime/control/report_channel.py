@@ -183,8 +183,9 @@ class _ReportProtocol(asyncio.Protocol):
         channel = self.channel
         if channel.unauthenticated >= channel.limits.max_unauthenticated:
             channel.refused += 1
-            LOG.warning("report channel: refused %s: %d handshakes already open",
-                        transport.get_extra_info("peername"), channel.unauthenticated)
+            if channel.refused & (channel.refused - 1) == 0:  # the 1st, 2nd, 4th, ...: a flood does not flood the log
+                LOG.warning("report channel: refused %s (%d so far): %d handshakes already open",
+                            transport.get_extra_info("peername"), channel.refused, channel.unauthenticated)
             transport.close()
             return
         channel.connections.add(transport)  # type: ignore[arg-type]
@@ -271,8 +272,10 @@ class _ReportProtocol(asyncio.Protocol):
         self.channel.unauthenticated -= 1
         self.channel.timed_out += 1
         assert self.transport is not None
-        LOG.warning("report channel: closed %s: no valid hello within %.1fs",
-                    self.transport.get_extra_info("peername"), self.channel.limits.handshake_timeout_s)
+        if self.channel.timed_out & (self.channel.timed_out - 1) == 0:  # the 1st, 2nd, 4th, ...
+            LOG.warning("report channel: closed %s (%d so far): no valid hello within %.1fs",
+                        self.transport.get_extra_info("peername"), self.channel.timed_out,
+                        self.channel.limits.handshake_timeout_s)
         self.buffer.clear()
         self.transport.close()
 
