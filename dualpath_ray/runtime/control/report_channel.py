@@ -7,49 +7,67 @@ an async Ray actor costs the receiver 350-900 us of CPU on this project's VMs; t
 as a frame on a socket the scheduler's event loop reads costs it ~35 us (benchmarks/README.md,
 "Control plane"). Everything else (lifecycle, calls with answers) stays on Ray.
 
-Wire, per connection (TCP, one per sending process):
-  server -> client  NONCE_BYTES random bytes
-  client -> server  HMAC-SHA256(secret, nonce), then its 16-byte client id
-  client -> server  frames: FRAME (payload length, sequence number) + a pickled message
-  server -> client  ACK (the highest sequence number it has handled), after each read
+Wire, per connection (TCP, one per sending process; byte layouts in report_frames.py):
+  server -> client  a fresh random nonce
+  client -> server  hello: its 16-byte client id, a fresh client nonce, the number of the first
+                    frame it will send, and a MAC of the nonce and those under the secret
+  client -> server  frames: (payload length, sequence number), the payload, a 16-byte tag
+  server -> client  ACK: the highest sequence number handled, a 16-byte tag, after each read
+The secret is the scheduler incarnation's random one, handed out only by its `report_channel`
+Ray method (behind Ray's own authentication). Tags are keyed BLAKE2b under a key derived from
+the secret, both nonces and the client id, so they bind every frame and every ACK to this
+connection and this direction: a frame or ACK recorded on one connection and replayed onto
+another fails its tag. The payload is a `Codec` message of REPORT_TYPES (protocol/wire.py:
+msgpack of the protocol dataclasses, never pickle).
 
-Nothing is unpickled before the client has proved it holds the secret, and only the scheduler's
-`report_channel` Ray method (behind Ray's own authentication) hands the secret out; a connection
-that fails the proof, or announces a frame over MAX_FRAME_BYTES, is closed.
+What the server refuses, closing the connection (`rejected`) before it decodes anything of it:
+a wrong proof, a frame over MAX_FRAME_BYTES, a tag that does not verify, a frame numbered other
+than the connection's next (the hello's `first`, then one more each). A numbered jump such as
+2^64-1 therefore never reaches the sender's count, so no frame can make the server skip a
+sender's later ones. A peer that has not finished the handshake within
+ChannelLimits.handshake_timeout_s (one that says nothing, or dribbles bytes) is closed
+(`timed_out`, an event loop timer), and while max_unauthenticated such peers are open a new
+connection is closed at once (`refused`). An authenticated frame whose payload is no message
+(a bug of its sender) is logged, counted (`undecodable`) and skipped like a message `deliver`
+fails on: the channel goes on.
+
+The client checks each ACK's tag (an ACK that fails, or acknowledges a frame never sent on that
+connection, ends the connection and counts `forged_acks`): only the server that holds the
+connection's key can make a client forget a frame, so an on-path peer cannot make it drop frames
+the scheduler never handled. Replaying one of the connection's own genuine ACKs only repeats a
+true statement (everything up to n was handled). Nothing is encrypted: the reports are no
+secret, only their authorship and integrity matter.
 
 Delivery is at least once and in order, like a Ray call to an actor with max_task_retries=-1:
-a client keeps each frame until it is acknowledged and sends the unacknowledged ones again, in
-order, on its next connection (to the same scheduler or to its restarted incarnation). A server
-remembers the last sequence number it handled per client id, so a frame resent to the same
-incarnation is not handled twice.
+a client keeps each frame's payload until it is acknowledged and sends the unacknowledged ones
+again, in order, sealed with the new connection's key, on its next connection (to the same
+scheduler or to its restarted incarnation). Handling is exactly once per incarnation: the server
+remembers the last sequence number it handled per client id (report_senders.py) and skips a
+frame sent again; a sender it does not know (a restarted scheduler never saw it) starts at its
+hello's `first`. A client that gave frames up (MAX_UNACKED while no scheduler answered) starts
+its next connection past them, and the server's count follows. The table of senders is trimmed
+(report_senders.py says how, and why exactly-once survives it).
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
 import logging
 import os
-import pickle
 import socket
-import struct
-import threading
-import time
-import uuid
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from dualpath_ray.protocol.messages import EngineReport, ReaderReport
+from dualpath_ray.protocol.wire import Codec, WireError
+from dualpath_ray.runtime.control.report_frames import (
+    FRAME, HELLO_BYTES, MAX_FRAME_BYTES, MAX_SEQ, NONCE_BYTES, TAG_BYTES, SessionKeys, open_hello,
+)
+from dualpath_ray.runtime.control.report_senders import Senders, SequenceGap
+
 LOG = logging.getLogger("dualpath_ray.report_channel")
 
-FRAME = struct.Struct("!IQ")  # payload length, sequence number
-ACK = struct.Struct("!Q")  # highest sequence number handled
-NONCE_BYTES = 32
-CLIENT_ID_BYTES = 16
-MAX_FRAME_BYTES = 64 << 20  # a report carries a step's results and tokens: far below this
-MAX_UNACKED = 65536  # frames a client keeps for a scheduler that does not answer; the oldest go first
-SEND_TIMEOUT_S = 10.0  # a scheduler that takes nothing for this long is treated as gone: reconnect
-RECONNECT_BACKOFF_S = (0.05, 1.0)  # first and longest wait between attempts to connect
+REPORT_TYPES = (EngineReport, ReaderReport)  # what the channel carries (and what their fields reach)
 
 
 @dataclass(frozen=True)
@@ -61,8 +79,15 @@ class ChannelAddress:
     secret: bytes
 
 
-def proof(secret: bytes, nonce: bytes) -> bytes:
-    return hmac.new(secret, nonce, hashlib.sha256).digest()
+@dataclass(frozen=True)
+class ChannelLimits:
+    """What the server allows peers that have not proven the secret, and how long it remembers
+    senders that left (report_senders.py)."""
+
+    handshake_timeout_s: float = 5.0  # a connection must have sent a valid hello by then
+    max_unauthenticated: int = 64  # connections still in their handshake; more are closed at once
+    forget_after_s: float = 3600.0
+    max_senders: int = 1 << 16
 
 
 # --- the scheduler's side: runs on its event loop --------------------------------------------
@@ -71,22 +96,40 @@ def proof(secret: bytes, nonce: bytes) -> bytes:
 class ReportServer:
     """Accepts senders and hands every message to `deliver` on the event loop, in each sender's
     order. `deliver` must not block; an exception it raises is logged and the frame counts as
-    handled (a Ray call would have answered the sender with the error)."""
+    handled (a Ray call would have answered the sender with the error). `clock` is the event
+    loop's time (the senders' idle times)."""
 
-    def __init__(self, deliver: Callable[[Any], None], secret: bytes) -> None:
+    def __init__(
+        self, deliver: Callable[[Any], None], secret: bytes, clock: Callable[[], float],
+        limits: ChannelLimits = ChannelLimits(),
+    ) -> None:
         self.deliver = deliver
         self.secret = secret
-        self.handled: dict[bytes, int] = {}  # client id -> highest sequence number handled
-        self.frames = 0
-        self.rejected = 0  # connections closed for a wrong proof or an oversized frame
+        self.clock = clock
+        self.limits = limits
+        self.codec = Codec(REPORT_TYPES)
+        self.senders = Senders(limits.forget_after_s, limits.max_senders)
+        self.frames = 0  # frames handled (resends skipped not counted)
+        self.rejected = 0  # connections closed for breaking the protocol (see the module docstring)
+        self.timed_out = 0  # connections closed for not finishing the handshake in time
+        self.refused = 0  # connections closed at once: max_unauthenticated handshakes were open
+        self.undecodable = 0  # authenticated frames whose payload was no message: skipped
+        self.unauthenticated = 0  # connections open in their handshake now
         self.server: asyncio.AbstractServer | None = None
         self.connections: set[asyncio.Transport] = set()
         self.address: ChannelAddress | None = None
 
+    @property
+    def handled(self) -> dict[bytes, int]:
+        """Client id -> the highest sequence number handled, of the senders remembered."""
+        return self.senders.handled
+
     @classmethod
-    async def start(cls, deliver: Callable[[Any], None], host: str, port: int = 0) -> ReportServer:
-        channel = cls(deliver, os.urandom(32))
+    async def start(
+        cls, deliver: Callable[[Any], None], host: str, port: int = 0, limits: ChannelLimits = ChannelLimits(),
+    ) -> ReportServer:
         loop = asyncio.get_running_loop()
+        channel = cls(deliver, os.urandom(32), loop.time, limits)
         channel.server = await loop.create_server(lambda: _ReportProtocol(channel), host, port)
         bound = channel.server.sockets[0].getsockname()
         channel.address = ChannelAddress(host, int(bound[1]), channel.secret)
@@ -100,12 +143,19 @@ class ReportServer:
             transport.close()
 
     def _handle(self, client_id: bytes, seq: int, payload: bytes) -> None:
-        if seq <= self.handled.get(client_id, 0):
+        """A frame whose tag and number the connection checked; SequenceGap if the sender's
+        count says otherwise (the connection is then closed)."""
+        if not self.senders.take(client_id, seq):
             return  # sent again after a reconnect: handled already
-        self.handled[client_id] = seq
         self.frames += 1
         try:
-            self.deliver(pickle.loads(payload))
+            message = self.codec.decode(payload)
+        except WireError as exc:
+            self.undecodable += 1
+            LOG.error("report channel: frame %d of a sender is no report (%s); skipped", seq, exc)
+            return
+        try:
+            self.deliver(message)
         except Exception:  # noqa: BLE001 - one bad message must not close a sender's channel
             LOG.exception("report channel: a message could not be handled")
 
@@ -118,7 +168,10 @@ class _ReportProtocol(asyncio.Protocol):
         self.buffer = bytearray()
         self.nonce = os.urandom(NONCE_BYTES)
         self.client_id: bytes | None = None
+        self.keys: SessionKeys | None = None
+        self.expected = 0  # the number the connection's next frame must carry
         self.transport: asyncio.Transport | None = None
+        self.handshake: asyncio.TimerHandle | None = None  # set while it counts as unauthenticated
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # A stream transport, not necessarily a subclass of asyncio.Transport: Ray runs async
@@ -127,252 +180,108 @@ class _ReportProtocol(asyncio.Protocol):
         if not hasattr(transport, "write"):
             raise TypeError(f"report channel: a stream transport was expected, got {type(transport).__name__}")
         self.transport = transport  # type: ignore[assignment]
-        self.channel.connections.add(transport)
+        channel = self.channel
+        if channel.unauthenticated >= channel.limits.max_unauthenticated:
+            channel.refused += 1
+            if channel.refused & (channel.refused - 1) == 0:  # the 1st, 2nd, 4th, ...: a flood does not flood the log
+                LOG.warning("report channel: refused %s (%d so far): %d handshakes already open",
+                            transport.get_extra_info("peername"), channel.refused, channel.unauthenticated)
+            transport.close()
+            return
+        channel.connections.add(transport)  # type: ignore[arg-type]
+        channel.unauthenticated += 1
+        self.handshake = asyncio.get_running_loop().call_later(
+            channel.limits.handshake_timeout_s, self._handshake_expired
+        )
         transport.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        transport.write(self.nonce)
+        transport.write(self.nonce)  # type: ignore[attr-defined]
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self.transport is not None:
             self.channel.connections.discard(self.transport)
+        self._authenticated()
+        if self.client_id is not None:
+            self.channel.senders.end(self.client_id, self.channel.clock())
+            self.client_id = None
 
     def data_received(self, data: bytes) -> None:
+        assert self.transport is not None
+        if self.transport.is_closing():
+            return  # closed for a fault: nothing more of it is read
         self.buffer += data
-        if self.client_id is None and not self._authenticate():
+        if self.keys is None and not self._authenticate():
             return
-        assert self.client_id is not None and self.transport is not None
+        assert self.client_id is not None and self.keys is not None
         last = None
         while len(self.buffer) >= FRAME.size:
             length, seq = FRAME.unpack_from(self.buffer)
             if length > MAX_FRAME_BYTES:
                 self._reject(f"a frame of {length} bytes (at most {MAX_FRAME_BYTES})")
                 return
-            end = FRAME.size + length
+            end = FRAME.size + length + TAG_BYTES
             if len(self.buffer) < end:
                 break
-            payload = bytes(self.buffer[FRAME.size:end])
+            header = bytes(self.buffer[: FRAME.size])
+            payload = bytes(self.buffer[FRAME.size:end - TAG_BYTES])
+            if not self.keys.frame_verifies(header, payload, bytes(self.buffer[end - TAG_BYTES:end])):
+                self._reject(f"frame {seq}'s tag does not verify")
+                return
+            if seq != self.expected:
+                self._reject(f"frame {seq} where this connection's next is {self.expected}")
+                return
             del self.buffer[:end]
-            self.channel._handle(self.client_id, seq, payload)
+            self.expected += 1
+            try:
+                self.channel._handle(self.client_id, seq, payload)
+            except SequenceGap as exc:
+                self._reject(str(exc))
+                return
             last = seq
         if last is not None and not self.transport.is_closing():
-            self.transport.write(ACK.pack(last))
+            self.transport.write(self.keys.seal_ack(last))
 
     def _authenticate(self) -> bool:
         """True once the sender proved the secret and named itself; False while bytes are missing
         (or after closing a sender that failed)."""
-        needed = len(self.nonce) + CLIENT_ID_BYTES
-        if len(self.buffer) < needed:
+        if len(self.buffer) < HELLO_BYTES:
             return False
-        answer = bytes(self.buffer[:len(self.nonce)])
-        if not hmac.compare_digest(answer, proof(self.channel.secret, self.nonce)):
+        hello = open_hello(self.channel.secret, self.nonce, bytes(self.buffer[:HELLO_BYTES]))
+        if hello is None:
             self._reject("a wrong proof of the secret")
             return False
-        self.client_id = bytes(self.buffer[len(self.nonce):needed])
-        del self.buffer[:needed]
+        if not 1 <= hello.first <= MAX_SEQ:
+            self._reject(f"a first frame number of {hello.first}")
+            return False
+        del self.buffer[:HELLO_BYTES]
+        self._authenticated()
+        self.keys = SessionKeys(self.channel.secret, self.nonce, hello)
+        self.expected = hello.first
+        self.client_id = hello.client_id
+        self.channel.senders.begin(hello.client_id, hello.first, self.channel.clock())
         return True
+
+    def _authenticated(self) -> None:
+        """The connection no longer counts as an open handshake (proven, or gone)."""
+        if self.handshake is not None:
+            self.handshake.cancel()
+            self.handshake = None
+            self.channel.unauthenticated -= 1
+
+    def _handshake_expired(self) -> None:
+        self.handshake = None
+        self.channel.unauthenticated -= 1
+        self.channel.timed_out += 1
+        assert self.transport is not None
+        if self.channel.timed_out & (self.channel.timed_out - 1) == 0:  # the 1st, 2nd, 4th, ...
+            LOG.warning("report channel: closed %s (%d so far): no valid hello within %.1fs",
+                        self.transport.get_extra_info("peername"), self.channel.timed_out,
+                        self.channel.limits.handshake_timeout_s)
+        self.buffer.clear()
+        self.transport.close()
 
     def _reject(self, why: str) -> None:
         assert self.transport is not None
         self.channel.rejected += 1
-        peer = self.transport.get_extra_info("peername")
-        LOG.warning("report channel: closed the connection from %s: %s", peer, why)
+        LOG.warning("report channel: closed the connection from %s: %s", self.transport.get_extra_info("peername"), why)
         self.buffer.clear()
         self.transport.close()
-
-
-# --- a sender's side: any thread may send ----------------------------------------------------
-
-
-class SentReport:
-    """A frame on its way, as a `Pending`: done once the scheduler acknowledged it; `wait` raises
-    ConnectionError if the client was closed (or dropped it: MAX_UNACKED) first."""
-
-    def __init__(self) -> None:
-        self._done = threading.Event()
-        self._error: BaseException | None = None
-
-    def settle(self, error: BaseException | None = None) -> None:
-        self._error = error
-        self._done.set()
-
-    def done(self) -> bool:
-        if not self._done.is_set():
-            return False
-        if self._error is not None:
-            raise self._error
-        return True
-
-    def wait(self, timeout_s: float | None = None) -> None:
-        if not self._done.wait(timeout_s):
-            raise TimeoutError(f"no acknowledgement within {timeout_s}s")
-        self.done()
-
-
-class ReportClient:
-    """One sending process's channel to the scheduler. `send` never blocks on the scheduler's
-    absence: while there is no connection, frames wait (up to MAX_UNACKED) and a background
-    thread finds the scheduler with `resolve` (a Ray call that waits for a restarting scheduler)
-    and connects. A thread per connection reads the acknowledgements."""
-
-    def __init__(self, resolve: Callable[[], ChannelAddress], name: str) -> None:
-        self.resolve = resolve
-        self.name = name
-        self.client_id = uuid.uuid4().bytes
-        self.sent = 0  # frames sent, resends not counted
-        self.connects = 0
-        self.dropped = 0  # frames given up (MAX_UNACKED)
-        self._lock = threading.Lock()
-        self._sock: socket.socket | None = None
-        self._seq = 0
-        self._unacked: dict[int, tuple[bytes, SentReport]] = {}  # in sequence order
-        self._connecting = False
-        self._closed = False
-
-    def send(self, message: Any) -> SentReport:
-        payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-        pending = SentReport()
-        with self._lock:
-            if self._closed:
-                pending.settle(ConnectionError(f"{self.name}: report channel closed"))
-                return pending
-            self._seq += 1
-            frame = FRAME.pack(len(payload), self._seq) + payload
-            self._unacked[self._seq] = (frame, pending)
-            self.sent += 1
-            self._bound_unacked()
-            if self._sock is not None:
-                try:
-                    self._sock.sendall(frame)
-                except OSError as exc:
-                    self._drop(self._sock, exc)
-            if self._sock is None:
-                self._connect_in_background()
-        return pending
-
-    def unacked(self) -> int:
-        with self._lock:
-            return len(self._unacked)
-
-    def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            sock, self._sock = self._sock, None
-            pending = [p for _, p in self._unacked.values()]
-            self._unacked.clear()
-        if sock is not None:
-            sock.close()
-        for p in pending:
-            p.settle(ConnectionError(f"{self.name}: report channel closed"))
-
-    # Everything below runs with the lock held unless it says otherwise.
-
-    def _bound_unacked(self) -> None:
-        while len(self._unacked) > MAX_UNACKED:
-            oldest = next(iter(self._unacked))
-            _, pending = self._unacked.pop(oldest)
-            self.dropped += 1
-            pending.settle(ConnectionError(f"{self.name}: {MAX_UNACKED} reports unacknowledged; the oldest dropped"))
-
-    def _drop(self, sock: socket.socket, why: BaseException) -> None:
-        if self._sock is sock:
-            LOG.info("%s: report channel lost (%r); reconnecting", self.name, why)
-            self._sock = None
-            sock.close()
-
-    def _connect_in_background(self) -> None:
-        if not self._connecting and not self._closed:
-            self._connecting = True
-            threading.Thread(target=self._connect_loop, name=f"{self.name}-connect", daemon=True).start()
-
-    def _connect_loop(self) -> None:
-        """Without the lock: find the scheduler and connect, with backoff, until connected or
-        closed; then send every unacknowledged frame again, in order."""
-        wait_s = RECONNECT_BACKOFF_S[0]
-        while True:
-            try:
-                sock = self._open(self.resolve())
-            except Exception as exc:  # noqa: BLE001 - no scheduler yet, or it is restarting
-                LOG.info("%s: report channel not connected yet (%r); retrying in %.2fs", self.name, exc, wait_s)
-                time.sleep(wait_s)
-                wait_s = min(2 * wait_s, RECONNECT_BACKOFF_S[1])
-                with self._lock:
-                    if self._closed:
-                        self._connecting = False
-                        return
-                continue
-            with self._lock:
-                self._connecting = False
-                if self._closed:
-                    sock.close()
-                    return
-                try:
-                    for frame, _ in self._unacked.values():
-                        sock.sendall(frame)
-                except OSError as exc:
-                    sock.close()
-                    LOG.info("%s: report channel lost while resending (%r)", self.name, exc)
-                    self._connecting = True
-                    continue
-                self._sock = sock
-                self.connects += 1
-            threading.Thread(target=self._read_acks, args=(sock,), name=f"{self.name}-acks", daemon=True).start()
-            return
-
-    def _open(self, address: ChannelAddress) -> socket.socket:
-        """Without the lock: a connection that passed the handshake."""
-        sock = socket.create_connection((address.host, address.port), timeout=SEND_TIMEOUT_S)
-        try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            nonce = _recv_exactly(sock, NONCE_BYTES)
-            sock.sendall(proof(address.secret, nonce) + self.client_id)
-        except BaseException:
-            sock.close()
-            raise
-        return sock
-
-    def _read_acks(self, sock: socket.socket) -> None:
-        """Without the lock: settle acknowledged frames until the connection ends."""
-        buffer = bytearray()
-        while True:
-            try:
-                data = sock.recv(65536)
-            except socket.timeout:
-                with self._lock:
-                    if self._sock is not sock:
-                        return
-                continue
-            except OSError as exc:
-                data, error = b"", exc
-            else:
-                error = ConnectionError("the scheduler closed the report channel")
-            if not data:
-                with self._lock:
-                    self._drop(sock, error)
-                    if self._sock is None and self._unacked:
-                        self._connect_in_background()
-                return
-            buffer += data
-            whole = len(buffer) - len(buffer) % ACK.size
-            if whole:
-                (acked,) = ACK.unpack_from(buffer, whole - ACK.size)
-                del buffer[:whole]
-                self._settle_through(acked)
-
-    def _settle_through(self, acked: int) -> None:
-        settled = []
-        with self._lock:
-            for seq in list(self._unacked):
-                if seq > acked:
-                    break
-                settled.append(self._unacked.pop(seq)[1])
-        for pending in settled:
-            pending.settle()
-
-
-def _recv_exactly(sock: socket.socket, n: int) -> bytes:
-    data = bytearray()
-    while len(data) < n:
-        chunk = sock.recv(n - len(data))
-        if not chunk:
-            raise ConnectionError("the scheduler closed the report channel during the handshake")
-        data += chunk
-    return bytes(data)

@@ -14,7 +14,8 @@ import ray
 
 from dualpath_ray.protocol.names import SCHEDULER, reader_name
 from dualpath_ray.runtime.engine.directory import ActorDirectory
-from dualpath_ray.runtime.control.report_channel import ChannelAddress, ReportClient, SentReport
+from dualpath_ray.runtime.control.report_channel import ChannelAddress
+from dualpath_ray.runtime.control.report_client import ReportClient, SentReport
 from dualpath_ray.runtime.transport.moves import PeerDiedError
 from dualpath_ray.protocol.messages import (
     DecodeHandoff, EngineReport, ExtentGrant, Holding, PersistedBlock, StagedRead, TokenChunk, TurnResult,

@@ -37,7 +37,7 @@ from dualpath_ray.runtime.reader.stage_queue import StageQueue
 from dualpath_ray.scheduling.staging import StageOrder
 from dualpath_ray.runtime.reader.queue_reporter import QueueReporter
 from dualpath_ray.runtime.engine.ray_ports import scheduler_channel
-from dualpath_ray.runtime.control.report_channel import ReportClient
+from dualpath_ray.runtime.control.report_client import ReportClient
 from dualpath_ray.runtime.deploy.qos import kv_transport_knobs
 from dualpath_ray.runtime.engine.restarts import TransportKeeper, was_restarted
 from dualpath_ray.runtime.transport.moves import PeerDiedError, Region
