@@ -360,7 +360,17 @@ class Scheduler:
                 "restarted": int(self.restarted), "mailboxes": len(self.mailboxes),
                 "dropped_results": self.mailboxes.dropped, "queue_full": self.serving.refused,
                 "decode_pulls": rounds.decode_pulls if rounds else 0, "prefill_pulls": rounds.prefill_pulls if rounds else 0,
-                **self._staging_counts()}
+                **self._staging_counts(), **self._channel_counts()}
+
+    def _channel_counts(self) -> dict[str, int]:
+        """The report channel's refusals: connections closed for breaking the protocol (a bad
+        MAC, a jump in numbering), for not finishing the handshake in time or past the cap, and
+        authenticated frames whose payload was no message."""
+        channel = self.reports
+        if channel is None:
+            return {}
+        return {"channel_rejected": channel.rejected, "channel_timed_out": channel.timed_out,
+                "channel_refused": channel.refused, "channel_undecodable": channel.undecodable}
 
     def _staging_counts(self) -> dict[str, int]:
         """Tool-time staging at the scheduler: chains ordered staged (and their blocks), claimed by
