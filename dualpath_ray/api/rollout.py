@@ -195,8 +195,12 @@ async def rollout_async(
     sampling: Mapping[str, SamplingParams] | None = None,
 ) -> RolloutResult:
     """`sampling`: trajectory id -> how its turns sample (each turn's max_new_tokens is its
-    gen_len); greedy where absent."""
-    version = cfg.model.weight_version if weight_version is None else weight_version
+    gen_len); greedy where absent. `weight_version` None: the version the engines hold now
+    (the scheduler's published weights), however they were last updated."""
+    if weight_version is None:
+        published = await scheduler.weights.remote()
+        weight_version = cfg.model.weight_version if published is None else published.weights.version
+    version = weight_version
     namespace = cfg.kv_namespace(version)
     previous = _previous_outputs(resume)
     bar = _Progress(sum(len(t.turns) for t in trajectories), progress)

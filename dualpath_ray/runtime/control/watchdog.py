@@ -95,11 +95,12 @@ class Watchdog:
         return bool(self.core.requests or self.adoptions.holders or self.core.presumed_dead
                     or self.core.readers_unavailable)
 
-    def heard_from(self, name: str) -> None:
-        """`name` reported or answered: it is alive (a presumed-dead engine is taken back)."""
+    def heard_from(self, name: str, same_process: bool) -> None:
+        """`name` reported or answered: it is alive (a presumed-dead engine is taken back).
+        `same_process`: the incarnation that answered is the one known before."""
         self.liveness.answered(name)
         if not is_reader(name):
-            self._readmit(name)
+            self._readmit(name, same_process)
 
     async def beat(self) -> None:
         """One heartbeat round: on a sweep, every engine in use (and those presumed dead, to
@@ -245,19 +246,22 @@ class Watchdog:
             self.calls.unready_engines += not ready
             self.changed()
 
-    def _readmit(self, engine: str) -> None:
+    def _readmit(self, engine: str, same_process: bool) -> None:
         """An engine presumed dead answered: a loaded host is slow, not dead (its earlier
         attempts were failed already; the heartbeat cancels what they still hold)."""
         if self.core.readmit(engine):
-            # The same process: it frees what its failed attempts leased when their cancels come.
-            self.unreclaimed.pop(engine, None)
+            if same_process:
+                # It frees what its failed attempts leased when their cancels come. (A new
+                # process's answer reclaims them instead: see observe.)
+                self.unreclaimed.pop(engine, None)
             self.changed()
 
     def observe(self, name: str, incarnation: str) -> None:
         """A new incarnation of an engine or reader proves its old process gone: fail (and so
         retry) what depended on it, reclaim what its attempts leased, and let it work again."""
-        self.heard_from(name)
-        if not self.incarnations.observe(name, incarnation):
+        restarted = self.incarnations.observe(name, incarnation)
+        self.heard_from(name, same_process=not restarted)
+        if not restarted:
             return
         if is_reader(name):
             node = reader_node(name)

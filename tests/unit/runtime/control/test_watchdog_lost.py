@@ -101,6 +101,9 @@ class SilentCore(Core):
     def readmit(self, engine: str) -> bool:
         return True
 
+    def engine_restarted(self, engine: str) -> list[RequestSpec]:
+        return []
+
 
 def test_the_attempts_of_a_silent_engine_are_bounded_and_forgotten_when_it_answers_again(monkeypatch) -> None:
     import dualpath_ray.runtime.control.watchdog as watchdog_module
@@ -115,6 +118,12 @@ def test_the_attempts_of_a_silent_engine_are_bounded_and_forgotten_when_it_answe
     watchdog.engine_died(PE, confirmed=False)
     # Invariant: a silent engine's attempts wait for its certain death, at most MAX_UNRECLAIMED of them.
     assert list(watchdog.unreclaimed[PE]) == ["r1#0", "r2#0"] and not control.reclaimed
-    watchdog._readmit(PE)
+    watchdog.observe(PE, "incarnation-1")  # the same process answers again
     # Invariant: the same process answering again frees its own (its cancels), so nothing is kept.
     assert PE not in watchdog.unreclaimed and not control.reclaimed
+    watchdog.engine_died(PE, confirmed=False)
+    watchdog.observe(PE, "incarnation-2")  # a new process answers: the old one is certainly gone
+    # Invariant: a new process's answer reclaims what the dead one's attempts leased, on every reader.
+    assert sorted(control.reclaimed) == sorted((reader, owner) for owner in ("r1#0", "r2#0")
+                                               for reader in ("reader/d0", "reader/p0"))
+    assert PE not in watchdog.unreclaimed
