@@ -13,9 +13,9 @@ lookup walks the prompt's key chain from the root and stops at the first key it 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import numpy as np
 import xxhash
@@ -167,6 +167,22 @@ class _Node:
     children: dict[str, _Node] = field(default_factory=dict)
 
 
+class IndexObserver(Protocol):
+    """Told of each change of a PrefixIndex as it is made, so that what follows the index (the
+    store's LRU order and its deleter, kv/eviction.py) is kept in step incrementally: nothing has
+    to scan the index to find out what changed."""
+
+    def added(self, key: str) -> None:
+        """`key` was indexed (it has no children yet)."""
+
+    def removed(self, keys: list[str], new_leaf: str | None) -> None:
+        """`keys` (one block and every block after it) left the index; `new_leaf` is the block
+        before them when it has no other child left (None otherwise)."""
+
+    def cleared(self, keys: Collection[str]) -> None:
+        """Every block left the index at once; `keys` were indexed (a collection no one changes)."""
+
+
 class PrefixIndex:
     """A prefix trie of stored Full Block keys: which prefix of a prompt is already stored."""
 
@@ -174,6 +190,11 @@ class PrefixIndex:
         _check_block_size(block_size)
         self.block_size = block_size
         self._nodes: dict[str, _Node] = {}
+        self._observer: IndexObserver | None = None
+
+    def observe(self, observer: IndexObserver | None) -> None:
+        """Tell `observer` of every later change (one observer; None: nobody)."""
+        self._observer = observer
 
     def __contains__(self, key: object) -> bool:
         return key in self._nodes
@@ -182,7 +203,11 @@ class PrefixIndex:
         return len(self._nodes)
 
     def clear(self) -> None:
-        self._nodes.clear()
+        # A new dict, so the old one can be handed on as it is (O(1) here: the observer's deleter
+        # walks it on its own thread) and is never changed again.
+        dropped, self._nodes = self._nodes, {}
+        if self._observer is not None:
+            self._observer.cleared(dropped.keys())
 
     def keys(self) -> list[str]:
         return list(self._nodes)
@@ -219,6 +244,8 @@ class PrefixIndex:
         if parent_node is not None:
             parent_node.children[key] = node
         self._nodes[key] = node
+        if self._observer is not None:
+            self._observer.added(key)
         return True
 
     def publish(self, blocks: Iterable[tuple[str, str | None]]) -> int:
@@ -274,17 +301,20 @@ class PrefixIndex:
         node = self._nodes.get(key)
         if node is None:
             return 0
-        if node.parent is not None:
-            del node.parent.children[key]
-        removed = 0
+        parent = node.parent
+        if parent is not None:
+            del parent.children[key]
+        removed: list[str] = []
         # Iterative on purpose: a long conversation is a chain thousands of blocks deep.
         stack = [node]
         while stack:
             current = stack.pop()
             del self._nodes[current.key]
-            removed += 1
+            removed.append(current.key)
             stack.extend(current.children.values())
-        return removed
+        if self._observer is not None:
+            self._observer.removed(removed, parent.key if parent is not None and not parent.children else None)
+        return len(removed)
 
     @classmethod
     def rebuild(cls, store: BlockStore, block_size: int) -> PrefixIndex:

@@ -191,6 +191,43 @@ def test_clear_len_contains() -> None:
     assert len(index) == 0 and keys[0] not in index, "clear must empty the index"
 
 
+class Observer:
+    def __init__(self) -> None:
+        self.events: list[tuple] = []
+
+    def added(self, key: str) -> None:
+        self.events.append(("added", key))
+
+    def removed(self, keys: list[str], new_leaf: str | None) -> None:
+        self.events.append(("removed", sorted(keys), new_leaf))
+
+    def cleared(self, keys: object) -> None:
+        self.events.append(("cleared", sorted(keys)))  # type: ignore[call-overload]
+
+
+def test_the_observer_is_told_every_change_as_it_is_made() -> None:
+    index = PrefixIndex(BLOCK)
+    seen = Observer()
+    index.observe(seen)
+    a, b, c = block_keys(tokens(12), BLOCK, NS)
+    (other,) = block_keys(tokens(4, start=100), BLOCK, NS)
+    index.insert([a, b, c])
+    index.insert([a, b])  # nothing new
+    assert seen.events == [("added", a), ("added", b), ("added", c)], "each new block, once, parent first"
+    index.insert_block(other, b)  # b has two children now
+    seen.events.clear()
+    index.remove(c)
+    assert seen.events == [("removed", [c], None)], "b still has a child: it does not become a leaf"
+    index.remove(other)
+    assert seen.events[-1] == ("removed", [other], b), "b lost its last child: it is a leaf now"
+    index.remove(a)
+    assert seen.events[-1] == ("removed", sorted([a, b]), None), "a subtree leaves in one event; a had no parent"
+    index.insert([a, b])
+    index.clear()
+    assert seen.events[-1] == ("cleared", sorted([a, b])), "a clear names every block it dropped"
+    assert len(index) == 0
+
+
 def _fill(store: LocalDirStore | MemoryStore, prompts: list[list[int]]) -> PrefixIndex:
     live = PrefixIndex(BLOCK)
     block = LAYOUT.empty_full_block().zero_()
