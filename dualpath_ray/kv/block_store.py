@@ -79,8 +79,9 @@ class BlockStore(ABC):
         self, key: str, block: torch.Tensor, parent: str | None = None, verify: BlockCheck | None = None
     ) -> bool:
         """Store `block` under `key`, after block `parent`. False only if a valid block of this
-        layout is already stored under `key` (a key names its content: it is this block); what
-        is stored there and is not (another layout, a damaged file) is replaced.
+        layout is already stored under `key` (a key names its content: it is this block; its
+        publish time is refreshed, so a `discard` decided before this put keeps it); what is
+        stored there and is not (another layout, a damaged file) is replaced.
 
         `verify`, if given, is called with the block once its bytes are written and before they
         are published; if it raises, nothing is published under `key` (a miss, as a failed
@@ -99,6 +100,14 @@ class BlockStore(ABC):
     @abstractmethod
     def delete(self, key: str) -> bool:
         """Remove `key`; False if it was not stored."""
+
+    def discard(self, key: str, published_before: float) -> bool:
+        """Delete `key` unless it was published, or put again while stored, at or after
+        `published_before` (wall-clock seconds, as file times are): then a writer that found it
+        may be reporting it to an index right now, and deleting it would leave that index naming
+        a missing block. True if deleted; False if kept or absent. A store without publish times
+        (this default) deletes."""
+        return self.delete(key)
 
     @abstractmethod
     def keys(self) -> Iterator[str]:

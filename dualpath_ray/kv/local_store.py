@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
+import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -37,6 +39,10 @@ from dualpath_ray.kv.read_helpers import BatchRead, ReadHelpers
 
 BLOCK_SUFFIX = ".kvb"
 TEMP_SUFFIX = ".tmp"
+# File times may come from the kernel's coarse clock, up to one tick behind the one time.time
+# reads: a put just after a `discard` decision can carry a time just before it. So blocks with a
+# time this close before the decision count as put after it (kept; the sweep deletes them later).
+FILE_TIME_SLACK_S = 2 * time.clock_getres(5) if sys.platform == "linux" else 0.02  # 5: CLOCK_REALTIME_COARSE
 # The smallest Full Block a helper thread reads faster than the caller alone: below it the
 # fixed cost per block (Python, syscalls, GIL hand-offs; xxhash keeps the GIL up to 64 KiB)
 # outweighs the overlap (measured: 64 KiB 0.8x, 256 KiB 1.0x, 512 KiB 1.2x of serial).
@@ -109,7 +115,7 @@ class LocalDirStore(BlockStore):
         if parent is not None:
             validate_key(parent)
         check_host_block(self.layout, block, "block")
-        if self._holds_valid_block(key, str(path)):
+        if self._holds_valid_block(key, str(path)) and _refreshed(path):
             return False
         payload = byte_view(block)
         header = encode_header(BlockHeader.for_block(self.layout, key, parent, checksum(payload)))
@@ -205,6 +211,41 @@ class LocalDirStore(BlockStore):
             return False
         return True
 
+    def discard(self, key: str, published_before: float) -> bool:
+        """BlockStore.discard, without a lock shared with the writers (they may be on other
+        nodes of a shared mount). A put that finds the block stored refreshes its mtime before
+        it reports the block, so: the block is first renamed to a temporary name (a put from now
+        on finds nothing and publishes a new copy), then the renamed file's mtime is read; if a
+        put refreshed it at or after `published_before`, it is put back under its name (unless a
+        new copy was published meanwhile: same key, same bytes) and kept. A put that refreshed
+        it before the rename shows in that mtime; one that comes after the rename writes its own
+        copy. Either way the block a writer reports is on disk. A crash between the rename and
+        the unlink leaves a temporary that remove_stale_temporaries deletes."""
+        path = self._path_text(key)
+        published_before -= FILE_TIME_SLACK_S
+        try:
+            if os.stat(path).st_mtime >= published_before:
+                return False  # the cheap check first: most blocks kept are young ones
+        except FileNotFoundError:
+            return False
+        temp = f"{os.path.dirname(path)}/.{key}.{os.getpid()}.{secrets.token_hex(6)}{TEMP_SUFFIX}"
+        try:
+            os.rename(path, temp)
+            fresh = os.stat(temp).st_mtime >= published_before
+        except FileNotFoundError:  # gone already (another deleter; a stale-temporary sweep)
+            return False
+        if fresh:
+            try:
+                os.link(temp, path)
+            except FileExistsError:
+                pass  # a writer published a new copy after the rename
+            except OSError:  # a file system without hard links: same key, same bytes as any new copy
+                os.replace(temp, path)
+                return False
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temp)
+        return not fresh
+
     def parent_of(self, key: str) -> str | None:
         fd, path = self._open(key)
         try:
@@ -216,13 +257,22 @@ class LocalDirStore(BlockStore):
         return header.parent
 
     def keys(self) -> Iterator[str]:
-        for path in self._files():
-            name = path.name
-            if not name.endswith(BLOCK_SUFFIX):
-                continue
-            key = name[: -len(BLOCK_SUFFIX)]
-            if KEY_PATTERN.fullmatch(key) and self.path_of(key) == path:
-                yield key
+        # Names only (no Path objects, no stat): the index rebuild and the janitor's sweep
+        # (kv/janitor.py) list every block, a million of them in a big store.
+        suffix = len(BLOCK_SUFFIX)
+        for first in _fan_out_directories(self._root):
+            for second in _fan_out_directories(first):
+                fan_out = first.name + second.name
+                try:
+                    with os.scandir(second) as entries:
+                        names = [e.name for e in entries
+                                 if e.name.endswith(BLOCK_SUFFIX) and e.is_file(follow_symlinks=False)]
+                except FileNotFoundError:
+                    continue
+                for name in names:
+                    key = name[:-suffix]
+                    if key.startswith(fan_out) and KEY_PATTERN.fullmatch(key):
+                        yield key
 
     def remove_stale_temporaries(self, max_age_s: float = 600.0) -> int:
         """Delete temporaries of puts that crashed over `max_age_s` ago; returns the count.
@@ -291,6 +341,16 @@ def _fan_out_directories(directory: Path) -> list[Path]:
             return [Path(e.path) for e in entries if len(e.name) == 2 and e.is_dir(follow_symlinks=False)]
     except FileNotFoundError:
         return []
+
+
+def _refreshed(path: Path) -> bool:
+    """Set a stored block's mtime to now (a put found it: see LocalDirStore.discard); False if it
+    was taken away meanwhile, and the put publishes its own copy."""
+    try:
+        os.utime(path)
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def _read_fully(fd: int, buffers: list[memoryview], size: int) -> int:

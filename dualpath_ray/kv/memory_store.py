@@ -7,6 +7,7 @@ of the bytes it delivers), so code tested against it behaves the same against th
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -37,6 +38,7 @@ class InjectedPutError(OSError):
 class _Entry:
     payload: bytearray
     header: BlockHeader
+    published_at: float  # wall clock of its put, or of a later put that found it (see discard)
 
 
 class MemoryStore(BlockStore):
@@ -99,9 +101,11 @@ class MemoryStore(BlockStore):
         if self._before_put is not None:
             self._before_put(key)
         with self._lock:
-            if key in self._entries:
+            entry = self._entries.get(key)
+            if entry is not None:
+                entry.published_at = time.time()
                 return False
-            self._entries[key] = _Entry(payload, header)
+            self._entries[key] = _Entry(payload, header, time.time())
             self.writes += 1
             return True
 
@@ -129,6 +133,15 @@ class MemoryStore(BlockStore):
         validate_key(key)
         with self._lock:
             return self._entries.pop(key, None) is not None
+
+    def discard(self, key: str, published_before: float) -> bool:
+        validate_key(key)
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None or entry.published_at >= published_before:
+                return False
+            del self._entries[key]
+            return True
 
     def keys(self) -> Iterator[str]:
         with self._lock:

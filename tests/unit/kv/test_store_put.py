@@ -61,14 +61,17 @@ def test_a_damaged_file_under_the_key_is_replaced(tmp_path: Path, damage: str) -
     assert [p.name for p in path.parent.iterdir()] == [path.name], "the replacement leaves no temporary behind"
 
 
-def test_a_valid_block_is_kept_untouched(tmp_path: Path) -> None:
+def test_a_valid_block_is_kept_not_rewritten_and_its_time_refreshed(tmp_path: Path) -> None:
     store = LocalDirStore(tmp_path, FLOAT32)
     store.put(KEY, block_of(FLOAT32, 5))
-    before = os.stat(store.path_of(KEY))
+    path = store.path_of(KEY)
+    os.utime(path, (1_000_000, 1_000_000))  # published long ago
+    before = os.stat(path)
     assert not store.put(KEY, block_of(FLOAT32, 5)), "a second put of a stored valid block returns False"
-    after = os.stat(store.path_of(KEY))
-    assert (before.st_ino, before.st_mtime_ns) == (after.st_ino, after.st_mtime_ns), (
-        "a put that finds a valid block must not rewrite it"
+    after = os.stat(path)
+    assert before.st_ino == after.st_ino, "a put that finds a valid block must not rewrite it"
+    assert after.st_mtime > before.st_mtime, (
+        "but it refreshes its time, so a delete decided before this put keeps it (LocalDirStore.discard)"
     )
 
 
