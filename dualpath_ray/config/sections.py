@@ -53,18 +53,30 @@ class StoreConfig(Section):
     block_size: int = Field(64, ge=1, description="Tokens per block.")
     capacity_bytes: int | None = Field(
         None, ge=1,
-        description="Most bytes of indexed Full Blocks the store keeps; beyond it the least recently "
-        "used blocks are evicted (a later lookup misses them). None (the default) = derived when the "
-        "scheduler starts: store.capacity_free_fraction of what the store's file system can hold (the "
-        "blocks already indexed plus its free space), so eviction runs before the disk is full; the "
-        "memory backend has no limit. A shared file system that other writers fill may still run full: "
-        "a block write it refuses is then a later miss, never a failed turn.",
+        description="Most bytes of Full Blocks the store keeps (indexed ones, and block files no index "
+        "holds that the janitor could not delete yet: see sweep_interval_s); beyond it the least recently "
+        "used blocks are evicted (a later lookup misses them). None (the default) = derived: "
+        "store.capacity_free_fraction of what the store's file system can hold (its block files plus its "
+        "free space), when the scheduler starts and again at each of the janitor's walks, so eviction runs "
+        "before the disk is full and follows other users of the disk; the memory backend has no limit. A "
+        "shared file system that other writers fill may still run full: a block write it refuses is then a "
+        "later miss, never a failed turn.",
     )
     capacity_free_fraction: float = Field(
         0.9, gt=0, le=1,
         description="With capacity_bytes unset, the share of the store file system's room (indexed blocks + "
         "free space at the scheduler's start) its indexed blocks may fill; the rest is headroom for blocks "
         "on their way (written, not yet indexed), temporaries, directories and other users of the disk.",
+    )
+    sweep_interval_s: float | None = Field(
+        600.0, gt=0,
+        description="How often the scheduler's store janitor (kv/janitor.py) walks the store, on a thread of "
+        "its own and at a quarter of one core at most: it deletes every block file no index holds, nothing in "
+        "flight hits, and published longer than runtime.request_timeout_s ago (a turn may still report a "
+        "younger one), and measures what the store holds, which the capacity follows (unindexed block files "
+        "count against it). The first walk runs when the scheduler starts. Blocks the scheduler unindexes "
+        "itself (evicted, repaired, reset_prefix_cache) are deleted at once, sweep or not. None: no walks; "
+        "set it for a store root that several deployments share, or each deletes the others' blocks.",
     )
     fsync: bool = Field(
         False,

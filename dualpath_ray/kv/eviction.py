@@ -1,12 +1,25 @@
 """The store's capacity: least-recently-used eviction that keeps the prefix index true.
 
 The scheduler owns it, next to the index: every lookup touches the blocks it hits, every
-published block is added, and once the indexed blocks exceed `store.capacity_bytes` the least
-recently used *leaf* blocks (nothing indexed follows them) are unindexed first and deleted from
-the store second. Evicting leaves only means a hot prefix is never cut from under its
-descendants, and the hits of requests in flight are kept until they finish. A block deleted
-anyway while a reader was about to read it (another scheduler's store, a user) is a miss for that
-read, which the scheduler turns into a retry that recomputes it (docs/reliability.md).
+published block is added, and once the store holds more than `store.capacity_bytes` the least
+recently used *leaf* blocks (nothing indexed follows them) are unindexed at once and deleted
+from the store soon after, by the store's janitor thread (kv/janitor.py), off the scheduler's
+event loop. Evicting leaves only means a hot prefix is never cut from under its descendants; the
+hits of requests in flight are pinned (a count per block, kept as requests take and drop them)
+and kept until they finish. A block deleted anyway while a reader was about to read it (another
+scheduler's store, a user) is a miss for that read, which the scheduler turns into a retry that
+recomputes it (docs/reliability.md).
+
+What the store holds is the indexed blocks plus the block files no index holds that the
+janitor's last sweep found and could not delete yet (young ones a turn may still report, pinned
+ones): both count against the capacity. Every block that leaves the index (evicted, repaired,
+reset_prefix_cache) is handed to the janitor to delete.
+
+Cost: the index tells this object of each change as it is made (kv/index.py IndexObserver), so
+nothing scans the index or the order. The order is a heap of the leaves keyed by the time of
+their last touch, kept lazily: a touch only stamps the block (O(1)); an entry found at the top
+with an older stamp than its block's goes back in with the new one, so each touch costs at most
+one heap push, paid when eviction reaches it, and each victim O(log n).
 
 Without a configured capacity a store in a directory is bounded by its file system
 (`store_capacity_bytes`): a share of what the disk could hold when the scheduler starts, so
@@ -16,17 +29,19 @@ then every persist fails.
 
 from __future__ import annotations
 
+import heapq
 import logging
 import os
-from collections import OrderedDict
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Collection, Iterable
+from typing import TYPE_CHECKING, Protocol
 
 from dualpath_ray.kv.block_format import HEADER_SIZE
 from dualpath_ray.kv.index import PrefixIndex
 
 if TYPE_CHECKING:
     from dualpath_ray.kv.block_store import BlockStore
+    from dualpath_ray.kv.janitor import StoreMeasure
 
 _LOG = logging.getLogger(__name__)
 
@@ -34,9 +49,10 @@ _LOG = logging.getLogger(__name__)
 def capacity_from_free_space(
     free_bytes: int, allocation_bytes: int, indexed_blocks: int, block_bytes: int, fraction: float
 ) -> int:
-    """`fraction` of the Full Blocks a file system can hold: those indexed now plus as many
-    block files (header + payload, rounded up to the file system's allocation unit) as fit in
-    `free_bytes`; in payload bytes (what LRUEviction counts), never less than one block."""
+    """`fraction` of the Full Blocks a file system can hold: those stored now (`indexed_blocks`;
+    once the janitor has measured the store, every block file) plus as many block files (header
+    + payload, rounded up to the file system's allocation unit) as fit in `free_bytes`; in
+    payload bytes (what LRUEviction counts), never less than one block."""
     if not 0 < fraction <= 1:
         raise ValueError(f"store.capacity_free_fraction must be in (0, 1], got {fraction}")
     unit = max(1, allocation_bytes)
@@ -69,69 +85,203 @@ class EvictionStats:
     touched_blocks: int = 0
 
 
-class LRUEviction:
-    """LRU order of the indexed blocks and the capacity they must stay within."""
+class Deleter(Protocol):
+    """Deletes unindexed blocks off the caller's thread (kv/janitor.py StoreJanitor)."""
 
-    def __init__(self, index: PrefixIndex, store: BlockStore, capacity_bytes: int | None, block_bytes: int) -> None:
+    def delete_later(self, keys: Collection[str]) -> None: ...
+
+    def wait_idle(self, timeout_s: float | None = None) -> bool: ...
+
+
+# Heap entries of blocks no longer indexed (a repair's) are dropped when they reach the top;
+# beyond twice the indexed blocks plus this many, the heap is rebuilt without them.
+_COMPACT_SLACK = 4096
+
+
+class LRUEviction:
+    """LRU order of the indexed leaves, the pins of requests in flight, and the capacity the
+    store must stay within. The index's observer (kv/index.py): it must be told of every change.
+
+    Lives on one thread (the scheduler's event loop), except `indexed`, `pinned` and `measured`,
+    which the janitor's thread calls (single dict lookups and attribute stores)."""
+
+    def __init__(
+        self, index: PrefixIndex, deleter: Deleter | None, capacity_bytes: int | None, block_bytes: int,
+        free_fraction: float | None = None,
+    ) -> None:
+        """`deleter` None: unindexed blocks are not deleted (a store no one else sees). With
+        `free_fraction` the capacity is that share of what the store's file system can hold,
+        recomputed at each of the janitor's measures (store.capacity_bytes unset)."""
         if capacity_bytes is not None and capacity_bytes < block_bytes:
             raise ValueError(
                 f"store.capacity_bytes ({capacity_bytes}) holds no Full Block ({block_bytes} bytes); "
                 "raise it or set it to null (no limit)"
             )
         self.index = index
-        self.store = store
+        self.deleter = deleter
+        self.block_bytes = block_bytes
+        self.free_fraction = free_fraction
         self.capacity_blocks = None if capacity_bytes is None else capacity_bytes // block_bytes
+        # Block files on disk that no index holds, as the janitor's last sweep found them.
+        self.unindexed_blocks = 0
         self.stats = EvictionStats()
-        # Oldest first. A rebuilt index has no recency yet: its blocks start in index order.
-        self._order: OrderedDict[str, None] = OrderedDict((key, None) for key in index.keys())
+        # Without a capacity nothing is ever evicted and the order is never read, so none is kept
+        # (a lookup touches every hit block: hundreds per turn of a long context).
+        self._ordered = self.capacity_blocks is not None
+        self._clock = 0
+        self._stamp: dict[str, int] = {}  # every indexed block: the time of its last touch
+        # Invariant: exactly one heap entry (stamp, key) per key in _entry, _entry[key] its stamp,
+        # which is at most the block's own; every indexed leaf has an entry, unless it is parked.
+        self._heap: list[tuple[int, str]] = []
+        self._entry: dict[str, int] = {}
+        self._parked: set[str] = set()  # leaves reached while pinned: back in the heap when unpinned
+        self._pins: dict[str, int] = {}  # hit blocks of requests in flight: how many hold each
+        self._victims: list[str] | None = None  # while evict() runs: what it unindexed
+        if self._ordered:
+            # A rebuilt index has no recency yet: its blocks start in index order.
+            for key in index.keys():
+                self._stamp[key] = self._entry[key] = self._tick()
+            self._heap = [(stamp, key) for key, stamp in self._entry.items()]  # ascending: a heap
+        index.observe(self)
+
+    # --- what the scheduler tells -------------------------------------------------------------
 
     def touch(self, keys: Iterable[str]) -> None:
-        """These blocks were just hit (or published): most recently used. Without a capacity
-        nothing is ever evicted and the order is never read, so nothing is recorded (a lookup
-        touches every hit block: hundreds per turn of a long context)."""
-        if self.capacity_blocks is None:
+        """These blocks were just hit (or published): most recently used."""
+        if not self._ordered:
             return
+        stamp = self._stamp
         for key in keys:
-            if key in self.index:
-                self._order[key] = None
-                self._order.move_to_end(key)
+            if key in stamp:
+                stamp[key] = self._tick()
                 self.stats.touched_blocks += 1
 
-    def forget(self, key: str) -> None:
-        self._order.pop(key, None)
+    def pin(self, keys: Iterable[str]) -> None:
+        """A request in flight took these hits: keep them until it unpins them."""
+        pins = self._pins
+        for key in keys:
+            pins[key] = pins.get(key, 0) + 1
+
+    def unpin(self, keys: Iterable[str]) -> None:
+        """The request that pinned these is done (finished, failed, abandoned)."""
+        pins = self._pins
+        for key in keys:
+            left = pins.get(key, 0) - 1
+            if left > 0:
+                pins[key] = left
+                continue
+            pins.pop(key, None)
+            if key in self._parked:
+                self._parked.discard(key)
+                if key in self._stamp:
+                    self._enter(key)
 
     def over_capacity(self) -> bool:
-        return self.capacity_blocks is not None and len(self.index) > self.capacity_blocks
+        return self.capacity_blocks is not None and len(self.index) + self.unindexed_blocks > self.capacity_blocks
 
-    def evict(self, in_use: Collection[str] = ()) -> list[str]:
-        """Unindex and delete LRU leaves until the indexed blocks fit; returns their keys.
-        Blocks `in_use` (hits of requests in flight) are kept, so their reads do not miss."""
-        evicted: list[str] = []
-        if self.over_capacity():
-            self._adopt_untracked()
-        while self.over_capacity():
-            victim = self._oldest_leaf(in_use)
-            if victim is None:
-                break
-            self.index.remove(victim)
-            self._order.pop(victim, None)
-            self.store.delete(victim)
-            evicted.append(victim)
-        self.stats.evicted_blocks += len(evicted)
-        return evicted
+    def evict(self) -> list[str]:
+        """Unindex LRU leaves until the store fits its capacity, and hand them to the deleter;
+        returns their keys. Pinned blocks are kept, so the reads of requests in flight do not
+        miss. O(log n) per victim, plus the heap entries of touches it passes (see above)."""
+        if not self.over_capacity():
+            return []
+        victims: list[str] = []
+        self._victims = victims
+        try:
+            while self.over_capacity():
+                victim = self._oldest_leaf()
+                if victim is None:
+                    break
+                self.index.remove(victim)
+        finally:
+            self._victims = None
+        self._delete(victims)
+        self.stats.evicted_blocks += len(victims)
+        return victims
 
-    def _adopt_untracked(self) -> None:
-        """Indexed blocks never touched (inserted by someone else) count as the oldest."""
-        untracked = [key for key in self.index.keys() if key not in self._order]
-        for key in reversed(untracked):
-            self._order[key] = None
-            self._order.move_to_end(key, last=False)
+    # --- what the janitor asks and tells (its thread) ----------------------------------------
 
-    def _oldest_leaf(self, in_use: Collection[str]) -> str | None:
-        for key in list(self._order):
-            if key not in self.index:
-                self._order.pop(key)  # unindexed meanwhile (a repair)
+    def indexed(self, key: str) -> bool:
+        return key in self.index
+
+    def pinned(self, key: str) -> bool:
+        return key in self._pins
+
+    def measured(self, measure: StoreMeasure) -> None:
+        """The janitor's sweep found what the store holds: its unindexed block files count from
+        now on, and a capacity derived from the file system follows what it holds now."""
+        self.unindexed_blocks = measure.unindexed_blocks
+        if self.free_fraction is not None and measure.free_bytes is not None:
+            self.capacity_blocks = capacity_from_free_space(
+                measure.free_bytes, measure.allocation_bytes, measure.block_files, self.block_bytes,
+                self.free_fraction,
+            ) // self.block_bytes
+
+    # --- what the index tells (IndexObserver) -------------------------------------------------
+
+    def added(self, key: str) -> None:
+        if self._ordered:
+            self._stamp[key] = self._tick()
+            self._enter(key)
+
+    def removed(self, keys: list[str], new_leaf: str | None) -> None:
+        if self._ordered:
+            for key in keys:
+                self._stamp.pop(key, None)
+                self._parked.discard(key)
+            if new_leaf is not None and new_leaf not in self._parked:
+                self._enter(new_leaf)
+            if len(self._entry) > 2 * len(self._stamp) + _COMPACT_SLACK:
+                self._compact()
+        if self._victims is not None:
+            self._victims.extend(keys)
+        else:
+            self._delete(keys)
+
+    def cleared(self, keys: Collection[str]) -> None:
+        if self._ordered:
+            self._stamp, self._entry, self._heap, self._parked = {}, {}, [], set()
+        self._delete(keys)
+
+    # --- the order ------------------------------------------------------------------------------
+
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    def _enter(self, key: str) -> None:
+        """Give an indexed block a heap entry unless it has one (its stamp is then older than or
+        equal to the block's: it moves up when it reaches the top)."""
+        if key not in self._entry:
+            stamp = self._stamp[key]
+            self._entry[key] = stamp
+            heapq.heappush(self._heap, (stamp, key))
+
+    def _oldest_leaf(self) -> str | None:
+        """The unpinned leaf touched longest ago, or None. An entry of the minimum stamp whose
+        stamp is its block's own is the true minimum over the leaves: every other leaf's stamp
+        is at least its entry's."""
+        heap, entry, stamps = self._heap, self._entry, self._stamp
+        while heap:
+            stamp, key = heapq.heappop(heap)
+            del entry[key]
+            current = stamps.get(key)
+            if current is None or not self.index.is_leaf(key):
+                continue  # unindexed (a repair), or no longer a leaf: re-entered when it is one again
+            if current != stamp:
+                self._enter(key)  # touched since: its place is further back
                 continue
-            if key not in in_use and self.index.is_leaf(key):
-                return key
+            if key in self._pins:
+                self._parked.add(key)
+                continue
+            return key
         return None
+
+    def _compact(self) -> None:
+        self._entry = {key: stamp for key, stamp in self._entry.items() if key in self._stamp}
+        self._heap = [(stamp, key) for key, stamp in self._entry.items()]
+        heapq.heapify(self._heap)
+
+    def _delete(self, keys: Collection[str]) -> None:
+        if keys and self.deleter is not None:
+            self.deleter.delete_later(keys)

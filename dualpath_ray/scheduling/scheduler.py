@@ -120,7 +120,10 @@ class SchedulerCore:
         request = Request(spec.request_id, len(spec.prompt), hit_tokens, reserved, keys, spec)
         if len(self.staging) and keys:
             request.staged = self.staging.claim(keys, self.clock())
-        return self.dispatcher.submit(request)
+        self.dispatcher.submit(request)
+        if self.eviction is not None:
+            self.eviction.pin(keys)  # unpinned when it leaves the dispatcher (_released)
+        return request
 
     # --- placement ----------------------------------------------------------------------
 
@@ -285,12 +288,13 @@ class SchedulerCore:
         self.unpublished_blocks += len(result.persisted) - published
         current = self.is_current(result)
         request = self.dispatcher.finish(result.request_id, failed=result.error is not None) if current else None
+        if request is not None:
+            self._released(request)
         if request is not None and result.error is None:
             self._plan_staging(request, result)
         if self.eviction is not None:
             self.eviction.touch(block.key for block in result.persisted[:published])
-            if self.eviction.over_capacity():
-                self.eviction.evict(self.keys_in_use())
+            self.eviction.evict()
         if request is None or result.error is None:
             return ()
         return tuple(e for e in (request.decode_engine, request.prefill_engine) if e and e != result.prefill_engine)
@@ -315,14 +319,18 @@ class SchedulerCore:
         orders, self._stage_orders = self._stage_orders, []
         return orders
 
-    def keys_in_use(self) -> set[str]:
-        """The hit blocks of every request in flight: eviction keeps them."""
-        return {key for request in self.requests.values() for key in request.hit_keys}
+    def _released(self, request: Request) -> None:
+        """`request` left the dispatcher: its hits may be evicted again."""
+        if self.eviction is not None:
+            self.eviction.unpin(request.hit_keys)
 
     def abandon(self, request_id: str) -> tuple[str, ...]:
         """Forget a request whose deadline passed; returns the engines that may hold its attempt."""
         request = self.dispatcher.cancel(request_id)
-        return tuple(e for e in (request.decode_engine, request.prefill_engine) if e) if request is not None else ()
+        if request is None:
+            return ()
+        self._released(request)
+        return tuple(e for e in (request.decode_engine, request.prefill_engine) if e)
 
     def stale_holdings(self, held: dict[str, dict[str, Holding]]) -> list[tuple[str, str]]:
         """(engine, owner) of each attempt an engine holds that is no longer the one in flight
@@ -357,4 +365,7 @@ class SchedulerCore:
         return removed
 
     def reset_prefix_cache(self) -> None:
+        """Forget every indexed block; the eviction (the index's observer) hands them all to the
+        store's janitor, which deletes them off the event loop, except those a request in flight
+        hits (its reads go on; the janitor's sweep deletes them later)."""
         self.index.clear()

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dualpath_ray.config import DualPathConfig
 from dualpath_ray.kv.eviction import LRUEviction, store_capacity_bytes
 from dualpath_ray.kv.index import PrefixIndex
+from dualpath_ray.kv.janitor import StoreJanitor
 from dualpath_ray.kv.layout import KVLayout
 from dualpath_ray.kv.store import open_store
 from dualpath_ray.model.profile import derive_alpha_beta
@@ -19,13 +20,19 @@ from dualpath_ray.scheduling.scheduler import CoreSettings, SchedulerCore
 
 def build_core(cfg: DualPathConfig, store_root: str | None, mode: str, epoch: int = 0) -> SchedulerCore:
     """The scheduler core of a deployment: its index rebuilt from the store, the store's
-    capacity (configured, or derived from its file system's free space now), and alpha/beta of
-    the configured cluster and model."""
+    capacity (configured, or derived from its file system's free space now and at each of the
+    janitor's walks), the store's janitor thread (started: it deletes what leaves the index),
+    and alpha/beta of the configured cluster and model."""
     layout = KVLayout.from_model(cfg.model, cfg.store.block_size)
     store = open_store(cfg.store, layout, root=store_root)
     index = PrefixIndex.rebuild(store, cfg.store.block_size)
     capacity = store_capacity_bytes(cfg.store.capacity_bytes, cfg.store.capacity_free_fraction, store, len(index))
-    eviction = LRUEviction(index, store, capacity, layout.full_block_bytes)
+    derived = cfg.store.capacity_bytes is None and store.root is not None
+    janitor = StoreJanitor(store, cfg.store.sweep_interval_s, grace_s=cfg.runtime.request_timeout_s)
+    eviction = LRUEviction(
+        index, janitor, capacity, layout.full_block_bytes, cfg.store.capacity_free_fraction if derived else None
+    )
+    janitor.start(eviction)
     alpha, beta = derive_alpha_beta(cfg, layout)
     settings = CoreSettings.of(cfg, mode, Constants(alpha, beta, cfg.scheduler.z_margin), epoch)
     return SchedulerCore(settings, index, eviction, store)
