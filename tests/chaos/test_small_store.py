@@ -1,7 +1,10 @@
 """A store with room for half the working set: the rollout completes with the fault-free
-outputs, evicted blocks are misses (recomputed), and the index never exceeds the capacity."""
+outputs, evicted blocks are misses (recomputed), the index never exceeds the capacity, and
+reset_prefix_cache leaves no block file behind."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 
@@ -12,10 +15,23 @@ ray_test_env()
 import ray  # noqa: E402
 
 from dualpath_ray.cluster import DualPathCluster  # noqa: E402
+from dualpath_ray.kv.janitor import JanitorStats  # noqa: E402
 from dualpath_ray.kv.layout import KVLayout  # noqa: E402
 from dualpath_ray.kv.store import open_store  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.chaos]
+
+
+def settle_store(scheduler: ray.actor.ActorHandle) -> JanitorStats:
+    """Wait in the Scheduler actor until its store's janitor (kv/janitor.py) has deleted what it
+    was handed; what it did. (It blocks the actor's event loop meanwhile: the deployment is idle.)"""
+
+    def settled(actor: Any) -> JanitorStats:  # the Scheduler actor's instance
+        janitor = actor.core.eviction.deleter
+        assert janitor.wait_idle(60), "the store's janitor finishes its work"
+        return janitor.stats
+
+    return ray.get(scheduler.__ray_call__.remote(settled))
 
 
 def test_a_store_at_half_the_working_set_completes_with_identical_outputs():
@@ -33,7 +49,9 @@ def test_a_store_at_half_the_working_set_completes_with_identical_outputs():
         result = cluster.rollout(trajs, progress=False)
         calls = ray.get(deployment.scheduler.call_counts.remote())
         summary = result.summary()
-        stored = sum(1 for _ in open_store(cfg.store, layout, root=deployment.store_root).keys())
+        settle_store(deployment.scheduler)  # evicted files go on the janitor's thread
+        store = open_store(cfg.store, layout, root=deployment.store_root)
+        stored = sum(1 for _ in store.keys())
         print(f"working set {working_set} blocks, capacity {capacity_blocks}: evicted {calls['evicted_blocks']}, "
               f"indexed {calls['indexed_blocks']}, stored {stored}, retries {calls['retries']}, "
               f"hit rate {summary['hit_rate']:.3f}")
@@ -43,5 +61,10 @@ def test_a_store_at_half_the_working_set_completes_with_identical_outputs():
         assert calls["indexed_blocks"] <= capacity_blocks, "the index stays within the capacity"
         assert stored <= capacity_blocks, "evicted blocks are deleted from the store too"
         assert 0 < summary["hit_rate"], "the blocks that fit are still hit"
+        indexed = ray.get(deployment.scheduler.__ray_call__.remote(lambda actor: actor.core.index.keys()))
+        ray.get(deployment.scheduler.reset_prefix_cache.remote())
+        janitor = settle_store(deployment.scheduler)
+        left = [key for key in indexed if store.contains(key)]
+        assert indexed and not left, f"reset_prefix_cache deletes every block the index held ({janitor})"
     finally:
         cluster.shutdown()
