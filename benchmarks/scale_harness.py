@@ -26,6 +26,13 @@ scheduler's process (/proc) per turn and in cores, the same for the two simulati
 and the scheduler's calls per turn by kind. The machine's two cores run all three processes, so
 the rate is what this machine allows, not the scheduler's ceiling: the CPU per turn is the
 figure that scales (x 2,500 turns/s = the cores the paper's rate would take).
+
+The store at capacity (`--cases not-full,full --repeat 3`, alternating, each on a fresh Ray
+session): both cases give the memory store a capacity of `--store-blocks` Full Blocks (so the
+scheduler keeps its LRU order in both); `full` first seeds the scheduler's index with that many
+blocks (chains of `SEED_DEPTH`, inserted into the running actor's index, the way a rebuilt index
+starts: cheap, no store writes), so every finished turn evicts about as many blocks as it
+published. `default` is the harness as it was: no capacity, nothing ordered or evicted.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ import heapq
 import itertools
 import json
 import os
+import statistics
 import sys
 import threading
 import time
@@ -53,6 +61,7 @@ from dualpath_ray.api.client import SchedulerClient  # noqa: E402
 from dualpath_ray.api.validation import make_spec  # noqa: E402
 from dualpath_ray.config import DualPathConfig, parse_config  # noqa: E402
 from dualpath_ray.kv.index import next_block_key  # noqa: E402
+from dualpath_ray.kv.layout import KVLayout  # noqa: E402
 from dualpath_ray.protocol.messages import (  # noqa: E402
     EngineHoldings, EngineReport, Holding, PersistedBlock, PrefillTask, ReaderReport, SamplingParams, TurnResult,
     newest_holdings,
@@ -70,11 +79,15 @@ INCARNATION = "simulated"
 # A prefill engine reports its batch's handoffs once their calls are delivered: about this long
 # after the batch ends.
 HANDOFF_REPORT_S = 0.002
+# Blocks per seeded chain of the `full` case (a 4K-token context of 64-token blocks).
+SEED_DEPTH = 64
+CASES = ("default", "not-full", "full")
 
 
-def paper_config(args: argparse.Namespace) -> DualPathConfig:
-    """48P96D of 8 engines per node, decode HBM for many long contexts, the memory store."""
-    return parse_config({
+def paper_config(args: argparse.Namespace, case: str = "default") -> DualPathConfig:
+    """48P96D of 8 engines per node, decode HBM for many long contexts, the memory store (with a
+    capacity of --store-blocks in the not-full and full cases)."""
+    cfg = parse_config({
         "model": {"max_context": args.max_len + 64},
         "cluster": {"prefill_nodes": 48, "decode_nodes": 96, "gpus_per_node": 8,
                     "hbm_tokens_per_engine": 1 << 20, "prefill_hbm_tokens": args.max_len + 64,
@@ -83,6 +96,23 @@ def paper_config(args: argparse.Namespace) -> DualPathConfig:
         "emulation": {"enabled": False},
         "runtime": {"namespace": NAMESPACE, "heartbeat_s": args.heartbeat_s, "metrics": False},
     }, source="<scale harness>")
+    if case == "default":
+        return cfg
+    block_bytes = KVLayout.from_model(cfg.model, cfg.store.block_size).full_block_bytes
+    return cfg.with_overrides(store={"capacity_bytes": args.store_blocks * block_bytes})
+
+
+def seed_index(actor: Any, blocks: int) -> int:
+    """Runs in the Scheduler actor: index `blocks` blocks in chains of SEED_DEPTH, as a store full
+    of earlier trajectories' contexts (keys from a counter: valid, never a real prompt's)."""
+    index = actor.core.index
+    for first in range(0, blocks, SEED_DEPTH):
+        parent = None
+        for i in range(first, min(blocks, first + SEED_DEPTH)):
+            key = f"f{i:031x}"
+            index.insert_block(key, parent)
+            parent = key
+    return len(index)
 
 
 @dataclass
@@ -320,11 +350,49 @@ async def drive(args: argparse.Namespace, cfg: DualPathConfig, scheduler: Any, p
     return {
         "turns": turns, "seconds": elapsed, "turns_per_s": turns / elapsed, "failed_turns": tally.failed,
         "hit_rate": tally.hit_tokens / max(1, tally.prompt_tokens),
+        "evicted_blocks_per_turn": (calls1["evicted_blocks"] - calls0["evicted_blocks"]) / max(1, turns),
+        "indexed_blocks": calls1["indexed_blocks"],
         "cpu_cores": {name: used / elapsed for name, used in cpu.items()},
         "cpu_ms_per_turn": {name: 1000.0 * used / max(1, turns) for name, used in cpu.items()},
         "scheduler_calls_per_turn": {k: v / max(1, turns) for k, v in {**incoming, **outgoing}.items()},
         "simulated_engine_calls": {k: sim1.get(k, 0) - sim0.get(k, 0) for k in sim1},
     }
+
+
+def run_case(args: argparse.Namespace, case: str) -> dict[str, Any]:
+    """One measurement on a fresh Ray session: the harness's figures for `case` (CASES)."""
+    cfg = paper_config(args, case)
+    ray.init(num_cpus=2, include_dashboard=False, namespace=NAMESPACE, log_to_driver=True)
+    try:
+        nodes = plan_nodes(cfg)
+        routes = {name: SIM for spec in nodes for name in [*spec.engine_names(), spec.reader_name]}
+        scheduler = Scheduler.options(name=SCHEDULER, namespace=NAMESPACE).remote(cfg, None, "dualpath", routes)
+        ray.get(scheduler.__ray_ready__.remote())
+        timing = Timing(args.prefill_ms / 1000, args.decode_ms / 1000, args.step_ms / 1000,
+                        cfg.scheduler.report_interval_ms / 1000)
+        sim = SimulatedNodes.options(name=SIM, namespace=NAMESPACE).remote(cfg, timing, 7)
+        ray.get(scheduler.ready.remote())
+        seeded = 0
+        if case == "full":
+            started = time.monotonic()
+            seeded = ray.get(scheduler.__ray_call__.remote(seed_index, args.store_blocks))
+            print(f"  seeded {seeded:,} indexed blocks in {time.monotonic() - started:.1f} s", flush=True)
+        pids = {"scheduler": ray.get(scheduler.__ray_call__.remote(lambda self: os.getpid())),
+                "simulated engines and readers": ray.get(sim.pid.remote()), "callers (driver)": os.getpid()}
+        figures = asyncio.run(drive(args, cfg, scheduler, pids, sim))
+    finally:
+        ray.shutdown()
+    return {"case": case, "seeded_blocks": seeded, **figures}
+
+
+def print_figures(figures: dict[str, Any], agents: int) -> None:
+    print(f"48P96D (1,152 engines), {agents} agents, {figures['case']}: {figures['turns_per_s']:.0f} turns/s "
+          f"(hit rate {figures['hit_rate']:.2f}, {figures['failed_turns']} failed, "
+          f"{figures['evicted_blocks_per_turn']:.2f} blocks evicted per turn, {figures['indexed_blocks']:,} indexed)")
+    for name, cores in figures["cpu_cores"].items():
+        print(f"  {name}: {cores:.2f} cores, {figures['cpu_ms_per_turn'][name]:.3f} ms CPU per turn")
+    print("  scheduler calls per turn: " + ", ".join(f"{k} {v:.2f}" for k, v in figures["scheduler_calls_per_turn"].items()))
+    print(f"  scheduler CPU x 2,500 turns/s = {figures['cpu_ms_per_turn']['scheduler'] * 2.5:.2f} cores", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -340,38 +408,48 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--heartbeat-s", type=float, default=1.0, help="runtime.heartbeat_s of the scheduler")
     parser.add_argument("--warmup-s", type=float, default=30.0)
     parser.add_argument("--measure-s", type=float, default=40.0)
+    parser.add_argument("--cases", default="default",
+                        help=f"comma-separated, run in this order: {', '.join(CASES)} (see the docstring)")
+    parser.add_argument("--store-blocks", type=int, default=1_000_000,
+                        help="the store's capacity in Full Blocks in the not-full and full cases (full seeds this many)")
+    parser.add_argument("--repeat", type=int, default=1, help="run the cases this many times, alternating; medians")
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args(argv)
+    cases = [case.strip() for case in args.cases.split(",") if case.strip()]
+    unknown = sorted(set(cases) - set(CASES))
+    if unknown or not cases:
+        parser.error(f"--cases: unknown {unknown or 'none given'}; choose from {', '.join(CASES)}")
 
-    cfg = paper_config(args)
-    ray.init(num_cpus=2, include_dashboard=False, namespace=NAMESPACE, log_to_driver=True)
-    try:
-        nodes = plan_nodes(cfg)
-        routes = {name: SIM for spec in nodes for name in [*spec.engine_names(), spec.reader_name]}
-        scheduler = Scheduler.options(name=SCHEDULER, namespace=NAMESPACE).remote(cfg, None, "dualpath", routes)
-        ray.get(scheduler.__ray_ready__.remote())
-        timing = Timing(args.prefill_ms / 1000, args.decode_ms / 1000, args.step_ms / 1000,
-                        cfg.scheduler.report_interval_ms / 1000)
-        sim = SimulatedNodes.options(name=SIM, namespace=NAMESPACE).remote(cfg, timing, 7)
-        ray.get(scheduler.ready.remote())
-        pids = {"scheduler": ray.get(scheduler.__ray_call__.remote(lambda self: os.getpid())),
-                "simulated engines and readers": ray.get(sim.pid.remote()), "callers (driver)": os.getpid()}
-        figures = asyncio.run(drive(args, cfg, scheduler, pids, sim))
-    finally:
-        ray.shutdown()
-    scheduler_ms = figures["cpu_ms_per_turn"]["scheduler"]
+    runs: list[dict[str, Any]] = []
+    for repeat in range(args.repeat):
+        for case in cases:
+            print(f"run {repeat + 1}/{args.repeat}, {case}", flush=True)
+            figures = run_case(args, case)
+            print_figures(figures, args.agents)
+            runs.append(figures)
+    medians = {}
+    for case in cases:
+        mine = [run for run in runs if run["case"] == case]
+        medians[case] = {
+            "scheduler_cpu_ms_per_turn": statistics.median(run["cpu_ms_per_turn"]["scheduler"] for run in mine),
+            "turns_per_s": statistics.median(run["turns_per_s"] for run in mine),
+            "evicted_blocks_per_turn": statistics.median(run["evicted_blocks_per_turn"] for run in mine),
+        }
+        print(f"median of {len(mine)}, {case}: scheduler {medians[case]['scheduler_cpu_ms_per_turn']:.3f} ms CPU "
+              f"per turn, {medians[case]['turns_per_s']:.0f} turns/s, "
+              f"{medians[case]['evicted_blocks_per_turn']:.2f} evicted per turn")
+    if "full" in medians and "not-full" in medians:
+        ratio = medians["full"]["scheduler_cpu_ms_per_turn"] / medians["not-full"]["scheduler_cpu_ms_per_turn"]
+        print(f"store full / not full, scheduler CPU per turn: {ratio:.3f} (goal <= 1.10)")
+    last = runs[-1]
     report = {
         "cluster": "48P96D, 8 engines per node (384 prefill, 768 decode engines), 144 readers",
         "workload": vars(args),
-        **figures,
-        "scheduler_cores_at_2500_turns_per_s": scheduler_ms * 2.5,
+        **last,
+        "scheduler_cores_at_2500_turns_per_s": last["cpu_ms_per_turn"]["scheduler"] * 2.5,
+        "runs": runs if len(runs) > 1 else [],
+        "medians": medians,
     }
-    print(f"48P96D (1,152 engines), {args.agents} agents: {figures['turns_per_s']:.0f} turns/s "
-          f"(hit rate {figures['hit_rate']:.2f}, {figures['failed_turns']} failed)")
-    for name, cores in figures["cpu_cores"].items():
-        print(f"  {name}: {cores:.2f} cores, {figures['cpu_ms_per_turn'][name]:.3f} ms CPU per turn")
-    print("  scheduler calls per turn: " + ", ".join(f"{k} {v:.2f}" for k, v in figures["scheduler_calls_per_turn"].items()))
-    print(f"  scheduler CPU x 2,500 turns/s = {report['scheduler_cores_at_2500_turns_per_s']:.2f} cores")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(report, fh, indent=1)
