@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from dualpath_ray.kv.index import block_keys, namespace_for
-from dualpath_ray.kv.janitor import StoreJanitor, StoreMeasure
+from dualpath_ray.kv.janitor import GATHER_S, StoreJanitor, StoreMeasure
 from dualpath_ray.kv.layout import KVLayout
 from dualpath_ray.kv.store import LocalDirStore, MemoryStore
 
@@ -153,17 +153,24 @@ class RecordingCondition(threading.Condition):
         return super().wait(timeout)
 
 
-def test_an_idle_janitor_sleeps_until_its_next_sweep() -> None:
-    janitor = StoreJanitor(MemoryStore(LAYOUT), sweep_interval_s=600.0, grace_s=0.0, clock=lambda: 0.0)
+def test_an_idle_janitor_sleeps_until_its_next_sweep_and_gathers_batches() -> None:
+    store = MemoryStore(LAYOUT)
+    for key in KEYS[:3]:
+        store.put(key, block())
+    janitor = StoreJanitor(store, sweep_interval_s=600.0, grace_s=0.0, clock=lambda: 0.0, wall_clock=lambda: 2e9)
     condition = janitor._cond = RecordingCondition()
+    for key in KEYS[:3]:
+        janitor.delete_later([key])  # three evictions before the thread runs
     keeper = Keeper()
     janitor.start(keeper)
-    assert janitor.wait_idle(30) and len(keeper.measures) == 1, "one sweep when it starts"
-    janitor.delete_later([KEYS[0]])
+    assert janitor.wait_idle(30) and len(keeper.measures) == 1, "the batches, then one sweep when it starts"
+    janitor.delete_later([KEYS[3]])
     assert janitor.wait_idle(30)
     assert len(keeper.measures) == 1, "a batch does not start a sweep"
     janitor.close()
     sleeps = [timeout for thread, timeout in condition.sleeps if thread == "store-janitor"]
-    assert sleeps and all(timeout == 600.0 for timeout in sleeps), (
-        f"idle, the thread sleeps until the next sweep is due (600 s on a clock that stands still): {sleeps}"
+    assert sleeps == [GATHER_S, 600.0, GATHER_S, 600.0], (
+        "one wake gathers the three batches; idle, the thread sleeps until the next sweep is due "
+        f"(600 s on a clock that stands still); a later batch wakes it once: {sleeps}"
     )
+    assert janitor.stats.deleted == 3, "the three handed-over blocks are deleted (the fourth was never stored)"
