@@ -22,9 +22,9 @@ with an older stamp than its block's goes back in with the new one, so each touc
 one heap push, paid when eviction reaches it, and each victim O(log n).
 
 Without a configured capacity a store in a directory is bounded by its file system
-(`store_capacity_bytes`): a share of what the disk could hold when the scheduler starts, so
-eviction runs before the disk is full. A store grown without bound fills its file system, and
-then every persist fails.
+(`store_capacity_bytes`): a share of what the disk could hold when the scheduler starts, and
+again at each of the janitor's measures (LRUEviction.measured), so eviction runs before the disk
+is full. A store grown without bound fills its file system, and then every persist fails.
 """
 
 from __future__ import annotations
