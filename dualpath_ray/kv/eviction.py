@@ -5,10 +5,12 @@ published block is added, and once the store holds more than `store.capacity_byt
 recently used *leaf* blocks (nothing indexed follows them) are unindexed at once and deleted
 from the store soon after, by the store's janitor thread (kv/janitor.py), off the scheduler's
 event loop. Evicting leaves only means a hot prefix is never cut from under its descendants; the
-hits of requests in flight are pinned (a count per block, kept as requests take and drop them)
-and kept until they finish. A block deleted anyway while a reader was about to read it (another
-scheduler's store, a user) is a miss for that read, which the scheduler turns into a retry that
-recomputes it (docs/reliability.md).
+hits of requests in flight are pinned and kept until they finish: a count per chain's deepest
+hit block, kept as requests take and drop their hits (O(1) each), which is enough, because while
+it is indexed every block before it has a child and is no leaf. reset_prefix_cache spares the
+hits of requests in flight from its deletions (`spare`, once per reset). A block deleted anyway
+while a reader was about to read it (another scheduler's store, a user) is a miss for that read,
+which the scheduler turns into a retry that recomputes it (docs/reliability.md).
 
 What the store holds is the indexed blocks plus the block files no index holds that the
 janitor's last sweep found and could not delete yet (young ones a turn may still report, pinned
@@ -32,7 +34,7 @@ from __future__ import annotations
 import heapq
 import logging
 import os
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -88,7 +90,7 @@ class EvictionStats:
 class Deleter(Protocol):
     """Deletes unindexed blocks off the caller's thread (kv/janitor.py StoreJanitor)."""
 
-    def delete_later(self, keys: Collection[str]) -> None: ...
+    def delete_later(self, keys: Iterable[str]) -> None: ...
 
     def wait_idle(self, timeout_s: float | None = None) -> bool: ...
 
@@ -135,7 +137,8 @@ class LRUEviction:
         self._heap: list[tuple[int, str]] = []
         self._entry: dict[str, int] = {}
         self._parked: set[str] = set()  # leaves reached while pinned: back in the heap when unpinned
-        self._pins: dict[str, int] = {}  # hit blocks of requests in flight: how many hold each
+        self._pins: dict[str, int] = {}  # deepest hit block of requests in flight: how many hold it
+        self._spared: Collection[str] = ()  # kept from the next reset's deletions (spare)
         self._victims: list[str] | None = None  # while evict() runs: what it unindexed
         if self._ordered:
             # A rebuilt index has no recency yet: its blocks start in index order.
@@ -156,25 +159,32 @@ class LRUEviction:
                 stamp[key] = self._tick()
                 self.stats.touched_blocks += 1
 
-    def pin(self, keys: Iterable[str]) -> None:
-        """A request in flight took these hits: keep them until it unpins them."""
-        pins = self._pins
-        for key in keys:
-            pins[key] = pins.get(key, 0) + 1
+    def pin(self, hits: Sequence[str]) -> None:
+        """A request in flight took these hits (a chain, first block first): keep them until it
+        unpins them. Only the deepest is counted: no block before it can be a leaf meanwhile."""
+        if hits:
+            key = hits[-1]
+            self._pins[key] = self._pins.get(key, 0) + 1
 
-    def unpin(self, keys: Iterable[str]) -> None:
-        """The request that pinned these is done (finished, failed, abandoned)."""
-        pins = self._pins
-        for key in keys:
-            left = pins.get(key, 0) - 1
-            if left > 0:
-                pins[key] = left
-                continue
-            pins.pop(key, None)
-            if key in self._parked:
-                self._parked.discard(key)
-                if key in self._stamp:
-                    self._enter(key)
+    def unpin(self, hits: Sequence[str]) -> None:
+        """The request that pinned these hits is done (finished, failed, abandoned)."""
+        if not hits:
+            return
+        key = hits[-1]
+        left = self._pins.get(key, 0) - 1
+        if left > 0:
+            self._pins[key] = left
+            return
+        self._pins.pop(key, None)
+        if key in self._parked:
+            self._parked.discard(key)
+            if key in self._stamp:
+                self._enter(key)
+
+    def spare(self, in_use: Collection[str]) -> None:
+        """The next `cleared` (a reset) deletes none of these: every hit of every request in
+        flight, which its reads still need (computed by the caller once per reset)."""
+        self._spared = in_use
 
     def over_capacity(self) -> bool:
         return self.capacity_blocks is not None and len(self.index) + self.unindexed_blocks > self.capacity_blocks
@@ -241,7 +251,10 @@ class LRUEviction:
     def cleared(self, keys: Collection[str]) -> None:
         if self._ordered:
             self._stamp, self._entry, self._heap, self._parked = {}, {}, [], set()
-        self._delete(keys)
+        spared, self._spared = self._spared, ()
+        if keys and self.deleter is not None:
+            # Filtered lazily, on the janitor's thread as it walks them: nothing here is O(index).
+            self.deleter.delete_later((key for key in keys if key not in spared) if spared else keys)
 
     # --- the order ------------------------------------------------------------------------------
 
@@ -285,3 +298,4 @@ class LRUEviction:
     def _delete(self, keys: Collection[str]) -> None:
         if keys and self.deleter is not None:
             self.deleter.delete_later(keys)
+

@@ -30,7 +30,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -108,7 +108,7 @@ class StoreJanitor:
         self.clock = clock
         self.stats = JanitorStats()
         self._keeper: Keeper | None = None
-        self._pending: deque[tuple[Collection[str], float]] = deque()
+        self._pending: deque[tuple[Iterable[str], float]] = deque()
         self._cond = threading.Condition()
         self._busy = False
         self._closing = False
@@ -125,11 +125,10 @@ class StoreJanitor:
             self._thread = threading.Thread(target=self._run, name="store-janitor", daemon=True)
         self._thread.start()
 
-    def delete_later(self, keys: Collection[str]) -> None:
+    def delete_later(self, keys: Iterable[str]) -> None:
         """Delete these blocks soon, each unless it is indexed, pinned or put again by then.
-        `keys` is kept as it is (no copy): nobody may change it afterwards."""
-        if not keys:
-            return
+        `keys` is kept as it is (no copy) and iterated once on the janitor's thread: nobody may
+        change it afterwards."""
         decided = self.wall_clock()
         with self._cond:
             if len(self._pending) >= self.max_pending:

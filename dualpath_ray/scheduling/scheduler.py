@@ -368,4 +368,6 @@ class SchedulerCore:
         """Forget every indexed block; the eviction (the index's observer) hands them all to the
         store's janitor, which deletes them off the event loop, except those a request in flight
         hits (its reads go on; the janitor's sweep deletes them later)."""
+        if self.eviction is not None:
+            self.eviction.spare({key for request in self.requests.values() for key in request.hit_keys})
         self.index.clear()

@@ -5,7 +5,7 @@ janitor has deleted what left it, and a cost per eviction that does not grow wit
 from __future__ import annotations
 
 import random
-from collections.abc import Collection, Sequence
+from collections.abc import Iterable, Sequence
 
 import pytest
 import torch
@@ -92,6 +92,20 @@ def test_no_capacity_means_no_eviction_and_a_capacity_below_one_block_is_refused
         LRUEviction(index, None, LAYOUT.full_block_bytes - 1, LAYOUT.full_block_bytes)
 
 
+def test_a_pinned_chain_keeps_every_block_of_it() -> None:
+    store, index, lru = store_within(3)
+    reading = publish(store, index, 0, 3)
+    lru.touch(reading)
+    lru.pin(reading)  # only its deepest block is counted
+    publish(store, index, 100, 2)
+    assert lru.evict() != [] and all(k in index for k in reading), (
+        "none of the chain is a leaf but its deepest block, which is pinned: the newer blocks go"
+    )
+    lru.unpin(reading)
+    publish(store, index, 200, 3)
+    assert lru.evict()[:3] == reading[::-1], "unpinned, the old chain goes leaf by leaf"
+
+
 def test_hits_of_requests_in_flight_are_not_evicted_until_unpinned() -> None:
     store, index, lru = store_within(1)
     reading = publish(store, index, 0, 1)
@@ -136,7 +150,7 @@ class NoStore:
     def delete(self, key: str) -> bool:
         return True
 
-    def delete_later(self, keys: Collection[str]) -> None:
+    def delete_later(self, keys: Iterable[str]) -> None:
         pass
 
     def wait_idle(self, timeout_s: float | None = None) -> bool:
@@ -213,7 +227,8 @@ def test_an_eviction_costs_in_proportion_to_its_victims_not_to_the_store() -> No
 
 
 class ReferenceLRU:
-    """What LRUEviction must evict: the unpinned leaf touched longest ago, found by scanning."""
+    """What LRUEviction must evict: the leaf touched longest ago that is not the deepest hit of a
+    request in flight, found by scanning every leaf."""
 
     def __init__(self, index: PrefixIndex) -> None:
         self.index = index
@@ -240,6 +255,7 @@ def test_the_lazy_order_evicts_exactly_what_a_plain_lru_over_the_leaves_would(se
     lru = LRUEviction(index, NoStore(), capacity * LAYOUT.full_block_bytes, LAYOUT.full_block_bytes)  # type: ignore[arg-type]
     ref = ReferenceLRU(index)
     chains: list[list[str]] = []
+    in_flight: list[list[str]] = []
     next_key = 0
     for _ in range(120):
         op = rng.random()
@@ -259,18 +275,19 @@ def test_the_lazy_order_evicts_exactly_what_a_plain_lru_over_the_leaves_would(se
             hit = chain[: index.match_keys(chain[: rng.randint(1, len(chain))])]
             lru.touch(hit)
             ref.stamp(hit)
-        elif op < 0.7:  # a request pins its hits, or one finishes
-            chain = rng.choice(chains)
-            hit = chain[: index.match_keys(chain)]
-            if rng.random() < 0.5 or not any(ref.pins.values()):
+        elif op < 0.7:  # a request pins its hits (its deepest block counts), or one finishes
+            if rng.random() < 0.5 or not in_flight:
+                chain = rng.choice(chains)
+                hit = chain[: index.match_keys(chain)]
                 lru.pin(hit)
-                for key in hit:
-                    ref.pins[key] = ref.pins.get(key, 0) + 1
+                in_flight.append(hit)
+                if hit:
+                    ref.pins[hit[-1]] = ref.pins.get(hit[-1], 0) + 1
             else:
-                pinned = [k for k, n in ref.pins.items() if n]
-                key = rng.choice(pinned)
-                lru.unpin([key])
-                ref.pins[key] -= 1
+                hit = in_flight.pop(rng.randrange(len(in_flight)))
+                lru.unpin(hit)
+                if hit:
+                    ref.pins[hit[-1]] -= 1
         elif op < 0.75 and len(index):  # a repair unindexes a block and what follows it
             index.remove(rng.choice(index.keys()))
         elif op < 0.77:
