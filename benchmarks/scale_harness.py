@@ -362,7 +362,8 @@ async def drive(args: argparse.Namespace, cfg: DualPathConfig, scheduler: Any, p
 def run_case(args: argparse.Namespace, case: str) -> dict[str, Any]:
     """One measurement on a fresh Ray session: the harness's figures for `case` (CASES)."""
     cfg = paper_config(args, case)
-    ray.init(num_cpus=2, include_dashboard=False, namespace=NAMESPACE, log_to_driver=True)
+    # address="local": a new Ray instance every case, never one left over from the one before
+    ray.init(address="local", num_cpus=2, include_dashboard=False, namespace=NAMESPACE, log_to_driver=True)
     try:
         nodes = plan_nodes(cfg)
         routes = {name: SIM for spec in nodes for name in [*spec.engine_names(), spec.reader_name]}

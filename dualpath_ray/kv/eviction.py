@@ -153,11 +153,14 @@ class LRUEviction:
         """These blocks were just hit (or published): most recently used."""
         if not self._ordered:
             return
-        stamp = self._stamp
+        stamp, clock, touched = self._stamp, self._clock, 0
         for key in keys:
             if key in stamp:
-                stamp[key] = self._tick()
-                self.stats.touched_blocks += 1
+                clock += 1
+                stamp[key] = clock
+                touched += 1
+        self._clock = clock
+        self.stats.touched_blocks += touched
 
     def pin(self, hits: Sequence[str]) -> None:
         """A request in flight took these hits (a chain, first block first): keep them until it
@@ -193,12 +196,15 @@ class LRUEviction:
         """Unindex LRU leaves until the store fits its capacity, and hand them to the deleter;
         returns their keys. Pinned blocks are kept, so the reads of requests in flight do not
         miss. O(log n) per victim, plus the heap entries of touches it passes (see above)."""
-        if not self.over_capacity():
+        if self.capacity_blocks is None:
+            return []
+        excess = len(self.index) + self.unindexed_blocks - self.capacity_blocks
+        if excess <= 0:
             return []
         victims: list[str] = []
         self._victims = victims
         try:
-            while self.over_capacity():
+            for _ in range(excess):  # a leaf leaves alone: one victim per block over
                 victim = self._oldest_leaf()
                 if victim is None:
                     break
@@ -231,17 +237,23 @@ class LRUEviction:
 
     def added(self, key: str) -> None:
         if self._ordered:
-            self._stamp[key] = self._tick()
-            self._enter(key)
+            self._clock = stamp = self._clock + 1
+            self._stamp[key] = stamp
+            if key not in self._entry:  # _enter, inlined: every published block comes here
+                self._entry[key] = stamp
+                heapq.heappush(self._heap, (stamp, key))
 
     def removed(self, keys: list[str], new_leaf: str | None) -> None:
         if self._ordered:
+            stamp, parked = self._stamp, self._parked
             for key in keys:
-                self._stamp.pop(key, None)
-                self._parked.discard(key)
-            if new_leaf is not None and new_leaf not in self._parked:
+                stamp.pop(key, None)
+            if parked:
+                parked.difference_update(keys)
+            if new_leaf is not None and new_leaf not in parked:
                 self._enter(new_leaf)
-            if len(self._entry) > 2 * len(self._stamp) + _COMPACT_SLACK:
+            # Only a removal of more than the popped victim (a repair's) leaves heap entries behind.
+            if len(keys) > 1 and len(self._entry) > 2 * len(stamp) + _COMPACT_SLACK:
                 self._compact()
         if self._victims is not None:
             self._victims.extend(keys)

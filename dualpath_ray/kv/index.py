@@ -304,9 +304,11 @@ class PrefixIndex:
         parent = node.parent
         if parent is not None:
             del parent.children[key]
-        removed: list[str] = []
-        # Iterative on purpose: a long conversation is a chain thousands of blocks deep.
-        stack = [node]
+        removed: list[str] = [key]
+        del self._nodes[key]
+        # Iterative on purpose: a long conversation is a chain thousands of blocks deep. (A leaf,
+        # what eviction removes once per victim, skips it.)
+        stack = list(node.children.values())
         while stack:
             current = stack.pop()
             del self._nodes[current.key]
