@@ -18,10 +18,12 @@ ones): both count against the capacity. Every block that leaves the index (evict
 reset_prefix_cache) is handed to the janitor to delete.
 
 Cost: the index tells this object of each change as it is made (kv/index.py IndexObserver), so
-nothing scans the index or the order. The order is a heap of the leaves keyed by the time of
-their last touch, kept lazily: a touch only stamps the block (O(1)); an entry found at the top
-with an older stamp than its block's goes back in with the new one, so each touch costs at most
-one heap push, paid when eviction reaches it, and each victim O(log n).
+nothing scans the index or the order. Recency is the index's own: each block records the index's
+clock at its last publish or hit (PrefixIndex.touch, which walks a chain like a lookup). The
+order is kept lazily, in a queue of the blocks as they were published and a heap of the leaves
+met since, both by that stamp: a touch only stamps the block; an entry found at the front with
+an older stamp than its block's goes back in with the new one, so each touch costs at most one
+heap push, paid when eviction reaches it, and each victim O(log leaves).
 
 Without a configured capacity a store in a directory is bounded by its file system
 (`store_capacity_bytes`): a share of what the disk could hold when the scheduler starts, and
@@ -34,6 +36,7 @@ from __future__ import annotations
 import heapq
 import logging
 import os
+from collections import deque
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -130,10 +133,14 @@ class LRUEviction:
         # Without a capacity nothing is ever evicted and the order is never read, so none is kept
         # (a lookup touches every hit block: hundreds per turn of a long context).
         self._ordered = self.capacity_blocks is not None
-        self._clock = 0
-        self._stamp: dict[str, int] = {}  # every indexed block: the time of its last touch
-        # Invariant: exactly one heap entry (stamp, key) per key in _entry, _entry[key] its stamp,
-        # which is at most the block's own; every indexed leaf has an entry, unless it is parked.
+        # Each block's recency is the index's own (PrefixIndex.touch: the index clock at its last
+        # publish or hit). Invariant: exactly one entry (used, key) per key in _entry, in _young
+        # or in _heap, _entry[key] its `used`, at most the block's own; every indexed leaf has an
+        # entry, unless it is parked. _young holds the blocks as they were published, in clock
+        # order, so a publish costs no heap push, and a block that is no leaf by the time eviction
+        # reaches it (most of a conversation's blocks: the next turn extends it) leaves it at the
+        # cost of a popleft; only leaves reach _heap, which stays about as small as they are few.
+        self._young: deque[tuple[int, str]] = deque()
         self._heap: list[tuple[int, str]] = []
         self._entry: dict[str, int] = {}
         self._parked: set[str] = set()  # leaves reached while pinned: back in the heap when unpinned
@@ -141,26 +148,18 @@ class LRUEviction:
         self._spared: Collection[str] = ()  # kept from the next reset's deletions (spare)
         self._victims: list[str] | None = None  # while evict() runs: what it unindexed
         if self._ordered:
-            # A rebuilt index has no recency yet: its blocks start in index order.
+            # A rebuilt index has no hits yet: its blocks start in the order they were indexed.
             for key in index.keys():
-                self._stamp[key] = self._entry[key] = self._tick()
-            self._heap = [(stamp, key) for key, stamp in self._entry.items()]  # ascending: a heap
+                self._entry[key] = index.last_used(key)  # type: ignore[assignment]
+            self._young = deque(sorted((used, key) for key, used in self._entry.items()))
         index.observe(self)
 
     # --- what the scheduler tells -------------------------------------------------------------
 
     def touch(self, keys: Iterable[str]) -> None:
         """These blocks were just hit (or published): most recently used."""
-        if not self._ordered:
-            return
-        stamp, clock, touched = self._stamp, self._clock, 0
-        for key in keys:
-            if key in stamp:
-                clock += 1
-                stamp[key] = clock
-                touched += 1
-        self._clock = clock
-        self.stats.touched_blocks += touched
+        if self._ordered:
+            self.stats.touched_blocks += self.index.touch(keys)
 
     def pin(self, hits: Sequence[str]) -> None:
         """A request in flight took these hits (a chain, first block first): keep them until it
@@ -181,8 +180,7 @@ class LRUEviction:
         self._pins.pop(key, None)
         if key in self._parked:
             self._parked.discard(key)
-            if key in self._stamp:
-                self._enter(key)
+            self._enter(key)
 
     def spare(self, in_use: Collection[str]) -> None:
         """The next `cleared` (a reset) deletes none of these: every hit of every request in
@@ -235,25 +233,20 @@ class LRUEviction:
 
     # --- what the index tells (IndexObserver) -------------------------------------------------
 
-    def added(self, key: str) -> None:
-        if self._ordered:
-            self._clock = stamp = self._clock + 1
-            self._stamp[key] = stamp
-            if key not in self._entry:  # _enter, inlined: every published block comes here
-                self._entry[key] = stamp
-                heapq.heappush(self._heap, (stamp, key))
+    def added(self, key: str, used: int) -> None:
+        if self._ordered and key not in self._entry:  # every published block comes here
+            self._entry[key] = used
+            self._young.append((used, key))  # the index clock only rises: _young stays in order
 
     def removed(self, keys: list[str], new_leaf: str | None) -> None:
         if self._ordered:
-            stamp, parked = self._stamp, self._parked
-            for key in keys:
-                stamp.pop(key, None)
+            parked = self._parked
             if parked:
                 parked.difference_update(keys)
             if new_leaf is not None and new_leaf not in parked:
                 self._enter(new_leaf)
             # Only a removal of more than the popped victim (a repair's) leaves heap entries behind.
-            if len(keys) > 1 and len(self._entry) > 2 * len(stamp) + _COMPACT_SLACK:
+            if len(keys) > 1 and len(self._entry) > 2 * len(self.index) + _COMPACT_SLACK:
                 self._compact()
         if self._victims is not None:
             self._victims.extend(keys)
@@ -262,7 +255,7 @@ class LRUEviction:
 
     def cleared(self, keys: Collection[str]) -> None:
         if self._ordered:
-            self._stamp, self._entry, self._heap, self._parked = {}, {}, [], set()
+            self._entry, self._young, self._heap, self._parked = {}, deque(), [], set()
         spared, self._spared = self._spared, ()
         if keys and self.deleter is not None:
             # Filtered lazily, on the janitor's thread as it walks them: nothing here is O(index).
@@ -270,31 +263,32 @@ class LRUEviction:
 
     # --- the order ------------------------------------------------------------------------------
 
-    def _tick(self) -> int:
-        self._clock += 1
-        return self._clock
-
     def _enter(self, key: str) -> None:
         """Give an indexed block a heap entry unless it has one (its stamp is then older than or
         equal to the block's: it moves up when it reaches the top)."""
         if key not in self._entry:
-            stamp = self._stamp[key]
-            self._entry[key] = stamp
-            heapq.heappush(self._heap, (stamp, key))
+            used = self.index.last_used(key)
+            if used is not None:
+                self._entry[key] = used
+                heapq.heappush(self._heap, (used, key))
 
     def _oldest_leaf(self) -> str | None:
-        """The unpinned leaf touched longest ago, or None. An entry of the minimum stamp whose
-        stamp is its block's own is the true minimum over the leaves: every other leaf's stamp
-        is at least its entry's."""
-        heap, entry, stamps = self._heap, self._entry, self._stamp
-        while heap:
-            stamp, key = heapq.heappop(heap)
+        """The unpinned leaf used longest ago, or None. An entry of the minimum stamp whose stamp
+        is its block's own is the true minimum over the leaves: every other leaf's stamp is at
+        least its entry's."""
+        young, heap, entry, index = self._young, self._heap, self._entry, self.index
+        while young or heap:
+            if young and (not heap or young[0] < heap[0]):
+                stamp, key = young.popleft()
+            else:
+                stamp, key = heapq.heappop(heap)
             del entry[key]
-            current = stamps.get(key)
-            if current is None or not self.index.is_leaf(key):
+            used = index.leaf_used(key)
+            if used is None:
                 continue  # unindexed (a repair), or no longer a leaf: re-entered when it is one again
-            if current != stamp:
-                self._enter(key)  # touched since: its place is further back
+            if used != stamp:
+                entry[key] = used  # touched since: its place is further back
+                heapq.heappush(heap, (used, key))
                 continue
             if key in self._pins:
                 self._parked.add(key)
@@ -303,8 +297,10 @@ class LRUEviction:
         return None
 
     def _compact(self) -> None:
-        self._entry = {key: stamp for key, stamp in self._entry.items() if key in self._stamp}
-        self._heap = [(stamp, key) for key, stamp in self._entry.items()]
+        index = self.index
+        self._entry = {key: used for key, used in self._entry.items() if key in index}
+        self._young = deque(item for item in self._young if item[1] in index)
+        self._heap = [item for item in self._heap if item[1] in index]
         heapq.heapify(self._heap)
 
     def _delete(self, keys: Collection[str]) -> None:

@@ -160,10 +160,11 @@ class PrefixHit(NamedTuple):
     keys: list[str]
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Node:
     key: str
     parent: _Node | None
+    used: int  # the index's clock at the block's last publish or hit (PrefixIndex.touch)
     children: dict[str, _Node] = field(default_factory=dict)
 
 
@@ -172,8 +173,8 @@ class IndexObserver(Protocol):
     store's LRU order and its deleter, kv/eviction.py) is kept in step incrementally: nothing has
     to scan the index to find out what changed."""
 
-    def added(self, key: str) -> None:
-        """`key` was indexed (it has no children yet)."""
+    def added(self, key: str, used: int) -> None:
+        """`key` was indexed (it has no children yet) at clock `used`."""
 
     def removed(self, keys: list[str], new_leaf: str | None) -> None:
         """`keys` (one block and every block after it) left the index; `new_leaf` is the block
@@ -191,6 +192,9 @@ class PrefixIndex:
         self.block_size = block_size
         self._nodes: dict[str, _Node] = {}
         self._observer: IndexObserver | None = None
+        # Counts publishes and hits: each block's `used` is its value at the block's last one,
+        # so the blocks' recency needs no table of its own (kv/eviction.py orders by it).
+        self.clock = 0
 
     def observe(self, observer: IndexObserver | None) -> None:
         """Tell `observer` of every later change (one observer; None: nobody)."""
@@ -211,6 +215,35 @@ class PrefixIndex:
 
     def keys(self) -> list[str]:
         return list(self._nodes)
+
+    def touch(self, keys: Iterable[str]) -> int:
+        """These blocks were just hit or published: most recently used. `keys` is a chain, first
+        block first (a lookup's hits, a turn's published blocks), walked like a lookup: one
+        search of the whole index, then each block's children (a block not found that way is
+        searched in the whole index). Returns how many are indexed."""
+        nodes, clock, touched = self._nodes, self.clock, 0
+        node: _Node | None = None
+        for key in keys:
+            child = node.children.get(key) if node is not None else None
+            if child is None:
+                child = nodes.get(key)
+            node = child
+            if child is not None:
+                clock += 1
+                child.used = clock
+                touched += 1
+        self.clock = clock
+        return touched
+
+    def last_used(self, key: str) -> int | None:
+        """The clock at the block's last publish or hit; None if it is not indexed."""
+        node = self._nodes.get(key)
+        return None if node is None else node.used
+
+    def leaf_used(self, key: str) -> int | None:
+        """last_used of an indexed leaf (no indexed block follows it); None for any other key."""
+        node = self._nodes.get(key)
+        return None if node is None or node.children else node.used
 
     def is_leaf(self, key: str) -> bool:
         """Whether no indexed block follows `key` (KeyError if absent)."""
@@ -240,12 +273,13 @@ class PrefixIndex:
                     f"cannot index block {key}: its parent {parent} is not indexed "
                     "(insert a chain parent first)"
                 )
-        node = _Node(key, parent_node)
+        self.clock = used = self.clock + 1
+        node = _Node(key, parent_node, used)
         if parent_node is not None:
             parent_node.children[key] = node
         self._nodes[key] = node
         if self._observer is not None:
-            self._observer.added(key)
+            self._observer.added(key, used)
         return True
 
     def publish(self, blocks: Iterable[tuple[str, str | None]]) -> int:

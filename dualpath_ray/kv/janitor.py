@@ -191,14 +191,14 @@ class StoreJanitor:
         keeper = self._keeper
         assert keeper is not None
         pace = _Pace(self.clock, self._rest)
-        stats = self.stats
+        stats, indexed, pinned, discard = self.stats, keeper.indexed, keeper.pinned, self.store.discard
         for key in keys:
             pace.step()
-            if keeper.indexed(key) or keeper.pinned(key):
+            if indexed(key) or pinned(key):
                 stats.kept_in_use += 1
                 continue
             try:
-                if self.store.discard(key, decided):
+                if discard(key, decided):
                     stats.deleted += 1
                 else:
                     stats.kept_fresh += 1
@@ -278,8 +278,9 @@ class _Pace:
 
     def step(self) -> None:
         self.steps += 1
-        if self.steps % _REST_EVERY:
+        if self.steps < _REST_EVERY:
             return
+        self.steps = 0
         worked = self.clock() - self.since
         self.rest(worked * (1 - DUTY) / DUTY)
         self.since = self.clock()

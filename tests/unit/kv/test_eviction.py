@@ -175,6 +175,14 @@ class CountingIndex(PrefixIndex):
         self.visits += 1
         return super().is_leaf(key)
 
+    def last_used(self, key: str) -> int | None:
+        self.visits += 1
+        return super().last_used(key)
+
+    def leaf_used(self, key: str) -> int | None:
+        self.visits += 1
+        return super().leaf_used(key)
+
     def remove(self, key: str) -> int:
         self.visits += 1
         return super().remove(key)

@@ -194,9 +194,11 @@ def test_clear_len_contains() -> None:
 class Observer:
     def __init__(self) -> None:
         self.events: list[tuple] = []
+        self.used: list[int] = []
 
-    def added(self, key: str) -> None:
+    def added(self, key: str, used: int) -> None:
         self.events.append(("added", key))
+        self.used.append(used)
 
     def removed(self, keys: list[str], new_leaf: str | None) -> None:
         self.events.append(("removed", sorted(keys), new_leaf))
@@ -214,6 +216,7 @@ def test_the_observer_is_told_every_change_as_it_is_made() -> None:
     index.insert([a, b, c])
     index.insert([a, b])  # nothing new
     assert seen.events == [("added", a), ("added", b), ("added", c)], "each new block, once, parent first"
+    assert seen.used == sorted(seen.used) and len(set(seen.used)) == 3, "each with the index's clock, rising"
     index.insert_block(other, b)  # b has two children now
     seen.events.clear()
     index.remove(c)
@@ -226,6 +229,19 @@ def test_the_observer_is_told_every_change_as_it_is_made() -> None:
     index.clear()
     assert seen.events[-1] == ("cleared", sorted([a, b])), "a clear names every block it dropped"
     assert len(index) == 0
+
+
+def test_touch_stamps_a_chain_with_the_index_clock_and_skips_what_is_not_indexed() -> None:
+    index = PrefixIndex(BLOCK)
+    a, b, c = block_keys(tokens(12), BLOCK, NS)
+    (other,) = block_keys(tokens(4, start=100), BLOCK, NS)
+    index.insert([a, b])
+    index.insert([other])
+    before = index.clock
+    assert index.touch([a, b, c]) == 2, "two of the three are indexed"
+    assert index.last_used(a) == before + 1 and index.last_used(b) == before + 2, "stamped in chain order"
+    assert index.touch([other]) == 1 and index.last_used(other) > index.last_used(b), "the latest is newest"
+    assert index.last_used(c) is None, "an unindexed block has no stamp"
 
 
 def _fill(store: LocalDirStore | MemoryStore, prompts: list[list[int]]) -> PrefixIndex:
