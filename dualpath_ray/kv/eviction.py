@@ -98,8 +98,8 @@ class Deleter(Protocol):
     def wait_idle(self, timeout_s: float | None = None) -> bool: ...
 
 
-# Heap entries of blocks no longer indexed (a repair's) are dropped when they reach the top;
-# beyond twice the indexed blocks plus this many, the heap is rebuilt without them.
+# Entries of blocks no longer indexed (a repair's) are dropped when eviction reaches them; beyond
+# twice the indexed blocks plus this many, the queue and heap are rebuilt without them.
 _COMPACT_SLACK = 4096
 
 
@@ -148,7 +148,8 @@ class LRUEviction:
         self._spared: Collection[str] = ()  # kept from the next reset's deletions (spare)
         self._victims: list[str] | None = None  # while evict() runs: what it unindexed
         if self._ordered:
-            # A rebuilt index has no hits yet: its blocks start in the order they were indexed.
+            # An index built before (a rebuild) has no hits yet: its blocks start in the order
+            # they were indexed.
             for key in index.keys():
                 self._entry[key] = index.last_used(key)  # type: ignore[assignment]
             self._young = deque(sorted((used, key) for key, used in self._entry.items()))
