@@ -49,17 +49,21 @@ def test_a_store_at_half_the_working_set_completes_with_identical_outputs():
         result = cluster.rollout(trajs, progress=False)
         calls = ray.get(deployment.scheduler.call_counts.remote())
         summary = result.summary()
-        settle_store(deployment.scheduler)  # evicted files go on the janitor's thread
+        deleted = settle_store(deployment.scheduler)  # evicted files go on the janitor's thread
         store = open_store(cfg.store, layout, root=deployment.store_root)
         stored = sum(1 for _ in store.keys())
         print(f"working set {working_set} blocks, capacity {capacity_blocks}: evicted {calls['evicted_blocks']}, "
               f"indexed {calls['indexed_blocks']}, stored {stored}, retries {calls['retries']}, "
-              f"hit rate {summary['hit_rate']:.3f}")
+              f"hit rate {summary['hit_rate']:.3f}; janitor {deleted}")
         assert not result.failures, f"an evicted block is a miss, never an error: {result.failures}"
         assert result.outputs() == recompute_outputs(cfg, trajs), "outputs equal the fault-free recompute"
         assert calls["evicted_blocks"] > 0, "half the working set does not fit: blocks were evicted"
         assert calls["indexed_blocks"] <= capacity_blocks, "the index stays within the capacity"
-        assert stored <= capacity_blocks, "evicted blocks are deleted from the store too"
+        # A block whose file time is within a clock tick of its eviction may have been put again
+        # after it (a writer about to report it): the janitor keeps it for its sweep. The turns
+        # here finish within milliseconds of each other, so a few are.
+        assert stored <= capacity_blocks + deleted.kept_fresh, "evicted blocks are deleted from the store too"
+        assert deleted.dropped_batches == deleted.failed == 0, "every eviction's deletes were done"
         assert 0 < summary["hit_rate"], "the blocks that fit are still hit"
         indexed = ray.get(deployment.scheduler.__ray_call__.remote(lambda actor: actor.core.index.keys()))
         ray.get(deployment.scheduler.reset_prefix_cache.remote())
