@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -67,6 +67,14 @@ def recompute_outputs(cfg: DualPathConfig, trajs: list[Trajectory]) -> dict[str,
             outputs[traj.trajectory_id].append(generated)
             context = context + list(generated)
     return outputs
+
+
+def wait_until(condition: Callable[[], bool], poll_s: float = 0.005) -> None:
+    """Poll until `condition()` holds, however long that takes on this machine: the test's
+    timeout (pytest-timeout: tests/conftest.py and the per-directory conftests) ends a wait for
+    something that never happens, so no wall-clock bound of its own can fail a slow machine."""
+    while not condition():
+        time.sleep(poll_s)
 
 
 def settled_pools(cluster: Any, timeout_s: float) -> dict[str, tuple[int, int, int, int]]:
