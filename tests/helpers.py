@@ -53,20 +53,29 @@ def trajectories(count: int = 8, turns: int = 4, first: int = 150, appended: int
 
 
 def recompute_outputs(cfg: DualPathConfig, trajs: list[Trajectory]) -> dict[str, list[tuple[int, ...]]]:
-    """Single-process greedy recompute of every turn from scratch: the reference outputs."""
+    """Single-process greedy recompute of every turn from scratch: the reference outputs. On one
+    torch thread, as the engines compute (runtime.compute_threads): a test process shares its
+    cores with the cluster, where more threads only contend."""
+    import torch
+
     from dualpath_ray.model.llama import DecoderModel
 
-    model = DecoderModel(cfg.model)
-    outputs: dict[str, list[tuple[int, ...]]] = {}
-    for traj in trajs:
-        context: list[int] = []
-        outputs[traj.trajectory_id] = []
-        for turn in traj.turns:
-            context = context + list(turn.appended)
-            generated = tuple(model.greedy_generate(context, turn.gen_len).token_ids)
-            outputs[traj.trajectory_id].append(generated)
-            context = context + list(generated)
-    return outputs
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = DecoderModel(cfg.model)
+        outputs: dict[str, list[tuple[int, ...]]] = {}
+        for traj in trajs:
+            context: list[int] = []
+            outputs[traj.trajectory_id] = []
+            for turn in traj.turns:
+                context = context + list(turn.appended)
+                generated = tuple(model.greedy_generate(context, turn.gen_len).token_ids)
+                outputs[traj.trajectory_id].append(generated)
+                context = context + list(generated)
+        return outputs
+    finally:
+        torch.set_num_threads(threads)
 
 
 def wait_until(condition: Callable[[], bool], poll_s: float = 0.005) -> None:
