@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
@@ -76,6 +77,17 @@ def recompute_outputs(cfg: DualPathConfig, trajs: list[Trajectory]) -> dict[str,
         return outputs
     finally:
         torch.set_num_threads(threads)
+
+
+def default_timeout(items: list[Any], directory: Path, seconds: float) -> None:
+    """Give every collected test under `directory` without a `pytest.mark.timeout` of its own a
+    timeout of `seconds` (pytest-timeout; a per-directory conftest calls this from
+    pytest_collection_modifyitems, which sees the whole session's items)."""
+    import pytest
+
+    for item in items:
+        if directory in item.path.parents and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(seconds))
 
 
 def wait_until(condition: Callable[[], bool], poll_s: float = 0.005) -> None:
