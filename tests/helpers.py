@@ -98,6 +98,14 @@ def wait_until(condition: Callable[[], bool], poll_s: float = 0.005) -> None:
         time.sleep(poll_s)
 
 
+def verify_mismatches(cluster: Any) -> int:
+    """Attempts whose assembled KV runtime.verify_kv found different from the store and a
+    recompute, over every live decode engine. Each is retried, and a clean retry leaves the
+    outputs right, so only this count shows that wrong KV got as far as a decode engine."""
+    return sum(stats["core"].get("verify_mismatches", 0) for name, stats in cluster.engine_stats().items()
+               if name.startswith("decode/"))
+
+
 def settled_pools(cluster: Any, timeout_s: float) -> dict[str, tuple[int, int, int, int]]:
     """Every reader's pool (free, leased, in flight, capacity) once nothing is leased, staged
     extents included, or as it stands after timeout_s: a transfer from a dead peer frees its
