@@ -31,9 +31,7 @@ from dualpath_ray.cluster import DualPathCluster  # noqa: E402
 from dualpath_ray.config import DualPathConfig, parse_config  # noqa: E402
 from dualpath_ray.workload.trace import Trajectory  # noqa: E402
 
-# Up to 91 s a test measured on a loaded 2-core machine (the first one with the module's reference
-# run and recompute); a restart may legitimately take RESTART_WAIT_S before a test's own rollout.
-pytestmark = [pytest.mark.integration, pytest.mark.chaos, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.integration, pytest.mark.chaos]
 
 
 def fault_config(*faults: dict, **runtime: object) -> DualPathConfig:
