@@ -80,14 +80,25 @@ def recompute_outputs(cfg: DualPathConfig, trajs: list[Trajectory]) -> dict[str,
 
 
 def default_timeout(items: list[Any], directory: Path, seconds: float) -> None:
-    """Give every collected test under `directory` without a `pytest.mark.timeout` of its own a
-    timeout of `seconds` (pytest-timeout; a per-directory conftest calls this from
-    pytest_collection_modifyitems, which sees the whole session's items)."""
+    """Give every collected test under `directory` a timeout (pytest-timeout): its own
+    `pytest.mark.timeout` seconds, else `seconds`, ended by the thread method. A per-directory
+    conftest calls this from pytest_collection_modifyitems, which sees the whole session's items.
+
+    The thread method, because these tests wait in Ray: the signal method's SIGALRM handler runs
+    only when the main thread is back in Python, and a `ray.get` that never returns never is
+    (tried: a test stuck in `ray.get` of a task that sleeps forever, marked timeout(20), was still
+    there 35 minutes later). The thread method dumps every thread's stack and ends the pytest
+    process, so a hang costs the rest of the run, but the run fails in minutes with the stacks
+    that show where it hung, instead of at CI's job limit with nothing."""
     import pytest
 
     for item in items:
-        if directory in item.path.parents and item.get_closest_marker("timeout") is None:
-            item.add_marker(pytest.mark.timeout(seconds))
+        if directory not in item.path.parents:
+            continue
+        own = item.get_closest_marker("timeout")
+        timeout = (own.kwargs.get("timeout", own.args[0] if own.args else None) if own is not None else None)
+        # Prepended to the test's own markers, so it is the closest: what pytest-timeout reads.
+        item.add_marker(pytest.mark.timeout(timeout if timeout is not None else seconds, method="thread"), append=False)
 
 
 def wait_until(condition: Callable[[], bool], poll_s: float = 0.005) -> None:
