@@ -240,10 +240,12 @@ class DualPathCluster:
 
     def integrity_report(self) -> dict[str, int | set[str]]:
         """What the KV checks caught: digest mismatches (tokens) and second reads at the prefill
-        and decode sides, and the stored blocks the readers damaged (plan) and found corrupt."""
+        and decode sides, attempts runtime.verify_kv failed at the decode side (KV that got past
+        the digests), and the stored blocks the readers damaged (plan) and found corrupt."""
         assert self.deployment is not None
         report: dict[str, Any] = {"prefill_mismatches": 0, "prefill_rereads": 0, "decode_mismatches": 0,
-                                  "decode_reloads": 0, "damaged_keys": set(), "corrupt_keys": set()}
+                                  "decode_reloads": 0, "verify_mismatches": 0, "damaged_keys": set(),
+                                  "corrupt_keys": set()}
         for name, stats in self.engine_stats().items():
             core = stats["core"]
             if name.startswith("prefill/"):
@@ -252,6 +254,7 @@ class DualPathCluster:
             else:
                 report["decode_mismatches"] += core["digest_mismatches"]
                 report["decode_reloads"] += core["digest_reloads"]
+                report["verify_mismatches"] += core["verify_mismatches"]
         for reader in self.deployment.readers.values():
             damaged, corrupt = ray.get(reader.integrity_keys.remote())
             report["damaged_keys"].update(damaged)

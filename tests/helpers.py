@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any
+from pathlib import Path
+from typing import Any, Callable
 
 import numpy as np
 
@@ -53,20 +54,67 @@ def trajectories(count: int = 8, turns: int = 4, first: int = 150, appended: int
 
 
 def recompute_outputs(cfg: DualPathConfig, trajs: list[Trajectory]) -> dict[str, list[tuple[int, ...]]]:
-    """Single-process greedy recompute of every turn from scratch: the reference outputs."""
+    """Single-process greedy recompute of every turn from scratch: the reference outputs. On one
+    torch thread, as the engines compute (runtime.compute_threads): a test process shares its
+    cores with the cluster, where more threads only contend."""
+    import torch
+
     from dualpath_ray.model.llama import DecoderModel
 
-    model = DecoderModel(cfg.model)
-    outputs: dict[str, list[tuple[int, ...]]] = {}
-    for traj in trajs:
-        context: list[int] = []
-        outputs[traj.trajectory_id] = []
-        for turn in traj.turns:
-            context = context + list(turn.appended)
-            generated = tuple(model.greedy_generate(context, turn.gen_len).token_ids)
-            outputs[traj.trajectory_id].append(generated)
-            context = context + list(generated)
-    return outputs
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = DecoderModel(cfg.model)
+        outputs: dict[str, list[tuple[int, ...]]] = {}
+        for traj in trajs:
+            context: list[int] = []
+            outputs[traj.trajectory_id] = []
+            for turn in traj.turns:
+                context = context + list(turn.appended)
+                generated = tuple(model.greedy_generate(context, turn.gen_len).token_ids)
+                outputs[traj.trajectory_id].append(generated)
+                context = context + list(generated)
+        return outputs
+    finally:
+        torch.set_num_threads(threads)
+
+
+def default_timeout(items: list[Any], directory: Path, seconds: float) -> None:
+    """Give every collected test under `directory` a timeout (pytest-timeout): its own
+    `pytest.mark.timeout` seconds, else `seconds`, ended by the thread method. A per-directory
+    conftest calls this from pytest_collection_modifyitems, which sees the whole session's items.
+
+    The thread method, because these tests wait in Ray: the signal method's SIGALRM handler runs
+    only when the main thread is back in Python, and a `ray.get` that never returns never is
+    (tried: a test stuck in `ray.get` of a task that sleeps forever, marked timeout(20), was still
+    there 35 minutes later). The thread method dumps every thread's stack and ends the pytest
+    process, so a hang costs the rest of the run, but the run fails in minutes with the stacks
+    that show where it hung, instead of at CI's job limit with nothing."""
+    import pytest
+
+    for item in items:
+        if directory not in item.path.parents:
+            continue
+        own = item.get_closest_marker("timeout")
+        timeout = (own.kwargs.get("timeout", own.args[0] if own.args else None) if own is not None else None)
+        # Prepended to the test's own markers, so it is the closest: what pytest-timeout reads.
+        item.add_marker(pytest.mark.timeout(timeout if timeout is not None else seconds, method="thread"), append=False)
+
+
+def wait_until(condition: Callable[[], bool], poll_s: float = 0.005) -> None:
+    """Poll until `condition()` holds, however long that takes on this machine: the test's
+    timeout (pytest-timeout: tests/conftest.py and the per-directory conftests) ends a wait for
+    something that never happens, so no wall-clock bound of its own can fail a slow machine."""
+    while not condition():
+        time.sleep(poll_s)
+
+
+def verify_mismatches(cluster: Any) -> int:
+    """Attempts whose assembled KV runtime.verify_kv found different from the store and a
+    recompute, over every live decode engine. Each is retried, and a clean retry leaves the
+    outputs right, so only this count shows that wrong KV got as far as a decode engine."""
+    return sum(stats["core"].get("verify_mismatches", 0) for name, stats in cluster.engine_stats().items()
+               if name.startswith("decode/"))
 
 
 def settled_pools(cluster: Any, timeout_s: float) -> dict[str, tuple[int, int, int, int]]:

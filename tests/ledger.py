@@ -1,6 +1,6 @@
 """The trajectory ledger of the chaos tests: every reported turn as (trajectory, turn, attempt,
 digest of its output tokens), so a test proves 0 lost, 0 duplicated and every output identical
-to a fault-free run, and says which entries differ when not."""
+to a single-process recompute (or a fault-free run), and says which entries differ when not."""
 
 from __future__ import annotations
 
@@ -33,6 +33,12 @@ class Ledger:
             for turn, turn_result in enumerate(turns):
                 entries.append(LedgerEntry(trajectory, turn, turn_result.attempt, output_digest(turn_result.output_tokens)))
         return cls(entries)
+
+    @classmethod
+    def of_outputs(cls, outputs: dict[str, list[tuple[int, ...]]]) -> Ledger:
+        """From per-trajectory outputs (a single-process recompute's): each turn once, attempt 0."""
+        return cls([LedgerEntry(trajectory, turn, 0, output_digest(tokens))
+                    for trajectory, turns in outputs.items() for turn, tokens in enumerate(turns)])
 
     def keyed(self) -> dict[tuple[str, int], list[LedgerEntry]]:
         out: dict[tuple[str, int], list[LedgerEntry]] = {}

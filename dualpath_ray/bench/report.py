@@ -42,6 +42,9 @@ class ModeRun:
     snic_balance: float | None
     high_load_window_s: tuple[float, float] | None
     series: SnicSeries
+    # Every turn's output tokens (warm-up included), per trajectory in turn order: what the
+    # modes' outputs_match compares, there for anyone to check against a recompute.
+    outputs: dict[str, list[list[int]]] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -51,7 +54,7 @@ class ModeRun:
             "snic_write_bytes": self.snic_write_bytes, "requests_by_path": self.requests_by_path,
             "snic_balance": self.snic_balance,
             "high_load_window_s": list(self.high_load_window_s) if self.high_load_window_s else None,
-            "snic_series": self.series.to_json(),
+            "snic_series": self.series.to_json(), "outputs": self.outputs,
         }
 
 

@@ -22,6 +22,7 @@ high-load window, the balance and the plot (definitions in dualpath_ray.bench.fi
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 import threading
@@ -175,8 +176,10 @@ def run_mode(
             delta = counter_delta(before, cluster.counters())
         finally:
             cluster.teardown()  # the actors let go of the store before its folder goes
+    outputs = result.outputs()
     run = measure_run(round_index, mode, jct_s, result.turn_results, delta, sampler.series(), layout.bytes_per_token)
-    return run, result.outputs()
+    run = dataclasses.replace(run, outputs={t: [list(o) for o in turns] for t, turns in outputs.items()})
+    return run, outputs
 
 
 def load_average() -> list[float]:

@@ -70,10 +70,14 @@ class DemoReport:
     warnings: list[str] = field(default_factory=list)
     transport: str = ""
     workload: str = ""
+    # Per mode, every turn's output tokens per trajectory in turn order: what outputs_match
+    # compares, there for anyone to check against a recompute.
+    outputs: dict[str, dict[str, list[list[int]]]] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, object]:
         return {"modes": {m: asdict(r) for m, r in self.modes.items()}, "outputs_match": self.outputs_match,
-                "warnings": self.warnings, "transport": self.transport, "workload": self.workload}
+                "outputs": self.outputs, "warnings": self.warnings, "transport": self.transport,
+                "workload": self.workload}
 
 
 def measure_mode(cfg: DualPathConfig, cluster: DualPathCluster, results: dict[str, list[TurnResult]], jct: float) -> ModeReport:
@@ -119,6 +123,7 @@ def run_demo(cfg: DualPathConfig, trajectories: Sequence[Trajectory], modes: Seq
             outputs[mode] = {t: [r.output_tokens for r in rs] for t, rs in results.items()}
         first = next(iter(outputs.values()))
         report.outputs_match = all(o == first for o in outputs.values())
+        report.outputs = {m: {t: [list(o) for o in turns] for t, turns in out.items()} for m, out in outputs.items()}
     finally:
         cluster.shutdown()
     return report

@@ -1,6 +1,8 @@
-"""Abort under load on a real 1P1D cluster: 100 trajectories, a random half aborted in the middle
-of a turn. The aborted ones stop (listed in `aborted`, nothing failed), the others produce
-exactly what a run without aborts produces, and every pool, page and queue is free afterwards."""
+"""Abort under load on a real 1P1D cluster (the tiny model computing for real, every assembled KV
+byte verified): 100 trajectories, a random half aborted in the middle of a turn. The aborted ones
+stop (listed in `aborted`, nothing failed), the others produce exactly what a run without aborts
+produces, which is what a single-process recompute gives, and every pool, page and queue is free
+afterwards."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import time
 import pytest
 
 from tests.chaos.test_fault_plan import fault_config
-from tests.helpers import ray_test_env, settled_pools, trajectories
+from tests.helpers import ray_test_env, recompute_outputs, settled_pools, trajectories
 from tests.ledger import Ledger
 
 ray_test_env()
@@ -32,6 +34,9 @@ def test_aborting_half_the_trajectories_mid_turn_frees_everything_and_changes_no
         cluster.deploy("dualpath")
         reference = cluster.rollout(trajs, progress=False)
         assert not reference.failures and not reference.aborted, "the run without aborts completes"
+        assert reference.outputs() == recompute_outputs(cfg, trajs), (
+            "the run without aborts serves what a single-process recompute gives"
+        )
         cluster.deploy("dualpath")  # a fresh store: the aborted run hits what a first run hits
         scheduler = cluster.deployment.scheduler
         box: dict = {}
@@ -69,5 +74,9 @@ def test_aborting_half_the_trajectories_mid_turn_frees_everything_and_changes_no
         resumed = cluster.rollout(trajs, resume=result, progress=False)
         assert not resumed.failures and not resumed.aborted, "rolling the aborted trajectories out again resumes them"
         assert resumed.outputs() == reference.outputs(), "the resumed rollout ends where the run without aborts did"
+        verified = cluster.integrity_report()["verify_mismatches"]
+        assert verified == 0, (
+            f"no attempt's assembled KV differed from the store and a recompute (runtime.verify_kv): {verified}"
+        )
     finally:
         cluster.shutdown()

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers import ray_test_env, recompute_outputs, runtime_config, trajectories
+from tests.helpers import ray_test_env, recompute_outputs, runtime_config, trajectories, verify_mismatches
 
 ray_test_env()
 
@@ -59,6 +59,7 @@ def test_bad_hit_blocks_are_detected_repaired_and_outputs_unchanged():
         assert not result.failures, f"every trajectory completes: {result.failures}"
         assert calls["retries"] == len(injected), "each bad block is detected exactly once (detected == injected)"
         assert result.outputs() == recompute_outputs(cfg, trajs), "outputs equal the fault-free recompute"
+        assert verify_mismatches(cluster) == 0, "no bad block's bytes reached a decode engine (runtime.verify_kv)"
         retried = [r for turns in result.turn_results.values() for r in turns if r.attempt > 0]
         print("retried turns (attempt, hit tokens):", sorted((r.attempt, r.hit_tokens) for r in retried))
         assert len(retried) == len(injected), "one turn per damaged trajectory needed a second attempt"

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tests.helpers import ray_test_env, recompute_outputs, runtime_config, trajectories
+from tests.helpers import ray_test_env, recompute_outputs, runtime_config, trajectories, verify_mismatches
 
 ray_test_env()
 
@@ -66,6 +66,7 @@ def test_a_killed_engine_loses_no_trajectory_and_changes_no_output(victim: str):
               f"retries {calls['retries']}, dead engines seen {calls['dead_engines']}, stale results {calls['stale_results']}")
         assert not result.failures, f"0 lost trajectories: {result.failures}"
         assert result.outputs() == expected, "outputs equal the fault-free recompute (0 duplicated, 0 changed)"
+        assert verify_mismatches(cluster) == 0, "no KV a dead engine left half-written reached a live decode engine"
         assert turns == sum(len(t.turns) for t in trajs), "every turn is reported exactly once"
         assert all(free == capacity for free, _, _, capacity in cluster.pool_integrity().values()), (
             "every reader's buffer pool is fully free (the dead engine's extents reclaimed)"

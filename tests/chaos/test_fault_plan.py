@@ -1,7 +1,12 @@
-"""Faults injected by the config's fault plan on a real 1P1D cluster (profile compute, real
-store, transport, readers and actors): corruption on every hop of the KV, transient failures of
-transfers and actor calls, and an engine killed in the middle of a layer transfer. Each run is
-checked against a fault-free run of the same trajectories with the trajectory ledger."""
+"""Faults injected by the config's fault plan on a real 1P1D cluster (the tiny model computing
+for real, real store, transport, readers and actors): corruption on every hop of the KV, transient
+failures of transfers and actor calls, and an engine killed in the middle of a layer transfer.
+Each run is checked with the trajectory ledger against a single-process recompute of the same
+trajectories (tests.helpers.recompute_outputs), which the fault-free run also equals. The tokens
+come from the model's attention over the KV each engine assembled, so KV that is wrong where it
+is used changes them; and runtime.verify_kv checks every assembled KV byte against the store and
+a recompute before any decode step, each mismatch counted (`verify_mismatches`) even when the
+retry it causes succeeds."""
 
 from __future__ import annotations
 
@@ -15,7 +20,7 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
-from tests.helpers import ray_test_env, settled_pools, trajectories
+from tests.helpers import ray_test_env, recompute_outputs, settled_pools, trajectories
 from tests.ledger import Ledger
 
 ray_test_env()
@@ -35,9 +40,9 @@ def fault_config(*faults: dict, **runtime: object) -> DualPathConfig:
         "cluster": {"prefill_nodes": 1, "decode_nodes": 1, "gpus_per_node": 2, "hbm_tokens_per_engine": 16384,
                     "buffer_blocks_per_node": 512, "cpus_per_node": 1},
         "store": {"block_size": 64},
-        "emulation": {"enabled": False, "compute": "profile"},
+        "emulation": {"enabled": False, "compute": "model"},
         "runtime": {"transport": "gloo", "max_attempts": 8, "heartbeat_s": 0.2, "heartbeat_timeout_s": 1.5,
-                    "transfer_timeout_s": 10.0, "request_timeout_s": 120.0, **runtime},
+                    "transfer_timeout_s": 10.0, "request_timeout_s": 120.0, "verify_kv": True, **runtime},
         "faults": {"seed": 11, "faults": list(faults)},
     }, source="<chaos>")
 
@@ -108,13 +113,18 @@ def settled_resources(timeout_s: float) -> tuple[dict[str, float], dict[str, flo
         time.sleep(0.2)
 
 
-def assert_clean(ledger: Ledger, reference: Ledger, figures: dict) -> None:
+def assert_clean(ledger: Ledger, expected: Ledger, figures: dict) -> None:
+    """`expected`: the recompute's ledger (the `reference` fixture's)."""
     calls = figures["calls"]
     print(f"scheduler: retries {calls['retries']}, lost assignments {calls['lost_assignments']}, dead engines "
           f"{calls['dead_engines']}, stale results {calls['stale_results']}, timeouts {calls['timeouts']}")
-    diff = ledger.compare(reference)
+    diff = ledger.compare(expected)
     assert not figures["failures"], f"0 failed trajectories: {figures['failures']}"
-    assert diff.clean(), f"0 lost, 0 duplicated, outputs identical to the fault-free run: {diff}"
+    assert diff.clean(), f"0 lost, 0 duplicated, outputs identical to a single-process recompute: {diff}"
+    assert figures["integrity"]["verify_mismatches"] == 0, (
+        "no attempt's assembled KV differed from the store and a recompute (runtime.verify_kv): nothing wrong "
+        f"got past the digests to a decode step, not even once before a retry: {figures['integrity']}"
+    )
     assert figures["in_flight"] == 0, "the scheduler's queues are consistent and empty once every turn is answered"
     assert all(free == cap for free, _, _, cap in figures["pools"].values()), (
         f"every buffer pool free: {figures['pools']}, held by {figures['holders']}"
@@ -160,20 +170,28 @@ def roll_again_once_restarted(
     long the restart took on a loaded machine (CI once saw it rejoin after the last placement);
     this rollout shows that it takes work again, whatever the timing."""
     wait_until_restarted(deployment, role, timeout_s)
-    fresh = [Trajectory(f"after-{t.trajectory_id}", t.turns) for t in trajectories(count=8, turns=2, seed=99)]
-    return cluster.rollout(fresh, progress=False)
+    return cluster.rollout(fresh_trajectories(), progress=False)
+
+
+def fresh_trajectories() -> list[Trajectory]:
+    """The agents of the rollout after a restart (roll_again_once_restarted)."""
+    return [Trajectory(f"after-{t.trajectory_id}", t.turns) for t in trajectories(count=8, turns=2, seed=99)]
 
 
 @pytest.fixture(scope="module")
 def reference() -> tuple[list, Ledger, float]:
+    """(trajectories, the ledger of their single-process recompute, the fault-free run's seconds)."""
+    cfg = fault_config()
     trajs = trajectories(count=200, turns=4, first=150, appended=40, gen=4)
-    ledger, elapsed, figures = run(fault_config(), trajs)
+    expected = Ledger.of_outputs(recompute_outputs(cfg, trajs))
+    ledger, elapsed, figures = run(cfg, trajs)
     assert not figures["failures"], "the fault-free run completes"
-    return trajs, ledger, elapsed
+    assert_clean(ledger, expected, figures)
+    return trajs, expected, elapsed
 
 
 def test_corruption_on_every_hop_is_detected_and_never_reaches_attention(reference) -> None:
-    trajs, fault_free, fault_free_s = reference
+    trajs, expected, fault_free_s = reference
     corrupt = {"mode": "corrupt", "probability": 0.02}
     cfg = fault_config({"site": "store_read", **corrupt}, {"site": "layer_transfer", **corrupt},
                        {"site": "buffer_to_hbm", **corrupt})
@@ -190,12 +208,12 @@ def test_corruption_on_every_hop_is_detected_and_never_reaches_attention(referen
     assert report["damaged_keys"], "some stored blocks were damaged"
     assert faults["layer_transfer:corrupt"].injected and faults["buffer_to_hbm:corrupt"].injected, "every hop was hit"
     assert report["corrupt_keys"] == report["damaged_keys"], "every damaged stored block was caught by its checksum"
-    assert_clean(ledger, fault_free, figures)
+    assert_clean(ledger, expected, figures)
     assert transfer_detected == transfer_injected, "every damaged transfer was caught by the digests"
 
 
 def test_transient_faults_on_transfers_and_calls_lose_nothing(reference) -> None:
-    trajs, fault_free, fault_free_s = reference
+    trajs, expected, fault_free_s = reference
     bounded = {"max_count": 3}
     cfg = fault_config(
         {"site": "layer_transfer", "mode": "fail", "probability": 0.05},
@@ -214,11 +232,11 @@ def test_transient_faults_on_transfers_and_calls_lose_nothing(reference) -> None
           f"{elapsed:.1f} s vs {fault_free_s:.1f} s fault-free ({elapsed / fault_free_s:.2f}x)")
     missed = sorted(label for label, count in faults.items() if count.injected == 0)
     assert not missed, f"every fault site was hit at least once: {missed} were not"
-    assert_clean(ledger, fault_free, figures)
+    assert_clean(ledger, expected, figures)
 
 
 def test_a_prefill_engine_killed_in_the_middle_of_a_layer_transfer(reference) -> None:
-    trajs, fault_free, fault_free_s = reference
+    trajs, expected, fault_free_s = reference
     cfg = fault_config({"site": "layer_transfer", "mode": "kill", "actors": "prefill/p0/g0", "nth": 60})
     ledger, elapsed, figures = run(cfg, trajs, after=lambda cluster, deployment: wait_until_restarted(deployment, "engines"))
     print(f"prefill/p0/g0 killed at its 60th layer transfer: dead engines {figures['calls']['dead_engines']}, "
@@ -226,7 +244,7 @@ def test_a_prefill_engine_killed_in_the_middle_of_a_layer_transfer(reference) ->
     calls = figures["calls"]
     assert calls["dead_engines"] + calls["restarted_engines"] >= 1, "the scheduler saw the engine die"
     assert calls["restarted_engines"] == 1, "Ray restarted it once (a kill fault ends the first incarnation only)"
-    assert_clean(ledger, fault_free, figures)
+    assert_clean(ledger, expected, figures)
 
 
 @contextmanager
@@ -250,7 +268,7 @@ def busy_host(processes: int = 2, busy_s: float = 2.0, idle_s: float = 1.0) -> I
 
 
 def test_a_loaded_host_is_slow_not_lossy(reference) -> None:
-    trajs, fault_free, fault_free_s = reference
+    trajs, expected, fault_free_s = reference
     with busy_host():
         ledger, elapsed, figures = run(fault_config(), trajs)
     calls = figures["calls"]
@@ -258,11 +276,11 @@ def test_a_loaded_host_is_slow_not_lossy(reference) -> None:
           f"presumed dead {calls['presumed_dead']}, readmitted {calls['readmitted']}; "
           f"{elapsed:.1f} s vs {fault_free_s:.1f} s ({elapsed / fault_free_s:.2f}x)")
     assert calls["presumed_dead"] == calls["readmitted"], "every engine presumed dead while slow was readmitted"
-    assert_clean(ledger, fault_free, figures)
+    assert_clean(ledger, expected, figures)
 
 
 def test_the_scheduler_killed_three_times_loses_nothing(reference) -> None:
-    trajs, fault_free, fault_free_s = reference
+    trajs, expected, fault_free_s = reference
     kills: list[float] = []
     chance = random.Random(23)
 
@@ -279,7 +297,7 @@ def test_the_scheduler_killed_three_times_loses_nothing(reference) -> None:
     print(f"scheduler killed at {kills} s into the rollout: the last incarnation adopted {calls['adopted']} turns from engines, "
           f"dropped {calls['adoptions_dropped']}; {elapsed:.1f} s vs {fault_free_s:.1f} s ({elapsed / fault_free_s:.2f}x)")
     assert len(kills) == 3 and calls["restarted"] == 1, "the scheduler was killed three times and restarted by Ray"
-    assert_clean(ledger, fault_free, figures)
+    assert_clean(ledger, expected, figures)
 
 
 @pytest.mark.parametrize(("victim", "transport"), [
@@ -293,7 +311,7 @@ def test_a_killed_engine_or_reader_is_restarted_and_loses_nothing(reference, vic
     new agent) and takes work again."""
     if transport == "nixl":
         pytest.importorskip("nixl", reason="the nixl extra is not installed")
-    trajs, fault_free, fault_free_s = reference
+    trajs, expected, fault_free_s = reference
     killed_at: list[float] = []
 
     def kill_once(deployment) -> None:
@@ -315,6 +333,9 @@ def test_a_killed_engine_or_reader_is_restarted_and_loses_nothing(reference, vic
     assert killed_at, "the actor was killed during the rollout"
     assert calls[f"restarted_{role}"] == 1, f"the scheduler saw one new incarnation of {victim}"
     assert not figures["after"].failures, f"a rollout after the restart completes: {figures['after'].failures}"
+    assert figures["after"].outputs() == recompute_outputs(fault_config(), fresh_trajectories()), (
+        "the rollout after the restart serves what a single-process recompute gives"
+    )
     if role == "engines":
         stats = figures["engines"][victim]["core"]
         worked = stats.get("finished", 0) + stats.get("handoffs", 0)
@@ -323,4 +344,4 @@ def test_a_killed_engine_or_reader_is_restarted_and_loses_nothing(reference, vic
     else:
         node = figures["counters"][victim.removeprefix("reader/")]
         assert sum(node.snic_read.values()) + node.snic_write > 0, f"the new {victim} read or wrote blocks: {node}"
-    assert_clean(ledger, fault_free, figures)
+    assert_clean(ledger, expected, figures)

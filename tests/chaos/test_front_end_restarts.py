@@ -1,6 +1,7 @@
 """The front ends killed mid-rollout on an embedded 1P1D cluster: Ray restarts the
 `rollout-server` and the `openai-server` (runtime.front_end_max_restarts), and their callers'
-requests complete with the outputs of a fault-free run. The rollout-server's callers are Ray
+requests complete with the outputs of a fault-free run, which are what a single-process recompute
+with the model's weights gives (tests.helpers.recompute_outputs). The rollout-server's callers are Ray
 callers (verl's agent loop, the OpenRLHF adapter): their `generate` calls in flight are sent again
 to the new incarnation (runtime.max_call_resends), which finds its weight version and verl state
 again. The openai-server's callers are HTTP clients: the new incarnation listens on the same
@@ -14,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import ray_test_env, runtime_config
+from tests.helpers import ray_test_env, recompute_outputs, runtime_config
 
 ray_test_env()
 
@@ -26,8 +27,10 @@ import numpy as np  # noqa: E402
 import ray  # noqa: E402
 
 from dualpath_ray.api.openai_server import start_openai_server  # noqa: E402
+from dualpath_ray.api.tokenizer import HFTokenizer  # noqa: E402
 from dualpath_ray.cluster import DualPathCluster  # noqa: E402
 from dualpath_ray.protocol.names import OPENAI_SERVER  # noqa: E402
+from dualpath_ray.workload.trace import Trajectory, Turn  # noqa: E402
 from tests.tokenizer_factory import SENTENCES, model_dir_with_tokenizer  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.chaos]
@@ -52,6 +55,19 @@ def front_ends(tmp_path_factory):
     cluster.shutdown()
 
 
+def recomputed(cfg, prompts: list[list[int]], stop_token_ids: tuple[int, ...] = ()) -> list[list[int]]:
+    """Each prompt's greedy GREEDY["max_tokens"] tokens by a single-process recompute with the
+    served weights, cut after the first stop token (the decode engine ends a turn there)."""
+    trajs = [Trajectory(f"p{i}", (Turn(tuple(p), GREEDY["max_tokens"]),)) for i, p in enumerate(prompts)]
+    outputs = recompute_outputs(cfg, trajs)
+    cut = []
+    for i in range(len(prompts)):
+        tokens = list(outputs[f"p{i}"][0])
+        stops = [k for k, t in enumerate(tokens) if t in stop_token_ids]
+        cut.append(tokens[: stops[0] + 1] if stops else tokens)
+    return cut
+
+
 def wait_in_flight(cluster: DualPathCluster, count: int, timeout_s: float = 60.0) -> None:
     """Until the scheduler serves at least `count` turns: the front end handed them on, so a
     death now leaves them in flight behind it."""
@@ -70,6 +86,9 @@ def test_a_killed_rollout_server_is_restarted_and_its_callers_turns_complete(fro
     rng = np.random.default_rng(5)
     prompts = [[int(x) for x in rng.integers(0, 512, 150)] for _ in range(4)]
     reference = ray.get([server.generate.remote(f"ref-{i}", p, GREEDY) for i, p in enumerate(prompts)])
+    assert [r.token_ids for r in reference] == recomputed(cluster.cfg, prompts), (
+        "the fault-free outputs are what a single-process recompute with the served weights gives"
+    )
     calls = [server.generate.remote(f"kill-{i}", p, GREEDY) for i, p in enumerate(prompts[:3])]
     calls.append(server.generate.remote("kill-3", prompts[3], GREEDY, session_id="agent-3"))
     wait_in_flight(cluster, len(calls))
@@ -97,6 +116,11 @@ def test_a_killed_openai_server_listens_again_on_its_port_and_http_requests_comp
     cluster, url = front_ends
     prompts = [" ".join(SENTENCES[i:] + SENTENCES[:i]) for i in range(4)]
     reference = [complete(url, p) for p in prompts]
+    tokenizer = HFTokenizer.from_dir(cluster.cfg.model.weights_dir, cluster.cfg.model.vocab_size)
+    expected = recomputed(cluster.cfg, [tokenizer.encode(p) for p in prompts], tokenizer.stop_token_ids)
+    assert reference == [tokenizer.decode(tokens) for tokens in expected], (
+        "the fault-free texts are the decoding of what a single-process recompute with the served weights gives"
+    )
     actor: Any = ray.get_actor(OPENAI_SERVER, namespace=cluster.cfg.runtime.namespace)
     with ThreadPoolExecutor(len(prompts)) as pool:
         requests = [pool.submit(complete, url, p) for p in prompts]

@@ -12,7 +12,7 @@ from typing import Any, Iterator
 import pytest
 
 from tests.chaos.test_engine_death import rollout_killing_actor
-from tests.helpers import ray_test_env, recompute_outputs, runtime_config, trajectories
+from tests.helpers import ray_test_env, recompute_outputs, runtime_config, trajectories, verify_mismatches
 
 ray_test_env()
 
@@ -36,12 +36,14 @@ def settled_pool(reader, timeout_s: float) -> tuple[int, int, int, int]:
 @contextmanager
 def rollout_killing_reader(cfg: DualPathConfig, trajs, reader: str) -> Iterator[tuple[Any, Any, int, dict[str, int]]]:
     """A dualpath rollout on a fresh cluster with `reader` killed after 8 turns: (deployment,
-    result, turns finished at the kill, the scheduler's call counts)."""
+    result, turns finished at the kill, the scheduler's call counts with the decode engines'
+    `verify_mismatches` added)."""
     cluster = DualPathCluster.start(cfg)
     try:
         deployment = cluster.deploy("dualpath")
         result, killed_at = rollout_killing_actor(cluster, trajs, deployment.readers[reader], after_turns=8)
-        yield deployment, result, killed_at, ray.get(deployment.scheduler.call_counts.remote())
+        calls = ray.get(deployment.scheduler.call_counts.remote())
+        yield deployment, result, killed_at, {**calls, "verify_mismatches": verify_mismatches(cluster)}
     finally:
         cluster.deployment.readers.pop(reader, None)
         cluster.shutdown()
@@ -58,6 +60,7 @@ def test_a_dead_decode_reader_takes_its_node_out_and_the_other_decode_node_serve
               f"{calls['dead_readers']}, dead engines {calls['dead_engines']}, later turns on d1: {len(on_d1)}")
         assert not result.failures, f"0 lost trajectories: {result.failures}"
         assert result.outputs() == recompute_outputs(cfg, trajs), "outputs equal the fault-free recompute"
+        assert calls["verify_mismatches"] == 0, "no half-read block reached a decode engine (runtime.verify_kv)"
         assert calls["dead_readers"] == 1, "the scheduler saw the reader die once"
         assert on_d1, "turns after the death were decoded on the other decode node"
         for name in ("reader/p0", "reader/d1"):
@@ -73,6 +76,7 @@ def test_a_dead_prefill_reader_is_routed_around_through_the_de_path():
         print(f"reader/p0 killed after {killed_at} turns; retries {calls['retries']}, dead readers {calls['dead_readers']}")
         assert not result.failures, f"0 lost trajectories: {result.failures}"
         assert result.outputs() == recompute_outputs(cfg, trajs), "outputs equal the fault-free recompute"
+        assert calls["verify_mismatches"] == 0, "no half-read block reached a decode engine (runtime.verify_kv)"
         assert calls["dead_readers"] == 1, "the scheduler saw the reader die once"
         assert late, "turns after the death were served (through the DE path)"
         pool = settled_pool(deployment.readers["reader/d0"], 3 * cfg.runtime.transfer_timeout_s)

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import ray_test_env, recompute_outputs, runtime_config, trajectories
+from tests.helpers import ray_test_env, recompute_outputs, runtime_config, trajectories, verify_mismatches
 
 ray_test_env()
 
@@ -57,6 +57,7 @@ def test_a_store_at_half_the_working_set_completes_with_identical_outputs():
               f"hit rate {summary['hit_rate']:.3f}; janitor {deleted}")
         assert not result.failures, f"an evicted block is a miss, never an error: {result.failures}"
         assert result.outputs() == recompute_outputs(cfg, trajs), "outputs equal the fault-free recompute"
+        assert verify_mismatches(cluster) == 0, "no evicted block's bytes reached a decode engine (runtime.verify_kv)"
         assert calls["evicted_blocks"] > 0, "half the working set does not fit: blocks were evicted"
         assert calls["indexed_blocks"] <= capacity_blocks, "the index stays within the capacity"
         # A block whose file time is within a clock tick of its eviction may have been put again

@@ -14,7 +14,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from tests.helpers import ray_test_env, recompute_outputs, runtime_config, trajectories
+from tests.helpers import ray_test_env, recompute_outputs, runtime_config, trajectories, verify_mismatches
 
 ray_test_env()
 
@@ -55,6 +55,7 @@ def test_hit_blocks_the_disk_cannot_read_are_named_unindexed_and_recomputed():
         assert not result.failures, f"every trajectory completes: {result.failures}"
         assert calls["unindexed_blocks"] >= injected, "the unreadable block (and its successors) left the index"
         assert result.outputs() == recompute_outputs(cfg, trajs), "outputs equal the fault-free recompute"
+        assert verify_mismatches(cluster) == 0, "no unreadable block's bytes reached a decode engine (runtime.verify_kv)"
         unreadable, _ = store_faults(deployment)
         assert len(unreadable) == injected, "each unreadable block is named by the reader that read it"
         assert calls["retries"] == injected, "each costs its turn one retry, not one per later read"
@@ -113,6 +114,7 @@ def test_a_store_whose_file_system_fills_up_fails_no_turn():
             print(f"{refused} block writes refused")
             assert refused >= 1, "the store refused writes, and the readers counted them"
             assert result.outputs() == recompute_outputs(cfg, trajs), "outputs equal the fault-free recompute"
+            assert verify_mismatches(cluster) == 0, "no refused write's block reached a decode engine (runtime.verify_kv)"
             assert all(free == capacity for free, _, _, capacity in cluster.pool_integrity().values()), (
                 "nothing is left leased in any buffer pool"
             )

@@ -1,5 +1,5 @@
 """`dualpath bench` end to end on a tiny 1P1D config: all three modes in one round, the JSON
-contract, outputs identical across modes, bytes consistent with the runtime's accounting, the
+contract, outputs identical across modes and equal to a recompute, bytes consistent with the runtime's accounting, the
 sampled SNIC series consistent with the counters, and the plot a PNG."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.helpers import ray_test_env, runtime_config
+from tests.helpers import ray_test_env, recompute_outputs, runtime_config
 
 ray_test_env()
 
@@ -60,9 +60,21 @@ def test_json_contract(bench: tuple[dict[str, Any], Path, str]) -> None:
     )
 
 
-def test_outputs_identical_across_modes(bench: tuple[dict[str, Any], Path, str]) -> None:
-    report, _, _ = bench
+def test_outputs_identical_across_modes_and_equal_to_a_recompute(bench: tuple[dict[str, Any], Path, str]) -> None:
+    report, _, config = bench
+    from dualpath_ray.config import load_config
+    from dualpath_ray.demos.demo import demo_trajectories
+
     assert report["outputs_match"] is True, "the same model serves the same tokens in every mode"
+    cfg = load_config(config)
+    agents, turns, first, appended, gen = (int(WORKLOAD[i]) for i in (1, 3, 5, 7, 9))
+    trajs = demo_trajectories(agents, turns, first, appended, gen, cfg.model.vocab_size, seed=0)
+    expected = {t: [list(o) for o in outs] for t, outs in recompute_outputs(cfg, trajs).items()}
+    for run in report["runs"]:
+        assert run["outputs"] == expected, (
+            f"round {run['round']} {run['mode']}: every turn's tokens (warm-up included) equal a single-process "
+            "recompute with the same weights"
+        )
 
 
 def test_bytes_agree_with_the_runtime_accounting(bench: tuple[dict[str, Any], Path, str]) -> None:

@@ -1,4 +1,5 @@
-"""`dualpath demo --json`: the Ray demo as a user runs it, with its JSON contract."""
+"""`dualpath demo --json`: the Ray demo as a user runs it, with its JSON contract, and its outputs
+checked against a recompute (not only its own verdict that the modes agree)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from tests.helpers import recompute_outputs
 
 pytestmark = pytest.mark.integration
 BIN = Path(sys.executable).parent
@@ -22,6 +25,13 @@ def test_demo_json_reports_both_modes_with_real_measurements():
     report = json.loads(out.stdout[out.stdout.index("{"):])
     assert set(report["modes"]) == {"basic", "dualpath"}, "both modes are reported"
     assert report["outputs_match"] is True, "basic and dualpath serve the same tokens"
+    from dualpath_ray.demos.demo import demo_config, demo_trajectories
+
+    cfg = demo_config()
+    expected = {t: [list(o) for o in outs] for t, outs in recompute_outputs(
+        cfg, demo_trajectories(3, 3, first=1536, vocab=cfg.model.vocab_size)).items()}
+    for mode, outputs in report["outputs"].items():
+        assert outputs == expected, f"{mode}: every turn's tokens equal a single-process recompute with the demo's weights"
     for mode, r in report["modes"].items():
         assert r["jct_s"] > 0, f"{mode}: a measured JCT"
         assert set(r["snic_read_bytes"]) == {"p0", "d0"}, f"{mode}: bytes read per node"

@@ -23,7 +23,8 @@ import pyarrow.parquet as pq  # noqa: E402
 
 from dualpath_ray.workload.trace import write_trace  # noqa: E402
 
-pytestmark = pytest.mark.integration
+# `ray start` nodes and a submitted job: 120 s measured on a loaded 2-core machine, with their teardown.
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 

@@ -39,7 +39,8 @@ from dualpath_ray.observability.grafana import panel_targets  # noqa: E402
 from dualpath_ray.observability.prometheus import PrometheusServer, find_prometheus  # noqa: E402
 from dualpath_ray.workload.trace import write_trace  # noqa: E402
 
-pytestmark = pytest.mark.integration
+# `dualpath cluster up` nodes and Prometheus: 65 s measured on a loaded 2-core machine, with their teardown.
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 DASHBOARD = REPO / "dashboards" / "dualpath_grafana_dashboard.json"

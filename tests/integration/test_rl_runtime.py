@@ -91,8 +91,7 @@ def test_an_abort_mid_decode_answers_the_caller_and_frees_everything(cluster: Du
     assert result.stop_reason is StopReason.ABORTED and result.error is None, "the caller gets 'aborted', not an error"
     assert sum(len(d.tokens) for d in got) < longest, "decoding stopped before max_new_tokens"
     assert not ray.get(scheduler.abort.remote("abort-1")), "aborting a request that is no longer in flight is a no-op"
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
+    while True:  # until everything is free: the test's timeout ends a wait for a leak
         pools, pages = cluster.pool_integrity(), cluster.page_integrity()
         if all(f == c for f, _, _, c in pools.values()) and all(f == c and r == 0 for f, _, r, c in pages.values()):
             break

@@ -246,10 +246,11 @@ def test_dead_peer_raises_within_the_timeout_and_other_pairs_keep_working(endpoi
     # one-sided. The embedded nodes are local processes, so wait for the process itself.
     assert _wait_until(lambda: not os.path.exists(f"/proc/{pid}")), "ray.kill ends the peer's process"
     for op in ("read", "write"):
-        started = time.monotonic()
-        with pytest.raises(PeerDiedError):
+        with pytest.raises(PeerDiedError) as died:
             ray.get(b.move.remote(op, "prefill/n1/g0", moves([(3, 0)], [(3, 0)])))
-        assert time.monotonic() - started < 10.0, f"a {op} to a dead peer fails within the transport timeout"
+        assert "transport timeout" not in str(died.value) and "did not answer within" not in str(died.value), (
+            f"a {op} to a dead peer fails on its death, not once the transport timeout ran out: {died.value}"
+        )
     ray.get(b.move.remote("read", "reader/n1", moves([(5, 1)], [(5, 1)])))
     assert ray.get(b.slot_bytes.remote([(5, 1)])) == ray.get(a.slot_bytes.remote([(5, 1)])), "other pairs survive"
 

@@ -334,7 +334,9 @@ class DecodeIntake:
             assert self.store is not None
             job.check = verify_prompt_kv(self.compute, self.store, task, self.pages.tensor, self.pages.table(job.owner))
             if job.check.mismatches:
-                # Never decode on KV that differs from what the store and a recompute say.
+                # Never decode on KV that differs from what the store and a recompute say. Counted:
+                # the retry that follows may well succeed, and the chaos tests must still see it.
+                self.stats.verify_mismatches += 1
                 raise KVMismatchError(
                     f"{job.request_id}: assembled prompt KV differs from the store / a recompute "
                     f"({job.check.mismatches} of hit and computed parts)"

@@ -6,7 +6,7 @@ of tests/unit/test_scheduler_client.py."""
 from __future__ import annotations
 
 import asyncio
-import time
+import itertools
 from collections import Counter
 
 from dualpath_ray.api.client import Backoff, SchedulerClient
@@ -51,16 +51,27 @@ def test_a_refused_turn_is_submitted_again_until_it_is_admitted() -> None:
 
 
 def test_resubmitting_stops_at_its_bound_with_the_last_refusal() -> None:
-    async def scenario() -> tuple[TurnResult, float]:
+    readings = itertools.count()
+
+    def clock() -> float:
+        """Moves 0.01 s per reading, whatever the machine's speed: one reading at the first
+        submit, one after each refusal."""
+        return next(readings) * 0.01
+
+    async def scenario() -> tuple[TurnResult, FullScheduler, SchedulerClient]:
         scheduler = FullScheduler(refusals=10**6)
         client = SchedulerClient(scheduler)
-        started = time.monotonic()
-        result = await client.generate_admitted(spec("traj0/t0"), within_s=0.05, pauses=QUICK)
-        return result, time.monotonic() - started
+        result = await client.generate_admitted(spec("traj0/t0"), within_s=0.05, pauses=QUICK, clock=clock)
+        return result, scheduler, client
 
-    result, took = asyncio.run(scenario())
+    result, scheduler, client = asyncio.run(scenario())
     assert result.error_kind is ErrorKind.QUEUE_FULL, "past the bound the caller gets the refusal, not a hang"
-    assert took < 1.0, f"resubmitting stopped at its bound of 0.05 s (took {took:.2f} s)"
+    # Refusals read the clock at 0.01 .. 0.05; a resubmit goes out while reading + pause (QUICK:
+    # at most 0.006 s) ends within 0.05, so after the refusals read at 0.01 .. 0.04 only.
+    assert client.resubmits == 4 and scheduler.seen["traj0/t0"] == 5, (
+        f"resubmitting stopped at its bound of 0.05 s: {client.resubmits} resubmits, "
+        f"{scheduler.seen['traj0/t0']} submits"
+    )
 
 
 def test_other_failures_are_not_resubmitted() -> None:

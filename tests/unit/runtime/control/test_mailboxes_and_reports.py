@@ -42,26 +42,55 @@ def test_a_client_that_stopped_collecting_is_dropped_with_its_results() -> None:
     assert len(boxes) == 1 and boxes.dropped == 1, "the untouched mailbox and its result are gone; the other stays"
 
 
+class SteppedInterval(threading.Condition):
+    """The reporter's condition, with its rate-limit wait (`wait_for` with a timeout) ending only
+    when the test says the interval passed (`tick`), not when the clock does: what is sent
+    depends on the order of events, never on the machine's speed. Counts the interval waits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ticks = 0
+        self.intervals = 0  # rate-limit waits begun
+
+    def wait_for(self, predicate, timeout=None):  # type: ignore[no-untyped-def, override]
+        if timeout is None:
+            return super().wait_for(predicate)
+        self.intervals += 1
+        self.notify_all()
+        until = self.ticks + 1
+        return super().wait_for(lambda: predicate() or self.ticks >= until)
+
+    def tick(self) -> None:
+        with self:
+            self.ticks += 1
+            self.notify_all()
+
+    def await_intervals(self, count: int) -> None:
+        """Until the reporter began its count-th rate-limit wait (it sent or skipped before)."""
+        with self:
+            super().wait_for(lambda: self.intervals >= count)
+
+
 def test_the_read_queue_is_reported_once_at_start_then_only_when_it_changes_and_at_most_per_interval() -> None:
     value = [0]
     sent: list[int] = []
-    done = threading.Event()
-
-    def send(tokens: int) -> None:
-        sent.append(tokens)
-        done.set()
-
-    reporter = QueueReporter(lambda: value[0], send, interval_s=0.2, name="q").start()
-    assert done.wait(2.0) and sent == [0], "the first report goes out at start"
-    time.sleep(0.5)
-    assert sent == [0], "nothing changed: nothing is sent"
+    reporter = QueueReporter(lambda: value[0], sent.append, interval_s=0.2, name="q")
+    pacing = reporter._cond = SteppedInterval()
+    reporter.start()
+    pacing.await_intervals(1)
+    assert sent == [0], "the first report goes out at start"
     for tokens in range(1, 51):  # a burst of block reads within one interval
         value[0] = tokens
         reporter.changed()
-    time.sleep(0.7)
-    assert sent[-1] == 50, "the last value of the burst is reported"
-    assert len(sent) <= 3, f"a burst of 50 changes is at most two reports, not one per change: {sent}"
+    assert sent == [0], "within the interval after a report, nothing more is sent"
+    pacing.tick()
+    pacing.await_intervals(2)
+    assert sent == [0, 50], f"a burst of 50 changes within one interval is one report, of its last value: {sent}"
     reporter.changed()  # changed back and forth: the same value is not sent again
+    pacing.tick()
+    pacing.await_intervals(3)
+    assert sent == [0, 50], "an unchanged value is not sent"
+    pacing.tick()  # the interval passes with nothing changed: the reporter waits for a change
     time.sleep(0.3)
-    assert sent[-1] == 50 and len(sent) <= 3, "an unchanged value is not sent"
+    assert sent == [0, 50] and pacing.intervals == 3, "nothing changed: nothing is sent, no interval begins"
     reporter.stop()

@@ -110,8 +110,7 @@ def test_a_handoff_that_does_not_fit_waits_for_pages_then_fails_with_hbm_full(ma
     h.pages.release("abandoned#0")
     h.decode.step()
     assert "waits#0" in h.decode.jobs, "once pages are free the waiting handoff is taken"
-    deadline = time.monotonic() + 10
-    while not h.collector.results and time.monotonic() < deadline:
+    while not h.collector.results:  # the test's timeout ends it if it never decodes
         h.decode.step()
     assert h.collector.results[0].error is None, "it then decodes as usual"
 
@@ -139,8 +138,7 @@ def test_a_cancel_that_overtakes_its_handoff_drops_it_and_frees_its_extent(make)
     assert h.decode.stats.cancelled_handoffs == 1, "the drop is counted"
     h.decode.cancel("late#1")
     assert "late#1" in h.decode.jobs, "a cancel does not stop an attempt already taken (it finishes on its own)"
-    deadline = time.monotonic() + 10
-    while h.decode.jobs and time.monotonic() < deadline:
+    while h.decode.jobs:  # the test's timeout ends it if the attempt never finishes
         h.decode.step()
     assert h.decode.load().free_hbm_tokens == capacity_tokens, "nothing of either attempt holds pages"
     h.assert_idle()

@@ -19,9 +19,9 @@ def test_links_count_every_byte_and_pace_only_when_emulated():
 
 def test_fifo_turns_serve_requests_in_the_order_they_asked():
     import threading
-    import time
 
     from dualpath_ray.runtime.emulation import FifoTurns
+    from tests.helpers import wait_until
 
     turns = FifoTurns()
     first = turns.wait_turn()
@@ -37,11 +37,11 @@ def test_fifo_turns_serve_requests_in_the_order_they_asked():
         thread = threading.Thread(target=request, args=(label,))
         thread.start()
         waiting.append(thread)
-        time.sleep(0.05)  # the next thread asks only after this one has its ticket
+        wait_until(lambda: turns._next_ticket == label + 1)  # the next thread asks only once this one has its ticket
     assert served == [], "no request is served while an earlier turn is held"
     turns.done(first)
     for thread in waiting:
-        thread.join(timeout=5)
+        thread.join()
     assert served == [1, 2, 3], "turns go in the order the requests asked"
     assert make_link(DualPathConfig(), "snic", 8.0).turns is not None, "an emulated link queues whole requests"
     off = DualPathConfig().with_overrides(emulation={"enabled": False})

@@ -155,7 +155,7 @@ def test_grants_name_the_reader_incarnation(tmp_path: Path) -> None:
 
 def test_a_broken_world_is_healed_in_the_background_once_however_often_it_is_reported(monkeypatch) -> None:
     import threading
-    import time
+    from tests.helpers import wait_until
 
     transport = FakeTransport()
     keeper = TransportKeeper(transport, "dualpath", timeout_s=5.0)  # type: ignore[arg-type]
@@ -175,16 +175,14 @@ def test_a_broken_world_is_healed_in_the_background_once_however_often_it_is_rep
     keeper.heal(then=lambda: ran.append("started"))
     transport.on_broken()  # a second abort while the first heal runs
     release.set()
-    deadline = time.monotonic() + 5.0
-    while not ran and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: bool(ran))
     assert transport.state is TransportState.READY and ran == ["started"], "healed, then the follow-up ran"
     assert keeper.heals == 1 and len(asked) == 1, "a report while healing asks for no second world"
 
 
 def test_a_restarted_endpoint_is_announced_only_once_it_rejoined_the_transport(monkeypatch) -> None:
     import threading
-    import time
+    from tests.helpers import wait_until
 
     from dualpath_ray.runtime.transport.moves import TransportError
 
@@ -205,8 +203,6 @@ def test_a_restarted_endpoint_is_announced_only_once_it_rejoined_the_transport(m
         keeper.require_joined()  # a heartbeat answer while the world is formed again
     assert not announced, "nothing tells the scheduler of the new incarnation before it is in a world"
     release.set()
-    deadline = time.monotonic() + 5.0
-    while not announced and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: bool(announced))
     assert announced == ["report"] and transport.state is TransportState.READY, "announced once it rejoined"
     keeper.require_joined()  # answers again

@@ -229,8 +229,7 @@ def test_a_lease_granted_after_its_request_failed_is_freed_not_leaked(harness) -
     assert bad.error and "injected read failure" in bad.error, "the PE read failed while the DE lease still waited"
     assert h.prefill.orphans() == 1, "the waiting lease is remembered, not waited for in the failure path"
     gate.set()
-    deadline = time.monotonic() + 10
-    while h.prefill.orphans() and time.monotonic() < deadline:
+    while h.prefill.orphans():  # the test's timeout ends it if the orphan is never settled
         h.prefill.step()
         time.sleep(0.001)
     h.readers.lease_gate = None
@@ -244,8 +243,7 @@ def test_a_duplicate_delivery_leases_nothing_and_runs_once(harness) -> None:
     h.prefill.accept([task])
     staging = [call for call in h.readers.calls if call in ("stage", "lease")]
     assert staging == ["lease"], "one extent for the first delivery (no hits: an empty lease); the duplicate staged nothing"
-    deadline = time.monotonic() + 30
-    while not h.collector.results and time.monotonic() < deadline:
+    while not h.collector.results:  # the test's timeout ends it if it never finishes
         h.prefill.step() | h.decode.step()
     assert [r.request_id for r in h.collector.results] == ["once"], "the request ran exactly once"
     h.assert_idle()
@@ -276,8 +274,7 @@ def test_two_attempts_of_one_request_coexist_and_each_frees_its_own_extents(harn
     retry = dataclasses.replace(first, request=dataclasses.replace(first.request, attempt=1))
     h.prefill.accept([first, retry])
     assert h.prefill.holds() == {"r": Holding(1, False)}, "the heartbeat names the newest attempt"
-    deadline = time.monotonic() + 30
-    while len(h.collector.results) < 2 and time.monotonic() < deadline:
+    while len(h.collector.results) < 2:  # the test's timeout ends it if an attempt never finishes
         h.prefill.step() | h.decode.step()
     attempts = sorted(r.attempt for r in h.collector.results if r.error is None)
     assert attempts == [0, 1], "both attempts ran to their own results"

@@ -26,6 +26,7 @@ from dualpath_ray.runtime.emulation.links import FifoTurns, Link, TokenBucket
 from dualpath_ray.runtime.reader.core import ReaderCore, ReaderFaults, ReaderSettings, ReclaimedOwnerError
 from dualpath_ray.runtime.reader.snic import SnicLink
 from tests.fakes import FakeSnicLink, ScriptedFaults
+from tests.helpers import wait_until
 
 STALE_TEMPORARY_S = 600.0
 
@@ -85,23 +86,37 @@ def test_reader_read_queue_drops_per_verified_block(tmp_path: Path, monkeypatch:
     core.store.close()
 
 
+def refused_leases(core: ReaderCore) -> list[str]:
+    """The owners of the leases the core's pool refused for want of room, as they happen (a
+    lease refused once waits for room from then on)."""
+    refused: list[str] = []
+    lease = core.pool.lease
+
+    def counted_lease(owner: str, n_blocks: int):  # type: ignore[no-untyped-def]
+        extent = lease(owner, n_blocks)
+        if extent is None:
+            refused.append(owner)
+        return extent
+
+    core.pool.lease = counted_lease  # type: ignore[method-assign]
+    return refused
+
+
 @pytest.mark.parametrize(("path", "counted_while_waiting"), [("pe", True), ("de", False)])
 def test_a_read_waiting_for_its_extent_counts_in_the_read_queue_only_on_the_pe_path(
     tmp_path: Path, path: str, counted_while_waiting: bool
 ) -> None:
-    import threading
-    import time
-
     core = reader_core(tmp_path)
     layout = core.layout
     keys = block_keys(list(range(2 * layout.block_size)), layout.block_size, namespace_for("wait", 0))
     for key in keys:
         core.store.put(key, torch.zeros(layout.full_block_shape, dtype=torch.uint8))
     hog = core.lease("hog", core.pool.capacity)
+    refused = refused_leases(core)
     done: list[int] = []
     reading = threading.Thread(target=lambda: done.append(core.read_blocks("r1", keys, 2, path).extent_id))
     reading.start()
-    time.sleep(0.3)
+    wait_until(lambda: bool(refused))  # the read found the pool full: it waits for room from now on
     expected = 2 * layout.block_size if counted_while_waiting else 0
     assert not done and core.read_q() == expected, (
         "hits waiting for a PE extent are that path's cost and count; a DE read's decode-node extent is "
@@ -135,14 +150,14 @@ def test_an_emulated_snic_serves_whole_reads_first_come_first_served(tmp_path: P
     """Concurrent reads on an emulated SNIC finish one after another in arrival order, as the
     paper's FIFO read queue and the simulator's link do, not all together at the end; a read that
     fails gives its turn up to the next."""
-    import threading
-    import time
-
     layout = kv_layout()
+    block = layout.full_block_bytes
     # 4 blocks per read at 20 blocks/s: 0.2 s a read alone.
-    rate = 20 * layout.full_block_bytes
-    links = (Link("snic-read/n0", TokenBucket(rate, rate * 0.001), FifoTurns()),
-             Link("snic-write/n0", TokenBucket(rate, rate * 0.001), FifoTurns()))
+    rate = 20 * block
+    turns = RecordedTurns()
+    read_link = Link("snic-read/n0", TokenBucket(rate, rate * 0.001), turns)
+    turns.link = read_link
+    links = (read_link, Link("snic-write/n0", TokenBucket(rate, rate * 0.001), FifoTurns()))
     core = reader_core(tmp_path, buffer_blocks=16, links=links)
     reads = {}
     for name in ("a", "b", "c"):
@@ -152,8 +167,7 @@ def test_an_emulated_snic_serves_whole_reads_first_come_first_served(tmp_path: P
         reads[name] = keys
     missing = block_keys(list(range(4 * layout.block_size)), layout.block_size, namespace_for("gone", 0))
     core.store.put(missing[0], torch.zeros(layout.full_block_shape, dtype=torch.uint8))
-    finished: list[tuple[str, float]] = []
-    started = time.monotonic()
+    finished: list[str] = []
 
     def read(name: str, keys: list[str]) -> None:
         try:
@@ -161,22 +175,47 @@ def test_an_emulated_snic_serves_whole_reads_first_come_first_served(tmp_path: P
             core.free(extent.extent_id)
         except BadBlockError:
             pass
-        finished.append((name, time.monotonic() - started))
+        finished.append(name)
 
     threads = []
-    for name, keys in [("a", reads["a"]), ("gone", missing), ("b", reads["b"]), ("c", reads["c"])]:
+    for arrival, (name, keys) in enumerate([("a", reads["a"]), ("gone", missing), ("b", reads["b"]), ("c", reads["c"])]):
         thread = threading.Thread(target=read, args=(name, keys))
         thread.start()
         threads.append(thread)
-        time.sleep(0.02)
+        # the next read asks only once this one has its ticket (or, taking no turn, is done)
+        wait_until(lambda: turns.issued() > arrival or not thread.is_alive())
     for thread in threads:
-        thread.join(timeout=10)
-    order = [name for name, _ in finished if name != "gone"]
+        thread.join()
+    order = [name for name in finished if name != "gone"]
     assert order == ["a", "b", "c"], "whole reads finish in arrival order"
-    times = dict(finished)
-    assert times["a"] < 0.75 * times["c"], "the first read does not wait for the whole wave (no processor sharing)"
+    carried = turns.carried_at_end
+    assert [ticket for ticket, _ in carried] == [0, 1, 2, 3], f"each read's turn ended once, in ticket order: {carried}"
+    ends = [nbytes for _, nbytes in carried]
+    assert ends[0] == 4 * block and ends[2] - ends[1] == ends[3] - ends[2] == 4 * block, (
+        f"during each whole read's turn the link carried that read's 4 blocks and nothing else, so the first "
+        f"read does not wait for the whole wave (no processor sharing): bytes at each turn's end {ends}"
+    )
     assert core.read_q() == 0, "every read left the queue, the failed one included"
     core.store.close()
+
+
+class RecordedTurns(FifoTurns):
+    """FIFO turns that note the bytes their link had carried when each turn ended."""
+
+    link: Link
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.carried_at_end: list[tuple[int, int]] = []
+
+    def issued(self) -> int:
+        """Tickets handed out so far (turns asked for)."""
+        with self._cond:
+            return self._next_ticket
+
+    def done(self, ticket: int) -> None:
+        self.carried_at_end.append((ticket, self.link.bytes_total))
+        super().done(ticket)
 
 
 def test_write_extent_stores_its_blocks_and_frees_the_extent_even_on_failure(tmp_path: Path) -> None:
@@ -266,9 +305,10 @@ def test_a_lease_of_a_reclaimed_attempt_is_refused_even_one_waiting_for_room(tmp
         except BaseException as exc:  # noqa: BLE001 - the test inspects it
             outcome.append(exc)
 
+    refused = refused_leases(core)
     waiter = threading.Thread(target=waiting_lease)
     waiter.start()
-    time.sleep(0.05)  # the lease is waiting for room
+    wait_until(lambda: bool(refused))  # the lease found no room: it waits for some from now on
     assert core.reclaim("r1#0") == 0, "the dead attempt holds nothing yet"
     core.free(filler.extent_id)
     waiter.join(5)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -230,19 +229,44 @@ class _Stuck(Transfer):
         return TransportError(f"stuck: {reason}")
 
 
-def test_transfer_wait_aborts_on_timeout_and_the_error_is_sticky() -> None:
+class _VirtualTime:
+    """Stands in for the `time` module of transport/moves.py: the clock moves only by what
+    wait() sleeps (plus a microsecond per reading, so its spin ends), never by the machine's
+    speed, and every poll of the backend is counted."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+        self.slept = 0.0
+
+    def monotonic(self) -> float:
+        self.now += 1e-6
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.slept += seconds
+        self.now += seconds
+
+
+def test_transfer_wait_aborts_on_timeout_and_the_error_is_sticky(monkeypatch: pytest.MonkeyPatch) -> None:
+    import dualpath_ray.runtime.transport.moves as moves_module
+
+    clock = _VirtualTime()
+    monkeypatch.setattr(moves_module, "time", clock)
     done: list[Transfer] = []
-    stuck = _Stuck("read", "reader/n1", 8, time.monotonic() + 60, done.append)
+    stuck = _Stuck("read", "reader/n1", 8, clock.now + 60, done.append)
     stuck.aborted = []
     assert stuck.done() is False, "a running transfer polls as not done"
-    started = time.monotonic()
+    started = clock.now
     with pytest.raises(TransportError, match="wait\\(0.05\\) expired"):
         stuck.wait(0.05)
-    assert time.monotonic() - started < 1.0, "wait gives up at its timeout"
+    waited = clock.now - started
+    # Pauses double up to 1 ms: it notices its timeout at most one pause (and a few clock
+    # readings) after it passed, and long before the transfer's own deadline 60 s away.
+    assert 0.05 <= waited <= 0.05 + 0.0011, f"wait gives up at its timeout: {waited:.4f} s of virtual time"
     assert stuck.aborted == ["wait(0.05) expired"], "giving up aborts the backend transfer exactly once"
     with pytest.raises(TransportError, match="stuck"):
         stuck.done()
-    late = _Stuck("write", "reader/n1", 8, time.monotonic() - 1, done.append)
+    late = _Stuck("write", "reader/n1", 8, clock.now - 1, done.append)
     late.aborted = []
     with pytest.raises(TransportError, match="before the transport timeout"):
         late.done()
