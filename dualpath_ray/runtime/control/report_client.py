@@ -196,7 +196,7 @@ class ReportClient:
         sock = socket.create_connection((address.host, address.port), timeout=SEND_TIMEOUT_S)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            nonce = _recv_exactly(sock, NONCE_BYTES)
+            nonce = recv_exactly(sock, NONCE_BYTES)
         except BaseException:
             sock.close()
             raise
@@ -262,7 +262,8 @@ def _end(sock: socket.socket) -> None:
     sock.close()
 
 
-def _recv_exactly(sock: socket.socket, n: int) -> bytes:
+def recv_exactly(sock: socket.socket, n: int) -> bytes:
+    """Exactly n bytes from `sock` (ConnectionError if it closes first)."""
     data = bytearray()
     while len(data) < n:
         chunk = sock.recv(n - len(data))
