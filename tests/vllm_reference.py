@@ -34,7 +34,8 @@ def _recompute(cfg: DualPathConfig, trajs: list[Trajectory]) -> dict[str, list[t
     from vllm import EngineArgs, LLMEngine, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    engine = LLMEngine.from_engine_args(EngineArgs(**engine_kwargs(cfg, Role.DECODE)))  # the decode engine, no connector
+    # The decode engine's arguments, with no connector and no prefix cache: every prompt computed whole.
+    engine = LLMEngine.from_engine_args(EngineArgs(**{**engine_kwargs(cfg, Role.DECODE), "enable_prefix_caching": False}))
     outputs: dict[str, list[tuple[int, ...]]] = {}
     for traj in trajs:
         context: list[int] = []

@@ -248,6 +248,13 @@ class EngineConfig(Section):
     vllm_enforce_eager: bool = Field(
         True, description="Run vLLM without CUDA graphs (the connector waits for each layer's KV inside the forward)."
     )
+    vllm_prefix_caching: bool = Field(
+        True,
+        description="vLLM's own prefix cache on each engine (enable_prefix_caching): KV it still holds from earlier "
+        "requests (an agent's earlier turns on a decode engine, a shared prompt on a prefill engine) is neither "
+        "loaded nor computed again; the connector loads only what it does not hold. Emptied at every weight update. "
+        "Off = every external token is loaded through the connector.",
+    )
 
 
 class RuntimeConfig(Section):

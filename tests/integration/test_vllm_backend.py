@@ -50,6 +50,10 @@ def test_vllm_engines_serve_a_multi_turn_rollout_exactly(reference, mode: str) -
     assert hits > 0, "later turns hit the KV the decode engine persisted through the connector"
     pe, de = counters["p0"].snic_read["pe"], counters["d0"].snic_read["de"]
     assert all(free == capacity for free, _, _, capacity in pools.values()), f"nothing is left leased: {pools}"
+    decode = engines["decode/d0/g0"]["compute"]
+    assert decode["prefix_cache_hit_tokens"] > 0, (
+        f"vLLM's own prefix cache (on by default) served a trajectory's earlier turns on the decode engine: {decode}"
+    )
     if mode == "oracle":
         assert pe == de == 0, f"oracle mode reads nothing through the SNICs (hits come from the store in place): {counters}"
         return

@@ -40,8 +40,8 @@ def _load_and_decode(cfg: DualPathConfig) -> dict[str, object]:
         def before_layer(self, layer: int) -> None:
             super().before_layer(layer)
             for request in self.requests:
-                if request.external:
-                    kv = self.codec.read(self.cache[layer], request.block_ids, 0, request.external)
+                if request.loading:
+                    kv = self.codec.read(self.cache[layer], request.block_ids, request.load_from, request.computed)
                     self.loaded[layer] = self.layout.kv_as_bytes(kv).clone()
 
     layout = KVLayout.from_model(cfg.model, cfg.store.block_size)
@@ -58,9 +58,17 @@ def _load_and_decode(cfg: DualPathConfig) -> dict[str, object]:
     earlier = pages.clone()
 
     # The next step: the prompt plus its first token, the prompt's KV external, loaded from those pages.
+    # A private cache salt keeps vLLM's prefix cache (which holds turn1's two full blocks) out of it.
     step = RecordingStep(layout, pages, {"turn2": table})
-    host.add("turn2", prompt + [first], len(prompt), greedy, 1)
+    host.add("turn2", prompt + [first], len(prompt), greedy, 1, private_cache=True)
     decoded, _ = host.run(step)["turn2"]
+    # The same request with vLLM's prefix cache: turn1's full blocks come from it, the rest is loaded.
+    cached_step = RecordingStep(layout, pages, {"cached": table})
+    hits_before = host.connector.local_hit_tokens
+    host.add("cached", prompt + [first], len(prompt), greedy, 1)
+    from_cache, _ = host.run(cached_step)["cached"]
+    cache_hits = host.connector.local_hit_tokens - hits_before
+    cached_load = [(r.load_from, r.computed) for r in cached_step.requests]
     expected_bytes = {
         layer: torch.cat([earlier[page, layer] for page in table])[: len(prompt)] for layer in range(layout.n_layer)
     }
@@ -71,17 +79,18 @@ def _load_and_decode(cfg: DualPathConfig) -> dict[str, object]:
     )
 
     # The reference: the whole prompt and the first token recomputed, no KV loaded.
-    host.add("recompute", prompt + [first], 0, greedy, 1)
+    host.add("recompute", prompt + [first], 0, greedy, 1, private_cache=True)
     scratch = torch.zeros_like(pages)
     recomputed, _ = host.run(PagesStep(layout, scratch, {"recompute": table}))["recompute"]
 
     # New weights through vLLM's own loading (HF names): an all-zero lm_head makes every logit 0,
     # so greedy sampling picks token 0.
     compute.load_weights({"lm_head.weight": torch.zeros(cfg.model.vocab_size, cfg.model.hidden_size)})
-    host.add("after-update", prompt, 0, greedy, 1)
+    host.add("after-update", prompt, 0, greedy, 1)  # not private: the update emptied vLLM's prefix cache
     updated, _ = host.run(PagesStep(layout, torch.zeros_like(pages), {"after-update": table}))["after-update"]
     return {"loaded_equal": loaded_equal, "kept_equal": kept_equal, "decoded": decoded, "recomputed": recomputed,
-            "layers_loaded": sorted(step.loaded), "after_update": updated, "first": first}
+            "layers_loaded": sorted(step.loaded), "after_update": updated, "first": first,
+            "from_cache": from_cache, "cache_hits": cache_hits, "cached_load": cached_load}
 
 
 def test_loaded_kv_is_the_earlier_turns_kv_byte_for_byte_and_decodes_like_a_recompute() -> None:
@@ -93,6 +102,10 @@ def test_loaded_kv_is_the_earlier_turns_kv_byte_for_byte_and_decodes_like_a_reco
     assert got["loaded_equal"], "the KV in vLLM's pages after the load equals, byte for byte, what vLLM computed earlier"
     assert got["kept_equal"], "saving the step's new token left the loaded prompt's KV in the engine's pages untouched"
     assert got["decoded"] == got["recomputed"], "the token sampled on loaded KV is the one a whole-prompt recompute samples"
+    assert got["cache_hits"] == 128 and got["cached_load"] == [(128, 150)], (
+        "with vLLM's prefix cache on, its two cached full blocks are served by it and only tokens [128, 150) are loaded"
+    )
+    assert got["from_cache"] == got["recomputed"], "the token sampled on cached + loaded KV is the recompute's"
     assert got["first"] != 0 and got["after_update"] == 0, (
         "load_weights goes through vLLM's own loading: a zeroed lm_head makes greedy sampling pick token 0"
     )

@@ -164,7 +164,7 @@ class VllmCompute(EngineCompute):
         tables = {}
         for fill in fills:
             key = self.host.new_key("f")
-            self.host.add(key, fill.prompt[: fill.end], fill.start, GREEDY, max_tokens=1)
+            self.host.add(key, fill.prompt[: fill.end], fill.start, GREEDY, max_tokens=1, private_cache=True)
             tables[key] = fill.table
         left = set(tables)
         while left:
@@ -179,7 +179,8 @@ class VllmCompute(EngineCompute):
     def stats(self) -> dict[str, Any]:
         """vLLM's own figures: steps run, requests it holds and its free KV pages (its scheduler's count)."""
         return {"backend": "vllm", "steps": self.host.steps, "unfinished": self.host.unfinished(),
-                "free_pages": self.host.free_pages(), "decode_sequences": len(self._live)}
+                "free_pages": self.host.free_pages(), "decode_sequences": len(self._live),
+                "prefix_cache_hit_tokens": self.host.connector.local_hit_tokens}
 
     def _suspend_decode_sequences(self) -> None:
         self.host.abort(list(self._live))

@@ -8,15 +8,17 @@ instance to the `StepKV` of the step it is about to run (runtime/vllm_engine/ste
 which request come from where before each layer, and go where after it. This class only
 translates vLLM's hooks into those calls; it decides nothing.
 
-Scheduler side
-- `get_num_new_matched_tokens(request, num_computed)`: the request's external tokens, from its
-  `kv_transfer_params["external_tokens"]` (VllmHost.add sets it: the hit or earlier-chunk tokens a
-  prefill chunk reads, the tokens whose KV a decode sequence already has). Loaded synchronously
-  (False): the layers wait for them inside the forward, never a step of their own.
-- `update_state_after_alloc`: nothing to remember; the block ids come with the scheduler output.
-- `build_connector_meta(scheduler_output)`: every request of the step as a `ScheduledKV` (our key,
-  all its block ids, tokens already computed, tokens scheduled now).
-- `request_finished`: forget its blocks; vLLM frees them at once (nothing is saved after the end).
+Scheduler side (the bookkeeping is runtime/vllm_engine/request_book.py's RequestBook, pure)
+- `get_num_new_matched_tokens(request, local_hits)`: of the request's external tokens (its
+  `kv_transfer_params["external_tokens"]`, set by VllmHost.add: the hit or earlier-chunk tokens a
+  prefill chunk reads, the tokens whose KV a decode sequence already has), those vLLM's own
+  prefix cache does not hold. Loaded synchronously (False): the layers wait for them inside the
+  forward, never a step of their own.
+- `update_state_after_alloc(request, blocks, loading)`: the tokens the request's coming step loads.
+- `build_connector_meta(scheduler_output)`: every request of the step as a `ScheduledKV` (our
+  key, its page list, tokens computed, scheduled now, and loaded first); a request vLLM resumed
+  after preempting it gets its new page list (vLLM's `resumed_req_ids` contract) and loads again.
+- `request_finished`: forget it; vLLM frees its pages at once (nothing is saved after the end).
 
 Worker side
 - `register_kv_caches`: the layers in model order and their page codec (runtime/vllm_engine/pages.py).
@@ -44,6 +46,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from dualpath_ray.runtime.vllm_engine.pages import PageCodec
+from dualpath_ray.runtime.vllm_engine.request_book import RequestBook
 from dualpath_ray.runtime.vllm_engine.step_kv import EXTERNAL_TOKENS, KEY, ScheduledKV, StepKV, layer_index
 
 if TYPE_CHECKING:
@@ -63,44 +66,43 @@ class DualPathConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         self.block_size = vllm_config.cache_config.block_size
-        # Scheduler side: each running request's key, external tokens and block ids so far.
-        self._requests: dict[str, tuple[str, int, list[int]]] = {}
+        self.book = RequestBook()  # scheduler side: what each request loads, and its pages
         # Worker side: the layers in model order, their codec, and the step being run.
         self.layers: list[torch.Tensor] = []
         self._index: dict[str, int] = {}
         self.codec: PageCodec | None = None
         self.step: StepKV | None = None
         self._begun = False
+        # Tokens vLLM's own prefix cache served to the requests it scheduled (no load moved them).
+        self.local_hit_tokens = 0
 
     # --- scheduler side -------------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         params = request.kv_transfer_params or {}
-        external = int(params.get(EXTERNAL_TOKENS, 0))
-        self._requests.setdefault(request.request_id, (str(params.get(KEY, request.request_id)), external, []))
-        return max(0, external - num_computed_tokens), False
+        key = str(params.get(KEY, request.request_id))
+        return self.book.matched(request.request_id, key, int(params.get(EXTERNAL_TOKENS, 0)), num_computed_tokens), False
 
     def update_state_after_alloc(self, request: Request, blocks: Any, num_external_tokens: int) -> None:
-        return None
+        self.book.allocated(request.request_id, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        requests: list[ScheduledKV] = []
         scheduled = scheduler_output.num_scheduled_tokens
-        for new in scheduler_output.scheduled_new_reqs:
-            key, external, blocks = self._requests.setdefault(new.req_id, (new.req_id, 0, []))
-            blocks[:] = list(new.block_ids[0])
-            requests.append(ScheduledKV(key, tuple(blocks), new.num_computed_tokens, scheduled[new.req_id], external))
+        requests = [
+            self.book.new_request(new.req_id, new.block_ids[0], new.num_computed_tokens, scheduled[new.req_id])
+            for new in scheduler_output.scheduled_new_reqs
+        ]
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
-            key, _, blocks = self._requests.setdefault(req_id, (req_id, 0, []))
             added = cached.new_block_ids[i]
-            if added is not None:
-                blocks.extend(added[0])
-            requests.append(ScheduledKV(key, tuple(blocks), cached.num_computed_tokens[i], scheduled[req_id], 0))
+            requests.append(self.book.cached_request(
+                req_id, added[0] if added is not None else None, cached.num_computed_tokens[i], scheduled[req_id],
+                resumed=req_id in cached.resumed_req_ids,
+            ))
         return StepMeta(requests)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        self._requests.pop(request.request_id, None)
+        self.book.finished(request.request_id)
         return False, None
 
     # --- worker side ----------------------------------------------------------------------
@@ -132,6 +134,7 @@ class DualPathConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, StepMeta)
         self._begun = True
+        self.local_hit_tokens += sum(r.load_from for r in meta.requests if r.first)
         self.step.begin(meta.requests, self.layers, self.codec)
         return self.step
 

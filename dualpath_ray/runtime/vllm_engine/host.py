@@ -58,7 +58,8 @@ def engine_kwargs(cfg: DualPathConfig, role: Role) -> dict[str, Any]:
         model=str(model_dir), load_format="dummy" if cfg.engine.vllm_model is None else "auto",
         skip_tokenizer_init=True, dtype=cfg.model.dtype, seed=cfg.model.seed,
         block_size=cfg.store.block_size, max_model_len=cfg.model.max_context,
-        enable_prefix_caching=False,  # the store is the prefix cache; external tokens come through the connector
+        # vLLM's own cache serves what it still holds; the connector loads the rest of the external tokens.
+        enable_prefix_caching=cfg.engine.vllm_prefix_caching,
         num_gpu_blocks_override=-(-tokens // cfg.store.block_size) + max_seqs, max_num_seqs=max_seqs,
         # A prefill batch is one step whatever its size (the window bounds it); a decode step runs every sequence.
         max_num_batched_tokens=max(cfg.cluster.prefill_hbm_tokens, max_seqs),
@@ -107,8 +108,13 @@ class VllmHost:
     def new_key(self, kind: str) -> str:
         return f"{kind}{next(self._ids)}"
 
-    def add(self, key: str, tokens: Iterable[int], external: int, sampling: SamplingParams, max_tokens: int) -> None:
-        """A request named `key` whose first `external` tokens' KV the step's StepKV loads."""
+    def add(
+        self, key: str, tokens: Iterable[int], external: int, sampling: SamplingParams, max_tokens: int,
+        private_cache: bool = False,
+    ) -> None:
+        """A request named `key` whose first `external` tokens' KV the step's StepKV loads, past
+        what vLLM's prefix cache holds. `private_cache`: a cache salt of its own keeps vLLM's
+        prefix cache out of it (a recompute must compute, not find the KV it is checked against)."""
         from vllm import SamplingParams as VllmSampling
         from vllm.inputs import TokensPrompt
 
@@ -118,7 +124,10 @@ class VllmHost:
             extra_args={"kv_transfer_params": {EXTERNAL_TOKENS: external, KEY: key}},
         )
         with self._lock:
-            self.engine.add_request(key, TokensPrompt(prompt_token_ids=[int(t) for t in tokens]), params)
+            prompt = TokensPrompt(prompt_token_ids=[int(t) for t in tokens])
+            if private_cache:
+                prompt["cache_salt"] = f"private:{key}"
+            self.engine.add_request(key, prompt, params)
 
     def abort(self, keys: list[str]) -> None:
         if keys:
@@ -161,6 +170,11 @@ class VllmHost:
         runner = self.core.model_executor.driver_worker.worker.model_runner
         with self._lock, torch.inference_mode():
             runner.reload_weights(weights_iterator=_named_tensors(source))
+            # KV in vLLM's prefix cache is the old weights': no later request may find it. The
+            # engine updates only between rollouts (EngineBase._load_weights), so no request
+            # holds pages and the reset cannot fail short of a bug.
+            if not self.engine.reset_prefix_cache():
+                raise RuntimeError("vLLM could not empty its prefix cache at a weight update: requests still hold pages")
 
     def sleep(self) -> None:
         with self._lock:

@@ -19,13 +19,24 @@ KEY = "key"  # kv_transfer_params: our name of the request (the compute's, not v
 @dataclass(frozen=True)
 class ScheduledKV:
     """One request of a vLLM step: tokens [computed, computed + scheduled) compute now, in the
-    pages `block_ids` (block i holds tokens [i * block_size, (i + 1) * block_size))."""
+    pages `block_ids` (block i holds tokens [i * block_size, (i + 1) * block_size)).
+
+    Tokens [load_from, computed) are loaded before this step computes (an empty range when
+    nothing is: a request's later steps, or vLLM's own prefix cache held them all); tokens
+    [0, load_from) came from vLLM's prefix cache. `first` marks the request's first step since
+    vLLM (re)scheduled it, new or resumed after a preemption: its pages were all just assigned."""
 
     key: str
     block_ids: tuple[int, ...]
     computed: int
     scheduled: int
-    external: int  # tokens loaded before this step computes (0 once they are in its pages)
+    load_from: int
+    first: bool
+
+    @property
+    def loading(self) -> int:
+        """Tokens this step loads (computed - load_from)."""
+        return self.computed - self.load_from
 
 
 class StepKV(Protocol):

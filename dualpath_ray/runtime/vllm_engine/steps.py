@@ -81,14 +81,20 @@ class PrefillStep:
             )
         for key, chunk in self.chunks.items():
             got = by_key[key]
-            if (got.computed, got.computed + got.scheduled) != (chunk.start, chunk.end):
+            # vLLM computes the chunk to its end in this one step, from its start or from past it
+            # where its own prefix cache holds more of the prompt than the chunk's past KV.
+            if got.computed + got.scheduled != chunk.end or got.computed < chunk.start or got.load_from > got.computed:
                 raise RuntimeError(
                     f"vLLM scheduled tokens [{got.computed}, {got.computed + got.scheduled}) of a chunk of "
-                    f"[{chunk.start}, {chunk.end})"
+                    f"[{chunk.start}, {chunk.end}) (loading from {got.load_from})"
                 )
         device = layers[0].device
+        # The window holds each chunk's past KV [0, start); what vLLM's prefix cache did not
+        # hold of it goes into its pages. The new KV [start, end) goes back to the window whole,
+        # including tokens vLLM's cache held (computed > start): the decode node needs them all.
         self._load = _moves(
-            [(by_key[k].block_ids, c.offset, 0, c.start) for k, c in self.chunks.items() if c.start], codec, device
+            [(by_key[k].block_ids, c.offset, by_key[k].load_from, by_key[k].computed)
+             for k, c in self.chunks.items() if by_key[k].loading], codec, device
         )
         self._save = _moves([(by_key[k].block_ids, c.offset, c.start, c.end) for k, c in self.chunks.items()], codec, device)
         self._layers, self._codec = layers, codec
@@ -149,8 +155,11 @@ class PagesStep:
         if unknown:
             raise RuntimeError(f"vLLM scheduled sequences this step does not hold: {unknown[:5]}")
         device = layers[0].device
-        loads = [(r, 0, r.external) for r in requests if r.external]
+        loads = [(r, r.load_from, r.computed) for r in requests if r.loading]
         if self.whole_spans:
+            # A recompute's request loads its past and computes the rest in its first step (its
+            # private cache salt keeps vLLM's prefix cache out of it: VllmHost.add), later steps
+            # go on where that one ended: every step saves what it computed.
             saves = [(r, r.computed, r.computed + r.scheduled) for r in requests]
         else:
             saves = [span for r in requests if (span := self._completed_blocks(r)) is not None]
