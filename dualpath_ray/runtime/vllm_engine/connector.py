@@ -65,6 +65,15 @@ class DualPathConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
+        if len(groups) > 1:
+            # Every KV byte this backend moves is one full-attention layer's token-major KV in one
+            # page table; a hybrid model's other groups (sliding window, mamba state) would need
+            # their own tables and formats.
+            raise ValueError(
+                f"model {vllm_config.model_config.model}: vLLM gives it {len(groups)} KV cache groups (a hybrid "
+                "attention model); the DualPath connector moves one group of full-attention layers only"
+            )
         self.block_size = vllm_config.cache_config.block_size
         self.book = RequestBook()  # scheduler side: what each request loads, and its pages
         # Worker side: the layers in model order, their codec, and the step being run.
