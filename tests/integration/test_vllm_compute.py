@@ -69,6 +69,11 @@ def _load_and_decode(cfg: DualPathConfig) -> dict[str, object]:
     from_cache, _ = host.run(cached_step)["cached"]
     cache_hits = host.connector.local_hit_tokens - hits_before
     cached_load = [(r.load_from, r.computed) for r in cached_step.requests]
+    # Another tenant's request (another key namespace, vLLM's cache salt) finds nothing of it.
+    other_step = RecordingStep(layout, pages, {"other": table})
+    host.add("other", prompt + [first], len(prompt), greedy, 1, cache_domain="tenant-b/ns")
+    from_other, _ = host.run(other_step)["other"]
+    other_load = [(r.load_from, r.computed) for r in other_step.requests]
     expected_bytes = {
         layer: torch.cat([earlier[page, layer] for page in table])[: len(prompt)] for layer in range(layout.n_layer)
     }
@@ -90,7 +95,8 @@ def _load_and_decode(cfg: DualPathConfig) -> dict[str, object]:
     updated, _ = host.run(PagesStep(layout, torch.zeros_like(pages), {"after-update": table}))["after-update"]
     return {"loaded_equal": loaded_equal, "kept_equal": kept_equal, "decoded": decoded, "recomputed": recomputed,
             "layers_loaded": sorted(step.loaded), "after_update": updated, "first": first,
-            "from_cache": from_cache, "cache_hits": cache_hits, "cached_load": cached_load}
+            "from_cache": from_cache, "cache_hits": cache_hits, "cached_load": cached_load,
+            "from_other": from_other, "other_load": other_load}
 
 
 def test_loaded_kv_is_the_earlier_turns_kv_byte_for_byte_and_decodes_like_a_recompute() -> None:
@@ -106,6 +112,9 @@ def test_loaded_kv_is_the_earlier_turns_kv_byte_for_byte_and_decodes_like_a_reco
         "with vLLM's prefix cache on, its two cached full blocks are served by it and only tokens [128, 150) are loaded"
     )
     assert got["from_cache"] == got["recomputed"], "the token sampled on cached + loaded KV is the recompute's"
+    assert got["other_load"] == [(0, 150)] and got["from_other"] == got["recomputed"], (
+        "a request of another key namespace (another tenant or weights) shares none of vLLM's cached KV"
+    )
     assert got["first"] != 0 and got["after_update"] == 0, (
         "load_weights goes through vLLM's own loading: a zeroed lm_head makes greedy sampling pick token 0"
     )

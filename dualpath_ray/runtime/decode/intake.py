@@ -341,6 +341,6 @@ class DecodeIntake:
                     f"{job.request_id}: assembled prompt KV differs from the store / a recompute "
                     f"({job.check.mismatches} of hit and computed parts)"
                 )
-        job.compute_state = self.compute.decode_state(job.tokens)
+        job.compute_state = self.compute.decode_state(job.tokens, job.handoff.task.request.namespace)
         self.hooks.run(job)
 

@@ -61,7 +61,7 @@ class ProfileCompute(EngineCompute):
     def sample_last(self, batch: PrefillBatch, which: Sequence[int], params: Sequence[SamplingParams]) -> list[Sampled]:
         return [Sampled(stamp_token(int(batch.state[i][-1]), self.vocab_size), 0.0) for i in which]
 
-    def decode_state(self, tokens: Sequence[int]) -> Any:
+    def decode_state(self, tokens: Sequence[int], cache_domain: str = "") -> Any:
         return _Prefix(prefix_sum(np.asarray(tokens[:-1], dtype=np.int64)))
 
     def decode_step(self, seqs: Sequence[DecodeSeq], pages: torch.Tensor, params: Sequence[SamplingParams]) -> list[Sampled]:

@@ -35,6 +35,9 @@ class ChunkSpec:
     # How its next token is sampled, for a compute that samples inside the batch (vLLM samples in
     # its step); the native model samples in sample_last from the params given there.
     sampling: SamplingParams | None = None
+    # The request's KV key namespace (model, weights, tenant's salt): a compute with a prefix
+    # cache of its own (vLLM's) shares cached KV only between requests of one namespace.
+    cache_domain: str = ""
 
     @property
     def new_tokens(self) -> int:
@@ -129,8 +132,9 @@ class EngineCompute(ABC):
         elsewhere (vLLM's step on its own thread) ends it and drops its results."""
 
     @abstractmethod
-    def decode_state(self, tokens: Sequence[int]) -> Any:
-        """Per-sequence state of a sequence about to decode (all tokens so far, KV for all but the last)."""
+    def decode_state(self, tokens: Sequence[int], cache_domain: str = "") -> Any:
+        """Per-sequence state of a sequence about to decode (all tokens so far, KV for all but the
+        last); `cache_domain` as ChunkSpec's."""
 
     @abstractmethod
     def decode_step(self, seqs: Sequence[DecodeSeq], pages: torch.Tensor, params: Sequence[SamplingParams]) -> list[Sampled]:
@@ -224,7 +228,7 @@ class ModelCompute(EngineCompute):
 
     # --- decode -------------------------------------------------------------------------
 
-    def decode_state(self, tokens: Sequence[int]) -> Any:
+    def decode_state(self, tokens: Sequence[int], cache_domain: str = "") -> Any:
         return None
 
     def decode_step(self, seqs: Sequence[DecodeSeq], pages: torch.Tensor, params: Sequence[SamplingParams]) -> list[Sampled]:

@@ -298,7 +298,7 @@ class PrefillCore:
     def _run_batch(self, batch: list[tuple[PrefillJob, int, int]]) -> None:
         offsets = span_offsets([cached + bsz for _, cached, bsz in batch])
         chunks = [
-            ChunkSpec(job.prompt, cached, cached + bsz, off, job.task.request.sampling)
+            ChunkSpec(job.prompt, cached, cached + bsz, off, job.task.request.sampling, job.task.request.namespace)
             for (job, cached, bsz), off in zip(batch, offsets)
         ]
         jobs = [job for job, _, _ in batch]

@@ -52,6 +52,7 @@ class _DecodeState:
 
     key: str
     tokens: list[int]
+    cache_domain: str
     added: bool = False
     suspended: bool = False  # taken out of vLLM once (fill_pages): its pages hold only its full blocks
 
@@ -71,7 +72,10 @@ class VllmCompute(EngineCompute):
     def begin_prefill(self, chunks: Sequence[ChunkSpec]) -> PrefillBatch:
         keys = [self.host.new_key("p") for _ in chunks]
         for key, chunk in zip(keys, chunks):
-            self.host.add(key, chunk.prompt[: chunk.end], chunk.start, chunk.sampling or GREEDY, max_tokens=1)
+            self.host.add(
+                key, chunk.prompt[: chunk.end], chunk.start, chunk.sampling or GREEDY, max_tokens=1,
+                cache_domain=chunk.cache_domain,
+            )
         run = _PrefillRun(PrefillStep(self.layout, keys, chunks, self.timeout_s), keys, threading.Thread())
         run.thread = threading.Thread(target=self._run_prefill, args=(run,), name="vllm-prefill-step", daemon=True)
         run.thread.start()
@@ -110,8 +114,8 @@ class VllmCompute(EngineCompute):
 
     # --- decode -------------------------------------------------------------------------
 
-    def decode_state(self, tokens: Sequence[int]) -> Any:
-        return _DecodeState(self.host.new_key("d"), [int(t) for t in tokens])
+    def decode_state(self, tokens: Sequence[int], cache_domain: str = "") -> Any:
+        return _DecodeState(self.host.new_key("d"), [int(t) for t in tokens], cache_domain)
 
     def decode_step(self, seqs: Sequence[DecodeSeq], pages: torch.Tensor, params: Sequence[SamplingParams]) -> list[Sampled]:
         states: list[_DecodeState] = [seq.state for seq in seqs]
@@ -129,7 +133,7 @@ class VllmCompute(EngineCompute):
                 # A sequence added again after a suspension loads only its full blocks: the pages
                 # hold a block's KV once it fills (PagesStep), and vLLM recomputes the tail.
                 external = seq.position // self.layout.block_size * self.layout.block_size if state.suspended else seq.position
-                self.host.add(state.key, state.tokens, external, sampling, max_tokens=budget)
+                self.host.add(state.key, state.tokens, external, sampling, max_tokens=budget, cache_domain=state.cache_domain)
                 state.added = True
                 self._live[state.key] = state
         sampled = self.host.run(PagesStep(self.layout, pages, {s.key: seq.table for s, seq in zip(states, seqs)}))

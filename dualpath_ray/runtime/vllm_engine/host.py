@@ -110,11 +110,13 @@ class VllmHost:
 
     def add(
         self, key: str, tokens: Iterable[int], external: int, sampling: SamplingParams, max_tokens: int,
-        private_cache: bool = False,
+        private_cache: bool = False, cache_domain: str = "",
     ) -> None:
         """A request named `key` whose first `external` tokens' KV the step's StepKV loads, past
-        what vLLM's prefix cache holds. `private_cache`: a cache salt of its own keeps vLLM's
-        prefix cache out of it (a recompute must compute, not find the KV it is checked against)."""
+        what vLLM's prefix cache holds. vLLM's cache is shared only between requests of one
+        `cache_domain` (the request's key namespace: model, weights, tenant's salt), its cache
+        salt. `private_cache`: a salt of its own keeps vLLM's prefix cache out of it (a
+        recompute must compute, not find the KV it is checked against)."""
         from vllm import SamplingParams as VllmSampling
         from vllm.inputs import TokensPrompt
 
@@ -127,6 +129,8 @@ class VllmHost:
             prompt = TokensPrompt(prompt_token_ids=[int(t) for t in tokens])
             if private_cache:
                 prompt["cache_salt"] = f"private:{key}"
+            elif cache_domain:
+                prompt["cache_salt"] = f"domain:{cache_domain}"
             self.engine.add_request(key, prompt, params)
 
     def abort(self, keys: list[str]) -> None:
