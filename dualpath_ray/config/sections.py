@@ -136,6 +136,15 @@ class SchedulerConfig(Section):
         "queue (the paper's); proportional = split between the prefill-side and decode-side readers in proportion "
         "to their read-queue headroom below alpha (the paper's future work; so far the simulator only).",
     )
+    compute_path: Literal["off", "auto", "all"] = Field(
+        "off",
+        description="Beyond the paper: a third path. auto = when a request's read would end later than computing "
+        "part of its hit (its reader's queue is long, its prefill engine's short), read only its first hit blocks "
+        "and compute the rest with its miss tokens; the split is the one that ends the request soonest by the read "
+        "queues, alpha's read rate and the latency model (scheduling/compute_path.py). all = read no hit at all, "
+        "compute every prompt whole (the baseline of a cluster without the store's reads). off = read every hit. "
+        "Off by default until the benchmarks show auto never loses (benchmarks/README.md, \"The compute path\").",
+    )
     stage_tool_time: bool = Field(
         True,
         description="Beyond the paper: when a turn ends with the caller's hint that its session continues "

@@ -135,10 +135,24 @@ class PrefillTask:
     # on the DE path, some on a split read); the decode-side reader reads the rest.
     pe_hit_blocks: int = 0
     staged: StagedRead | None = None  # its first hit blocks wait staged on its decode node
+    # Stored blocks after hit_keys whose tokens are computed instead of read (the compute path,
+    # scheduling/compute_path.py), and those tokens: stored already, so none is persisted again.
+    recomputed_keys: tuple[str, ...] = ()
+    recomputed_tokens: int = 0
 
     @property
     def request_id(self) -> str:
         return self.request.request_id
+
+    @property
+    def stored_tokens(self) -> int:
+        """The prompt's tokens whose blocks the store holds: read (hit_tokens) or recomputed."""
+        return self.hit_tokens + self.recomputed_tokens
+
+    @property
+    def stored_keys(self) -> tuple[str, ...]:
+        """The keys of the prompt's stored blocks, in chain order (read, then recomputed)."""
+        return self.hit_keys + self.recomputed_keys
 
     @property
     def pe_blocks(self) -> int:

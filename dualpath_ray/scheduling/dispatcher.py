@@ -15,6 +15,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Sequence
 
+from dualpath_ray.scheduling.compute_path import ComputePathModel, SplitInputs, blocks_to_read
 from dualpath_ray.scheduling.engine_book import EngineBook
 from dualpath_ray.scheduling.loads import EngineLoad, QueuedRequest
 from dualpath_ray.scheduling.policy import (
@@ -40,12 +41,16 @@ class Dispatcher:
 
     def __init__(
         self, constants: Constants, mode: Mode = Mode.DUALPATH, read_split: str = "whole", decode_groups: int = 0,
+        compute_path: ComputePathModel | None = None,
     ) -> None:
         if read_split not in ("whole", "proportional"):
             raise ValueError(f"scheduler.read_split must be whole or proportional (got {read_split!r})")
         self.constants = constants
         self.mode = Mode(mode)
         self.read_split = read_split
+        # The compute path (scheduling/compute_path.py): None = every hit block is read.
+        self.compute_path = compute_path if Mode(mode) is not Mode.ORACLE else None
+        self.recomputed_hit_tokens = 0  # hit tokens placed to be computed instead of read
         self.requests: dict[str, Request] = {}
         # Requests in a queued state (RequestState.queued), kept as they move: what admission
         # counts (scheduling/admission.py), in O(1).
@@ -171,18 +176,23 @@ class Dispatcher:
             queue, engines, read_q, self.constants.alpha_tokens, self.constants.beta_tokens
         )
         requests = []
+        # Prefill tokens each engine holds, as the requests of this call land on them.
+        engine_tok = {e.engine_id: e.tok for e in engines}
         for assignment in assignments:
             request = self.requests[assignment.request_id]
             pe_node = self._engine_node[assignment.target]
             staged = self._staged_blocks(request)
+            if not staged:
+                self._choose_read_blocks(request, pe_node, engine_tok[assignment.target])
+            engine_tok[assignment.target] += request.prefill_tokens
             pe_blocks = 0 if staged else self._pe_blocks(request, pe_node)
-            hit_blocks = len(request.hit_keys)
+            hit_blocks = len(request.read_keys)
             path = ReadPath.PE if pe_blocks == hit_blocks and hit_blocks else ReadPath.DE if not pe_blocks else ReadPath.SPLIT
             if not hit_blocks:
                 path = self._path(pe_node, request.decode_node)  # nothing to read: the policy's pick, for the record
             # Until the readers report again, count this request's hits in the queues they join
             # (staged blocks are read already).
-            block_tokens = request.hit_tokens // hit_blocks if hit_blocks else 0
+            block_tokens = request.read_tokens // hit_blocks if hit_blocks else 0
             self.read_q[pe_node] = self.read_q.get(pe_node, 0) + pe_blocks * block_tokens
             de_tokens = (hit_blocks - pe_blocks - staged) * block_tokens
             self.read_q[request.decode_node] = self.read_q.get(request.decode_node, 0) + de_tokens
@@ -301,11 +311,26 @@ class Dispatcher:
             return 0
         return staged.blocks
 
+    def _choose_read_blocks(self, request: Request, pe_node: str, engine_tok: int) -> None:
+        """With the compute path on, how many of the request's hit blocks are read (the rest
+        computed): the split that ends it soonest given the read queue of the reader its hits
+        would go through and the prefill tokens its engine holds (scheduling/compute_path.py)."""
+        hit_blocks = len(request.hit_keys)
+        if self.compute_path is None or not hit_blocks:
+            return
+        reader = pe_node if self._path(pe_node, request.decode_node) is ReadPath.PE else request.decode_node
+        inputs = SplitInputs(
+            hit_blocks, request.hit_tokens // hit_blocks, request.prompt_tokens - request.hit_tokens,
+            self.read_q.get(reader, 0), engine_tok,
+        )
+        request.read_blocks = blocks_to_read(inputs, self.compute_path)
+        self.recomputed_hit_tokens += request.recomputed_hit_tokens
+
     def _pe_blocks(self, request: Request, pe_node: str) -> int:
-        """How many of the request's hit blocks the prefill-side reader reads: all of them (PE
+        """How many of the request's read blocks the prefill-side reader reads: all of them (PE
         path), none (DE path), or, with read_split proportional in dualpath mode, a share by
         the two read queues' headroom below alpha (split_read)."""
-        hit_blocks = len(request.hit_keys)
+        hit_blocks = len(request.read_keys)
         if self.read_split == "proportional" and self.mode is Mode.DUALPATH and pe_node not in self.no_pe_reads:
             pe, _ = split_read(hit_blocks, self.read_q.get(pe_node, 0), self.read_q.get(request.decode_node, 0),
                                self.constants.alpha_tokens)

@@ -81,11 +81,31 @@ class Request:
     # Its first hit blocks staged on a decode node while the session's tool ran (claimed at
     # submit; placement prefers that node, and drops this when it cannot honour it).
     staged: StageOrder | None = None
+    # Of its hit blocks, how many are read; the rest are computed with its miss tokens (the
+    # compute path, scheduling/compute_path.py). None: all of them (set when it is placed).
+    read_blocks: int | None = None
+
+    @property
+    def read_keys(self) -> tuple[str, ...]:
+        """The hit blocks it reads (a prefix of hit_keys)."""
+        return self.hit_keys if self.read_blocks is None else self.hit_keys[: self.read_blocks]
+
+    @property
+    def read_tokens(self) -> int:
+        """The prompt tokens whose KV it reads; the rest are computed."""
+        if self.read_blocks is None or not self.hit_keys:
+            return self.hit_tokens
+        return self.hit_tokens // len(self.hit_keys) * self.read_blocks
+
+    @property
+    def recomputed_hit_tokens(self) -> int:
+        """Tokens of its hit it computes instead of reading (the compute path)."""
+        return self.hit_tokens - self.read_tokens
 
     @property
     def prefill_tokens(self) -> int:
         """The load it adds to a prefill engine (scheduling/loads.py)."""
-        return prefill_tokens(self.prompt_tokens, self.hit_tokens)
+        return prefill_tokens(self.prompt_tokens, self.read_tokens)
 
     def engines(self) -> tuple[str, ...]:
         """The engines that hold something of it now: its decode engine (HBM), and its

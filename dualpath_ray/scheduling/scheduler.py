@@ -26,6 +26,7 @@ from dualpath_ray.protocol.messages import (
     TurnResult,
 )
 from dualpath_ray.scheduling.admission import Admission
+from dualpath_ray.scheduling.compute_path import ComputePathModel
 from dualpath_ray.scheduling.dispatcher import Constants, Dispatcher
 from dualpath_ray.scheduling.liveness import is_attempt
 from dualpath_ray.scheduling.loads import decode_tokens
@@ -54,15 +55,38 @@ class CoreSettings:
     decode_groups: int = 0  # decode groups the cluster has (one per decode node); 0 = unknown
     admission: Admission = Admission()  # no limit unless configured (scheduler.max_queued_turns)
     staging: StagingSettings = StagingSettings()  # tool-time staging (scheduler.stage_tool_time)
+    compute_path: ComputePathModel | None = None  # recompute hit tails (scheduler.compute_path); None = off
 
     @classmethod
-    def of(cls, cfg: DualPathConfig, mode: Mode | str, constants: Constants, epoch: int = 0) -> CoreSettings:
+    def of(
+        cls, cfg: DualPathConfig, mode: Mode | str, constants: Constants, epoch: int = 0,
+        prefill_s: Callable[[int, int], float] | None = None,
+    ) -> CoreSettings:
+        """`prefill_s`: one request's prefill seconds given (cached, new) tokens, the latency
+        model the compute path estimates with (needed when scheduler.compute_path is on)."""
         return cls(Mode(mode), cfg.store.block_size, constants, cfg.runtime.max_attempts,
                    cfg.runtime.kv_failure_policy, epoch, cfg.scheduler.read_split, cfg.cluster.decode_nodes,
                    Admission(cfg.scheduler.max_queued_turns), StagingSettings(
                        cfg.scheduler.stage_tool_time and Mode(mode) is Mode.DUALPATH,
                        cfg.scheduler.stage_slack, cfg.scheduler.stage_margin_s,
-                       read_tokens_per_s=constants.alpha_tokens / cfg.scheduler.alpha_seconds))
+                       read_tokens_per_s=constants.alpha_tokens / cfg.scheduler.alpha_seconds),
+                   compute_path_model(cfg, constants, prefill_s))
+
+
+def compute_path_model(
+    cfg: DualPathConfig, constants: Constants, prefill_s: Callable[[int, int], float] | None,
+) -> ComputePathModel | None:
+    """The compute path's estimates, when scheduler.compute_path is on: one SNIC reads alpha
+    tokens in alpha_seconds, one engine computes beta in beta_seconds, `prefill_s` times one
+    request."""
+    if cfg.scheduler.compute_path == "off":
+        return None
+    if prefill_s is None:
+        raise ValueError("scheduler.compute_path needs a latency model (prefill_s) to estimate compute with")
+    return ComputePathModel(
+        constants.alpha_tokens / cfg.scheduler.alpha_seconds, constants.beta_tokens / cfg.scheduler.beta_seconds, prefill_s,
+        read_nothing=cfg.scheduler.compute_path == "all",
+    )
 
 
 class SchedulerCore:
@@ -82,7 +106,9 @@ class SchedulerCore:
         self.index = index
         self.eviction = eviction
         self.store = store
-        self.dispatcher = Dispatcher(settings.constants, settings.mode, settings.read_split, settings.decode_groups)
+        self.dispatcher = Dispatcher(
+            settings.constants, settings.mode, settings.read_split, settings.decode_groups, settings.compute_path
+        )
         self.dead: set[str] = set()  # engines gone for good
         self.presumed_dead: set[str] = set()  # silent past the heartbeat timeout; see _live
         self.readmitted = 0
@@ -149,10 +175,11 @@ class SchedulerCore:
         """What the prefill engine is handed for a placed request."""
         assert request.path is not None, f"request {request.request_id} has no read path yet"
         return PrefillTask(
-            request=request.spec, hit_keys=request.hit_keys, hit_tokens=request.hit_tokens, path=request.path,
+            request=request.spec, hit_keys=request.read_keys, hit_tokens=request.read_tokens, path=request.path,
             oracle=self.mode is Mode.ORACLE, prefill_engine=request.prefill_engine,
             prefill_node=request.prefill_node, decode_engine=request.decode_engine, decode_node=request.decode_node,
             pe_hit_blocks=request.pe_hit_blocks, staged=request.staged.read() if request.staged else None,
+            recomputed_keys=request.hit_keys[len(request.read_keys):], recomputed_tokens=request.recomputed_hit_tokens,
         )
 
     def handed_off(self, request_id: str) -> bool:
@@ -264,7 +291,7 @@ class SchedulerCore:
             return [
                 r.spec for r in self.requests.values()
                 if r.state is RequestState.PREFILLING and r.path is ReadPath.PE and r.prefill_node == node
-                and r.hit_tokens > 0
+                and r.read_tokens > 0
             ]
         failed: list[RequestSpec] = []
         for engine in report.engines:

@@ -119,7 +119,7 @@ class SimDecodeEngine:
         decode.ready_at = decode.persist_done = now
         if not job.task.oracle:
             extent = -(-job.prompt // size)
-            blocks = job.prompt // size - job.task.hit_tokens // size
+            blocks = job.prompt // size - job.task.stored_tokens // size
             if blocks > 0:
                 decode.persist_done = self.node.write(now, blocks * self.settings.block_bytes)
             self.loop.at(decode.persist_done, self._free_extent, extent)

@@ -147,6 +147,8 @@ class SimResult:
     trajectory_jct_s: dict[str, float] = field(default_factory=dict)
     # Tool-time staging (sim/staged.py, StagingCounters, plus the core's claims); {} when it is off.
     staging: dict[str, int] = field(default_factory=dict)
+    # Hit tokens the compute path placed to be computed instead of read (scheduler.compute_path).
+    recomputed_hit_tokens: int = 0
 
     def to_json(self, decisions: bool = False) -> dict[str, Any]:
         data = asdict(self)

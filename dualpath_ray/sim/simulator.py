@@ -15,7 +15,8 @@ from typing import NamedTuple, Sequence
 
 from dualpath_ray.config import DualPathConfig
 from dualpath_ray.protocol.messages import DecodeReservation, PersistedBlock, PrefillTask, RequestSpec, TurnResult
-from dualpath_ray.scheduling.scheduler import CoreSettings, SchedulerCore
+from dualpath_ray.model.cost import prefill_forward_ms
+from dualpath_ray.scheduling.scheduler import CoreSettings, SchedulerCore, compute_path_model
 from dualpath_ray.scheduling.types import READ_SIDES, Mode, Role, StopReason
 from dualpath_ray.sim.agents import Agent, Agents
 from dualpath_ray.sim.decode import SimDecodeEngine, SimDecodeJob, SimDecodeStats
@@ -78,8 +79,13 @@ class Simulation:
     def _core(self) -> SchedulerCore:
         settings = self.settings
         index = TreeIndex(settings.block_size) if self.workload.tree else ChainIndex(settings.block_size)
+        cost = settings.cost
+        compute_path = compute_path_model(
+            self.cfg, settings.constants, lambda cached, new: prefill_forward_ms(cost, [(cached, new)]) / 1000.0
+        )
         core_settings = CoreSettings(settings.mode, settings.block_size, settings.constants, read_split=settings.read_split,
-                                     decode_groups=self.cfg.cluster.decode_nodes, staging=settings.staging)
+                                     decode_groups=self.cfg.cluster.decode_nodes, staging=settings.staging,
+                                     compute_path=compute_path)
         loop = self.loop
         core = SchedulerCore(core_settings, index, clock=lambda: loop.now)  # type: ignore[arg-type]
         if settings.options.path_choice == "round_robin":
@@ -154,7 +160,7 @@ class Simulation:
             request_id=job.request_id, attempt=0, output_tokens=(), log_probs=(), stop_reason=StopReason.LENGTH,
             prompt_tokens=job.prompt, hit_tokens=job.task.hit_tokens, path=job.task.path,
             prefill_engine=job.task.prefill_engine, decode_engine=engine.engine_id, ttft_s=ttft, tpot_s=tpot,
-            persisted=self._persisted(agent, job.task.hit_tokens, job.prompt + gen - 1),
+            persisted=self._persisted(agent, job.task.stored_tokens, job.prompt + gen - 1),
         )
         self.driver.finish(result, self.decode_groups[engine.engine_id].group_id)
         if self.staged is not None:
@@ -225,6 +231,7 @@ class Simulation:
             ttft_s=summary(self.log.ttft_s), tpot_s=summary(self.log.tpot_s), ttft_parts_s=self.log.ttft_parts_mean(),
             requests_by_path=dict(self.log.by_path),
             hit_rate=self.log.hit_tokens / self.log.prompt_tokens if self.log.prompt_tokens else 0.0,
+            recomputed_hit_tokens=self.core.dispatcher.recomputed_hit_tokens,
             snic_read_bytes={n.node_id: n.snic_read.bytes_total for n in nodes},
             snic_read_bytes_by_path={p.value: sum(n.read_bytes_by_path[p] for n in nodes) for p in READ_SIDES},
             snic_write_bytes={n.node_id: n.snic_write.bytes_total for n in nodes},

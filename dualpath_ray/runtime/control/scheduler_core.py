@@ -7,15 +7,26 @@ incarnation, and tests build the same one without Ray.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from dualpath_ray.config import DualPathConfig
 from dualpath_ray.kv.eviction import LRUEviction, store_capacity_bytes
 from dualpath_ray.kv.index import PrefixIndex
 from dualpath_ray.kv.janitor import StoreJanitor
 from dualpath_ray.kv.layout import KVLayout
 from dualpath_ray.kv.store import open_store
-from dualpath_ray.model.profile import derive_alpha_beta
+from dualpath_ray.model.profile import derive_alpha_beta, load_profile_for
 from dualpath_ray.scheduling.dispatcher import Constants
 from dualpath_ray.scheduling.scheduler import CoreSettings, SchedulerCore
+
+
+def prefill_s_of(cfg: DualPathConfig) -> Callable[[int, int], float] | None:
+    """One request's prefill seconds given (cached, new) tokens, from the configured hardware
+    profile (what beta is derived from), for the compute path; None when it is off."""
+    if cfg.scheduler.compute_path == "off":
+        return None
+    profile = load_profile_for(cfg)
+    return lambda cached, new: profile.forward_ms([(cached, new)]) / 1000.0 if new else 0.0
 
 
 def build_core(cfg: DualPathConfig, store_root: str | None, mode: str, epoch: int = 0) -> SchedulerCore:
@@ -34,5 +45,5 @@ def build_core(cfg: DualPathConfig, store_root: str | None, mode: str, epoch: in
     )
     janitor.start(eviction)
     alpha, beta = derive_alpha_beta(cfg, layout)
-    settings = CoreSettings.of(cfg, mode, Constants(alpha, beta, cfg.scheduler.z_margin), epoch)
+    settings = CoreSettings.of(cfg, mode, Constants(alpha, beta, cfg.scheduler.z_margin), epoch, prefill_s_of(cfg))
     return SchedulerCore(settings, index, eviction, store)

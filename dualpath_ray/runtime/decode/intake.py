@@ -212,7 +212,7 @@ class DecodeIntake:
         job.tokens = [int(t) for t in prompt] + [job.handoff.first_token]
         job.log_probs = [job.handoff.first_log_prob]
         job.kv_len = len(prompt)
-        job.parent_key = task.hit_keys[-1] if task.hit_keys else None
+        job.parent_key = task.stored_keys[-1] if task.stored_keys else None
         table = self.pages.ensure(job.owner, len(prompt))
         if task.oracle:
             self._read_hits(job, table)

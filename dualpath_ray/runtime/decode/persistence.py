@@ -70,7 +70,7 @@ class DecodePersistence:
         assert job.handoff is not None
         task = job.handoff.task
         size = self.layout.block_size
-        first = task.hit_tokens // size
+        first = task.stored_tokens // size
         blocks = []
         for block in range(first, job.prompt_len // size):
             blocks.append((block, self._next_key(job, block, self._prompt_digest(job, block))))
