@@ -37,6 +37,17 @@ Worker side
 - `get_block_ids_with_load_errors`: a load error fails the step inside the engine actor (the core
   fails the batch's attempts and the scheduler retries them, the same recompute policy as the
   native engines), so no block is ever reported here.
+
+CUDA graphs
+- `requires_piecewise_for_cudagraph` is True: vLLM calls wait_for_layer_load and save_kv_layer
+  around each attention op (model_executor/layers/attention/kv_transfer_utils.py,
+  `maybe_transfer_kv_layer`), and those are Python: a FULL CUDA graph replays the forward's kernels
+  without them, so a replayed step would attend over pages nobody loaded and save nothing, silently.
+  vLLM then runs PIECEWISE graphs (config/vllm.py overrides FULL modes for such a connector): the
+  attention ops run eagerly between the captured pieces, so the hooks run in every step, in order,
+  and the pipeline's waits and copies happen where the layer needs them. With
+  `engine.vllm_enforce_eager` vLLM captures no graph at all.
+- `get_required_kvcache_layout` stays None: the codec reads every layout vLLM may resolve.
 """
 
 from __future__ import annotations
@@ -68,6 +79,11 @@ class StepMeta(KVConnectorMetadata):
 
 class DualPathConnector(KVConnectorBase_V1):
     """See the module doc. Its worker-side instance is bound to a StepKV for each step."""
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """Always: the layer hooks move KV inside the forward (see the module doc, CUDA graphs)."""
+        return True
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
