@@ -22,6 +22,11 @@ Scheduler side (the bookkeeping is runtime/vllm_engine/request_book.py's Request
 
 Worker side
 - `register_kv_caches`: the layers in model order and their page codec (runtime/vllm_engine/pages.py).
+  vLLM 0.32 hands every attention backend's layer as a 4-D view with the logical axes
+  [blocks, KV heads, tokens, K and V], strided by the model's resolved KVCacheLayout (HND, NHD,
+  block-outer), possibly in kernel blocks smaller than vLLM's. Each layer is checked against what
+  vLLM declares for it (declared.py: its backend class, the resolved layout, its KV cache spec);
+  MLA backends and quantized caches are refused there, naming the backend.
 - `start_load_kv`, or whichever hook of the step comes first: the step's requests to the bound
   StepKV (`begin`).
 - `wait_for_layer_load(layer)`: StepKV.before_layer: the layer's past KV is in vLLM's pages when
@@ -32,6 +37,17 @@ Worker side
 - `get_block_ids_with_load_errors`: a load error fails the step inside the engine actor (the core
   fails the batch's attempts and the scheduler retries them, the same recompute policy as the
   native engines), so no block is ever reported here.
+
+CUDA graphs
+- `requires_piecewise_for_cudagraph` is True: vLLM calls wait_for_layer_load and save_kv_layer
+  around each attention op (model_executor/layers/attention/kv_transfer_utils.py,
+  `maybe_transfer_kv_layer`), and those are Python: a FULL CUDA graph replays the forward's kernels
+  without them, so a replayed step would attend over pages nobody loaded and save nothing, silently.
+  vLLM then runs PIECEWISE graphs (config/vllm.py overrides FULL modes for such a connector): the
+  attention ops run eagerly between the captured pieces, so the hooks run in every step, in order,
+  and the pipeline's waits and copies happen where the layer needs them. With
+  `engine.vllm_enforce_eager` vLLM captures no graph at all.
+- `get_required_kvcache_layout` stays None: the codec reads every layout vLLM may resolve.
 """
 
 from __future__ import annotations
@@ -45,6 +61,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from dualpath_ray.runtime.vllm_engine.declared import declared_pages
 from dualpath_ray.runtime.vllm_engine.pages import PageCodec
 from dualpath_ray.runtime.vllm_engine.request_book import RequestBook
 from dualpath_ray.runtime.vllm_engine.step_kv import EXTERNAL_TOKENS, KEY, ScheduledKV, StepKV, layer_index
@@ -62,6 +79,11 @@ class StepMeta(KVConnectorMetadata):
 
 class DualPathConnector(KVConnectorBase_V1):
     """See the module doc. Its worker-side instance is bound to a StepKV for each step."""
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """Always: the layer hooks move KV inside the forward (see the module doc, CUDA graphs)."""
+        return True
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
@@ -117,16 +139,23 @@ class DualPathConnector(KVConnectorBase_V1):
     # --- worker side ----------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        from vllm.platforms import current_platform
-
         order = sorted(kv_caches, key=layer_index)
         self.layers = [kv_caches[name] for name in order]
         self._index = {name: i for i, name in enumerate(order)}
         model = self._vllm_config.model_config
-        self.codec = PageCodec.detect(
-            self.layers[0], model.get_num_kv_heads(self._vllm_config.parallel_config), model.get_head_size(),
-            self.block_size, current_platform.is_cpu(),
-        )
+        n_kv_head, head_dim = model.get_num_kv_heads(self._vllm_config.parallel_config), model.get_head_size()
+        # Every layer is checked against what vLLM declares for it: one codec moves every layer,
+        # so layers whose views differ are refused here (several cache groups already are, in __init__).
+        codecs = {
+            name: PageCodec.detect(
+                kv_caches[name], declared_pages(self._vllm_config, self._kv_cache_config, name),
+                n_kv_head, head_dim, self.block_size,
+            )
+            for name in order
+        }
+        if len(set(codecs.values())) > 1:
+            raise ValueError(f"vLLM's KV cache layers differ in page geometry ({codecs}); one codec moves every layer")
+        self.codec = codecs[order[0]]
 
     def bind(self, step: StepKV | None) -> None:
         """The StepKV of the step about to run (None once it ran)."""

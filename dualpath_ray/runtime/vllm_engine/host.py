@@ -28,6 +28,7 @@ from dualpath_ray.protocol.messages import SamplingParams
 from dualpath_ray.scheduling.types import Role
 from dualpath_ray.runtime.vllm_engine.step_kv import EXTERNAL_TOKENS, KEY, StepKV
 from dualpath_ray.runtime.vllm_engine.model_dir import check_kv_geometry, dummy_model_dir
+from dualpath_ray.runtime.vllm_engine.version import check_vllm_version
 
 CONNECTOR_MODULE = "dualpath_ray.runtime.vllm_engine.connector"
 # Set before vLLM is imported in this process (an engine actor's process hosts nothing else).
@@ -81,6 +82,7 @@ class VllmHost:
     """The engine, its two connector instances, and the calls the compute makes on them."""
 
     def __init__(self, cfg: DualPathConfig, layout: KVLayout, role: Role) -> None:
+        check_vllm_version()
         configure_vllm_env()
         try:
             from vllm import EngineArgs, LLMEngine

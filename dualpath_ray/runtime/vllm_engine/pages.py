@@ -3,14 +3,39 @@
 dualpath_ray keeps KV token-major everywhere it moves or stores it (kv/layout.py): one layer of
 one token is [2, n_kv_head, head_dim] (K then V), so a store block, a buffer extent and the
 prefill window hold the same bytes whichever engine computed them. vLLM keeps each layer in
-pages laid out for its attention kernels. A `PageCodec` reads and writes token ranges of a
-request's pages in that token-major form, for the page layouts of vLLM's attention backends:
+pages laid out for its attention kernels; a `PageCodec` reads and writes token ranges of a
+request's pages in the token-major form.
 
-- `head_major` (the CPU backend, "LBHNC"): a layer is [n_blocks, n_kv_head, block_size,
-  2 * head_dim], each head's K row followed by its V row for every token of the block;
-- `kv_first` (FlashAttention and Triton backends, NHD): [2, n_blocks, block_size, n_kv_head,
-  head_dim], all Ks of the cache, then all Vs;
-- `blocks_first` (FlashInfer, NHD): [n_blocks, 2, block_size, n_kv_head, head_dim].
+What vLLM 0.32 hands a connector (v1/worker/utils.py `allocate_kv_cache`, which views the one
+int8 backing buffer through v1/kv_cache_interface.py `create_kv_cache_views`): for every
+attention backend, each layer is a 4-D view in the layer's dtype whose *logical* axes are always
+[blocks, KV heads, tokens, content] ("[B, H, N, C]", vLLM's RFC #42082). For a K/V backend the
+content of one (block, head, token) is the head's K row followed by its V row (head_size +
+head_size_v); every backend's kernels take `kv_cache.transpose(1, 2).split(head_size, -1)`
+(flash_attn.py, flashinfer.py, triton_attn.py, flex_attention.py; cpu_attn.py reads the same
+view). What differs between backends is only the strides: one model-wide `KVCacheLayout`
+(v1/kv_cache_layout.py), resolved by vLLM's engine core from every backend's
+`supported_kv_cache_layouts()` (and VLLM_KV_CACHE_LAYOUT), orders the physical axes of
+[L, B, H, N, C]: LBHNC ("HND": the CPU backend, FlashInfer's trtllm kernels on Blackwell), LBNHC
+("NHD": the default, and FlexAttention's only one; FlashAttention and Triton declare none), the
+block-outer BLHNC / BLNHC / BHLNC (a block's stride spans every layer's page) and LHBNC. So a
+layer's view is in general not contiguous (NHD: a head's stride is C, a token's H * C), but its
+logical axes are fixed, and indexing it logically is right under every layout; `detect` checks
+the strides against the declared layout, so a view whose axes are not [B, H, N, C] (which shape
+alone cannot tell when n_kv_head equals the block size) is refused rather than misread.
+
+Kernel blocks: when a backend's kernels take smaller blocks than vLLM's block size, the view is
+in kernel blocks ([n_blocks * r, H, block_size / r, C]) and token s of vLLM block b lies in
+kernel block b * r + s // (block_size / r): the same flat slot, b * block_size + s, that vLLM's
+slot mapping writes (v1/worker/utils.py `map_to_kernel_block_table`). `positions` does that
+mapping, so the rest of the codec never sees it.
+
+Refused, with a ValueError naming the backend and why: MLA backends (FlashMLA, FlashAttnMLA,
+FlashInferMLA, CutlassMLA, TritonMLA, ...), whose page is one latent vector per token
+([B, 1, N, kv_lora_rank + rope_dim], no K and no V) that kv/layout.py's [2, n_kv_head, head_dim]
+unit cannot describe: it is not K and V of any head, so no mapping would let the store, the
+transport or the native engines read it as KV; and quantized KV caches (fp8, per-token-head
+scales, packed content), whose content is not the model dtype's K and V.
 
 Tokens are addressed by (page, slot) positions (`token_positions`: token t of a request whose
 pages are `block_ids` is slot t % block_size of page block_ids[t // block_size]), so a step's
@@ -20,74 +45,102 @@ partly covered page keeps that page's other tokens.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
+from itertools import pairwise
 
 import numpy as np
 import torch
 
-LAYOUTS = ("head_major", "kv_first", "blocks_first")
+# The logical axes of a layer's view, in vLLM's names: blocks, KV heads, tokens, content.
+VIEW_AXES = "BHNC"
+
+
+@dataclass(frozen=True)
+class DeclaredPages:
+    """What vLLM declares about one layer's pages (connector.py reads it from vLLM's config):
+    no vLLM import here, so the codec and its tests stand alone."""
+
+    backend: str  # the attention backend's name (FLASH_ATTN, FLASHINFER, TRITON_ATTN, CPU_ATTN, FLASHMLA, ...)
+    layout: str  # the resolved KVCacheLayout's name (LBHNC, LBNHC, BLHNC, ...)
+    view_order: tuple[int, ...]  # physical order of the view's logical [B, H, N, C] axes, outermost first
+    mla: bool  # one latent vector per token instead of K and V
+    quantized: bool  # the content is not the model dtype's K and V (fp8, per-token-head scales, ...)
+    n_kv_head: int
+    head_size: int
+    head_size_v: int
 
 
 @dataclass(frozen=True)
 class PageCodec:
-    """How one vLLM attention backend lays out a layer's pages (see the module doc)."""
+    """Token-major KV <-> one layer view of vLLM's pages (see the module doc). `block_size` is
+    vLLM's block size (a request's block ids count these); `kernel_block_size` the tokens of a
+    page of the view, block_size or a divisor of it."""
 
-    layout: str
     n_kv_head: int
     head_dim: int
     block_size: int
+    kernel_block_size: int = 0  # 0: the view's pages are vLLM's blocks
 
     def __post_init__(self) -> None:
-        if self.layout not in LAYOUTS:
-            raise ValueError(f"unknown vLLM page layout {self.layout!r}; known: {', '.join(LAYOUTS)}")
+        kernel = self.kernel_block_size or self.block_size
+        if kernel <= 0 or self.block_size % kernel:
+            raise ValueError(f"kernel block size {kernel} does not divide vLLM's block size {self.block_size}")
+
+    @property
+    def page_tokens(self) -> int:
+        """Tokens of one page of the view."""
+        return self.kernel_block_size or self.block_size
 
     @classmethod
-    def detect(cls, layer: torch.Tensor, n_kv_head: int, head_dim: int, block_size: int, on_cpu: bool) -> PageCodec:
-        """The codec of a registered layer tensor, from its shape (and the platform: the CPU
-        backend is the one head-major layout). Raises ValueError naming the shape otherwise."""
-        shape = tuple(layer.shape)
-        h, d, b = n_kv_head, head_dim, block_size
-        if on_cpu and len(shape) == 4 and shape[1:] == (h, b, 2 * d):
-            return cls("head_major", h, d, b)
-        if len(shape) == 5 and shape[0] == 2 and shape[2:] == (b, h, d):
-            return cls("kv_first", h, d, b)
-        if len(shape) == 5 and shape[1:] == (2, b, h, d):
-            return cls("blocks_first", h, d, b)
-        raise ValueError(
-            f"vLLM KV cache layer of shape {shape} matches no page layout this backend knows for "
-            f"{h} KV heads, head_dim {d}, block_size {b} ({', '.join(LAYOUTS)}); use an attention "
-            "backend with one of them (VLLM_ATTENTION_BACKEND)"
-        )
+    def detect(
+        cls, layer: torch.Tensor, declared: DeclaredPages | None, n_kv_head: int, head_dim: int, block_size: int
+    ) -> PageCodec:
+        """The codec of a registered layer view. `declared` is what vLLM says of the layer (its
+        backend, layout and spec); None where it could not be read, and then the shape alone
+        decides, as vLLM 0.32's fixed logical axes allow. ValueError naming the shape, the
+        backend and the fix for any view this codec cannot read as K and V."""
+        backend = declared.backend if declared is not None else "an attention backend this connector could not identify"
+        shape, h, d = tuple(layer.shape), n_kv_head, head_dim
+        if declared is not None:
+            _check_declared(declared, h, d)
+        if layer.dim() != 4 or shape[1] != h or shape[3] != 2 * d or shape[2] <= 0 or block_size % shape[2]:
+            raise ValueError(
+                f"vLLM KV cache layer of shape {shape} from {backend} is not the [blocks, {h} KV heads, "
+                f"tokens dividing block_size {block_size}, K and V of head_dim {d} = {2 * d}] view vLLM 0.32 "
+                "hands connectors; run a vLLM this backend is tested with (runtime/vllm_engine/version.py) "
+                "and a K/V attention backend (VLLM_ATTENTION_BACKEND=FLASH_ATTN, FLASHINFER or TRITON_ATTN)"
+            )
+        if declared is not None:
+            _check_strides(layer, declared)
+        return cls(h, d, block_size, shape[2] if shape[2] != block_size else 0)
 
     # --- tokens by position ---------------------------------------------------------------
 
-    def gather(self, layer: torch.Tensor, blocks: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """The KV [T, 2, H, D] of the tokens at (blocks[i], slots[i]) of one layer: one indexed
-        read for any number of tokens of any number of requests."""
+    def gather(self, layer: torch.Tensor, pages: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """The KV [T, 2, H, D] of the tokens at (pages[i], slots[i]) of one layer view (positions
+        from `positions`): one indexed read for any number of tokens of any number of requests.
+        Indexing the logical axes reads the right bytes whatever the view's strides."""
         h, d = self.n_kv_head, self.head_dim
-        if self.layout == "head_major":
-            return layer[blocks, :, slots].view(-1, h, 2, d).permute(0, 2, 1, 3)  # [T, H, 2D] -> [T, 2, H, D]
-        if self.layout == "kv_first":
-            return layer[:, blocks, slots].permute(1, 0, 2, 3)  # [2, T, H, D]
-        return layer[blocks, :, slots]  # [T, 2, H, D]
+        # Two advanced indices around a slice put the indexed axis first: [T, H, C], C = K row then V row.
+        return layer[pages, :, slots].reshape(-1, h, 2, d).permute(0, 2, 1, 3)
 
-    def scatter(self, layer: torch.Tensor, blocks: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor) -> None:
-        """Store KV [T, 2, H, D] as the tokens at (blocks[i], slots[i]) of one layer."""
+    def scatter(self, layer: torch.Tensor, pages: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor) -> None:
+        """Store KV [T, 2, H, D] as the tokens at (pages[i], slots[i]) of one layer view."""
         h, d = self.n_kv_head, self.head_dim
-        if kv.shape != (len(blocks), 2, h, d):
-            raise ValueError(f"KV of shape {tuple(kv.shape)} for {len(blocks)} token positions")
+        if kv.shape != (len(pages), 2, h, d):
+            raise ValueError(f"KV of shape {tuple(kv.shape)} for {len(pages)} token positions")
         kv = kv.to(device=layer.device, dtype=layer.dtype)
-        if self.layout == "head_major":
-            layer[blocks, :, slots] = kv.permute(0, 2, 1, 3).reshape(-1, h, 2 * d)
-        elif self.layout == "kv_first":
-            layer[:, blocks, slots] = kv.permute(1, 0, 2, 3)
-        else:
-            layer[blocks, :, slots] = kv
+        layer[pages, :, slots] = kv.permute(0, 2, 1, 3).reshape(-1, h, 2 * d)
 
     def positions(self, spans: Sequence[tuple[Sequence[int], int, int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(page, slot) of every token of each (block_ids, lo, hi) span, in vLLM's pages."""
-        return token_positions(spans, self.block_size, device)
+        """(page, slot) in the view of every token of each (block_ids, lo, hi) span, block_ids
+        being vLLM's blocks: kernel pages where the view splits them (see the module doc)."""
+        pages, slots = token_positions(spans, self.block_size, device)
+        if self.page_tokens == self.block_size:
+            return pages, slots
+        per_block = self.block_size // self.page_tokens
+        return pages * per_block + torch.div(slots, self.page_tokens, rounding_mode="floor"), slots % self.page_tokens
 
     # --- token ranges ---------------------------------------------------------------------
 
@@ -98,6 +151,52 @@ class PageCodec:
     def write(self, layer: torch.Tensor, block_ids: Sequence[int], lo: int, hi: int, kv: torch.Tensor) -> None:
         """Store token-major KV [hi - lo, 2, H, D] as tokens [lo, hi) of one layer."""
         self.scatter(layer, *self.positions([(block_ids, lo, hi)], layer.device), kv)
+
+
+def _check_declared(declared: DeclaredPages, n_kv_head: int, head_dim: int) -> None:
+    """Refuse what vLLM declares and token-major KV cannot be: MLA's latent, quantized content,
+    K and V of other sizes than the model's."""
+    if declared.mla:
+        raise ValueError(
+            f"attention backend {declared.backend} is MLA: its pages hold one latent vector per token "
+            f"(kv_lora_rank + rope dims = {declared.head_size}), not K and V per KV head, and DualPath's "
+            "token-major KV ([2, n_kv_head, head_dim], kv/layout.py) cannot describe it; serve an MHA/GQA "
+            "model, or a K/V attention backend"
+        )
+    if declared.quantized:
+        raise ValueError(
+            f"attention backend {declared.backend} keeps a quantized KV cache: its pages are not the model "
+            "dtype's K and V; leave kv_cache_dtype at auto"
+        )
+    want = (n_kv_head, head_dim, head_dim)
+    if (declared.n_kv_head, declared.head_size, declared.head_size_v) != want:
+        raise ValueError(
+            f"attention backend {declared.backend} declares {declared.n_kv_head} KV heads of K size "
+            f"{declared.head_size} and V size {declared.head_size_v}; the model section says {want[0]} heads "
+            f"of head_dim {head_dim} (engine.vllm_model's config and the model section must agree)"
+        )
+
+
+def _check_strides(layer: torch.Tensor, declared: DeclaredPages) -> None:
+    """The view's strides follow the declared layout's physical order of [B, H, N, C]: each axis
+    outer to the next one spans at least all of it, and the content is dense. This is what tells
+    [B, H, N, C] from a view with other axes when the shape cannot (n_kv_head == block size)."""
+    order = declared.view_order
+    if sorted(order) != list(range(4)):
+        raise ValueError(f"{declared.layout} declares view order {order}, not an order of the 4 axes {VIEW_AXES}")
+    # Axes of size 1 have no meaningful stride (a single KV head): they constrain nothing.
+    sized = [axis for axis in order if layer.shape[axis] > 1]
+    strides = tuple(layer.stride())
+    dense_content = layer.shape[3] == 1 or strides[3] == 1
+    nested = all(strides[outer] >= strides[inner] * layer.shape[inner] for outer, inner in pairwise(sized))
+    if not (dense_content and nested and order[-1] == 3):
+        physical = "".join(VIEW_AXES[axis] for axis in order)
+        raise ValueError(
+            f"vLLM KV cache layer of shape {tuple(layer.shape)} and strides {strides} from {declared.backend} "
+            f"does not follow its declared layout {declared.layout} (axes {VIEW_AXES} stored in the order "
+            f"{physical}): the view is not the [B, H, N, C] one vLLM 0.32 hands connectors; run a vLLM this "
+            "backend is tested with (runtime/vllm_engine/version.py)"
+        )
 
 
 def token_positions(
