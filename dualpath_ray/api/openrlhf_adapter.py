@@ -29,7 +29,7 @@ import ray
 from dualpath_ray.api.rollout import rollout_async
 from dualpath_ray.api.validation import RequestError, parse_sampling_request, validate_prompt
 from dualpath_ray.config import DualPathConfig
-from dualpath_ray.protocol.messages import SamplingParams, TurnResult
+from dualpath_ray.protocol.messages import TurnResult
 from dualpath_ray.protocol.names import SCHEDULER
 from dualpath_ray.workload.trace import Trajectory, Turn
 

@@ -22,10 +22,10 @@ from dualpath_ray.protocol.messages import RequestSpec, SamplingParams
 
 # Keys that are only accepted at one value, and why.
 _NEUTRAL_VALUES: dict[str, tuple[tuple[Any, ...], str]] = {
-    "n": ((1, None), "one request id is one sample; send n samples as n requests, each with its own request id "
-                     "(and seed)"),
-    "ignore_eos": ((False, None), "no eos is implied here: a request stops only at the stop_token_ids it sends "
-                                  "or at max_tokens, so leave eos out of stop_token_ids instead"),
+    "n": ((1, None), ("one request id is one sample; send n samples as n requests, each with its own request id "
+                      "(and seed)")),
+    "ignore_eos": ((False, None), ("no eos is implied here: a request stops only at the stop_token_ids it sends "
+                                   "or at max_tokens, so leave eos out of stop_token_ids instead")),
 }
 # Long enough for any random token (vLLM suggests 43 base64 characters, 256 bits).
 MAX_CACHE_SALT_CHARS = 1024

@@ -21,7 +21,8 @@ The log-prob returned (LogProbs):
 
 from __future__ import annotations
 
-from typing import Collection, Literal
+from collections.abc import Collection
+from typing import Literal
 
 import torch
 
@@ -33,7 +34,7 @@ def penalised(logits: torch.Tensor, context: Collection[int], repetition_penalty
     if repetition_penalty == 1.0 or not context:
         return logits
     seen = torch.zeros_like(logits, dtype=torch.bool)
-    seen[torch.as_tensor(sorted(set(int(t) for t in context)), dtype=torch.long)] = True
+    seen[torch.as_tensor(sorted({int(t) for t in context}), dtype=torch.long)] = True
     # x (1 / penalty) rather than / penalty: vLLM's op, so the two round alike.
     scaled = torch.where(logits > 0, logits * (1.0 / repetition_penalty), logits * repetition_penalty)
     return torch.where(seen, scaled, logits)
