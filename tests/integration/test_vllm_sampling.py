@@ -45,6 +45,8 @@ SEEDS = {f"seed{i}": SamplingParams(temperature=1.5, seed=seed) for i, seed in e
 def _probe(cfg: DualPathConfig, cases: dict[str, SamplingParams]) -> dict[str, dict[str, Any]]:
     """Per case: the prompt, the token vLLM sampled, its log-prob, and the raw logits it came from."""
     import numpy as np
+    from vllm import SamplingParams as VllmSampling
+    from vllm.inputs import TokensPrompt
 
     import dualpath_ray.runtime.vllm_engine.host as host_module
     from dualpath_ray.kv.layout import KVLayout
@@ -52,8 +54,6 @@ def _probe(cfg: DualPathConfig, cases: dict[str, SamplingParams]) -> dict[str, d
     from dualpath_ray.runtime.vllm_engine.step_kv import EXTERNAL_TOKENS, KEY
     from dualpath_ray.runtime.vllm_engine.steps import PagesStep
     from dualpath_ray.scheduling.types import Role
-    from vllm import SamplingParams as VllmSampling
-    from vllm.inputs import TokensPrompt
 
     plain_kwargs = host_module.engine_kwargs
     # The reference request asks for log-probs over the whole vocabulary (vLLM's default cap is 20).
