@@ -2,8 +2,10 @@
 `GenerationRequest`, and the response, chunk and error objects (pure: no Ray, no HTTP).
 
 A field this server cannot honour is a 400 naming it, never silently ignored: one choice per
-prompt (`n` 1), sampled-token log-probs only (`logprobs` 0 / `top_logprobs` 0), no penalties, no
-string stops (stops are token ids: `stop_token_ids`). A completions `prompt` is one string, one
+prompt (`n` 1: a request id is one sample), sampled-token log-probs only (`logprobs` 0 /
+`top_logprobs` 0), no presence/frequency penalties, no string stops (stops are token ids:
+`stop_token_ids`). vLLM's extra sampling fields `top_k`, `min_p` and `repetition_penalty` are
+honoured (checked by api/validation.py, as the token API checks them). A completions `prompt` is one string, one
 list of token ids, or a list of token-id lists (one choice each, not streamed, not in a session).
 `session_id` (or OpenAI's `conversation_id`) puts the request on its conversation's request ids
 (api/sessions.py). `return_token_ids` (vLLM's field) adds `token_ids` (the generated ids) and, on
@@ -30,8 +32,14 @@ _NEUTRAL = {
     "stop": (None,), "tools": (None,), "tool_choice": (None, "none"), "top_logprobs": (0, None),
     "parallel_tool_calls": (None, False),
 }
-_COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stream", "stream_options", "user", "metadata",
-           "store", "session_id", "conversation_id", "stop_token_ids", "return_token_ids", "expect_next_turn_s",
+# vLLM's sampling fields beyond OpenAI's, passed to api/validation.py as they are sent.
+_EXTRA_SAMPLING = ("top_k", "min_p", "repetition_penalty")
+_NEUTRAL_HINTS = {
+    "stop": " (stops are token ids here: use stop_token_ids)",
+    "n": " (one request is one sample here: send n requests, each with its own seed, for n samples)",
+}
+_COMMON = {"model", "max_tokens", "temperature", "top_p", *_EXTRA_SAMPLING, "seed", "stream", "stream_options", "user",
+           "metadata", "store", "session_id", "conversation_id", "stop_token_ids", "return_token_ids", "expect_next_turn_s",
            "cache_salt", *_NEUTRAL}
 COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs"}
 CHAT_FIELDS = _COMMON | {"messages", "logprobs", "max_completion_tokens", "response_format"}
@@ -97,7 +105,7 @@ def _check_fields(body: Mapping[str, Any], allowed: set[str]) -> None:
         raise APIError(f"unknown field {unknown[0]!r}; this server accepts {sorted(allowed)}", unknown[0])
     for key, values in _NEUTRAL.items():
         if key in body and body[key] not in values:
-            hint = " (stops are token ids here: use stop_token_ids)" if key == "stop" else ""
+            hint = _NEUTRAL_HINTS.get(key, "")
             raise APIError(f"{key} = {body[key]!r} is not supported; send {values[0]!r} or leave it out{hint}", key)
 
 
@@ -144,6 +152,7 @@ def _sampling(body: Mapping[str, Any], max_tokens: int | None) -> dict[str, Any]
         "temperature": _number(body, "temperature", 1.0, 0.0, 2.0), "top_p": _number(body, "top_p", 1.0, 1e-9, 1.0),
         "seed": _int_or_none(body, "seed", 0) or 0, "stop_token_ids": list(stops),
     }
+    sampling.update({key: body[key] for key in _EXTRA_SAMPLING if body.get(key) is not None})
     if max_tokens is not None:
         sampling["max_tokens"] = max_tokens
     return sampling

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Mapping, Sequence
 
 import ray
@@ -29,12 +29,14 @@ import ray
 from dualpath_ray.api.rollout import rollout_async
 from dualpath_ray.api.validation import RequestError, parse_sampling_request, validate_prompt
 from dualpath_ray.config import DualPathConfig
-from dualpath_ray.protocol.messages import SamplingParams, TurnResult
+from dualpath_ray.protocol.messages import TurnResult
 from dualpath_ray.protocol.names import SCHEDULER
 from dualpath_ray.workload.trace import Trajectory, Turn
 
 # vLLM SamplingParams attributes that map onto this sampler (others must be at their defaults).
-_SAMPLING_ATTRIBUTES = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "logprobs", "n")
+_SAMPLING_ATTRIBUTES = (
+    "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stop_token_ids", "logprobs", "n",
+)
 
 
 @dataclass(frozen=True)
@@ -131,8 +133,7 @@ class OpenRLHFEngine:
             for i, prompt in enumerate(prompts)
         ]
         sampling = {
-            t.trajectory_id: SamplingParams(parsed.params.max_new_tokens, parsed.params.temperature, parsed.params.top_p,
-                                            seed, parsed.params.stop_token_ids)
+            t.trajectory_id: replace(parsed.params, seed=seed)
             for t, seed in zip(trajectories, per_sample)
         }
         version = await self.server.get_weight_version.remote()

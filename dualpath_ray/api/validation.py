@@ -1,9 +1,10 @@
 """Validation of what a caller sends: prompts and sampling parameters, with errors that name the
 request and the field.
 
-Sampling keys are vLLM's names as verl's agent loop and OpenRLHF send them. Keys whose value
-changes nothing here are accepted at that value only (`top_k` -1/0 = off, `repetition_penalty`
-1.0, `n` 1, `ignore_eos` false); any other value is an error, never silently ignored.
+Sampling keys are vLLM's names as verl's agent loop and OpenRLHF send them, with vLLM's ranges
+and "off" values (`top_k` -1/0, `min_p` 0, `repetition_penalty` 1.0). `n` is accepted at 1 only
+(a request id is one sample: n samples are n requests) and `ignore_eos` at false only (stops are
+the caller's `stop_token_ids`); any other value is an error, never silently ignored.
 """
 
 from __future__ import annotations
@@ -19,12 +20,12 @@ from dualpath_ray.config import ModelConfig
 from dualpath_ray.kv.index import salted_namespace
 from dualpath_ray.protocol.messages import RequestSpec, SamplingParams
 
-# Keys that are only accepted at the value that means "off": the sampler has no such knob.
-_NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
-    "top_k": (-1, 0, None),
-    "repetition_penalty": (1, 1.0, None),
-    "n": (1, None),
-    "ignore_eos": (False, None),
+# Keys that are only accepted at one value, and why.
+_NEUTRAL_VALUES: dict[str, tuple[tuple[Any, ...], str]] = {
+    "n": ((1, None), ("one request id is one sample; send n samples as n requests, each with its own request id "
+                      "(and seed)")),
+    "ignore_eos": ((False, None), ("no eos is implied here: a request stops only at the stop_token_ids it sends "
+                                   "or at max_tokens, so leave eos out of stop_token_ids instead")),
 }
 # Long enough for any random token (vLLM suggests 43 base64 characters, 256 bits).
 MAX_CACHE_SALT_CHARS = 1024
@@ -32,8 +33,8 @@ MAX_CACHE_SALT_CHARS = 1024
 # decoder here does not take.
 _MULTIMODAL_KWARGS = ("image_data", "video_data", "audio_data", "mm_processor_kwargs")
 _SAMPLING_KEYS = {
-    "max_tokens", "max_new_tokens", "temperature", "top_p", "seed", "stop_token_ids", "logprobs",
-    *_NEUTRAL_VALUES,
+    "max_tokens", "max_new_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed",
+    "stop_token_ids", "logprobs", *_NEUTRAL_VALUES,
 }
 
 
@@ -82,13 +83,43 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def _check_neutral(request_id: str, params: Mapping[str, Any]) -> None:
-    for key, allowed in _NEUTRAL_VALUES.items():
+    for key, (allowed, why) in _NEUTRAL_VALUES.items():
         if key in params and params[key] not in allowed:
             raise RequestError(
-                f"request {request_id}: sampling_params.{key} = {params[key]!r} is not supported "
-                f"(the sampler has no {key}); send one of {list(allowed)} or leave it out", key,
+                f"request {request_id}: sampling_params.{key} = {params[key]!r} is not supported ({why}); "
+                f"send {allowed[0]!r} or leave it out", key,
             )
+
+
+def _filters(request_id: str, params: Mapping[str, Any]) -> tuple[int, float, float]:
+    """top_k, min_p and repetition_penalty, None meaning off, in vLLM's ranges."""
+    top_k = params.get("top_k")
+    top_k = -1 if top_k is None else top_k
+    if not _is_int(top_k) or top_k < -1:
+        raise RequestError(
+            f"request {request_id}: sampling_params.top_k must be an int, -1 or 0 for off or >= 1 tokens kept "
+            f"(got {top_k!r})", "top_k",
+        )
+    min_p = params.get("min_p")
+    min_p = 0.0 if min_p is None else min_p
+    if not _is_number(min_p) or not 0.0 <= min_p <= 1.0:
+        raise RequestError(
+            f"request {request_id}: sampling_params.min_p must be a number in [0, 1], 0 for off (got {min_p!r})",
+            "min_p",
+        )
+    penalty = params.get("repetition_penalty")
+    penalty = 1.0 if penalty is None else penalty
+    if not _is_number(penalty) or penalty <= 0:
+        raise RequestError(
+            f"request {request_id}: sampling_params.repetition_penalty must be a finite number > 0, 1.0 for off "
+            f"(got {penalty!r})", "repetition_penalty",
+        )
+    return int(top_k), float(min_p), float(penalty)
 
 
 def parse_sampling_request(request_id: str, params: Mapping[str, Any] | None, default_max_new: int) -> ParsedSampling:
@@ -131,7 +162,9 @@ def parse_sampling_request(request_id: str, params: Mapping[str, Any] | None, de
         raise RequestError(
             f"request {request_id}: sampling_params.logprobs must be a bool or an int (got {logprobs!r})", "logprobs"
         )
-    sampling = SamplingParams(int(max_new), float(temperature), float(top_p), seed, tuple(int(t) for t in stops))
+    top_k, min_p, repetition_penalty = _filters(request_id, params)
+    sampling = SamplingParams(int(max_new), float(temperature), float(top_p), seed, tuple(int(t) for t in stops),
+                              top_k, min_p, repetition_penalty)
     # vLLM: logprobs=0 or True returns the sampled token's log-prob; None/False returns none.
     return ParsedSampling(sampling, logprobs is not None and logprobs is not False)
 

