@@ -322,17 +322,35 @@ class DualPathCluster:
 
     # --- teardown ------------------------------------------------------------------------
 
-    def teardown(self) -> None:
-        """Stop and remove every actor and placement group of the current deployment."""
+    def teardown(self, stop_timeout_s: float | None = None) -> None:
+        """Stop and remove every actor and placement group of the current deployment. Each
+        engine gets `stop_timeout_s` (default runtime.heartbeat_timeout_s) to stop before it is
+        killed."""
         from dualpath_ray.api import SERVER_NAME
 
         if self.deployment is None:
             return
-        tear_down(self.deployment, self.cfg.runtime.namespace, self.cfg.runtime.heartbeat_timeout_s, SERVER_NAME)
+        timeout_s = self.cfg.runtime.heartbeat_timeout_s if stop_timeout_s is None else stop_timeout_s
+        tear_down(self.deployment, self.cfg.runtime.namespace, timeout_s, SERVER_NAME)
         self.deployment = None
 
-    def shutdown(self) -> None:
-        self.teardown()
+    def embedded_alive(self) -> bool:
+        """Whether every process the embedded cluster started (GCS, raylets, ...) still runs;
+        True for a cluster this driver connected to. A Ray call waits up to a minute for a GCS
+        that died, so a caller that must stop in time asks this first."""
+        if self.local_cluster is None:
+            return True
+        nodes = [self.local_cluster.head_node, *self.local_cluster.worker_nodes]
+        return all(info.process.poll() is None for node in nodes if node is not None
+                   for infos in node.all_processes.values() for info in infos)
+
+    def shutdown(self, teardown: bool = True) -> None:
+        """Tear the deployment down, disconnect, and stop the embedded cluster. `teardown=False`
+        skips the actor-by-actor teardown: for an embedded cluster whose processes are stopped
+        anyway (`dualpath serve` stops them all at once, which is faster)."""
+        if teardown:
+            self.teardown()
+        self.deployment = None
         ray.shutdown()
         if self.local_cluster is not None:
             self.local_cluster.shutdown()

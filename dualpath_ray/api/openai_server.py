@@ -17,6 +17,7 @@ arrives before the new incarnation listens is refused (connection refused: retri
 from __future__ import annotations
 
 import asyncio
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,16 @@ from dualpath_ray.runtime.engine.restarts import was_restarted
 
 OPENAI_SERVER_NAME = OPENAI_SERVER
 START_TIMEOUT_S = 30.0
+# After the grace of `stop`, the aborted requests' last chunks get this long to be sent, and
+# once their connections are closed by force, the server's task this long to end.
+ABORT_WAIT_S = 1.0
+FORCE_WAIT_S = 0.5
+LOG = logging.getLogger("dualpath_ray.openai_server")
+
+
+def stop_bound_s(grace_s: float) -> float:
+    """The longest `OpenAIServer.stop(grace_s)` takes, its abort call aside."""
+    return grace_s + ABORT_WAIT_S + FORCE_WAIT_S
 
 
 def tokenizer_dir(cfg: DualPathConfig, override: str | Path | None, skip: bool = False) -> Path | None:
@@ -103,10 +114,40 @@ class OpenAIServer:
         await self.rollout_server.set_server_address.remote(host, bound)
         return host, bound
 
-    async def stop(self) -> None:
-        if self.uvicorn is not None and self.task is not None:
-            self.uvicorn.should_exit = True
-            await self.task
+    async def stop(self, grace_s: float = 0.0) -> int:
+        """Stop serving, bounded: listen no more and close idle connections at once, give the
+        requests in flight `grace_s` to finish, then abort every turn still in flight (a stream
+        ends with finish_reason "abort" and [DONE], a whole response is answered with what it
+        has) and, ABORT_WAIT_S later, close what is still open. Returns the turns aborted.
+
+        The aborts reach every caller of this deployment's rollout-server, not only this
+        endpoint's: it is asked to stop when the deployment goes down with it."""
+        if self.uvicorn is None or self.task is None:
+            return 0
+        self.uvicorn.should_exit = True  # uvicorn's loop closes the listening sockets within 0.1 s
+        if await _finished(self.task, grace_s):
+            return 0
+        loop = asyncio.get_running_loop()
+        abort_deadline = loop.time() + ABORT_WAIT_S  # the abort call and the last chunks share it
+        try:
+            aborted = int(await asyncio.wait_for(self.rollout_server.abort_all.remote(), ABORT_WAIT_S))
+        except Exception as exc:  # noqa: BLE001 - a scheduler that cannot abort: the connections are closed below
+            LOG.warning("stop: aborting the requests in flight failed: %r", exc)
+            aborted = 0
+        if not await _finished(self.task, max(0.0, abort_deadline - loop.time())):
+            # A connection uvicorn still waits for (a request that was never a turn: a body
+            # still arriving, say): force_exit ends its wait, and the tasks are cancelled.
+            self.uvicorn.force_exit = True
+            for task in list(self.uvicorn.server_state.tasks):
+                task.cancel()
+            await _finished(self.task, FORCE_WAIT_S)
+        return aborted
+
+
+async def _finished(task: asyncio.Task[None], timeout_s: float) -> bool:
+    """Whether `task` ends within timeout_s (not cancelled by the wait)."""
+    await asyncio.wait({task}, timeout=timeout_s)
+    return task.done()
 
 
 def start_openai_server(cfg: DualPathConfig, host: str = "127.0.0.1", port: int = 8000,

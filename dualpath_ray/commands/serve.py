@@ -30,13 +30,24 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import sys
 import threading
 from pathlib import Path
+from typing import NoReturn
 
 from dualpath_ray.api.api_keys import API_KEY_ENV, ApiKeyFileError, read_api_key_file
 from dualpath_ray.api.http_limits import HttpLimits
+from dualpath_ray.commands.serve_stop import (
+    DEFAULT_SHUTDOWN_GRACE_S,
+    RunProcesses,
+    Served,
+    StopRequested,
+    StopSignals,
+    exit_now,
+    say,
+    stop_deadline_s,
+    stop_serving,
+)
 from dualpath_ray.config import load_config
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -80,14 +91,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              f"{limits.keep_alive_s:g})")
     parser.add_argument("--max-head-bytes", type=int, default=limits.max_head_bytes,
                         help=f"largest request line and headers; larger is a 431 (default {limits.max_head_bytes})")
+    parser.add_argument("--shutdown-grace-s", type=float, default=DEFAULT_SHUTDOWN_GRACE_S,
+                        help="on SIGTERM or Ctrl-C, requests in flight get this many seconds to finish before they "
+                             "are aborted; the whole stop then takes at most "
+                             f"{stop_deadline_s(0.0):g} s more, and a second signal kills at once (default "
+                             f"{DEFAULT_SHUTDOWN_GRACE_S:g}: stopped within "
+                             f"{stop_deadline_s(DEFAULT_SHUTDOWN_GRACE_S):g} s)")
     parser.add_argument("--address", default=None, help="a running Ray cluster (default: start an embedded one)")
     parser.add_argument("--replace", action="store_true",
                         help="kill actors another deployment left in runtime.namespace instead of refusing to start")
     parser.set_defaults(func=main)
-
-
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt  # SIGTERM stops the endpoint and the cluster as Ctrl-C does
 
 
 def api_keys(args: argparse.Namespace) -> list[str]:
@@ -122,9 +135,11 @@ def http_limits(args: argparse.Namespace) -> HttpLimits:
 def _check_flags(args: argparse.Namespace) -> None:
     if not 0 <= args.port <= 65535:
         raise SystemExit(f"dualpath serve: --port must be in [0, 65535] (got {args.port})")
+    if not args.shutdown_grace_s >= 0:  # NaN included
+        raise SystemExit(f"dualpath serve: --shutdown-grace-s must be >= 0 (got {args.shutdown_grace_s})")
 
 
-def main(args: argparse.Namespace) -> int:
+def main(args: argparse.Namespace) -> NoReturn:
     from dualpath_ray.api.openai_server import start_openai_server, tokenizer_dir
     from dualpath_ray.api.tokenizer import HFTokenizer
     from dualpath_ray.cluster import DualPathCluster
@@ -139,26 +154,32 @@ def main(args: argparse.Namespace) -> int:
     if not keys and args.host not in LOOPBACK_HOSTS:
         print(f"dualpath serve: listening on {args.host} without an API key: anyone who reaches the port can "
               f"generate; pass --api-key or set {API_KEY_ENV}", file=sys.stderr, flush=True)
-    cluster = DualPathCluster.connect(cfg, args.address) if args.address else DualPathCluster.start(cfg)
+    # Marked before anything starts, so every process this run starts carries the mark; the
+    # handlers before anything starts, so a signal during the start-up stops it as well.
+    processes = RunProcesses.mark()
+    signals = StopSignals(processes)
+    signals.install()
+    served = Served(embedded=not args.address)
+    failed = True
     try:
-        cluster.deploy(replace_existing=args.replace)
-        cluster.server()
-        actor, url = start_openai_server(cfg, args.host, args.port, tokenizer, api_keys=keys, limits=limits,
-                                         skip_tokenizer_init=tokenizer is None)
+        served.cluster = DualPathCluster.connect(cfg, args.address) if args.address else DualPathCluster.start(cfg)
+        signals.install()  # again: ray.init replaced the SIGTERM handler
+        if served.cluster.local_cluster is not None:
+            processes.session_dir = served.cluster.local_cluster.head_node.get_session_dir_path()
+        served.cluster.deploy(replace_existing=args.replace)
+        served.cluster.server()
+        served.actor, url = start_openai_server(cfg, args.host, args.port, tokenizer, api_keys=keys, limits=limits,
+                                                skip_tokenizer_init=tokenizer is None)
         print(json.dumps({"url": url, "model": cfg.model.model_id, "namespace": cfg.runtime.namespace,
                           "tokenizer": str(tokenizer) if tokenizer is not None else None,
                           "api_key_required": bool(keys), "tenants": len(keys)}), flush=True)
-        signal.signal(signal.SIGTERM, _interrupt)
-        try:
-            threading.Event().wait()
-        except KeyboardInterrupt:
-            print("dualpath serve: stopping", flush=True)
-        import ray
-
-        ray.kill(actor, no_restart=True)
+        threading.Event().wait()  # until a signal raises StopRequested
+    except StopRequested as stop:
+        failed = False
+        say(f"{stop}: stopping (in-flight requests get {args.shutdown_grace_s:g} s, then are aborted; "
+            "a second signal kills at once)")
     finally:
-        if args.address:
-            cluster.teardown()
-        else:
-            cluster.shutdown()
-    return 0
+        signals.stopping = True  # a signal from now on forces the stop (StopSignals)
+        stop_serving(served, processes, signals, args.shutdown_grace_s, 1 if failed else 0)
+        signals.restore()
+    exit_now(0)  # a failed start-up went on with its exception, shown by the interpreter
