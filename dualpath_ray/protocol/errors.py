@@ -14,6 +14,9 @@ class ErrorKind(str, enum.Enum):
 
     KV_MISSING = "kv_missing"  # a hit block was gone from the store (evicted, deleted)
     KV_CORRUPT = "kv_corrupt"  # a hit block failed its checksum at read
+    # A hit block's read raised the file system's I/O error on one reader (a bad sector, or that
+    # node's storage client failing): read again through the other side's reader first.
+    KV_UNREADABLE = "kv_unreadable"
     KV_MISMATCH = "kv_mismatch"  # assembled KV differed at the decode side (runtime.verify_kv)
     TRANSFER = "transfer"  # a KV transfer failed or timed out
     CALL_FAILED = "call_failed"  # an actor call or its reply was lost (the callee is alive)
@@ -42,4 +45,10 @@ class ErrorKind(str, enum.Enum):
     @property
     def about_stored_kv(self) -> bool:
         """A failure of the store's blocks, which runtime.kv_failure_policy governs."""
-        return self in (ErrorKind.KV_MISSING, ErrorKind.KV_CORRUPT)
+        return self in (ErrorKind.KV_MISSING, ErrorKind.KV_CORRUPT, ErrorKind.KV_UNREADABLE)
+
+    @property
+    def may_be_the_readers(self) -> bool:
+        """The failure may be one node's (its storage client, its disk path), not the block's:
+        a retry reads through the other side's reader first (SchedulerCore.next_attempt)."""
+        return self in (ErrorKind.KV_UNREADABLE, ErrorKind.STORE_IO)

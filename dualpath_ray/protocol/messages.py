@@ -106,6 +106,9 @@ class RequestSpec:
     # The caller's hint that its session's next turn comes about this many seconds after this one
     # ends (a tool call): its KV is staged meanwhile (scheduling/staging.py). None: no hint.
     expect_next_turn_s: float | None = None
+    # A node whose reader this attempt must not read its hits through: the attempt before it
+    # failed reading there (SchedulerCore.next_attempt). "" = none.
+    avoid_reader: str = ""
 
     @property
     def owner(self) -> str:
@@ -280,8 +283,9 @@ class TurnResult:
     persisted: tuple[PersistedBlock, ...] = ()
     error: str | None = None
     error_kind: ErrorKind | None = None
-    bad_keys: tuple[str, ...] = ()  # the stored blocks a KV_MISSING / KV_CORRUPT failure names
+    bad_keys: tuple[str, ...] = ()  # the stored blocks a KV_MISSING / KV_CORRUPT / KV_UNREADABLE failure names
     epoch: int = 0  # of the serving that dispatched the attempt (RequestSpec.epoch)
+    failed_reader: str = ""  # the node whose reader's read of its hits failed it, if one did
 
     @property
     def owner(self) -> str:
@@ -376,12 +380,12 @@ def aborted_result(spec: RequestSpec) -> TurnResult:
 
 def failed_result(
     spec: RequestSpec, engine: str, error: BaseException | str, kind: ErrorKind = ErrorKind.INTERNAL,
-    bad_keys: tuple[str, ...] = (),
+    bad_keys: tuple[str, ...] = (), failed_reader: str = "",
 ) -> TurnResult:
     """The result of a request an engine could not serve: the caller gets the error, not a hang."""
     return TurnResult(
         request_id=spec.request_id, attempt=spec.attempt, output_tokens=(), log_probs=(),
         stop_reason=StopReason.ERROR, prompt_tokens=len(spec.prompt), hit_tokens=0, path=ReadPath.PE,
         prefill_engine=engine, decode_engine="", ttft_s=0.0, tpot_s=0.0, error=f"{engine}: {error!r}",
-        error_kind=kind, bad_keys=bad_keys, epoch=spec.epoch,
+        error_kind=kind, bad_keys=bad_keys, epoch=spec.epoch, failed_reader=failed_reader,
     )

@@ -318,7 +318,8 @@ class Dispatcher:
         hit_blocks = len(request.hit_keys)
         if self.compute_path is None or not hit_blocks:
             return
-        reader = pe_node if self._path(pe_node, request.decode_node) is ReadPath.PE else request.decode_node
+        path = self._path(pe_node, request.decode_node, request.avoid_reader)
+        reader = pe_node if path is ReadPath.PE else request.decode_node
         inputs = SplitInputs(
             hit_blocks, request.hit_tokens // hit_blocks, request.prompt_tokens - request.hit_tokens,
             self.read_q.get(reader, 0), engine_tok,
@@ -331,15 +332,21 @@ class Dispatcher:
         path), none (DE path), or, with read_split proportional in dualpath mode, a share by
         the two read queues' headroom below alpha (split_read)."""
         hit_blocks = len(request.read_keys)
-        if self.read_split == "proportional" and self.mode is Mode.DUALPATH and pe_node not in self.no_pe_reads:
+        if (self.read_split == "proportional" and self.mode is Mode.DUALPATH and pe_node not in self.no_pe_reads
+                and not request.avoid_reader):
             pe, _ = split_read(hit_blocks, self.read_q.get(pe_node, 0), self.read_q.get(request.decode_node, 0),
                                self.constants.alpha_tokens)
             return pe
-        return hit_blocks if self._path(pe_node, request.decode_node) is ReadPath.PE else 0
+        return hit_blocks if self._path(pe_node, request.decode_node, request.avoid_reader) is ReadPath.PE else 0
 
-    def _path(self, pe_node: str, de_node: str) -> ReadPath:
-        if pe_node in self.no_pe_reads:
+    def _path(self, pe_node: str, de_node: str, avoid: str = "") -> ReadPath:
+        """The read path: DE where the prefill node's reader is down or to be avoided (the
+        request's previous attempt failed reading there), PE where the decode node's is to be
+        avoided, else PE outside dualpath mode and the shorter read queue in it."""
+        if pe_node in self.no_pe_reads or (avoid and avoid == pe_node and avoid != de_node):
             return ReadPath.DE
+        if avoid and avoid == de_node:
+            return ReadPath.PE
         if self.mode is not Mode.DUALPATH:
             return ReadPath.PE
         return choose_read_path(self.read_q.get(pe_node, 0), self.read_q.get(de_node, 0))

@@ -84,6 +84,8 @@ class Request:
     # Of its hit blocks, how many are read; the rest are computed with its miss tokens (the
     # compute path, scheduling/compute_path.py). None: all of them (set when it is placed).
     read_blocks: int | None = None
+    # A node whose reader it must not read through (its previous attempt's read failed there).
+    avoid_reader: str = ""
 
     @property
     def read_keys(self) -> tuple[str, ...]:

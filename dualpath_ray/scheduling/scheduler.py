@@ -10,6 +10,7 @@ Ray calls; the cluster simulator (sim/) drives the very same object with simulat
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Protocol
@@ -113,6 +114,7 @@ class SchedulerCore:
         self.presumed_dead: set[str] = set()  # silent past the heartbeat timeout; see _live
         self.readmitted = 0
         self.unpublished_blocks = 0  # persisted blocks whose chain was gone from the index (not indexed)
+        self.reread_elsewhere: dict[str, int] = {}  # retries read through the other side's reader, by cause
         # Engines that said they do not hold the published weights yet (restarted, catching up):
         # no work until they say they do (runtime/engine/held_weights.py).
         self.unready: set[str] = set()
@@ -143,7 +145,8 @@ class SchedulerCore:
         self.settings.admission.check(spec.request_id, spec.attempt, self.dispatcher.queued)
         keys, hit_tokens = self.lookup(spec)
         reserved = decode_tokens(len(spec.prompt), spec.sampling.max_new_tokens, self.settings.block_size)
-        request = Request(spec.request_id, len(spec.prompt), hit_tokens, reserved, keys, spec)
+        request = Request(spec.request_id, len(spec.prompt), hit_tokens, reserved, keys, spec,
+                          avoid_reader=spec.avoid_reader)
         if len(self.staging) and keys:
             request.staged = self.staging.claim(keys, self.clock())
         self.dispatcher.submit(request)
@@ -380,14 +383,34 @@ class SchedulerCore:
             return False
         return result.attempt + 1 < self.settings.max_attempts
 
+    def next_attempt(self, result: TurnResult, spec: RequestSpec) -> tuple[RequestSpec, int]:
+        """The retry of `spec`, whose attempt failed with `result`, and the blocks unindexed
+        for it. A read that failed on one node's reader in a way that may be that node's (an
+        I/O error: its storage client, its path to the disk) is first read again through the
+        other side's reader, in dualpath mode, with nothing repaired; if that fails too, or the
+        failure is the block's (missing, corrupt), the blocks it names are repaired and the retry
+        recomputes from there."""
+        kind = result.error_kind
+        node = result.failed_reader
+        elsewhere = (
+            self.mode is Mode.DUALPATH and kind is not None and kind.may_be_the_readers and node
+            and not spec.avoid_reader and node not in self.readers_dead
+        )
+        if elsewhere:
+            assert kind is not None
+            self.reread_elsewhere[kind.value] = self.reread_elsewhere.get(kind.value, 0) + 1
+            return dataclasses.replace(spec, attempt=spec.attempt + 1, avoid_reader=node), 0
+        return dataclasses.replace(spec, attempt=spec.attempt + 1, avoid_reader=""), self.repair(result)
+
     def repair(self, result: TurnResult) -> int:
         """Before a retry: the blocks a KV failure names (and every block after them) leave the
         index, so the retry hits only the longest valid prefix and recomputes the rest; a corrupt
-        block is deleted so that the retry's persist republishes it. Returns blocks unindexed."""
+        or unreadable block is deleted so that the retry's persist republishes it. Returns blocks
+        unindexed."""
         removed = 0
         for key in result.bad_keys:
             removed += self.index.remove(key)
-            if result.error_kind is ErrorKind.KV_CORRUPT and self.store is not None:
+            if result.error_kind in (ErrorKind.KV_CORRUPT, ErrorKind.KV_UNREADABLE) and self.store is not None:
                 self.store.delete(key)
         return removed
 

@@ -16,7 +16,7 @@ class RoundRobinPaths(Dispatcher):
         super().__init__(constants, mode, read_split)
         self._next_de = False
 
-    def _path(self, pe_node: str, de_node: str) -> ReadPath:
+    def _path(self, pe_node: str, de_node: str, avoid: str = "") -> ReadPath:
         if self.mode is not Mode.DUALPATH:
             return ReadPath.PE
         path = ReadPath.DE if self._next_de else ReadPath.PE

@@ -360,6 +360,8 @@ class Scheduler:
                 "restarted": int(self.restarted), "mailboxes": len(self.mailboxes),
                 "dropped_results": self.mailboxes.dropped, "queue_full": self.serving.refused,
                 "decode_pulls": rounds.decode_pulls if rounds else 0, "prefill_pulls": rounds.prefill_pulls if rounds else 0,
+                "recomputed_hit_tokens": self.core.dispatcher.recomputed_hit_tokens,
+                **{f"reread_elsewhere_{cause}": n for cause, n in self.core.reread_elsewhere.items()},
                 **self._staging_counts(), **self._channel_counts()}
 
     def _channel_counts(self) -> dict[str, int]:

@@ -96,8 +96,8 @@ class Serving:
                 assert self.watchdog is not None
                 await self.watchdog.probe(suspects)
             self.calls.retries += 1
-            self.calls.unindexed_blocks += self.core.repair(result)
-            spec = dataclasses.replace(spec, attempt=spec.attempt + 1)
+            spec, unindexed = self.core.next_attempt(result, spec)
+            self.calls.unindexed_blocks += unindexed
         return aborted_result(spec) if self.aborts.is_aborted(spec.request_id) else result
 
     async def _adopt(self, request_id: str, deadline: float) -> TurnResult | None:

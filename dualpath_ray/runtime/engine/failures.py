@@ -17,6 +17,18 @@ class KVMismatchError(RuntimeError):
     """The decode side's check found assembled KV that differs from the store / a recompute."""
 
 
+class ReadFailed(Exception):
+    """A read of a request's hits failed on `node`'s reader with `cause` (classified as the
+    cause is); the failed result names the node, so the retry can read through the other side."""
+
+    def __init__(self, node: str, cause: BaseException) -> None:
+        super().__init__(node, cause)
+        self.node, self.cause = node, cause
+
+    def __str__(self) -> str:
+        return f"the read on {self.node}'s reader failed: {self.cause!r}"
+
+
 def _cause(error: BaseException) -> BaseException:
     # A RayTaskError is an instance of its cause's class but does not carry its attributes;
     # the original exception is its `cause`.
@@ -26,6 +38,8 @@ def _cause(error: BaseException) -> BaseException:
 
 def classify(error: BaseException) -> tuple[ErrorKind, tuple[str, ...]]:
     """The kind of `error` and the stored blocks it names."""
+    if isinstance(error, ReadFailed):
+        return classify(error.cause)
     cause = _cause(error)
     if isinstance(cause, BadBlockError):
         # An unreadable block (the file system's I/O error on its file: a bad sector) is repaired
@@ -34,8 +48,8 @@ def classify(error: BaseException) -> tuple[ErrorKind, tuple[str, ...]]:
         # no-op (put finds the block's header in place), so the block would be indexed again and
         # every later turn on that prefix would read it, fail and retry; a fresh file is written
         # elsewhere on the disk (and a rewritten sector is remapped by the drive).
-        kind = ErrorKind.KV_MISSING if cause.kind == "missing" else ErrorKind.KV_CORRUPT
-        return kind, (cause.key,)
+        kinds = {"missing": ErrorKind.KV_MISSING, "corrupt": ErrorKind.KV_CORRUPT, "unreadable": ErrorKind.KV_UNREADABLE}
+        return kinds[cause.kind], (cause.key,)
     if isinstance(cause, BlockNotFoundError):
         return ErrorKind.KV_MISSING, ()
     if isinstance(cause, (BlockCorruptedError, IncompatibleBlockError)):
@@ -73,7 +87,8 @@ def _is_dead_actor(error: BaseException) -> bool:
 def failure_of(spec: RequestSpec, engine: str, error: BaseException) -> TurnResult:
     """The failed TurnResult of `spec`, classified."""
     kind, keys = classify(error)
-    return failed_result(spec, engine, error, kind, keys)
+    node = error.node if isinstance(error, ReadFailed) else ""
+    return failed_result(spec, engine, error.cause if isinstance(error, ReadFailed) else error, kind, keys, node)
 
 
 def log_failure(log: logging.Logger, what: str, error: BaseException) -> None:

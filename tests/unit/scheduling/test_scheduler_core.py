@@ -201,3 +201,55 @@ def test_an_engine_that_is_not_ready_gets_no_work_until_it_is() -> None:
     assert c.engine_readiness("decode/d0/g0", True)
     (reservation,) = c.fetch_decode(decode(("decode/d0/g0", 1000)))
     assert reservation.decode_engine == "decode/d0/g0", "ready again: it takes work"
+
+
+def test_a_read_that_failed_on_one_reader_is_retried_through_the_other_then_repaired() -> None:
+    import dataclasses
+
+    from dualpath_ray.protocol.messages import ErrorKind
+
+    c = core()
+    first = spec("t1", 80, seed=7)
+    keys = serve_and_store(c, first)
+    s = spec("t2", 80, seed=7)  # the same prompt: its hits are t1's blocks
+    c.submit(s)
+    c.fetch_decode(decode(("decode/d0/g0", 1000)))
+    (task,) = c.fetch_prefill(prefill("prefill/p0/g0", read_q=0))
+    assert task.path is ReadPath.PE, "an idle prefill-side reader reads the hits (the shorter queue; ties to PE)"
+    failed = dataclasses.replace(result_of(s, error="EIO"), error_kind=ErrorKind.KV_UNREADABLE,
+                                 bad_keys=(keys[1],), failed_reader="p0")
+    c.finish(failed)
+    retry, unindexed = c.next_attempt(failed, s)
+    assert (retry.attempt, retry.avoid_reader, unindexed) == (1, "p0", 0), (
+        "an I/O error on the prefill node's reader: the retry avoids that reader and nothing is repaired"
+    )
+    assert c.reread_elsewhere == {"kv_unreadable": 1}, "counted by cause"
+    c.submit(retry)
+    c.fetch_decode(decode(("decode/d0/g0", 1000)))
+    (task,) = c.fetch_prefill(prefill("prefill/p0/g0", read_q=0))
+    assert task.path is ReadPath.DE and task.hit_keys == tuple(keys[:4]), (
+        "the retry reads every hit block through the decode node's reader"
+    )
+    failed_again = dataclasses.replace(result_of(retry, error="EIO"), error_kind=ErrorKind.KV_UNREADABLE,
+                                       bad_keys=(keys[1],), failed_reader="d0")
+    c.finish(failed_again)
+    third, unindexed = c.next_attempt(failed_again, retry)
+    assert third.avoid_reader == "" and unindexed == len(keys) - 1, (
+        "unreadable on both sides: the block and its successors leave the index, the next retry recomputes them"
+    )
+
+
+def test_a_corrupt_block_is_repaired_at_once_whoever_read_it() -> None:
+    import dataclasses
+
+    from dualpath_ray.protocol.messages import ErrorKind
+
+    c = core()
+    keys = serve_and_store(c, spec("t1", 80, seed=3))
+    s = spec("t2", 80, seed=3)
+    failed = dataclasses.replace(result_of(s, error="checksum"), error_kind=ErrorKind.KV_CORRUPT,
+                                 bad_keys=(keys[2],), failed_reader="p0")
+    retry, unindexed = c.next_attempt(failed, s)
+    assert retry.avoid_reader == "" and unindexed == len(keys) - 2, (
+        "a checksum failure is the block's on every reader: repaired, not read elsewhere"
+    )
