@@ -37,6 +37,8 @@ class MetricSpec:
     tags: tuple[str, ...]
     unit: str
     boundaries: tuple[float, ...] = ()
+    # The config switch without which the metric never has a series ("" = any deployment has one).
+    only_when: str = ""
 
     @property
     def exported_name(self) -> str:
@@ -54,8 +56,9 @@ TAGS: dict[str, str] = {
     "(storage -> decode node -> RDMA -> prefill engine)",
     "direction": "in (KV moved into the engine's memory) or out (KV moved out of it)",
     "mode": "the deployment's read-path mode: dualpath, basic or oracle",
-    "kind": "why an attempt failed: an ErrorKind value (kv_missing, kv_corrupt, kv_mismatch, transfer, "
-    "call_failed, store_io, peer_died, timeout, internal)",
+    "kind": "why an attempt failed: an ErrorKind value (kv_missing, kv_corrupt, kv_unreadable, kv_mismatch, "
+    "transfer, call_failed, store_io, peer_died, hbm_full, stale_weights, timeout, internal)",
+    "why": "why stored tokens were computed instead of read: compute_path (scheduler.compute_path judged it sooner)",
     "outcome": "of a trajectory: ok (every turn served), failed (a turn failed after its retries) or aborted (its "
     "caller aborted it); of staged blocks: staged, used, expired, cancelled, skipped, failed or missed",
 }
@@ -157,6 +160,12 @@ RECOMPUTED_BLOCKS = MetricSpec(
     "recomputes them.",
     ("mode",), "blocks",
 )
+RECOMPUTED_HIT_TOKENS = MetricSpec(
+    "dualpath_recomputed_hit_tokens", MetricKind.COUNTER,
+    "Stored prompt tokens placed to be computed instead of read, by prefill engine and why "
+    "(compute_path: scheduler.compute_path judged computing them sooner than reading them).",
+    ("mode", "engine", "why"), "tokens", only_when="scheduler.compute_path: auto or all",
+)
 ATTEMPT_FAILURES = MetricSpec(
     "dualpath_attempt_failures", MetricKind.COUNTER,
     "Attempts that failed, by why (retried or not; timeouts included).",
@@ -192,7 +201,8 @@ ALL_METRICS: tuple[MetricSpec, ...] = (
     SNIC_READ_BYTES, SNIC_WRITE_BYTES, CNIC_BYTES, REQUESTS, READ_QUEUE_TOKENS, ENGINE_TOKENS,
     ENGINE_REQUESTS, BUFFER_BYTES_USED, BUFFER_BYTES_CAPACITY, HBM_BYTES_USED, HBM_BYTES_CAPACITY,
     TTFT_SECONDS, TPOT_SECONDS, KV_LOAD_SECONDS, DECISION_SECONDS, TRAJECTORY_JCT_SECONDS, RETRIES,
-    RECOMPUTED_BLOCKS, ATTEMPT_FAILURES, STORE_CHECKSUM_FAILURES, STORE_WRITE_FAILURES, KV_DIGEST_MISMATCHES,
+    RECOMPUTED_BLOCKS, RECOMPUTED_HIT_TOKENS, ATTEMPT_FAILURES, STORE_CHECKSUM_FAILURES, STORE_WRITE_FAILURES,
+    KV_DIGEST_MISMATCHES,
     STAGED_BLOCKS,
 )
 

@@ -45,11 +45,15 @@ class ModeRun:
     # Every turn's output tokens (warm-up included), per trajectory in turn order: what the
     # modes' outputs_match compares, there for anyone to check against a recompute.
     outputs: dict[str, list[list[int]]] = field(default_factory=dict)
+    # Stored tokens of the timed turns computed instead of read (scheduler.compute_path) x KV
+    # bytes per token: hit_bytes counts what was read, this what the compute path saved reading.
+    recomputed_hit_bytes: int = 0
 
     def to_json(self) -> dict[str, object]:
         return {
             "round": self.round, "mode": self.mode, "jct_s": self.jct_s, "turns": self.turns,
-            "hit_bytes": self.hit_bytes, "ttft_s": self.ttft_s.to_json(), "tpot_s": self.tpot_s.to_json(),
+            "hit_bytes": self.hit_bytes, "recomputed_hit_bytes": self.recomputed_hit_bytes,
+            "ttft_s": self.ttft_s.to_json(), "tpot_s": self.tpot_s.to_json(),
             "snic_read_bytes": self.snic_read_bytes, "snic_read_bytes_by_path": self.snic_read_bytes_by_path,
             "snic_write_bytes": self.snic_write_bytes, "requests_by_path": self.requests_by_path,
             "snic_balance": self.snic_balance,
@@ -75,10 +79,12 @@ class ModeSummary:
     requests_by_path: dict[str, int]
     snic_balance: float | None
     jct_over_io_bound: float | None
+    recomputed_hit_bytes: int = 0
 
     def to_json(self) -> dict[str, object]:
         return {
             "jct_s": self.jct_s, "jct_rounds_s": self.jct_rounds_s, "turns": self.turns, "hit_bytes": self.hit_bytes,
+            "recomputed_hit_bytes": self.recomputed_hit_bytes,
             "ttft_s": self.ttft_s.to_json(), "tpot_s": self.tpot_s.to_json(),
             "snic_read_bytes": self.snic_read_bytes, "snic_read_bytes_by_path": self.snic_read_bytes_by_path,
             "snic_write_bytes": self.snic_write_bytes, "requests_by_path": self.requests_by_path,
@@ -126,6 +132,7 @@ def summarise_mode(runs: Sequence[ModeRun], io_s: float) -> ModeSummary:
         jct_rounds_s=[r.jct_s for r in runs],
         turns=runs[0].turns,
         hit_bytes=median_count([r.hit_bytes for r in runs]),
+        recomputed_hit_bytes=median_count([r.recomputed_hit_bytes for r in runs]),
         ttft_s=Percentiles(median_optional([r.ttft_s.p50 for r in runs]), median_optional([r.ttft_s.p99 for r in runs])),
         tpot_s=Percentiles(median_optional([r.tpot_s.p50 for r in runs]), median_optional([r.tpot_s.p99 for r in runs])),
         snic_read_bytes=median_by_key([r.snic_read_bytes for r in runs]),

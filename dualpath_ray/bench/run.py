@@ -134,6 +134,7 @@ def measure_run(
     return ModeRun(
         round=round_index, mode=mode, jct_s=jct_s, turns=len(turns),
         hit_bytes=sum(r.hit_tokens for r in turns) * bytes_per_token,
+        recomputed_hit_bytes=sum(r.recomputed_tokens for r in turns) * bytes_per_token,
         ttft_s=percentiles([r.ttft_s for r in turns]),
         tpot_s=percentiles([r.tpot_s for r in turns if len(r.output_tokens) > 1]),
         snic_read_bytes={n: sum(c.snic_read.values()) for n, c in delta.items()},

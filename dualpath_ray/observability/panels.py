@@ -168,10 +168,12 @@ MEMORY_ROW = Row(500, "Buffers and HBM", (
 
 FAILURE_ROW = Row(600, "Failures, retries, recomputes", (
     Panel(601, "Retries and recomputed blocks (last 5 min)",
-          "Turns tried again after a retryable failure, and stored blocks dropped from the index before a "
-          "retry so it recomputes them.",
+          "Turns tried again after a retryable failure, stored blocks dropped from the index before a "
+          "retry so it recomputes them, and hit tokens the compute path placed to be computed instead of "
+          "read, per prefill engine (scheduler.compute_path).",
           "short", (Target(increase(m.RETRIES, "mode"), "retries ({{mode}})"),
-                    Target(increase(m.RECOMPUTED_BLOCKS, "mode"), "recomputed blocks ({{mode}})"))),
+                    Target(increase(m.RECOMPUTED_BLOCKS, "mode"), "recomputed blocks ({{mode}})"),
+                    Target(increase(m.RECOMPUTED_HIT_TOKENS, "engine"), "hit tokens computed, not read ({{engine}})"))),
     Panel(602, "Failed attempts by kind (last 5 min)",
           "Attempts that failed, by ErrorKind (retried ones included); docs/reliability.md says what each means.",
           "short", (Target(increase(m.ATTEMPT_FAILURES, "kind"), "{{kind}}"),), stack=True),

@@ -286,6 +286,7 @@ class TurnResult:
     bad_keys: tuple[str, ...] = ()  # the stored blocks a KV_MISSING / KV_CORRUPT / KV_UNREADABLE failure names
     epoch: int = 0  # of the serving that dispatched the attempt (RequestSpec.epoch)
     failed_reader: str = ""  # the node whose reader's read of its hits failed it, if one did
+    recomputed_tokens: int = 0  # stored tokens its prefill computed instead of reading (the compute path)
 
     @property
     def owner(self) -> str:

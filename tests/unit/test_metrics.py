@@ -190,16 +190,19 @@ def test_scheduler_metrics_observe_turns_count_failures_and_export_its_call_coun
 
 def test_scheduler_metrics_time_decisions_and_count_placements_by_path() -> None:
     class Task:
-        def __init__(self, path: str) -> None:
-            self.path = path
+        def __init__(self, path: str, recomputed_tokens: int = 0) -> None:
+            self.path, self.recomputed_tokens, self.prefill_engine = path, recomputed_tokens, "prefill/p0/g0"
 
     sink = RecordingSink()
     metrics = SchedulerMetrics(sink, "basic", SchedulerCounts())
     metrics.decided("prefill", 0.002)  # the rounds report each ask of the core (scheduling/rounds.py)
-    metrics.placed([Task("pe"), Task("pe"), Task("de")])
+    metrics.placed([Task("pe"), Task("pe", recomputed_tokens=128), Task("de")])
     assert sink.observations[("dualpath_scheduler_decision_seconds", (("role", "prefill"),))], "the decision is timed"
     assert sink.counter(m.REQUESTS, mode="basic", path="pe") == 2, "placed prefill requests counted by path"
     assert sink.counter(m.REQUESTS, mode="basic", path="de") == 1, "placed prefill requests counted by path"
+    assert sink.counter(m.RECOMPUTED_HIT_TOKENS, mode="basic", engine="prefill/p0/g0", why="compute_path") == 128, (
+        "hit tokens placed to be computed instead of read are counted per prefill engine"
+    )
 
 
 def test_metrics_off_records_nothing_and_starts_no_thread(tmp_path: Path) -> None:

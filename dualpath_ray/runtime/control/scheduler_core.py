@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from dualpath_ray.config import DualPathConfig
+from dualpath_ray.config import ConfigError, DualPathConfig
 from dualpath_ray.kv.eviction import LRUEviction, store_capacity_bytes
 from dualpath_ray.kv.index import PrefixIndex
 from dualpath_ray.kv.janitor import StoreJanitor
@@ -25,6 +25,15 @@ def prefill_s_of(cfg: DualPathConfig) -> Callable[[int, int], float] | None:
     profile (what beta is derived from), for the compute path; None when it is off."""
     if cfg.scheduler.compute_path == "off":
         return None
+    if cfg.scheduler.compute_path == "auto" and cfg.emulation.profile_path is None:
+        # The built-in profile is a nominal accelerator's: its prefill times can be off by 50x
+        # on real engines, and auto would then recompute every hit (benchmarks/README.md).
+        raise ConfigError(
+            "scheduler.compute_path: auto estimates compute from the latency profile, and emulation.profile_path "
+            "is unset (the built-in nominal profile is not this hardware): measure one with `dualpath profile "
+            "--config YOUR.yaml --out profile.json` and set emulation.profile_path to it, or set "
+            "scheduler.compute_path: off"
+        )
     profile = load_profile_for(cfg)
     return lambda cached, new: profile.forward_ms([(cached, new)]) / 1000.0 if new else 0.0
 

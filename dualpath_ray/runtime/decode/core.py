@@ -310,7 +310,7 @@ class DecodeCore:
             hit_tokens=task.hit_tokens, path=task.path, prefill_engine=task.prefill_engine,
             decode_engine=self.settings.engine_id, ttft_s=job.handoff.first_token_at - spec.submitted_at,
             tpot_s=tpot, kv_bytes_verified=job.check.bytes_verified, kv_mismatches=job.check.mismatches,
-            persisted=self.persistence.publish(job), epoch=spec.epoch,
+            persisted=self.persistence.publish(job), epoch=spec.epoch, recomputed_tokens=task.recomputed_tokens,
         )
         transition(job, DecodeState.DONE)
         self._forget(job)

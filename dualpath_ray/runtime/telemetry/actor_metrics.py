@@ -210,6 +210,10 @@ class SchedulerMetrics:
         for path in PATHS:
             count = sum(1 for task in tasks if task.path == path)
             self.sink.inc(m.REQUESTS, count, {"mode": self.mode, "path": path})
+        for task in tasks:
+            if task.recomputed_tokens:
+                self.sink.inc(m.RECOMPUTED_HIT_TOKENS, task.recomputed_tokens,
+                              {"mode": self.mode, "engine": task.prefill_engine, "why": "compute_path"})
 
     def finished(self, result: TurnResult) -> None:
         """A result of the attempt in flight: a failure by its kind, or a served turn."""
