@@ -38,17 +38,20 @@ def random_block(seed: int, layout: KVLayout = LAYOUT) -> torch.Tensor:
     return torch.randint(0, 256, layout.full_block_shape, dtype=torch.uint8, generator=generator)
 
 
-@pytest.fixture(params=["local_dir", "memory"])
+@pytest.fixture(params=["local_dir-direct", "local_dir-buffered", "memory"])
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[BlockStore]:
     backend: BlockStore = (
-        LocalDirStore(tmp_path / "store", LAYOUT) if request.param == "local_dir" else MemoryStore(LAYOUT)
+        MemoryStore(LAYOUT) if request.param == "memory"
+        else LocalDirStore(tmp_path / "store", LAYOUT, io=request.param.split("-")[1])
     )
     yield backend
 
 
-@pytest.fixture
-def local(tmp_path: Path) -> Iterator[LocalDirStore]:
-    backend = LocalDirStore(tmp_path / "store", LAYOUT)
+@pytest.fixture(params=["direct", "buffered"])
+def local(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[LocalDirStore]:
+    """A directory store on each I/O path (tmp_path is on a disk: O_DIRECT works there)."""
+    backend = LocalDirStore(tmp_path / "store", LAYOUT, io=request.param)
+    assert backend.direct == (request.param == "direct"), "the store uses the I/O path asked for"
     yield backend
 
 

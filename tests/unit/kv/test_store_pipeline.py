@@ -36,9 +36,9 @@ def random_block(seed: int) -> torch.Tensor:
 BLOCKS = [random_block(100 + i) for i in range(N_BLOCKS)]
 
 
-@pytest.fixture
-def store(tmp_path: Path) -> Iterator[LocalDirStore]:
-    backend = LocalDirStore(tmp_path / "store", LAYOUT, read_threads=1)
+@pytest.fixture(params=["direct", "buffered"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[LocalDirStore]:
+    backend = LocalDirStore(tmp_path / "store", LAYOUT, read_threads=1, io=request.param)
     for parent, key, block in zip([None, *KEYS], KEYS[:N_BLOCKS], BLOCKS):
         backend.put(key, block, parent=parent)
     yield backend
