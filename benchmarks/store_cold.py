@@ -52,10 +52,14 @@ from dualpath_ray.runtime.reader.core import ReaderCore
 from dualpath_ray.runtime.reader.settings import ReaderSettings
 
 
-def drop_caches() -> None:
+def drop_caches(level: int = 3) -> None:
+    """Drop the page cache (1), or it and the dentry and inode caches too (3): with 3 every
+    open of a block file reads its directory entries and inode from the disk, as a reader's first
+    open of a block another node wrote does on a shared file system; fio opens its files before
+    its timed phase, so it pays none of that (compare --drop-level 1)."""
     os.sync()
     with open("/proc/sys/vm/drop_caches", "w") as knob:
-        knob.write("3\n")
+        knob.write(f"{level}\n")
 
 
 def cached_bytes() -> int:
@@ -111,14 +115,16 @@ def spinners(count: int) -> list[subprocess.Popen[bytes]]:
     ]
 
 
-def time_cold(methods: dict[str, Callable[[], float | None]], repetitions: int) -> dict[str, list[float]]:
+def time_cold(
+    methods: dict[str, Callable[[], float | None]], repetitions: int, drop_level: int = 3
+) -> dict[str, list[float]]:
     """Seconds per run of each method (or the rate it reports itself, as 1 / seconds), each run
     after a page-cache drop, the methods in rotating order every repetition."""
     seconds: dict[str, list[float]] = {name: [] for name in methods}
     names = list(methods)
     for rep in range(repetitions):
         for name in names[rep % len(names):] + names[: rep % len(names)]:
-            drop_caches()
+            drop_caches(drop_level)
             start = time.perf_counter()
             reported = methods[name]()
             seconds[name].append(time.perf_counter() - start if reported is None else reported)
@@ -164,7 +170,7 @@ def cold_reads(args: argparse.Namespace) -> dict[str, object]:
     }
     busy = spinners(args.busy_nice)
     try:
-        seconds = time_cold(methods, args.repetitions)
+        seconds = time_cold(methods, args.repetitions, args.drop_level)
     finally:
         for spinner in busy:
             spinner.kill()
@@ -187,6 +193,7 @@ def cold_reads(args: argparse.Namespace) -> dict[str, object]:
         "queue_depth": args.queue_depth,
         "busy_nice_spinners": args.busy_nice,
         "repetitions": args.repetitions,
+        "drop_caches": args.drop_level,
         "fio_command": " ".join(fio),
         "median_gbps": {name: statistics.median(r) for name, r in rates.items()},
         "range_gbps": {name: (min(r), max(r)) for name, r in rates.items()},

@@ -89,6 +89,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     cold.add_argument("--queue-depth", type=int, default=8, help="blocks read at once, store and fio (default 8)")
     cold.add_argument("--request-blocks", type=int, default=64, help="blocks per reader request (default 64)")
     cold.add_argument("--busy-nice", type=int, default=0, help="nice -n 15 spinners while timing (default 0)")
+    cold.add_argument("--drop-level", type=int, default=3, choices=[1, 3],
+                      help="what each drop empties: 3 (default) the page cache and the dentry and inode caches, "
+                      "1 the page cache only")
     cold.add_argument("--persist", action="store_true", help="with --cold: time puts against fio's write")
     cold.add_argument("--page-cache-gib", type=float, default=0.0, help="with --cold: persist this much, "
                       "report the page cache's growth and the cold read rate before and after")
@@ -245,8 +248,8 @@ def run(args: argparse.Namespace) -> BenchResult:
     layout = KVLayout(args.n_layer, args.block_size, args.n_kv_head, args.head_dim, args.dtype)
     with tempfile.TemporaryDirectory(prefix="dualpath-store-bench-") as scratch:
         root = args.root or Path(scratch)
-        store = LocalDirStore(root, layout)
-        serial = LocalDirStore(root, layout, read_threads=0)
+        store = LocalDirStore(root, layout, io="buffered")  # warm: reads from the page cache
+        serial = LocalDirStore(root, layout, read_threads=0, io="buffered")
         keys, source = fill_store(store, args.blocks)
         paths = [str(store.path_of(key)) for key in keys]
         file_bytes = os.path.getsize(paths[0])
