@@ -20,7 +20,8 @@ cache. Every timed run starts with the page cache dropped (`sync; echo 3 >
 direct and buffered, against fio's sequential O_DIRECT write of files of the same size (psync,
 one job, depth 1: a put is one file written by one thread), with the growth of the page cache
 (/proc/meminfo Cached) each left behind. `--page-cache-gib G` persists G GiB through the direct
-store and reports the page cache's growth and the cold direct read rate before and after.
+store and reports the page cache's growth (/proc/meminfo Cached, all processes; and the
+persisted files' own resident bytes, fincore) and the cold direct read rate before and after.
 """
 
 from __future__ import annotations
@@ -68,6 +69,19 @@ def cached_bytes() -> int:
             if line.startswith("Cached:"):
                 return int(line.split()[1]) * 1024
     raise RuntimeError("no Cached line in /proc/meminfo")
+
+
+def resident_bytes(paths: list[str]) -> int:
+    """Bytes of these files in the page cache now (util-linux fincore), whoever else reads or
+    writes files meanwhile: /proc/meminfo's Cached counts every process's files."""
+    total = 0
+    for first in range(0, len(paths), 512):
+        report = subprocess.run(
+            ["fincore", "--bytes", "--noheadings", "--raw", "--output", "RES", *paths[first : first + 512]],
+            check=True, capture_output=True, text=True,
+        ).stdout
+        total += sum(int(line) for line in report.split())
+    return total
 
 
 def fio_read_command(root: Path, file_bytes: int, depth: int) -> list[str]:
@@ -276,12 +290,14 @@ def page_cache(args: argparse.Namespace) -> dict[str, object]:
         store.put(key, pool.full_block(i % 64))
     put_s = time.perf_counter() - start
     growth = cached_bytes() - cached_before
+    resident = resident_bytes([str(store.path_of(key)) for key in keys])
     rate_after = read_rate()
     shutil.rmtree(target, ignore_errors=True)
     return {
         "persisted_gib": n_blocks * layout.full_block_bytes / 2**30,
         "persist_gbps": n_blocks * layout.full_block_bytes / put_s / 1e9,
         "page_cache_growth_mib": growth / 2**20,
+        "persisted_files_resident_mib": resident / 2**20,
         "cold_direct_read_gbps_before": rate_before,
         "cold_direct_read_gbps_after": rate_after,
     }

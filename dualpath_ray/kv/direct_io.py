@@ -23,10 +23,12 @@ import mmap
 import os
 import threading
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from dualpath_ray.kv.block_format import HEADER_SIZE
+
+if TYPE_CHECKING:  # the scheduler imports the store without torch (tests/unit/scheduling)
+    import torch
 
 # The alignment of O_DIRECT offsets, lengths and buffers: 4096 suits devices whose logical
 # blocks are 512 or 4096 bytes, and is the page size, so it also suits the kernel's checks.
