@@ -13,7 +13,9 @@ cache. Every timed run starts with the page cache dropped (`sync; echo 3 >
   (what the store did before direct I/O).
 - reader: ReaderCore.read_blocks of requests of --request-blocks blocks each over the direct
   store (lease an extent, read, verify, count each verified block on the SNIC read counter, free),
-  the SNIC unpaced, one request after another: the reader end to end without Ray.
+  the SNIC unpaced, one request after another: the reader end to end without Ray (the actor's
+  core, `ReaderCore`, which the actor only wraps); reader_2_requests: two such requests at once,
+  as the actor serves them, with two store helpers fewer (blocks in flight still --queue-depth).
 `--busy-nice` adds a `nice -n 15` spinner per given count while timing.
 
 `--persist` times puts instead: N blocks from aligned pool slots into an empty directory,
@@ -33,6 +35,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -176,11 +179,29 @@ def cold_reads(args: argparse.Namespace) -> dict[str, object]:
             read = core.read_blocks("bench", chunk, len(chunk), "pe")
             core.free(read.extent_id)
 
+    # Two requests at once, as the reader actor serves them (its "io" concurrency group): the
+    # store has two helpers fewer, so the blocks in flight stay at the queue depth.
+    pair_store = LocalDirStore(root, layout, io="direct", read_threads=args.queue_depth - 2)
+    pair_core = reader_core(pair_store, args.request_blocks * 2)
+    requests = [keys[first : first + args.request_blocks] for first in range(0, len(keys), args.request_blocks)]
+
+    def run_reader_pair() -> None:
+        def stream(mine: list[list[str]]) -> None:
+            for chunk in mine:
+                read = pair_core.read_blocks("bench", chunk, len(chunk), "pe")
+                pair_core.free(read.extent_id)
+
+        other = threading.Thread(target=stream, args=(requests[1::2],))
+        other.start()
+        stream(requests[0::2])
+        other.join()
+
     methods: dict[str, Callable[[], float | None]] = {
         "fio": run_fio,
         "direct": run_direct,
         "buffered": lambda: buffered.get_many_into(keys, outs),
         "reader": run_reader,
+        "reader_2_requests": run_reader_pair,
     }
     busy = spinners(args.busy_nice)
     try:
@@ -199,6 +220,7 @@ def cold_reads(args: argparse.Namespace) -> dict[str, object]:
     hash_s = time.process_time() - hash_start
     direct.close()
     buffered.close()
+    pair_store.close()
     shutil.rmtree(root, ignore_errors=True)
     rates = {name: [payload / s / 1e9 for s in times] for name, times in seconds.items()}
     return {

@@ -107,9 +107,9 @@ class StoreConfig(Section):
         "takes the next). None (the default) = 8 with direct I/O (on the project's 2-core VM the store "
         "reaches fio's O_DIRECT rate at the same depth there; benchmarks/README.md, \"Store read, cold\"), "
         "buffered 2 for blocks of 512 KiB or more and 1 below (reads from the page cache are CPU-bound). "
-        "CPU per GB read on that VM: 0.06-0.09 core-seconds verifying (xxh3_64), 0.19-0.26 for the whole "
+        "CPU per GB read on that VM: 0.05-0.08 core-seconds verifying (xxh3_64), 0.13-0.28 for the whole "
         "direct read (open, preadv, verify, bookkeeping), spread over the threads; it grows with the bytes "
-        "read, so a node reading at 40 GB/s needs about 3 cores for verification alone and about 8-10 for "
+        "read, so a node reading at 40 GB/s needs about 2-3 cores for verification alone and 5-11 for "
         "the reads.",
     )
 
