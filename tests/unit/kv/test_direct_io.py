@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from dualpath_ray.config import StoreConfig
 from dualpath_ray.kv.block_format import (
     HEADER_FIELDS_SIZE,
     HEADER_SIZE,
@@ -28,6 +29,7 @@ from dualpath_ray.kv.store import (
     BlockCorruptedError,
     IncompatibleBlockError,
     LocalDirStore,
+    open_store,
 )
 
 # 64 KiB blocks: a whole number of ALIGNMENT units, so pool slots are aligned and read with no copy.
@@ -172,3 +174,12 @@ def test_a_full_disk_under_a_direct_write_leaves_a_miss_and_no_temporary(tmp_pat
         store.put(KEYS[0], BufferPool(1, LAYOUT, pin=False).full_block(0))
     assert not store.contains(KEYS[0]), "a refused write publishes nothing"
     assert [p for p in tmp_path.rglob("*") if p.is_file()] == [], "and leaves no temporary"
+
+
+def test_the_config_names_the_io_and_the_queue_depth(tmp_path: Path) -> None:
+    assert StoreConfig().io == "auto" and StoreConfig().read_queue_depth is None, "defaults: probe, derived depth"
+    store = open_store(StoreConfig(root=tmp_path, block_size=LAYOUT.block_size, io="buffered", read_queue_depth=3), LAYOUT)
+    assert isinstance(store, LocalDirStore) and not store.direct, "store.io reaches the opened store"
+    assert store.helpers.size == 2, "read_queue_depth counts the reading thread: depth 3 = 2 helpers"
+    with pytest.raises(ValueError):
+        StoreConfig(read_queue_depth=0)
