@@ -19,6 +19,7 @@ Reports median GB/s of payload bytes per method and the median of the per-repeti
 to each plain baseline. Goal: get_many_into / plain >= 0.9. `--busy K` runs K busy-looping
 processes while timing, to show what is left when the second core is taken.
 Run: .venv/bin/python benchmarks/store_read.py
+`--cold` (as root, fio installed) times cold reads against fio instead: benchmarks/store_cold.py.
 """
 
 from __future__ import annotations
@@ -83,6 +84,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--busy", type=int, default=0, help="busy-looping processes while timing (default 0)")
     parser.add_argument("--root", type=Path, default=None, help="store directory (default: a temp dir)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    cold = parser.add_argument_group("cold reads and persists against fio (benchmarks/store_cold.py)")
+    cold.add_argument("--cold", action="store_true", help="drop the page cache before every run; compare with fio")
+    cold.add_argument("--queue-depth", type=int, default=8, help="blocks read at once, store and fio (default 8)")
+    cold.add_argument("--request-blocks", type=int, default=64, help="blocks per reader request (default 64)")
+    cold.add_argument("--busy-nice", type=int, default=0, help="nice -n 15 spinners while timing (default 0)")
+    cold.add_argument("--drop-level", type=int, default=3, choices=[1, 3],
+                      help="what each drop empties: 3 (default) the page cache and the dentry and inode caches, "
+                      "1 the page cache only")
+    cold.add_argument("--persist", action="store_true", help="with --cold: time puts against fio's write")
+    cold.add_argument("--page-cache-gib", type=float, default=0.0, help="with --cold: persist this much, "
+                      "report the page cache's growth and the cold read rate before and after")
+    cold.add_argument("--scratch", type=Path, default=Path("/var/tmp/dualpath-store-cold"),
+                      help="directory on the disk under test (default /var/tmp/dualpath-store-cold)")
     return parser.parse_args(argv)
 
 
@@ -234,8 +248,8 @@ def run(args: argparse.Namespace) -> BenchResult:
     layout = KVLayout(args.n_layer, args.block_size, args.n_kv_head, args.head_dim, args.dtype)
     with tempfile.TemporaryDirectory(prefix="dualpath-store-bench-") as scratch:
         root = args.root or Path(scratch)
-        store = LocalDirStore(root, layout)
-        serial = LocalDirStore(root, layout, read_threads=0)
+        store = LocalDirStore(root, layout, io="buffered")  # warm: reads from the page cache
+        serial = LocalDirStore(root, layout, read_threads=0, io="buffered")
         keys, source = fill_store(store, args.blocks)
         paths = [str(store.path_of(key)) for key in keys]
         file_bytes = os.path.getsize(paths[0])
@@ -314,6 +328,12 @@ def print_table(result: BenchResult) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.cold:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import store_cold
+
+        args.root = args.root or args.scratch
+        return store_cold.main(args)
     if args.blocks < 2 or args.repetitions < 1 or args.busy < 0:
         print("--blocks must be >= 2, --repetitions >= 1 and --busy >= 0", file=sys.stderr)
         return 2

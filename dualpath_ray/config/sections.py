@@ -92,6 +92,26 @@ class StoreConfig(Section):
         description="Each reader deletes, when it starts, temporaries of puts that crashed longer ago than "
         "this (younger ones may be a put still running on another node of a shared mount).",
     )
+    io: Literal["auto", "direct", "buffered"] = Field(
+        "auto",
+        description="local_dir only: how block files are read and written. direct: O_DIRECT, bypassing the "
+        "page cache (reads land in the reader's buffer slots with no copy, persists do not fill the page "
+        "cache); the store refuses to open where the file system refuses O_DIRECT (tmpfs, some FUSE mounts). "
+        "buffered: through the page cache. auto (the default): direct where a probe write and read in the "
+        "store directory succeed, else buffered, logged once per process (kv/block_files.py).",
+    )
+    read_queue_depth: int | None = Field(
+        None, ge=1,
+        description="local_dir only: blocks one multi-block read reads at once (the reading thread and "
+        "read_queue_depth - 1 helper threads of the store; each reads a block, verifies its checksum, then "
+        "takes the next). None (the default) = 8 with direct I/O (on the project's 2-core VM the store "
+        "reaches fio's O_DIRECT rate at the same depth there; benchmarks/README.md, \"Store read, cold\"), "
+        "buffered 2 for blocks of 512 KiB or more and 1 below (reads from the page cache are CPU-bound). "
+        "CPU per GB read on that VM: 0.05-0.08 core-seconds verifying (xxh3_64), 0.13-0.28 for the whole "
+        "direct read (open, preadv, verify, bookkeeping), spread over the threads; it grows with the bytes "
+        "read, so a node reading at 40 GB/s needs about 2-3 cores for verification alone and 5-11 for "
+        "the reads.",
+    )
 
 
 class SchedulerConfig(Section):

@@ -1,10 +1,17 @@
-"""The bytes of one stored Full Block: a fixed 128-byte header, then the payload.
+"""The bytes of one stored Full Block: a header, then the payload.
 
-Header (little-endian): magic, format version, flags, n_layer, block_size,
-bytes_per_token_per_layer, dtype, the block's own key, its parent key, payload length, xxh3_64
-of the payload, reserved zeros, and xxh3_64 of everything before it. The header names the block
-it belongs to, so a file copied or renamed to another key's path is caught as corrupted, and it
-names the layout, so a store never hands a block of one model to another.
+Header fields (the first 128 bytes, little-endian): magic, format version, flags, n_layer,
+block_size, bytes_per_token_per_layer, dtype, the block's own key, its parent key, payload
+length, xxh3_64 of the payload, reserved zeros, and xxh3_64 of everything before it. The header
+names the block it belongs to, so a file copied or renamed to another key's path is caught as
+corrupted, and it names the layout, so a store never hands a block of one model to another.
+
+Format version 2 (written since direct I/O, kv/direct_io.py) pads the header with zeros to
+HEADER_SIZE = 4096 bytes, so the payload starts at an offset O_DIRECT can read from and write to
+(the alignment every block device accepts) and lands in a reader's buffer slot with no copy. The
+padding must be zeros: a flipped byte anywhere before the payload is caught. Version 1 (a 128-byte
+header, the payload at offset 128) is still read (`payload_offset` says where its payload is) but
+never written; a put over a version 1 file replaces it with version 2.
 """
 
 from __future__ import annotations
@@ -18,19 +25,25 @@ from dualpath_ray.kv.block_store import BlockCorruptedError, IncompatibleBlockEr
 from dualpath_ray.kv.layout import KVLayout
 
 MAGIC = b"DPKVBLK\x00"
-FORMAT_VERSION = 1
-HEADER_SIZE = 128
+FORMAT_VERSION = 2
+# Bytes before the payload in a version 2 file: the header fields, then zeros.
+HEADER_SIZE = 4096
+# The header fields (the checksummed part of the header).
+HEADER_FIELDS_SIZE = 128
+LEGACY_VERSION = 1
+LEGACY_HEADER_SIZE = HEADER_FIELDS_SIZE  # version 1: the payload follows the fields directly
+_PADDING = bytes(HEADER_SIZE - HEADER_FIELDS_SIZE)
 _HAS_PARENT = 1
 _FIELDS = struct.Struct("<8sHHIII16s16s16sQQ")
 _CHECKSUM = struct.Struct("<Q")
-_RESERVED = HEADER_SIZE - _FIELDS.size - _CHECKSUM.size
+_RESERVED = HEADER_FIELDS_SIZE - _FIELDS.size - _CHECKSUM.size
 # Byte ranges of _FIELDS that the read hot path compares without unpacking.
 _VERSION_END = struct.calcsize("<8sH")
 _GEOMETRY = slice(struct.calcsize("<8sHH"), struct.calcsize("<8sHHIII16s"))
 _KEY = slice(_GEOMETRY.stop, _GEOMETRY.stop + 16)
 _LENGTH = slice(struct.calcsize("<8sHHIII16s16s16s"), struct.calcsize("<8sHHIII16s16s16sQ"))
 _PAYLOAD_SUM = slice(_LENGTH.stop, _FIELDS.size)
-_BODY_END = HEADER_SIZE - _CHECKSUM.size
+_BODY_END = HEADER_FIELDS_SIZE - _CHECKSUM.size
 _LAYOUT_FIELDS = ("n_layer", "block_size", "bytes_per_token_per_layer", "dtype", "payload_length")
 
 
@@ -50,6 +63,8 @@ class BlockHeader:
     dtype: str
     payload_length: int
     payload_checksum: int
+    # Where the payload starts in the file: HEADER_SIZE, or LEGACY_HEADER_SIZE for version 1.
+    payload_offset: int = HEADER_SIZE
 
     @classmethod
     def for_block(cls, layout: KVLayout, key: str, parent: str | None, payload_checksum: int) -> BlockHeader:
@@ -66,6 +81,7 @@ class BlockHeader:
 
 
 def encode_header(header: BlockHeader) -> bytes:
+    """The HEADER_SIZE bytes before a version 2 payload: the fields, their checksum, zeros."""
     parent = bytes.fromhex(header.parent) if header.parent is not None else bytes(16)
     body = _FIELDS.pack(
         MAGIC,
@@ -80,12 +96,13 @@ def encode_header(header: BlockHeader) -> bytes:
         header.payload_length,
         header.payload_checksum,
     ) + bytes(_RESERVED)
-    return body + _CHECKSUM.pack(checksum(body))
+    return body + _CHECKSUM.pack(checksum(body)) + _PADDING
 
 
 def decode_header(raw: bytes | bytearray | memoryview, where: str) -> BlockHeader:
-    """Parse and verify a header; BlockCorruptedError or IncompatibleBlockError if it is bad."""
-    if len(raw) < HEADER_SIZE:
+    """Parse and verify a header (`raw`: the file's first bytes, HEADER_SIZE of them or all the
+    file has); BlockCorruptedError or IncompatibleBlockError if it is bad."""
+    if len(raw) < HEADER_FIELDS_SIZE:
         raise BlockCorruptedError(f"{where}: truncated header ({len(raw)} of {HEADER_SIZE} bytes)")
     body = memoryview(raw)[:_BODY_END]
     (stored,) = _CHECKSUM.unpack_from(raw, _BODY_END)
@@ -96,10 +113,15 @@ def decode_header(raw: bytes | bytearray | memoryview, where: str) -> BlockHeade
     )
     if magic != MAGIC:
         raise BlockCorruptedError(f"{where}: not a dualpath block (bad magic {magic!r})")
-    if version != FORMAT_VERSION:
+    if version not in (FORMAT_VERSION, LEGACY_VERSION):
         raise IncompatibleBlockError(
-            f"{where}: block format version {version}, this code reads version {FORMAT_VERSION}"
+            f"{where}: block format version {version}, this code reads versions {LEGACY_VERSION} and {FORMAT_VERSION}"
         )
+    if version == FORMAT_VERSION:
+        if len(raw) < HEADER_SIZE:
+            raise BlockCorruptedError(f"{where}: truncated header ({len(raw)} of {HEADER_SIZE} bytes)")
+        if raw[HEADER_FIELDS_SIZE:HEADER_SIZE] != _PADDING:
+            raise BlockCorruptedError(f"{where}: header padding is not zeros")
     return BlockHeader(
         key=key.hex(),
         parent=parent.hex() if flags & _HAS_PARENT else None,
@@ -109,6 +131,7 @@ def decode_header(raw: bytes | bytearray | memoryview, where: str) -> BlockHeade
         dtype=dtype.rstrip(b"\x00").decode("ascii", errors="replace"),
         payload_length=length,
         payload_checksum=payload_sum,
+        payload_offset=HEADER_SIZE if version == FORMAT_VERSION else LEGACY_HEADER_SIZE,
     )
 
 
@@ -138,7 +161,7 @@ class HeaderVerifier:
     """The read hot path: checks a raw header against one layout with byte comparisons.
 
     Equivalent to decode_header + check_header (which it defers to, to name the fault, whenever
-    a comparison fails), without building objects on every read.
+    a comparison fails, and to read a version 1 header), without building objects on every read.
     """
 
     def __init__(self, layout: KVLayout) -> None:
@@ -153,17 +176,21 @@ class HeaderVerifier:
         )
         self._length = layout.full_block_bytes.to_bytes(8, "little")
 
-    def payload_checksum(self, raw: bytearray | bytes, key: str, where: str) -> int:
-        """The payload checksum a valid header of block `key` carries; raises if it is not valid."""
+    def payload_checksum(self, raw: bytearray | bytes | memoryview, key: str, where: str) -> tuple[int, int]:
+        """(payload checksum, payload offset) of a valid header of block `key` (`raw`: the file's
+        first HEADER_SIZE bytes, or all of a shorter file); raises if it is not valid."""
         if (
             len(raw) == HEADER_SIZE
-            and checksum(memoryview(raw)[:_BODY_END]) == int.from_bytes(raw[_BODY_END:], "little")
+            and checksum(memoryview(raw)[:_BODY_END]) == int.from_bytes(raw[_BODY_END:HEADER_FIELDS_SIZE], "little")
             and raw[:_VERSION_END] == self._fixed
             and raw[_GEOMETRY] == self._geometry
             and raw[_KEY] == bytes.fromhex(key)
             and raw[_LENGTH] == self._length
+            and raw[HEADER_FIELDS_SIZE:] == _PADDING
         ):
-            return int.from_bytes(raw[_PAYLOAD_SUM], "little")
+            return int.from_bytes(raw[_PAYLOAD_SUM], "little"), HEADER_SIZE
         header = decode_header(raw, where)
         check_header(header, self.layout, key, where)
+        if header.payload_offset == LEGACY_HEADER_SIZE:
+            return header.payload_checksum, LEGACY_HEADER_SIZE
         raise BlockCorruptedError(f"{where}: header does not match its layout fields")

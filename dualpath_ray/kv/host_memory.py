@@ -74,11 +74,23 @@ class HostPinning:
 
 
 def allocate_host_buffer(
-    shape: tuple[int, ...], pin: bool, pinning: HostPinning | None = None
+    shape: tuple[int, ...], pin: bool, pinning: HostPinning | None = None, alignment: int = 1
 ) -> tuple[torch.Tensor, Pinning]:
-    """A uint8 host tensor of `shape`; pinned in place when asked and CUDA exists. Returns
-    (tensor, how it is pinned)."""
-    tensor = torch.empty(shape, dtype=torch.uint8)
+    """A uint8 host tensor of `shape` starting at an address that is a multiple of `alignment`
+    (a power of two); pinned in place when asked and CUDA exists. Returns (tensor, how it is
+    pinned).
+
+    An alignment over torch's own (64 bytes) is met by allocating alignment - 1 bytes more and
+    viewing the tensor from the first aligned address: a store reads into the buffer's slots
+    with O_DIRECT (kv/direct_io.py), which needs 4096."""
+    if alignment < 1 or alignment & (alignment - 1):
+        raise ValueError(f"alignment must be a power of two, got {alignment}")
+    nbytes = 1
+    for dim in shape:
+        nbytes *= dim
+    raw = torch.empty(nbytes + alignment - 1, dtype=torch.uint8)
+    start = -raw.data_ptr() % alignment
+    tensor = raw[start : start + nbytes].view(shape)
     pinned = (pinning or HostPinning()).pin(tensor) if pin else False
     return tensor, pinning_of(pin, pinned, pinning_available(), os.environ.get("CUDA_VISIBLE_DEVICES"))
 

@@ -11,6 +11,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from dualpath_ray.kv.block_files import BlockFiles, IoMode, choose_io
 from dualpath_ray.kv.block_format import (
     HEADER_SIZE,
     BlockHeader,
@@ -43,16 +44,29 @@ TEMP_SUFFIX = ".tmp"
 # reads: a put just after a `discard` decision can carry a time just before it. So blocks with a
 # time this close before the decision count as put after it (kept; the sweep deletes them later).
 FILE_TIME_SLACK_S = 2 * time.clock_getres(5) if sys.platform == "linux" else 0.02  # 5: CLOCK_REALTIME_COARSE
-# The smallest Full Block a helper thread reads faster than the caller alone: below it the
-# fixed cost per block (Python, syscalls, GIL hand-offs; xxhash keeps the GIL up to 64 KiB)
-# outweighs the overlap (measured: 64 KiB 0.8x, 256 KiB 1.0x, 512 KiB 1.2x of serial).
+# Buffered reads (from the page cache when warm): the smallest Full Block a helper thread reads
+# faster than the caller alone: below it the fixed cost per block (Python, syscalls, GIL
+# hand-offs; xxhash keeps the GIL up to 64 KiB) outweighs the overlap (measured: 64 KiB 0.8x,
+# 256 KiB 1.0x, 512 KiB 1.2x of serial).
 HELPED_BLOCK_BYTES = 512 * 1024
-# A payload read but not yet verified: its bytes, the checksum its header promises, its path.
+# Direct reads: blocks read at once (the caller and its helpers) by default. Each thread waits
+# on the device for most of a block's time, so the threads are the device's queue depth; the
+# depth at which the store reached fio's rate at the same depth on the project machine
+# (benchmarks/README.md, "Store read, cold").
+DIRECT_QUEUE_DEPTH = 8
 
 if TYPE_CHECKING:
     import torch
 
+# A payload read but not yet verified: its bytes, the checksum its header promises, its path.
 _Check = tuple[memoryview, int, str]
+
+
+def default_read_threads(direct: bool, block_bytes: int) -> int:
+    """Helper threads (besides the caller) a store reads with when the config names none."""
+    if direct:
+        return DIRECT_QUEUE_DEPTH - 1
+    return 1 if block_bytes >= HELPED_BLOCK_BYTES else 0
 
 
 class LocalDirStore(BlockStore):
@@ -72,7 +86,10 @@ class LocalDirStore(BlockStore):
     several threads at once; concurrent get_many_into calls share the helpers.
     """
 
-    def __init__(self, root: str | Path, layout: KVLayout, fsync: bool = False, read_threads: int | None = None) -> None:
+    def __init__(
+        self, root: str | Path, layout: KVLayout, fsync: bool = False, read_threads: int | None = None,
+        io: IoMode = "auto",
+    ) -> None:
         self._root = Path(root)
         if self._root.exists() and not self._root.is_dir():
             raise ValueError(f"store root {self._root} exists and is not a directory")
@@ -83,8 +100,10 @@ class LocalDirStore(BlockStore):
         self._block_shape = tuple(layout.full_block_shape)
         self._file_bytes = HEADER_SIZE + layout.full_block_bytes
         self.fsync = fsync
+        direct, self.io_detail = choose_io(self._root, io)
+        self._io = BlockFiles(self._root_text, direct, self._headers)
         if read_threads is None:
-            read_threads = 1 if layout.full_block_bytes >= HELPED_BLOCK_BYTES else 0
+            read_threads = default_read_threads(direct, layout.full_block_bytes)
         self._helpers = ReadHelpers(read_threads, name=f"store-{self._root.name}")
 
     @property
@@ -122,13 +141,7 @@ class LocalDirStore(BlockStore):
         path.parent.mkdir(parents=True, exist_ok=True)
         temp = path.parent / f".{key}.{os.getpid()}.{secrets.token_hex(6)}{TEMP_SUFFIX}"
         try:
-            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-            try:
-                _write_fully(fd, [header, payload])
-                if self.fsync:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
+            self._io.write(temp, header, block, payload, self.fsync)
             if verify is not None:
                 verify(block)
             os.replace(temp, path)
@@ -140,24 +153,19 @@ class LocalDirStore(BlockStore):
         return True
 
     def _holds_valid_block(self, key: str, path: str) -> bool:
-        """Whether `path` holds a whole block of this layout naming `key`: one open, fstat and
-        128-byte pread, the cost of the exists() check it replaces plus two syscalls."""
+        """Whether `path` holds a whole version 2 block of this layout naming `key`: one open,
+        fstat and header pread, the cost of the exists() check it replaces plus two syscalls.
+        A version 1 block is not: the put replaces it, so stored blocks move to version 2."""
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            size, raw = self._io.read_header(path)
         except FileNotFoundError:
             return False
-        try:
-            size = os.fstat(fd).st_size
-            raw = os.pread(fd, HEADER_SIZE, 0)
-        finally:
-            os.close(fd)
         if size != self._file_bytes:
             return False
         try:
-            self._headers.payload_checksum(raw, key, path)
+            return self._headers.payload_checksum(raw, key, path)[1] == HEADER_SIZE
         except (BlockCorruptedError, IncompatibleBlockError):
             return False
-        return True
 
     def get_into(self, key: str, out: torch.Tensor) -> None:
         verify_payload(*self._read_unverified(key, out))
@@ -200,6 +208,11 @@ class LocalDirStore(BlockStore):
     @property
     def helpers(self) -> ReadHelpers:
         return self._helpers
+
+    @property
+    def direct(self) -> bool:
+        """Whether this store reads and writes its block files with O_DIRECT."""
+        return self._io.direct
 
     def contains(self, key: str) -> bool:
         return self.path_of(key).is_file()
@@ -247,11 +260,11 @@ class LocalDirStore(BlockStore):
         return not fresh
 
     def parent_of(self, key: str) -> str | None:
-        fd, path = self._open(key)
+        path = self._path_text(key)
         try:
-            raw = os.pread(fd, HEADER_SIZE, 0)
-        finally:
-            os.close(fd)
+            raw = self._io.read_header(path)[1]
+        except FileNotFoundError:
+            raise BlockNotFoundError(f"block {key} is not in store {self._root}") from None
         header = decode_header(raw, path)
         check_header(header, self.layout, key, path)
         return header.parent
@@ -291,15 +304,8 @@ class LocalDirStore(BlockStore):
                     continue
         return removed
 
-    def _open(self, key: str) -> tuple[int, str]:
-        path = self._path_text(key)
-        try:
-            return os.open(path, os.O_RDONLY | os.O_CLOEXEC), path
-        except FileNotFoundError:
-            raise BlockNotFoundError(f"block {key} is not in store {self._root}") from None
-
     def _read_unverified(self, key: str, out: torch.Tensor) -> _Check:
-        """Read header and payload with one readv into `out`; checks the header, not the payload."""
+        """Read header and payload into `out` (one preadv); checks the header, not the payload."""
         import torch
 
         if not (out.dtype is torch.uint8 and out.shape == self._block_shape and out.is_cpu and out.is_contiguous()):
@@ -309,20 +315,8 @@ class LocalDirStore(BlockStore):
     def _read_checked_out(self, key: str, out: torch.Tensor) -> _Check:
         """_read_unverified for an `out` already known to be a host Full Block of this layout."""
         payload = byte_view(out)
-        raw = bytearray(HEADER_SIZE)
-        fd, path = self._open(key)
-        try:
-            got = _read_fully(fd, [memoryview(raw), payload], self._file_bytes)
-        finally:
-            os.close(fd)
-        if got < HEADER_SIZE:
-            decode_header(raw[:got], path)
-        expected = self._headers.payload_checksum(raw, key, path)
-        if got != self._file_bytes:
-            raise BlockCorruptedError(
-                f"{path}: truncated payload ({got - HEADER_SIZE} of {self.layout.full_block_bytes} bytes)"
-            )
-        return payload, expected, path
+        path = self._path_text(key)
+        return payload, self._io.read(path, key, out, payload), path
 
     def _files(self) -> Iterator[Path]:
         for first in _fan_out_directories(self._root):
@@ -351,42 +345,6 @@ def _refreshed(path: Path) -> bool:
     except FileNotFoundError:
         return False
     return True
-
-
-def _read_fully(fd: int, buffers: list[memoryview], size: int) -> int:
-    """readv until the `size` bytes of `buffers` are full or end of file; returns the bytes read.
-
-    A local file fills in one call; the loop is for network file systems that read short.
-    """
-    total = os.readv(fd, buffers)
-    if total in (0, size):
-        return total
-    got = total
-    pending = [b for b in buffers if len(b)]
-    while pending and got >= len(pending[0]):
-        got -= len(pending.pop(0))
-    if got:
-        pending[0] = pending[0][got:]
-    while pending:
-        got = os.readv(fd, pending)
-        if got == 0:
-            break
-        total += got
-        while pending and got >= len(pending[0]):
-            got -= len(pending.pop(0))
-        if got:
-            pending[0] = pending[0][got:]
-    return total
-
-
-def _write_fully(fd: int, buffers: list[memoryview | bytes]) -> None:
-    pending = [memoryview(b) for b in buffers if len(b)]
-    while pending:
-        wrote = os.writev(fd, pending)
-        while pending and wrote >= len(pending[0]):
-            wrote -= len(pending.pop(0))
-        if wrote:
-            pending[0] = pending[0][wrote:]
 
 
 def _fsync_directory(directory: Path) -> None:

@@ -28,6 +28,7 @@ from typing import NamedTuple
 
 import torch
 
+from dualpath_ray.kv.direct_io import ALIGNMENT
 from dualpath_ray.kv.host_memory import allocate_host_buffer
 from dualpath_ray.kv.layout import KVLayout
 
@@ -120,7 +121,9 @@ class BufferPool:
             raise ValueError(f"capacity_blocks must be an int >= 1, got {capacity_blocks!r}")
         self.layout = layout
         self.capacity = capacity_blocks
-        self.buffer, self.pinning = allocate_host_buffer((capacity_blocks, *layout.full_block_shape), pin)
+        self.buffer, self.pinning = allocate_host_buffer(
+            (capacity_blocks, *layout.full_block_shape), pin, alignment=ALIGNMENT
+        )
         self.pinned = self.pinning.pinned  # reported by the node's reader (dualpath status)
         self._lock = threading.Lock()
         self._free: list[int] = list(reversed(range(capacity_blocks)))

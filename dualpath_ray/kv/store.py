@@ -42,7 +42,8 @@ __all__ = [
 def open_store(cfg: StoreConfig, layout: KVLayout, root: str | Path | None = None) -> BlockStore:
     """The store `cfg` names, at `root` if given (else cfg.root); local_dir with neither gets a
     fresh temporary directory (`.root`). Every process opens its store here, so `cfg.fsync`
-    (durable puts) holds for every writer of a deployment."""
+    (durable puts), `cfg.io` and `cfg.read_queue_depth` hold for every reader and writer of a
+    deployment."""
     if root is not None:
         cfg = cfg.model_copy(update={"root": Path(root)})
     if cfg.block_size != layout.block_size:
@@ -53,4 +54,5 @@ def open_store(cfg: StoreConfig, layout: KVLayout, root: str | Path | None = Non
     if cfg.backend == "memory":
         return MemoryStore(layout)
     root = Path(cfg.root) if cfg.root is not None else Path(tempfile.mkdtemp(prefix="dualpath-store-"))
-    return LocalDirStore(root, layout, fsync=cfg.fsync)
+    read_threads = None if cfg.read_queue_depth is None else cfg.read_queue_depth - 1
+    return LocalDirStore(root, layout, fsync=cfg.fsync, read_threads=read_threads, io=cfg.io)

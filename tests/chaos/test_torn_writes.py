@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from dualpath_ray.kv.block_files import IoMode
 from dualpath_ray.kv.errors import BlockNotFoundError
 from dualpath_ray.kv.index import block_keys, namespace_for
 from dualpath_ray.kv.layout import KVLayout
@@ -49,12 +50,13 @@ def forked_put_seconds(store: LocalDirStore, tmp_key: str, block: torch.Tensor) 
     return time.perf_counter() - started
 
 
-def test_a_killed_writer_leaves_a_whole_block_or_none(tmp_path: Path) -> None:
-    store = LocalDirStore(tmp_path / "calibration", LAYOUT)
+@pytest.mark.parametrize("io", ["direct", "buffered"])
+def test_a_killed_writer_leaves_a_whole_block_or_none(tmp_path: Path, io: IoMode) -> None:
+    store = LocalDirStore(tmp_path / "calibration", LAYOUT, io=io)
     probe = torch.zeros(LAYOUT.full_block_shape, dtype=torch.uint8)
     calibration = block_keys(list(range(5 * LAYOUT.block_size)), LAYOUT.block_size, namespace_for("probe", 0))
     span_s = sorted(forked_put_seconds(store, key, probe) for key in calibration)[2]
-    store = LocalDirStore(tmp_path / "store", LAYOUT)
+    store = LocalDirStore(tmp_path / "store", LAYOUT, io=io)
     tmp_path = tmp_path / "store"
     rng = random.Random(7)
     keys = block_keys(list(range(TRIALS * LAYOUT.block_size)), LAYOUT.block_size, namespace_for("torn", 0))

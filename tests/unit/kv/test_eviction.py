@@ -12,6 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dualpath_ray.kv.block_format import HEADER_SIZE
 from dualpath_ray.kv.eviction import LRUEviction
 from dualpath_ray.kv.index import PrefixIndex, block_keys, namespace_for
 from dualpath_ray.kv.janitor import StoreJanitor, StoreMeasure
@@ -139,8 +140,9 @@ def test_a_derived_capacity_follows_the_block_files_and_free_space_measured() ->
     block = LAYOUT.full_block_bytes
     lru = LRUEviction(index, None, 100 * block, block, free_fraction=0.5)
     page = 4096
-    lru.measured(StoreMeasure(block_files=40, unindexed_blocks=10, free_bytes=60 * page, allocation_bytes=page,
-                              file_bytes=block))
+    file_pages = -(-(HEADER_SIZE + block) // page)  # the 4096-byte header, then the payload
+    lru.measured(StoreMeasure(block_files=40, unindexed_blocks=10, free_bytes=60 * file_pages * page,
+                              allocation_bytes=page, file_bytes=block))
     assert lru.capacity_blocks == 50, "half of 40 block files on disk plus 60 more that fit the free space"
 
 

@@ -19,19 +19,19 @@ PAGE = 4096
 
 def test_the_capacity_is_a_share_of_the_indexed_blocks_plus_the_block_files_that_fit() -> None:
     block = LAYOUT.full_block_bytes
-    assert HEADER_SIZE + block <= PAGE, "this layout's block file takes one allocation unit"
-    capacity = capacity_from_free_space(10 * PAGE + PAGE - 1, PAGE, 10, block, 0.9)
+    assert PAGE < HEADER_SIZE + block <= 2 * PAGE, "this layout's block file takes two allocation units"
+    capacity = capacity_from_free_space(20 * PAGE + PAGE - 1, PAGE, 10, block, 0.9)
     assert capacity == 18 * block, "0.9 of (10 indexed + 10 whole files of free space), in payload bytes"
     assert capacity_from_free_space(0, PAGE, 0, block, 0.9) == block, "never less than one block"
-    big = 3 * PAGE  # a block file of 3 units plus its header: it takes 4
-    assert capacity_from_free_space(8 * PAGE, PAGE, 0, big, 1.0) == 2 * big, "files are rounded up to the unit"
+    big = 3 * PAGE + 1  # a payload of 3 units and a byte, after a header of one unit: 5 units
+    assert capacity_from_free_space(10 * PAGE, PAGE, 0, big, 1.0) == 2 * big, "files are rounded up to the unit"
     with pytest.raises(ValueError, match="capacity_free_fraction"):
         capacity_from_free_space(PAGE, PAGE, 0, block, 0.0)
 
 
 class FakeStatvfs:
     f_frsize = PAGE
-    f_bavail = 100
+    f_bavail = 200  # 100 block files of LAYOUT: a page of header and a page holding the payload
 
 
 def test_a_directory_store_without_a_configured_capacity_is_bounded_by_its_file_system(

@@ -11,7 +11,7 @@ import torch
 
 from dualpath_ray.kv.index import block_keys, namespace_for
 from dualpath_ray.kv.layout import KVLayout
-from dualpath_ray.kv.local_store import HELPED_BLOCK_BYTES
+from dualpath_ray.kv.local_store import DIRECT_QUEUE_DEPTH, HELPED_BLOCK_BYTES
 from dualpath_ray.kv.read_helpers import BatchRead, HelperState, ReadHelpers
 from dualpath_ray.kv.store import (
     HEADER_SIZE,
@@ -36,9 +36,9 @@ def random_block(seed: int) -> torch.Tensor:
 BLOCKS = [random_block(100 + i) for i in range(N_BLOCKS)]
 
 
-@pytest.fixture
-def store(tmp_path: Path) -> Iterator[LocalDirStore]:
-    backend = LocalDirStore(tmp_path / "store", LAYOUT, read_threads=1)
+@pytest.fixture(params=["direct", "buffered"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[LocalDirStore]:
+    backend = LocalDirStore(tmp_path / "store", LAYOUT, read_threads=1, io=request.param)
     for parent, key, block in zip([None, *KEYS], KEYS[:N_BLOCKS], BLOCKS):
         backend.put(key, block, parent=parent)
     yield backend
@@ -215,13 +215,18 @@ def test_zero_read_threads_reads_on_the_caller(tmp_path: Path) -> None:
         LocalDirStore(tmp_path, LAYOUT, read_threads=-1)
 
 
-def test_helpers_by_default_only_for_blocks_they_speed_up(tmp_path: Path) -> None:
-    small = LocalDirStore(tmp_path / "small", LAYOUT)
+def test_buffered_helpers_by_default_only_for_blocks_they_speed_up(tmp_path: Path) -> None:
+    small = LocalDirStore(tmp_path / "small", LAYOUT, io="buffered")
     big_layout = KVLayout(n_layer=8, block_size=64, n_kv_head=4, head_dim=64, dtype="bfloat16")
-    big = LocalDirStore(tmp_path / "big", big_layout)
+    big = LocalDirStore(tmp_path / "big", big_layout, io="buffered")
     assert big_layout.full_block_bytes >= HELPED_BLOCK_BYTES > LAYOUT.full_block_bytes, "test layouts"
     assert small.helpers.size == 0, "blocks under HELPED_BLOCK_BYTES must be read by the caller alone"
     assert big.helpers.size == 1, "blocks of HELPED_BLOCK_BYTES or more must get one helper by default"
+
+
+def test_direct_reads_keep_the_default_queue_depth_in_flight(tmp_path: Path) -> None:
+    store = LocalDirStore(tmp_path, LAYOUT, io="direct")
+    assert store.helpers.size == DIRECT_QUEUE_DEPTH - 1, "direct reads: the caller plus depth - 1 helpers"
 
 
 def test_busy_helpers_cannot_stall_a_batch() -> None:

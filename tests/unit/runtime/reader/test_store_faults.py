@@ -14,6 +14,7 @@ import torch
 from dualpath_ray.faults.plan import FaultMode, FaultSite
 from dualpath_ray.kv.errors import BadBlockError
 from dualpath_ray.kv.index import block_keys, namespace_for
+from dualpath_ray.kv.block_files import IoMode
 from dualpath_ray.kv.block_store import BlockCheck
 from dualpath_ray.kv.layout import KVLayout
 from dualpath_ray.kv.local_store import LocalDirStore
@@ -31,8 +32,8 @@ class FaultyDiskStore(LocalDirStore):
     (as readv does on a bad sector), and a put raises ENOSPC while `full` or for a key of
     `refused` (as the rename or write of a full disk does)."""
 
-    def __init__(self, root: Path, layout: KVLayout) -> None:
-        super().__init__(root, layout)
+    def __init__(self, root: Path, layout: KVLayout, io: IoMode) -> None:
+        super().__init__(root, layout, io=io)
         self.read_errors: dict[str, int] = {}
         self.refused: set[str] = set()
         self.full = False
@@ -51,10 +52,18 @@ class FaultyDiskStore(LocalDirStore):
         return super().put(key, block, parent, verify)
 
 
-def faulty_core(tmp_path: Path, faults: ScriptedFaults | None = None) -> tuple[ReaderCore, FaultyDiskStore, list[str]]:
+@pytest.fixture(params=["direct", "buffered"])
+def store_io(request: pytest.FixtureRequest) -> IoMode:
+    """Every test here runs on both of the store's I/O paths."""
+    return request.param  # type: ignore[no-any-return]
+
+
+def faulty_core(
+    tmp_path: Path, io: IoMode, faults: ScriptedFaults | None = None
+) -> tuple[ReaderCore, FaultyDiskStore, list[str]]:
     core = reader_core(tmp_path, faults=faults)
     core.store.close()
-    store = FaultyDiskStore(tmp_path, core.layout)
+    store = FaultyDiskStore(tmp_path, core.layout, io)
     core.store = store
     keys = block_keys(list(range(4 * core.layout.block_size)), core.layout.block_size, namespace_for("disk", 0))
     for i, key in enumerate(keys):
@@ -68,8 +77,8 @@ def assert_nothing_held(core: ReaderCore) -> None:
     assert core.pool.check_integrity().free == core.pool.capacity, "a failed read leaves no slot leased"
 
 
-def test_a_hit_block_the_disk_cannot_read_is_named_unreadable_and_repaired_as_corrupt(tmp_path: Path) -> None:
-    core, store, keys = faulty_core(tmp_path)
+def test_a_hit_block_the_disk_cannot_read_is_named_unreadable_and_repaired_as_corrupt(store_io: IoMode, tmp_path: Path) -> None:
+    core, store, keys = faulty_core(tmp_path, store_io)
     store.read_errors[keys[2]] = errno.EIO
     with pytest.raises(BadBlockError) as failed:
         core.read_blocks("r1#0", keys, len(keys), "pe")
@@ -85,8 +94,8 @@ def test_a_hit_block_the_disk_cannot_read_is_named_unreadable_and_repaired_as_co
 
 
 @pytest.mark.parametrize("code", [errno.EBADMSG, errno.EUCLEAN])
-def test_a_file_system_checksum_error_is_an_unreadable_block(tmp_path: Path, code: int) -> None:
-    core, store, keys = faulty_core(tmp_path)
+def test_a_file_system_checksum_error_is_an_unreadable_block(store_io: IoMode, tmp_path: Path, code: int) -> None:
+    core, store, keys = faulty_core(tmp_path, store_io)
     store.read_errors[keys[0]] = code
     with pytest.raises(BadBlockError) as failed:
         core.read_blocks("r1#0", keys[:1], 1, "de")
@@ -95,8 +104,8 @@ def test_a_file_system_checksum_error_is_an_unreadable_block(tmp_path: Path, cod
     store.close()
 
 
-def test_an_error_of_the_mount_names_no_block_and_is_retried_as_store_io(tmp_path: Path) -> None:
-    core, store, keys = faulty_core(tmp_path)
+def test_an_error_of_the_mount_names_no_block_and_is_retried_as_store_io(store_io: IoMode, tmp_path: Path) -> None:
+    core, store, keys = faulty_core(tmp_path, store_io)
     store.read_errors[keys[1]] = errno.ESTALE
     with pytest.raises(OSError) as failed:
         core.read_blocks("r1#0", keys, len(keys), "pe")
@@ -107,8 +116,8 @@ def test_an_error_of_the_mount_names_no_block_and_is_retried_as_store_io(tmp_pat
     store.close()
 
 
-def test_an_injected_store_read_fail_takes_the_path_of_a_real_eio(tmp_path: Path) -> None:
-    core, store, keys = faulty_core(tmp_path, ScriptedFaults({FaultSite.STORE_READ: [FaultMode.FAIL]}))
+def test_an_injected_store_read_fail_takes_the_path_of_a_real_eio(store_io: IoMode, tmp_path: Path) -> None:
+    core, store, keys = faulty_core(tmp_path, store_io, ScriptedFaults({FaultSite.STORE_READ: [FaultMode.FAIL]}))
     with pytest.raises(BadBlockError) as failed:
         core.read_blocks("r1#0", keys[:1], 1, "pe")
     assert (failed.value.kind, failed.value.key) == ("unreadable", keys[0]), "the injected EIO names its block"
@@ -121,8 +130,8 @@ def persisted(keys: list[str]) -> list[tuple[int, PersistedBlock]]:
     return [(i, PersistedBlock(key, keys[i - 1] if i else None)) for i, key in enumerate(keys)]
 
 
-def test_a_refused_write_ends_the_persist_with_the_leading_blocks_stored(tmp_path: Path) -> None:
-    core, store, keys = faulty_core(tmp_path)
+def test_a_refused_write_ends_the_persist_with_the_leading_blocks_stored(store_io: IoMode, tmp_path: Path) -> None:
+    core, store, keys = faulty_core(tmp_path, store_io)
     new = block_keys(list(range(100, 100 + 3 * core.layout.block_size)), core.layout.block_size, namespace_for("disk", 0))
     store.refused.add(new[1])
     extent = core.lease("r1#0", 3)
@@ -134,8 +143,8 @@ def test_a_refused_write_ends_the_persist_with_the_leading_blocks_stored(tmp_pat
     store.close()
 
 
-def test_refusals_are_logged_once_until_writes_succeed_again(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    core, store, _ = faulty_core(tmp_path)
+def test_refusals_are_logged_once_until_writes_succeed_again(store_io: IoMode, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    core, store, _ = faulty_core(tmp_path, store_io)
     store.full = True
     size = core.layout.block_size
     chains = [block_keys(list(range(s, s + 2 * size)), size, namespace_for("disk", 1)) for s in range(1000, 1004)]
@@ -156,8 +165,8 @@ def test_refusals_are_logged_once_until_writes_succeed_again(tmp_path: Path, cap
     store.close()
 
 
-def test_an_injected_store_publish_fail_is_a_refused_write(tmp_path: Path) -> None:
-    core, store, _ = faulty_core(tmp_path, ScriptedFaults({FaultSite.STORE_PUBLISH: [FaultMode.FAIL]}))
+def test_an_injected_store_publish_fail_is_a_refused_write(store_io: IoMode, tmp_path: Path) -> None:
+    core, store, _ = faulty_core(tmp_path, store_io, ScriptedFaults({FaultSite.STORE_PUBLISH: [FaultMode.FAIL]}))
     new = block_keys(list(range(200, 200 + core.layout.block_size)), core.layout.block_size, namespace_for("disk", 0))
     extent = core.lease("r1#0", 1)
     assert core.write_extent(extent.extent_id, persisted(new)) == 0, "an injected publish failure does not raise"
