@@ -16,10 +16,10 @@ from dualpath_ray.config.loading import load_config
 from dualpath_ray.config.model import ROPE_SCALING_TYPES, ModelConfig, RopeScaling
 from dualpath_ray.config.qos import QosConfig
 from dualpath_ray.config.section import ConfigError
+from dualpath_ray.config.engine import EngineConfig
 from dualpath_ray.config.sections import (
     ClusterConfig,
     EmulationConfig,
-    EngineConfig,
     RuntimeConfig,
     SchedulerConfig,
     SimConfig,

@@ -10,10 +10,10 @@ from pydantic import ValidationError, model_validator
 from dualpath_ray.config.model import ModelConfig
 from dualpath_ray.config.qos import QosConfig
 from dualpath_ray.config.section import ConfigError, Section
+from dualpath_ray.config.engine import EngineConfig
 from dualpath_ray.config.sections import (
     ClusterConfig,
     EmulationConfig,
-    EngineConfig,
     RuntimeConfig,
     SchedulerConfig,
     SimConfig,

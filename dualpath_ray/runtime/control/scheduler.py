@@ -340,8 +340,7 @@ class Scheduler:
         core = self.core
         known = self.watchdog.incarnations.known if self.watchdog is not None else {}
         return {
-            "dead": sorted(core.dead), "presumed_dead": sorted(core.presumed_dead),
-            "unready": sorted(core.unready),
+            "dead": sorted(core.dead), "presumed_dead": sorted(core.presumed_dead), "unready": sorted(core.unready),
             "readers_dead": sorted(core.readers_dead), "readers_unavailable": sorted(core.readers_unavailable),
             "no_pe_reads": sorted(core.dispatcher.no_pe_reads),
             "incarnations": [f"{name}={inc}" for name, inc in sorted(known.items())],
@@ -355,9 +354,8 @@ class Scheduler:
         sent = {f"sent_{method}": count for method, count in self.control.sent.items()}
         return {**self.calls.as_dict(), **sent, "evicted_blocks": evicted,
                 "indexed_blocks": len(self.core.index), "unpublished_blocks": self.core.unpublished_blocks,
-                "readmitted": self.core.readmitted,
-                "adopted": self.adoptions.adopted, "adoptions_dropped": self.adoptions.dropped,
-                "restarted": int(self.restarted), "mailboxes": len(self.mailboxes),
+                "readmitted": self.core.readmitted, "adopted": self.adoptions.adopted,
+                "adoptions_dropped": self.adoptions.dropped, "restarted": int(self.restarted), "mailboxes": len(self.mailboxes),
                 "dropped_results": self.mailboxes.dropped, "queue_full": self.serving.refused,
                 "decode_pulls": rounds.decode_pulls if rounds else 0, "prefill_pulls": rounds.prefill_pulls if rounds else 0,
                 "recomputed_hit_tokens": self.core.dispatcher.recomputed_hit_tokens,

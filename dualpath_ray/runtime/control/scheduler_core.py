@@ -17,7 +17,8 @@ from dualpath_ray.kv.layout import KVLayout
 from dualpath_ray.kv.store import open_store
 from dualpath_ray.model.profile import derive_alpha_beta, load_profile_for
 from dualpath_ray.scheduling.dispatcher import Constants
-from dualpath_ray.scheduling.scheduler import CoreSettings, SchedulerCore
+from dualpath_ray.scheduling.core_settings import CoreSettings
+from dualpath_ray.scheduling.scheduler import SchedulerCore
 
 
 def prefill_s_of(cfg: DualPathConfig) -> Callable[[int, int], float] | None:

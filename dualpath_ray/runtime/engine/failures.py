@@ -10,6 +10,7 @@ from dualpath_ray.faults.injector import InjectedFault
 from dualpath_ray.kv.errors import BadBlockError, BlockCorruptedError, BlockNotFoundError, IncompatibleBlockError
 from dualpath_ray.protocol.messages import ErrorKind, RequestSpec, TurnResult, failed_result
 from dualpath_ray.runtime.engine.held_weights import StaleWeightsError
+from dualpath_ray.runtime.engine.ports import Pending
 from dualpath_ray.runtime.transport.moves import PeerDiedError, TransportError
 
 
@@ -34,6 +35,15 @@ def _cause(error: BaseException) -> BaseException:
     # the original exception is its `cause`.
     cause = getattr(error, "cause", None)
     return cause if isinstance(cause, BaseException) else error
+
+
+def read_done(pending: Pending, node: str) -> bool:
+    """Whether a read of hits on `node`'s reader (a staging call) ended; its failure raised as
+    ReadFailed naming the node."""
+    try:
+        return bool(pending.done())
+    except Exception as exc:  # noqa: BLE001 - classified where the failed result is made
+        raise ReadFailed(node, exc) from exc
 
 
 def classify(error: BaseException) -> tuple[ErrorKind, tuple[str, ...]]:

@@ -36,7 +36,7 @@ from dualpath_ray.kv.window import LayerWindow, span_offsets
 from dualpath_ray.protocol.counters import NodeCounters
 from dualpath_ray.runtime.engine.compute import ChunkSpec, EngineCompute
 from dualpath_ray.runtime.emulation.links import Link
-from dualpath_ray.runtime.engine.failures import ReadFailed, failure_of, log_failure
+from dualpath_ray.runtime.engine.failures import ReadFailed, failure_of, log_failure, read_done
 from dualpath_ray.runtime.engine.refusals import Refusals
 from dualpath_ray.runtime.engine.cancelled import CancelledAttempts
 from dualpath_ray.protocol.messages import DecodeHandoff, ExtentGrant, Holding, PrefillTask, TurnResult, newest_holdings
@@ -69,11 +69,7 @@ class PrefillCore:
     """Every decision and state change of one prefill engine; the actor only runs `step`."""
 
     def __init__(
-        self,
-        settings: PrefillSettings,
-        layout: KVLayout,
-        compute: EngineCompute,
-        window: LayerWindow,
+        self, settings: PrefillSettings, layout: KVLayout, compute: EngineCompute, window: LayerWindow,
         predict_ms: Callable[[list[tuple[int, int]]], float],
         ports: PrefillPorts,
         store: BlockStore | None,
@@ -258,7 +254,8 @@ class PrefillCore:
             staging = [j for j in self.jobs.values() if j.state is PrefillState.STAGING]
         for job in staging:
             try:
-                if not all(self._side_done(job, side, pending) for side, pending in job.staging.items()):
+                here, there = self.settings.node_id, job.task.decode_node  # the "pe" and "de" readers' nodes
+                if not all(read_done(p, there if side == "de" else here) for side, p in job.staging.items()):
                     continue
             except ReadFailed as failed:  # a failed read fails this request only
                 self._fail(job, failed)
@@ -268,14 +265,6 @@ class PrefillCore:
             job.staging = {}
             job.digests = self._first_digests(job)
             transition(job, PrefillState.READY)
-
-    def _side_done(self, job: PrefillJob, side: str, pending: Pending) -> bool:
-        """Whether one side's staging call ended; its failure as ReadFailed naming that side's
-        node (the prefill node for "pe", the decode node for "de")."""
-        try:
-            return bool(pending.done())
-        except Exception as exc:  # noqa: BLE001 - classified where the result is made
-            raise ReadFailed(self.settings.node_id if side == "pe" else job.task.decode_node, exc) from exc
 
     def _first_digests(self, job: PrefillJob) -> np.ndarray | None:
         if not self.settings.kv_digests or job.task.oracle:

@@ -32,7 +32,7 @@ from dualpath_ray.runtime.vllm_engine.step_kv import ScheduledKV
 
 
 @dataclass
-class _Entry:
+class _BookEntry:
     key: str
     external: int
     block_ids: list[int] = field(default_factory=list)
@@ -43,7 +43,7 @@ class _Entry:
 class RequestBook:
     """See the module doc."""
 
-    _entries: dict[str, _Entry] = field(default_factory=dict)
+    _entries: dict[str, _BookEntry] = field(default_factory=dict)
 
     def matched(self, request_id: str, key: str, external: int, local_hits: int) -> int:
         """Tokens the connector loads beyond vLLM's own `local_hits`: 0 when its cache holds
@@ -52,7 +52,7 @@ class RequestBook:
             raise ValueError(f"request {request_id}: external {external} and local hits {local_hits} must be >= 0")
         entry = self._entries.get(request_id)
         if entry is None:
-            self._entries[request_id] = _Entry(key, external)
+            self._entries[request_id] = _BookEntry(key, external)
         return max(0, external - local_hits)
 
     def allocated(self, request_id: str, loading: int) -> None:
@@ -64,7 +64,7 @@ class RequestBook:
 
     def new_request(self, request_id: str, block_ids: Sequence[int], computed: int, scheduled: int) -> ScheduledKV:
         """The request's first step: `computed` = vLLM's prefix-cache hits + the tokens loaded now."""
-        entry = self._entries.setdefault(request_id, _Entry(request_id, 0))
+        entry = self._entries.setdefault(request_id, _BookEntry(request_id, 0))
         entry.block_ids = list(block_ids)
         return self._scheduled(request_id, entry, computed, scheduled, first=True)
 
@@ -73,7 +73,7 @@ class RequestBook:
     ) -> ScheduledKV:
         """A later step of the request; `resumed`: its first since vLLM preempted it, with
         `added_block_ids` its whole new page list."""
-        entry = self._entries.setdefault(request_id, _Entry(request_id, 0))
+        entry = self._entries.setdefault(request_id, _BookEntry(request_id, 0))
         if resumed:
             entry.block_ids = list(added_block_ids or ())
         elif added_block_ids:
@@ -86,13 +86,13 @@ class RequestBook:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def _scheduled(self, request_id: str, entry: _Entry, computed: int, scheduled: int, first: bool) -> ScheduledKV:
+    def _scheduled(self, request_id: str, entry: _BookEntry, computed: int, scheduled: int, first: bool) -> ScheduledKV:
         loading, entry.loading = (entry.loading, 0) if first else (0, entry.loading)
         if loading > computed:
             raise ValueError(f"request {request_id}: loads {loading} tokens but vLLM counts {computed} computed")
         return ScheduledKV(entry.key, tuple(entry.block_ids), computed, scheduled, computed - loading, first)
 
-    def _entry(self, request_id: str) -> _Entry:
+    def _entry(self, request_id: str) -> _BookEntry:
         entry = self._entries.get(request_id)
         if entry is None:
             raise KeyError(f"vLLM allocated pages for request {request_id}, which it never matched through this connector")

@@ -13,7 +13,8 @@ from dualpath_ray.protocol.messages import ErrorKind, GroupReport, RequestSpec, 
 from dualpath_ray.scheduling import EngineLoad
 from dualpath_ray.scheduling.admission import Admission, QueueFull
 from dualpath_ray.scheduling.dispatcher import Constants
-from dualpath_ray.scheduling.scheduler import CoreSettings, SchedulerCore
+from dualpath_ray.scheduling.core_settings import CoreSettings
+from dualpath_ray.scheduling.scheduler import SchedulerCore
 from dualpath_ray.scheduling.types import Mode
 
 BLOCK = 16

@@ -16,7 +16,8 @@ from dualpath_ray.protocol.messages import PeerState, PrefillTask, RequestSpec, 
 from dualpath_ray.scheduling.dispatcher import Constants
 from dualpath_ray.scheduling.loads import EngineLoad
 from dualpath_ray.scheduling.rounds import Outputs, Rounds
-from dualpath_ray.scheduling.scheduler import CoreSettings, SchedulerCore
+from dualpath_ray.scheduling.core_settings import CoreSettings
+from dualpath_ray.scheduling.scheduler import SchedulerCore
 from dualpath_ray.scheduling.types import Mode, ReadPath
 
 BLOCK = 16

@@ -12,7 +12,8 @@ from dualpath_ray.protocol.messages import GroupReport, PersistedBlock, RequestS
 from dualpath_ray.scheduling import EngineLoad
 from dualpath_ray.scheduling.dispatcher import Constants
 from dualpath_ray.scheduling.requests import IllegalTransition, RequestState, transition
-from dualpath_ray.scheduling.scheduler import CoreSettings, SchedulerCore
+from dualpath_ray.scheduling.core_settings import CoreSettings
+from dualpath_ray.scheduling.scheduler import SchedulerCore
 from dualpath_ray.scheduling.types import Mode, ReadPath
 
 BLOCK = 16

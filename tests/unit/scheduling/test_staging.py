@@ -14,7 +14,8 @@ from dualpath_ray.kv.index import PrefixIndex, block_keys
 from dualpath_ray.protocol.messages import GroupReport, PersistedBlock, RequestSpec, SamplingParams, TurnResult
 from dualpath_ray.scheduling import EngineLoad
 from dualpath_ray.scheduling.dispatcher import Constants
-from dualpath_ray.scheduling.scheduler import CoreSettings, SchedulerCore
+from dualpath_ray.scheduling.core_settings import CoreSettings
+from dualpath_ray.scheduling.scheduler import SchedulerCore
 from dualpath_ray.scheduling.staging import StagingBook, StagingSettings, stage_id_of
 from dualpath_ray.scheduling.types import Mode, ReadPath
 

