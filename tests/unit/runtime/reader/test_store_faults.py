@@ -77,14 +77,15 @@ def assert_nothing_held(core: ReaderCore) -> None:
     assert core.pool.check_integrity().free == core.pool.capacity, "a failed read leaves no slot leased"
 
 
-def test_a_hit_block_the_disk_cannot_read_is_named_unreadable_and_repaired_as_corrupt(store_io: IoMode, tmp_path: Path) -> None:
+def test_a_hit_block_the_disk_cannot_read_is_named_unreadable(store_io: IoMode, tmp_path: Path) -> None:
     core, store, keys = faulty_core(tmp_path, store_io)
     store.read_errors[keys[2]] = errno.EIO
     with pytest.raises(BadBlockError) as failed:
         core.read_blocks("r1#0", keys, len(keys), "pe")
     assert (failed.value.kind, failed.value.key) == ("unreadable", keys[2]), "the block whose read failed is named"
-    assert classify(failed.value) == (ErrorKind.KV_CORRUPT, (keys[2],)), (
-        "an unreadable block takes the corrupt block's repair: unindexed with its successors, its file deleted"
+    assert classify(failed.value) == (ErrorKind.KV_UNREADABLE, (keys[2],)), (
+        "an unreadable block is named as such: read through the other side's reader first, then repaired as a "
+        "corrupt one (SchedulerCore.next_attempt)"
     )
     assert core.store_faults() == ([keys[2]], 0), "the reader remembers the unreadable block"
     assert core.integrity_keys() == ([], []), "an unreadable block is not a checksum failure"
@@ -121,7 +122,7 @@ def test_an_injected_store_read_fail_takes_the_path_of_a_real_eio(store_io: IoMo
     with pytest.raises(BadBlockError) as failed:
         core.read_blocks("r1#0", keys[:1], 1, "pe")
     assert (failed.value.kind, failed.value.key) == ("unreadable", keys[0]), "the injected EIO names its block"
-    assert classify(failed.value)[0] is ErrorKind.KV_CORRUPT, "and is repaired as a real one"
+    assert classify(failed.value)[0] is ErrorKind.KV_UNREADABLE, "and is classified as a real one"
     assert_nothing_held(core)
     store.close()
 
