@@ -11,6 +11,7 @@ import subprocess
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import pytest
 
@@ -37,13 +38,16 @@ def store_faults(deployment) -> tuple[set[str], int]:  # type: ignore[no-untyped
     return unreadable, refused
 
 
-def test_hit_blocks_the_disk_cannot_read_are_named_read_elsewhere_or_recomputed():
-    # Each reader's second hit-block read raises OSError(EIO) inside the store's read of that
-    # block, as a bad sector or a node's failing storage client does (the fault plan's
-    # store_read fail). The retry reads through the other side's reader; where that one fails
-    # too, the block is repaired (unindexed, deleted) and the next retry recomputes it.
+@contextmanager
+def eio_rollout(actors: str) -> Iterator[tuple[Any, Any, dict[str, int], int]]:
+    """A dualpath rollout (4 trajectories x 2 turns) whose readers matching `actors` each fail
+    their second hit-block read with OSError(EIO) inside the store's read of that block (the
+    fault plan's store_read fail). Yields (cluster, deployment, the scheduler's call counts,
+    reads injected), after checking what every such run must show: every trajectory served,
+    outputs equal to the fault-free recompute, no unreadable bytes at a decode engine, every
+    buffer pool free."""
     cfg = runtime_config().with_overrides(
-        faults={"seed": 5, "faults": [{"site": "store_read", "mode": "fail", "nth": 2, "actors": "reader/*"}]}
+        faults={"seed": 5, "faults": [{"site": "store_read", "mode": "fail", "nth": 2, "actors": actors}]}
     )
     trajs = trajectories(count=4, turns=2, first=300)
     cluster = DualPathCluster.start(cfg)
@@ -52,57 +56,44 @@ def test_hit_blocks_the_disk_cannot_read_are_named_read_elsewhere_or_recomputed(
         result = cluster.rollout(trajs, progress=False)
         calls = ray.get(deployment.scheduler.call_counts.remote())
         injected = cluster.fault_counts()["store_read:fail"].injected
-        elsewhere = calls.get("reread_elsewhere_kv_unreadable", 0)
-        print(f"EIO on {injected} hit-block reads: retries {calls['retries']}, read elsewhere {elsewhere}, "
-              f"unindexed {calls['unindexed_blocks']}")
+        print(f"EIO on {injected} hit-block reads ({actors}): retries {calls['retries']}, read elsewhere "
+              f"{calls.get('reread_elsewhere_kv_unreadable', 0)}, unindexed {calls['unindexed_blocks']}")
         assert injected >= 1, "the plan hit at least one read"
         assert not result.failures, f"every trajectory completes: {result.failures}"
+        assert result.outputs() == recompute_outputs(cfg, trajs), "outputs equal the fault-free recompute"
+        assert verify_mismatches(cluster) == 0, "no unreadable block's bytes reached a decode engine (runtime.verify_kv)"
+        yield cluster, deployment, calls, injected
+        assert all(free == capacity for free, _, _, capacity in cluster.pool_integrity().values()), (
+            "every buffer pool is fully free after the run"
+        )
+    finally:
+        cluster.shutdown()
+
+
+def test_hit_blocks_the_disk_cannot_read_are_named_read_elsewhere_or_recomputed():
+    # Both readers fail (a bad sector, or a node's failing storage client). The retry reads
+    # through the other side's reader; where that one fails too, the block is repaired
+    # (unindexed, deleted) and the next retry recomputes it.
+    with eio_rollout("reader/*") as (_, deployment, calls, injected):
+        elsewhere = calls.get("reread_elsewhere_kv_unreadable", 0)
         assert elsewhere >= 1, "a failed read is retried through the other side's reader first"
         assert elsewhere == injected or calls["unindexed_blocks"] >= 1, (
             "a block that failed on both sides left the index (with its successors) and was recomputed"
         )
-        assert result.outputs() == recompute_outputs(cfg, trajs), "outputs equal the fault-free recompute"
-        assert verify_mismatches(cluster) == 0, "no unreadable block's bytes reached a decode engine (runtime.verify_kv)"
         unreadable, _ = store_faults(deployment)
         assert len(unreadable) == injected, "each unreadable block is named by the reader that read it"
         assert calls["retries"] == injected, "each costs its turn one retry, not one per later read"
-        assert all(free == capacity for free, _, _, capacity in cluster.pool_integrity().values()), (
-            "every buffer pool is fully free after the run"
-        )
-    finally:
-        cluster.shutdown()
 
 
 def test_an_io_error_on_the_prefill_nodes_reader_is_read_again_through_the_decode_nodes():
-    # The prefill node's reader fails its second hit-block read with OSError(EIO): that node's
-    # storage client failing, not the block (the decode node's reader reads it fine). The retry
-    # reads the turn's hits through the decode node's reader (DE path): nothing is unindexed or
-    # recomputed, and the outputs are the fault-free ones.
-    cfg = runtime_config().with_overrides(
-        faults={"seed": 5, "faults": [{"site": "store_read", "mode": "fail", "nth": 2, "actors": "reader/p0"}]}
-    )
-    trajs = trajectories(count=4, turns=2, first=300)
-    cluster = DualPathCluster.start(cfg)
-    try:
-        deployment = cluster.deploy("dualpath")
-        result = cluster.rollout(trajs, progress=False)
-        calls = ray.get(deployment.scheduler.call_counts.remote())
-        injected = cluster.fault_counts()["store_read:fail"].injected
-        print(f"EIO on {injected} reads on p0: retries {calls['retries']}, elsewhere "
-              f"{calls.get('reread_elsewhere_kv_unreadable', 0)}, unindexed {calls['unindexed_blocks']}")
-        assert injected >= 1, "the plan hit at least one read on the prefill node's reader"
-        assert not result.failures, f"every trajectory completes: {result.failures}"
+    # Only the prefill node's reader fails: that node's storage client, not the block (the
+    # decode node's reader reads it fine). The retry reads the turn's hits through the decode
+    # node's reader (DE path): nothing is unindexed or recomputed.
+    with eio_rollout("reader/p0") as (_, _, calls, injected):
         assert calls.get("reread_elsewhere_kv_unreadable", 0) == injected == calls["retries"], (
             "each failed read is retried once, through the other side's reader"
         )
         assert calls["unindexed_blocks"] == 0, "no block left the index: the decode node's reader read it"
-        assert result.outputs() == recompute_outputs(cfg, trajs), "outputs equal the fault-free recompute"
-        assert verify_mismatches(cluster) == 0, "no unreadable block's bytes reached a decode engine (runtime.verify_kv)"
-        assert all(free == capacity for free, _, _, capacity in cluster.pool_integrity().values()), (
-            "every buffer pool is fully free after the run"
-        )
-    finally:
-        cluster.shutdown()
 
 
 @contextmanager
