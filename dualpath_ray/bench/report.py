@@ -38,6 +38,9 @@ class ModeRun:
     snic_read_bytes: dict[str, int]  # per node
     snic_read_bytes_by_path: dict[str, int]
     snic_write_bytes: dict[str, int]  # per node (persisted blocks)
+    # Per node: hit bytes read / seconds with a hit read in flight (NodeCounters.store_read_s),
+    # the reader's own rate end to end (lease, read, verify, SNIC counters); None: read nothing.
+    store_read_gbps: dict[str, float | None]
     requests_by_path: dict[str, int]  # timed turns with hits, by the path the scheduler named
     snic_balance: float | None
     high_load_window_s: tuple[float, float] | None
@@ -55,8 +58,8 @@ class ModeRun:
             "hit_bytes": self.hit_bytes, "recomputed_hit_bytes": self.recomputed_hit_bytes,
             "ttft_s": self.ttft_s.to_json(), "tpot_s": self.tpot_s.to_json(),
             "snic_read_bytes": self.snic_read_bytes, "snic_read_bytes_by_path": self.snic_read_bytes_by_path,
-            "snic_write_bytes": self.snic_write_bytes, "requests_by_path": self.requests_by_path,
-            "snic_balance": self.snic_balance,
+            "snic_write_bytes": self.snic_write_bytes, "store_read_gbps": self.store_read_gbps,
+            "requests_by_path": self.requests_by_path, "snic_balance": self.snic_balance,
             "high_load_window_s": list(self.high_load_window_s) if self.high_load_window_s else None,
             "snic_series": self.series.to_json(), "outputs": self.outputs,
         }
@@ -76,6 +79,7 @@ class ModeSummary:
     snic_read_bytes: dict[str, int]
     snic_read_bytes_by_path: dict[str, int]
     snic_write_bytes: dict[str, int]
+    store_read_gbps: dict[str, float | None]  # per node, the median over rounds that read
     requests_by_path: dict[str, int]
     snic_balance: float | None
     jct_over_io_bound: float | None
@@ -87,7 +91,8 @@ class ModeSummary:
             "recomputed_hit_bytes": self.recomputed_hit_bytes,
             "ttft_s": self.ttft_s.to_json(), "tpot_s": self.tpot_s.to_json(),
             "snic_read_bytes": self.snic_read_bytes, "snic_read_bytes_by_path": self.snic_read_bytes_by_path,
-            "snic_write_bytes": self.snic_write_bytes, "requests_by_path": self.requests_by_path,
+            "snic_write_bytes": self.snic_write_bytes, "store_read_gbps": self.store_read_gbps,
+            "requests_by_path": self.requests_by_path,
             "snic_balance": self.snic_balance, "jct_over_io_bound": self.jct_over_io_bound,
         }
 
@@ -138,6 +143,7 @@ def summarise_mode(runs: Sequence[ModeRun], io_s: float) -> ModeSummary:
         snic_read_bytes=median_by_key([r.snic_read_bytes for r in runs]),
         snic_read_bytes_by_path=median_by_key([r.snic_read_bytes_by_path for r in runs]),
         snic_write_bytes=median_by_key([r.snic_write_bytes for r in runs]),
+        store_read_gbps={n: median_optional([r.store_read_gbps.get(n) for r in runs]) for n in runs[0].store_read_gbps},
         requests_by_path=median_by_key([r.requests_by_path for r in runs]),
         snic_balance=median_optional([r.snic_balance for r in runs]),
         jct_over_io_bound=jct / io_s if io_s > 0 else None,

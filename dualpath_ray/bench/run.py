@@ -120,6 +120,7 @@ def counter_delta(before: Mapping[str, NodeCounters], after: Mapping[str, NodeCo
             snic_write=late.snic_write - early.snic_write,
             cnic_in={p: late.cnic_in[p] - early.cnic_in[p] for p in PATHS},
             cnic_out={p: late.cnic_out[p] - early.cnic_out[p] for p in PATHS},
+            store_read_s=late.store_read_s - early.store_read_s,
         )
     return delta
 
@@ -140,11 +141,18 @@ def measure_run(
         snic_read_bytes={n: sum(c.snic_read.values()) for n, c in delta.items()},
         snic_read_bytes_by_path={p: sum(c.snic_read[p] for c in delta.values()) for p in PATHS},
         snic_write_bytes={n: c.snic_write for n, c in delta.items()},
+        store_read_gbps={n: store_read_gbps(c) for n, c in delta.items()},
         requests_by_path={p: Counter(str(r.path) for r in turns if r.hit_tokens).get(p, 0) for p in PATHS},
         snic_balance=snic_balance(window_bytes(series, window)) if window else None,
         high_load_window_s=(window.start_s, window.end_s) if window else None,
         series=series,
     )
+
+
+def store_read_gbps(delta: NodeCounters) -> float | None:
+    """GB/s (1e9 bytes) a node's reader read at while it had a hit read in flight; None if it read nothing."""
+    read = sum(delta.snic_read.values())
+    return read / delta.store_read_s / 1e9 if read and delta.store_read_s > 0 else None
 
 
 def _check(cluster: DualPathCluster, mode: str, failures: Mapping[str, str]) -> None:

@@ -24,7 +24,9 @@ def mode_run(round_index: int, mode: str, jct_s: float) -> ModeRun:
         round=round_index, mode=mode, jct_s=jct_s, turns=64, hit_bytes=HIT_BYTES,
         ttft_s=Percentiles(0.1 * jct_s, 0.2 * jct_s), tpot_s=Percentiles(0.01, 0.02),
         snic_read_bytes=totals, snic_read_bytes_by_path={"pe": totals["p0"], "de": totals["d0"]},
-        snic_write_bytes={"p0": 0, "d0": 1000}, requests_by_path={"pe": 64, "de": 0},
+        snic_write_bytes={"p0": 0, "d0": 1000},
+        store_read_gbps={node: (0.5 + round_index if v else None) for node, v in totals.items()},
+        requests_by_path={"pe": 64, "de": 0},
         snic_balance=None if mode == "oracle" else 2.0 / (1 + share[1] / share[0]),
         high_load_window_s=None if mode == "oracle" else (0.0, t[-1]), series=SnicSeries(t, read),
     )
@@ -79,3 +81,10 @@ def test_plot_is_a_png_of_the_median_runs(tmp_path: Path) -> None:
     assert median_run(r, "basic").jct_s == 41.0, "the traffic panel shows the median round's run"
     path = plot_report(r, tmp_path / "sub" / "bench.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", "the plot file is a PNG"
+
+
+def test_store_read_rate_is_the_median_over_rounds_that_read() -> None:
+    r = report()
+    assert r.modes["dualpath"].store_read_gbps == {"p0": 2.5, "d0": 2.5}, "median of 1.5, 2.5, 3.5 per node"
+    assert r.modes["basic"].store_read_gbps == {"p0": 2.5, "d0": None}, "a node that never read has no rate"
+    assert r.modes["oracle"].store_read_gbps == {"p0": None, "d0": None}, "oracle reads nothing"

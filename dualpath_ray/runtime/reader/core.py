@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import errno
 import threading
+import time
 from typing import Callable, Sequence
 
 import numpy as np
@@ -37,6 +38,7 @@ from dualpath_ray.kv.pool import BufferPool, Extent, ExtentState
 from dualpath_ray.protocol.counters import NodeCounters
 from dualpath_ray.protocol.messages import ExtentGrant, PersistedBlock, StagedRead
 from dualpath_ray.runtime.reader.extents import ExtentRetiredError, ReaderExtents, ReclaimedOwnerError
+from dualpath_ray.runtime.reader.read_time import StoreReadTime
 from dualpath_ray.runtime.reader.recent_keys import RecentKeys
 from dualpath_ray.runtime.reader.settings import ReaderFaults, ReaderSettings
 from dualpath_ray.runtime.reader.snic import ReadTurn, SnicLink
@@ -63,6 +65,7 @@ class ReaderCore:
         store: BlockStore,
         links: tuple[SnicLink, SnicLink],
         faults: ReaderFaults,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.settings = settings
         self.node_id = settings.node_id
@@ -92,6 +95,7 @@ class ReaderCore:
         # Called (under this core's lock) whenever the read queue changed: the actor's reporter.
         self.on_read_q: Callable[[], None] = lambda: None
         self._cond = threading.Condition()
+        self.read_time = StoreReadTime(self.counters, self._cond, clock)  # counters.store_read_s
         # Tool-time staging (runtime/reader/stager.py): under this core's lock, fed by its reads.
         self.stager = ReaderStaging(
             self.pool, store, self.snic_read, layout, self.counters, self._cond, settings.stage_cap_blocks
@@ -292,7 +296,8 @@ class ReaderCore:
                 if keys:
                     outs = [self.pool.full_block(slot) for slot in extent.slots[first_block:end]]
                     turn.begin()
-                    self.store.get_many_into(list(keys), outs, before_read=before_read, on_verified=on_verified)
+                    with self.read_time.reading():
+                        self.store.get_many_into(list(keys), outs, before_read=before_read, on_verified=on_verified)
                 hit_digests = self._digests(extent, start, end) if wants_digests else None
             except (BlockNotFoundError, BlockCorruptedError, IncompatibleBlockError, OSError) as exc:
                 # The store raises for the first bad block in key order, the one after the

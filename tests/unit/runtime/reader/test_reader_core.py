@@ -80,6 +80,7 @@ def test_reader_read_queue_drops_per_verified_block(tmp_path: Path, monkeypatch:
     assert seen == expected, "each verified block must leave the read queue and enter the SNIC counter at once"
     assert core.read_q() == 0, "the read queue must be exactly empty after the read"
     assert core.snic_read.bytes_total == 4 * layout.full_block_bytes, "the SNIC read direction is charged once per block"
+    assert core.counters.store_read_s > 0 and core.read_time.in_flight == 0, "the read's time is counted once it ended"
     for i in range(4):
         assert int(core.pool.full_block(extent.slots[i])[0, 0, 0]) == i + 1, f"hit block {i} must land in slot {i}"
     core.free(extent.extent_id)
@@ -243,7 +244,6 @@ def test_write_extent_stores_its_blocks_and_frees_the_extent_even_on_failure(tmp
 
 def test_a_starting_reader_sweeps_temporaries_of_crashed_puts_only_once_they_are_stale(tmp_path: Path) -> None:
     import os
-    import time
 
     first = reader_core(tmp_path)
     key = block_keys(list(range(first.layout.block_size)), first.layout.block_size, namespace_for("reader", 3))[0]
