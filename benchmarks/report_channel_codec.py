@@ -24,7 +24,7 @@ import time
 import timeit
 from typing import Any, Callable
 
-from dualpath_ray.protocol.messages import EngineReport, ErrorKind, Holding, PersistedBlock, ReaderReport, TokenChunk
+from dualpath_ray.protocol.messages import EngineReport, Holding, PersistedBlock, ReaderReport, TokenChunk
 from dualpath_ray.protocol.messages import TurnResult
 from dualpath_ray.protocol.wire import Codec
 from dualpath_ray.runtime.control.report_channel import REPORT_TYPES

@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from dualpath_ray.bench.figures import SnicSeries, effective_span_s, span_rates
+from dualpath_ray.analysis.snic_window import SnicSeries, effective_span_s, span_rates
 from dualpath_ray.bench.report import BenchReport, ModeRun
 
 

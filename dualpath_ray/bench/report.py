@@ -14,13 +14,13 @@ from dataclasses import dataclass, field
 from dualpath_ray.bench.figures import (
     Bounds,
     Percentiles,
-    SnicSeries,
     io_bound_s,
     median,
     median_by_key,
     median_count,
     median_optional,
 )
+from dualpath_ray.analysis.snic_window import SnicSeries
 
 
 @dataclass(frozen=True)

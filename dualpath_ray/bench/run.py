@@ -34,7 +34,8 @@ from typing import Any
 
 import ray
 
-from dualpath_ray.bench.figures import SnicSeries, high_load_window, percentiles, run_order, snic_balance, window_bytes
+from dualpath_ray.analysis.snic_window import SnicSeries, high_load_window, snic_balance, window_bytes
+from dualpath_ray.bench.figures import percentiles, run_order
 from dualpath_ray.bench.report import BenchReport, ModeRun, Topology, summarise
 from dualpath_ray.cluster import DualPathCluster
 from dualpath_ray.config import DualPathConfig

@@ -7,8 +7,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from dualpath_ray.bench.figures import HighLoadWindow, SnicSeries, high_load_window, window_bytes
-from dualpath_ray.bench.figures import snic_balance as bench_balance
+from dualpath_ray.analysis.snic_window import HighLoadWindow, SnicSeries, high_load_window, window_bytes
+from dualpath_ray.analysis.snic_window import snic_balance as bench_balance
 from dualpath_ray.scheduling.types import ReadPath
 
 

@@ -5,19 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from dualpath_ray.bench.figures import (
-    SnicSeries,
-    high_load_window,
-    io_bound_s,
-    median_by_key,
-    median_count,
-    parse_modes,
-    percentiles,
-    run_order,
-    snic_balance,
-    span_rates,
-    window_bytes,
-)
+from dualpath_ray.analysis.snic_window import SnicSeries, high_load_window, snic_balance, span_rates, window_bytes
+from dualpath_ray.bench.figures import io_bound_s, median_by_key, median_count, parse_modes, percentiles, run_order
 
 
 def test_percentiles_interpolate_linearly_and_are_none_for_no_sample() -> None:

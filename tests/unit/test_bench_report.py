@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from dualpath_ray.bench.figures import Percentiles, SnicSeries
+from dualpath_ray.analysis.snic_window import SnicSeries
+from dualpath_ray.bench.figures import Percentiles
 from dualpath_ray.bench.plot import median_run, plot_report
 from dualpath_ray.bench.report import BenchReport, ModeRun, Topology, format_text, summarise
 
