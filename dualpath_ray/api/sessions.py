@@ -14,7 +14,8 @@ import uuid
 from typing import Callable
 
 from dualpath_ray.api.validation import RequestError
-from dualpath_ray.scheduling.expiry import IDLE_TTL_DEFAULT_S, IdleExpiry
+from dualpath_ray.config.sections import IDLE_TTL_DEFAULT_S
+from dualpath_ray.scheduling.expiry import IdleExpiry
 
 MAX_SESSION_ID_CHARS = 128
 # Ids travel in request ids, metric tags and log lines: keep them to a plain, printable set.

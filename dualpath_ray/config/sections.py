@@ -10,8 +10,13 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from dualpath_ray.config.section import Section
-from dualpath_ray.scheduling.expiry import IDLE_TTL_DEFAULT_S
 from dualpath_ray.scheduling.types import Mode
+
+
+# runtime.session_ttl_s's default, also the default of the tables built without a config (tests,
+# tools; scheduling/expiry.py): an idle hour outlasts any turn (runtime.request_timeout_s defaults
+# to 15 minutes) and an RL agent's tool call between two turns of its trajectory.
+IDLE_TTL_DEFAULT_S = 3600.0
 
 
 class ClusterConfig(Section):

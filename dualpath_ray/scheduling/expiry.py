@@ -13,11 +13,6 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Callable, Iterator
 
-# runtime.session_ttl_s's default, also the default of the tables built without a config (tests,
-# tools): an idle hour outlasts any turn (runtime.request_timeout_s defaults to 15 minutes) and an
-# RL agent's tool call between two turns of its trajectory.
-IDLE_TTL_DEFAULT_S = 3600.0
-
 
 class IdleExpiry:
     """The keys in use and when each was last used; `sweep` forgets those idle for `ttl_s`."""

@@ -12,7 +12,8 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-from dualpath_ray.scheduling.expiry import IDLE_TTL_DEFAULT_S, IdleExpiry
+from dualpath_ray.config.sections import IDLE_TTL_DEFAULT_S
+from dualpath_ray.scheduling.expiry import IdleExpiry
 
 
 class Aborts:
