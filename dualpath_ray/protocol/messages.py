@@ -18,7 +18,7 @@ from dualpath_ray.scheduling.types import ReadPath, StopReason
 from dualpath_ray.protocol.errors import ErrorKind  # carried by TurnResult; callers import it from here too
 
 if TYPE_CHECKING:
-    from dualpath_ray.scheduling.loads import EngineLoad
+    from dualpath_ray.protocol.loads import EngineLoad
 
 
 class PeerState(str, enum.Enum):

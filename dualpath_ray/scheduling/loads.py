@@ -10,10 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
+# Engines send it (protocol/loads.py); the policy reads it: one of the types it takes.
+from dualpath_ray.protocol.loads import EngineLoad
 
-def _require_non_negative(owner: str, field: str, value: int) -> None:
-    if value < 0:
-        raise ValueError(f"{owner}.{field} must be >= 0 (got {value}); counters never go negative")
+__all__ = ["Assignment", "EngineLoad", "QueuedRequest", "decode_tokens", "prefill_tokens"]
 
 
 def prefill_tokens(prompt_tokens: int, hit_tokens: int) -> int:
@@ -35,28 +35,6 @@ def decode_tokens(prompt_tokens: int, max_new_tokens: int, block_size: int) -> i
     scheduler's free-HBM arithmetic equals the engine's exactly)."""
     pages = -(-(prompt_tokens + max_new_tokens) // block_size)
     return pages * block_size
-
-
-@dataclass(frozen=True)
-class EngineLoad:
-    """One engine's load report (paper section 6).
-
-    seq: unfinished requests on the engine; tok: their summed tokens, as `QueuedRequest.tokens`
-    counts them (a prefill engine: tokens to compute, `prefill_tokens`; a decode engine: whole
-    lengths, the KV it holds); free_hbm_tokens: KV capacity still free in its HBM, in tokens (used
-    by decode engines only).
-    """
-
-    engine_id: str
-    node_id: str
-    seq: int
-    tok: int
-    free_hbm_tokens: int = 0
-
-    def __post_init__(self) -> None:
-        _require_non_negative("EngineLoad", "seq", self.seq)
-        _require_non_negative("EngineLoad", "tok", self.tok)
-        _require_non_negative("EngineLoad", "free_hbm_tokens", self.free_hbm_tokens)
 
 
 @dataclass(frozen=True)
