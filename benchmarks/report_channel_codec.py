@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/report_channel_codec.py            # about 1 min
 
-The report channel (runtime/control/report_channel.py) once sent pickled reports under a MAC of
+The report channel (runtime/reporting/channel.py) once sent pickled reports under a MAC of
 the handshake only; it now sends a Codec message (protocol/wire.py: msgpack of the protocol
 dataclasses) with a keyed BLAKE2b tag per frame. This times, for three reports, the sender's
 side (old: pickle.dumps + header; now: Codec.encode + SessionKeys.seal_frame) and the
@@ -27,8 +27,8 @@ from typing import Any, Callable
 from dualpath_ray.protocol.messages import EngineReport, Holding, PersistedBlock, ReaderReport, TokenChunk
 from dualpath_ray.protocol.messages import TurnResult
 from dualpath_ray.protocol.wire import Codec
-from dualpath_ray.runtime.control.report_channel import REPORT_TYPES
-from dualpath_ray.runtime.control.report_frames import FRAME, TAG_BYTES, Hello, SessionKeys
+from dualpath_ray.runtime.reporting.channel import REPORT_TYPES
+from dualpath_ray.runtime.reporting.frames import FRAME, TAG_BYTES, Hello, SessionKeys
 from dualpath_ray.scheduling.types import ReadPath, StopReason
 
 

@@ -67,10 +67,10 @@ from dualpath_ray.protocol.messages import (  # noqa: E402
     newest_holdings,
 )
 from dualpath_ray.protocol.names import SCHEDULER, reader_name  # noqa: E402
-from dualpath_ray.runtime.control.report_channel import ChannelAddress  # noqa: E402
-from dualpath_ray.runtime.control.report_client import ReportClient  # noqa: E402
+from dualpath_ray.runtime.reporting.channel import ChannelAddress  # noqa: E402
+from dualpath_ray.runtime.reporting.client import ReportClient  # noqa: E402
 from dualpath_ray.runtime.control.scheduler import Scheduler  # noqa: E402
-from dualpath_ray.runtime.deploy.topology import plan_nodes  # noqa: E402
+from dualpath_ray.runtime.placement.topology import plan_nodes  # noqa: E402
 from dualpath_ray.scheduling.types import ReadPath, StopReason  # noqa: E402
 
 NAMESPACE = "dualpath-scale"

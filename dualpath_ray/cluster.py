@@ -23,10 +23,10 @@ from dualpath_ray.protocol.counters import NodeCounters
 from dualpath_ray.protocol.messages import TurnResult
 from dualpath_ray.protocol.weights import WeightSource
 from dualpath_ray.runtime.deploy.deployment import Deployment, create_deployment, tear_down
-from dualpath_ray.runtime.deploy.topology import (
+from dualpath_ray.runtime.placement.topology import (
     HEAD_RESOURCE, ROLE_LABEL, NodeSpec, front_end_options, plan_nodes, slot_resource,
 )
-from dualpath_ray.runtime.deploy.weight_sync import WeightSender, manifest_of
+from dualpath_ray.runtime.weights.sync import WeightSender, manifest_of
 from dualpath_ray.runtime.emulation.choice import EmulationChoice, resolve_emulation
 from dualpath_ray.workload.trace import Trajectory
 
@@ -292,7 +292,7 @@ class DualPathCluster:
         """This process becomes rank 0 of a weight broadcast group every engine joins (the way
         a trainer syncs its policy); use it with `update_weights_from_group`. Its device is this
         process's GPU where it has one; the backend is the one the trainer and the engines agree
-        on from their devices (runtime/deploy/weight_sync.py: NCCL when each has a GPU of its
+        on from their devices (runtime/weights/sync.py: NCCL when each has a GPU of its
         own, else gloo), `sender.backend` once this returns."""
         engines = len(ray.get(self._scheduler().engine_names.remote()))
         sender = WeightSender.listen(engines + 1, host=ray.util.get_node_ip_address(), group_name=group_name,

@@ -37,7 +37,7 @@ from dualpath_ray.observability.prometheus import (
     scrape_config,
     write_targets,
 )
-from dualpath_ray.runtime.deploy.topology import HEAD_RESOURCE, ROLE_LABEL, plan_nodes, slot_resource
+from dualpath_ray.runtime.placement.topology import HEAD_RESOURCE, ROLE_LABEL, plan_nodes, slot_resource
 
 STATE_FILE = "cluster.json"
 DEFAULT_STATE_DIR = Path.home() / ".dualpath" / "cluster"

@@ -26,11 +26,12 @@ from dualpath_ray.kv.store import open_store
 from dualpath_ray.kv.window import LayerWindow
 from dualpath_ray.model.profile import attention_predictor
 from dualpath_ray.protocol.names import Pool
-from dualpath_ray.runtime.engine.compute import EngineCompute
+from dualpath_ray.runtime.compute.engine_compute import EngineCompute
 from dualpath_ray.runtime.engine.held_weights import HeldWeights
 from dualpath_ray.runtime.decode.core import DecodeCore
 from dualpath_ray.runtime.decode.job import DecodePorts, DecodeSettings
-from dualpath_ray.runtime.emulation import make_compute, make_link
+from dualpath_ray.runtime.emulation import make_link
+from dualpath_ray.runtime.engine.compute_choice import make_compute
 from dualpath_ray.protocol.messages import PrefillTask, RequestSpec, SamplingParams, TurnResult, attempt_owner
 from dualpath_ray.runtime.prefill.core import PrefillCore
 from dualpath_ray.runtime.prefill.job import PrefillPorts, PrefillSettings

@@ -349,7 +349,7 @@ class ScriptedFaults:
         return {label: FaultCount(c.events, c.injected) for label, c in self._counts.items()}
 
 
-# --- state a restarted actor finds again (runtime/deploy/kept_state.py) ----------------------
+# --- state a restarted actor finds again (runtime/restarts/kept_state.py) ----------------------
 
 
 class FakeKeptState:

@@ -8,7 +8,7 @@ prompts, connections, the time a head or a body takes to arrive) is bounded by i
 (api/http_limits.py, applied by api/http_server.py and api/openai_guards.py).
 
 Ray restarts it when its process dies (runtime.front_end_max_restarts): the new incarnation
-listens again on the address the dead one bound (kept in its record, runtime/deploy/kept_state.py),
+listens again on the address the dead one bound (kept in its record, runtime/restarts/kept_state.py),
 so clients keep their URL. A request in flight at the death loses its connection; HTTP clients
 send it again (the `openai` client retries connection errors, `max_retries`), and a retry that
 arrives before the new incarnation listens is refused (connection refused: retried the same way).
@@ -31,9 +31,9 @@ from dualpath_ray.api.server import SERVER_NAME
 from dualpath_ray.api.tokenizer import TOKENIZER_FILE, HFTokenizer, TokenizerError
 from dualpath_ray.config import DualPathConfig
 from dualpath_ray.protocol.names import OPENAI_SERVER
-from dualpath_ray.runtime.deploy.kept_state import KeptState
-from dualpath_ray.runtime.deploy.topology import front_end_options
-from dualpath_ray.runtime.engine.restarts import was_restarted
+from dualpath_ray.runtime.restarts.kept_state import KeptState
+from dualpath_ray.runtime.placement.topology import front_end_options
+from dualpath_ray.runtime.restarts.incarnations import was_restarted
 
 OPENAI_SERVER_NAME = OPENAI_SERVER
 START_TIMEOUT_S = 30.0

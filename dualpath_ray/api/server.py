@@ -11,7 +11,7 @@ Cluster-wide control fans out through the Scheduler, the one actor every process
 Ray restarts it when its process dies (runtime.front_end_max_restarts) and sends the calls that
 were in flight again (runtime.max_call_resends), so a caller's `generate` completes on the new
 incarnation. What the dead one learnt (weight version, verl's step and gate, the HTTP address)
-comes back from its kept record (runtime/deploy/kept_state.py); session turn numbers start
+comes back from its kept record (runtime/restarts/kept_state.py); session turn numbers start
 again from t0, as after an idle expiry (api/sessions.py). A resent turn the dead incarnation had
 submitted is still in flight at the scheduler under its id: the new incarnation waits for that
 serving to end and submits it again, so the caller gets its own turn's result.
@@ -39,9 +39,9 @@ from dualpath_ray.config import DualPathConfig
 from dualpath_ray.protocol.messages import RequestSpec, StreamDelta, TurnResult, aborted_result
 from dualpath_ray.protocol.names import ROLLOUT_SERVER, SCHEDULER
 from dualpath_ray.protocol.weights import WeightSource
-from dualpath_ray.runtime.deploy.kept_state import KeptState
-from dualpath_ray.runtime.deploy.weight_ledger import WeightLedger
-from dualpath_ray.runtime.engine.restarts import was_restarted
+from dualpath_ray.runtime.restarts.kept_state import KeptState
+from dualpath_ray.runtime.weights.ledger import WeightLedger
+from dualpath_ray.runtime.restarts.incarnations import was_restarted
 from dualpath_ray.scheduling.types import StopReason
 
 SERVER_NAME = ROLLOUT_SERVER
@@ -299,7 +299,7 @@ class RolloutServer:
 
     async def join_weight_group(self, host: str, port: int, group_name: str = "policy", timeout_s: float = 300.0) -> int:
         """Every engine joins the trainer's broadcast group as ranks 1..N (the trainer joins as
-        rank 0 beside this call: runtime/deploy/weight_sync.py). Returns the world size."""
+        rank 0 beside this call: runtime/weights/sync.py). Returns the world size."""
         return int(await self.scheduler.join_weight_group.remote(host, port, group_name, timeout_s))
 
     async def update_weights_from_group(self, version: int, manifest: list[Any]) -> int:

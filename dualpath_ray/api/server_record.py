@@ -1,6 +1,6 @@
 """What the `rollout-server` (api/server.py) must find again after Ray restarts it: its weight
 version and verl's state (the training step, the submission gate, the OpenAI endpoint's address),
-saved on every change in its kept record (runtime/deploy/kept_state.py) and read back by a
+saved on every change in its kept record (runtime/restarts/kept_state.py) and read back by a
 restarted incarnation. Turns and session numbers are not kept (see api/server.py)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from dualpath_ray.api.verl_server import VerlServerControl
-from dualpath_ray.runtime.deploy.kept_state import KeptState
+from dualpath_ray.runtime.restarts.kept_state import KeptState
 
 
 class ServerRecord:

@@ -16,8 +16,8 @@ from typing import Any
 
 from dualpath_ray.config import ConfigError, load_config
 from dualpath_ray.config.qos import QosConfig
-from dualpath_ray.runtime.deploy.qos import ActorKind, actor_environment, collective_class, kv_class
-from dualpath_ray.runtime.deploy.qos_fabric import opensm_policy, roce_policy
+from dualpath_ray.runtime.placement.qos import ActorKind, actor_environment, collective_class, kv_class
+from dualpath_ray.runtime.placement.qos_fabric import opensm_policy, roce_policy
 
 FABRICS = ("ib", "roce")
 

@@ -8,7 +8,7 @@ may pass before low priority gets a turn; OpenSM's qos_sl2vl, qos_vlarb_high, qo
 qos_high_limit, IBA 7.6.6 and 7.6.9). On RoCE the same tables are carried over to DSCP ->
 priority -> traffic class. The section validates the isolation invariant (KV low priority only,
 the collectives high priority, on different lanes); what each process and the fabric are given
-from it is runtime/deploy/qos.py's and qos_fabric.py's.
+from it is runtime/placement/qos.py's and qos_fabric.py's.
 
 Defaults reproduce the paper: KV on SL 2 -> VL 2, collectives on SL 3 -> VL 3 (the paper's
 high-priority VLs are 0, 1 and 3), qos_high_limit 240, qos_vlarb_high 0:192,1:192,2:0,3:192,

@@ -342,7 +342,7 @@ class RuntimeConfig(Section):
     front_end_max_restarts: int = Field(
         10, ge=0, description="How often Ray restarts each front-end actor: the rollout-server (api/server.py) "
         "and the openai-server (api/openai_server.py). A restarted one finds its weight version, verl state "
-        "and listening address again (runtime/deploy/kept_state.py); 0: a dead one stays dead.",
+        "and listening address again (runtime/restarts/kept_state.py); 0: a dead one stays dead.",
     )
     max_call_resends: int = Field(
         3, ge=0, description="How often Ray sends a call again to a restarted scheduler or rollout-server "

@@ -9,7 +9,7 @@ the engines' sleep/wake (runtime/engine/hbm_moves.py) goes through it.
 
 A reader actor asks Ray for no GPU. Ray 2.60 leaves CUDA_VISIBLE_DEVICES alone for such actors
 (ray issue 54868) unless RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO=1, which hides every GPU from them
-(CUDA_VISIBLE_DEVICES=""); the deployment sets it to 0 for readers (runtime/deploy/topology.py),
+(CUDA_VISIBLE_DEVICES=""); the deployment sets it to 0 for readers (runtime/placement/topology.py),
 so on a GPU node the reader sees the node's GPUs and pins. Where nothing can be pinned (no CUDA:
 torch raises on pin_memory there) the buffer is plain memory, and `Pinning.detail` says why, which
 the reader reports (`dualpath status`).

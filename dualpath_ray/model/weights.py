@@ -182,7 +182,7 @@ def write_checkpoint(
 def weights_fingerprint(tensors: Mapping[str, torch.Tensor]) -> str:
     """A digest of a state dict: every tensor's name, dtype, shape and bytes, in name order, so
     the same weights give the same fingerprint whatever their order or device. It names a weight
-    version's tensors in the weight ledger (runtime/deploy/weight_ledger.py). Cost: one pass of
+    version's tensors in the weight ledger (runtime/weights/ledger.py). Cost: one pass of
     xxh3 over the bytes (GB/s on one core), plus a device-to-host copy of GPU tensors."""
     import xxhash
 

@@ -18,7 +18,7 @@ import numpy as np
 
 from dualpath_ray.protocol.counters import PATHS
 from dualpath_ray.protocol.names import ENGINE_PREFIXES, SCHEDULER, is_reader, reader_node
-from dualpath_ray.runtime.deploy.topology import HEAD_RESOURCE, ROLE_LABEL
+from dualpath_ray.runtime.placement.topology import HEAD_RESOURCE, ROLE_LABEL
 
 # Scheduler call counts worth showing an operator (the rest are for tests and benchmarks).
 SHOWN_CALLS = ("generate", "retries", "timeouts", "unindexed_blocks", "dead_engines", "dead_readers",

@@ -1,4 +1,4 @@
-"""What a trainer's weight broadcast names (runtime/deploy/weight_sync.py): its tensors, in order."""
+"""What a trainer's weight broadcast names (runtime/weights/sync.py): its tensors, in order."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """One tensor of a trainer's weight broadcast, in manifest order (runtime/deploy/weight_sync.py)."""
+    """One tensor of a trainer's weight broadcast, in manifest order (runtime/weights/sync.py)."""
 
     name: str
     shape: tuple[int, ...]

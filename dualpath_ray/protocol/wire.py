@@ -1,6 +1,6 @@
 """A typed wire encoding of the protocol's messages: msgpack, never pickle.
 
-What crosses a socket between processes (runtime/control/report_channel.py) must not be able to
+What crosses a socket between processes (runtime/reporting/channel.py) must not be able to
 name a class or a function to call: a pickle can, so a forged one is code execution in the
 receiver. A `Codec` instead knows a closed set of types, found once by walking the field type
 hints of its root messages (every dataclass, NamedTuple and enum reachable from them), so a field

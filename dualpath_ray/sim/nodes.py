@@ -1,6 +1,6 @@
 """A simulated node: its storage NIC (one link per direction), DRAM, staging buffer, read queue.
 
-Names follow the runtime's topology (runtime/deploy/topology.py): nodes p0..p{P-1} and d0..d{D-1},
+Names follow the runtime's topology (runtime/placement/topology.py): nodes p0..p{P-1} and d0..d{D-1},
 engines `<role>/<node>/g<i>`, groups `<role>/<node>`, so decisions read the same in both.
 
 Traffic per request (paper-digest.md, "The two read paths"), each byte charged to every

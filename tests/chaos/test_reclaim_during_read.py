@@ -30,7 +30,7 @@ from dualpath_ray.kv.index import block_keys  # noqa: E402
 from dualpath_ray.kv.layout import KVLayout  # noqa: E402
 from dualpath_ray.kv.store import open_store  # noqa: E402
 from dualpath_ray.runtime.decode.verify import RTOL, ATOL, TOLERANCES  # noqa: E402
-from dualpath_ray.runtime.emulation import make_compute  # noqa: E402
+from dualpath_ray.runtime.engine.compute_choice import make_compute  # noqa: E402
 from dualpath_ray.workload.trace import Trajectory  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.chaos]

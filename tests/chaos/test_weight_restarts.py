@@ -25,7 +25,7 @@ from dualpath_ray.kv.layout import KVLayout  # noqa: E402
 from dualpath_ray.kv.store import open_store  # noqa: E402
 from dualpath_ray.model.llama import DecoderModel  # noqa: E402
 from dualpath_ray.runtime.decode.verify import TOLERANCES  # noqa: E402
-from dualpath_ray.runtime.engine.compute import ModelCompute  # noqa: E402
+from dualpath_ray.runtime.compute.engine_compute import ModelCompute  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.chaos]
 

@@ -1,4 +1,4 @@
-"""GPU-only: the trainer's weight group on CUDA members (runtime/deploy/weight_sync.py). Two
+"""GPU-only: the trainer's weight group on CUDA members (runtime/weights/sync.py). Two
 members on one GPU agree on gloo (NCCL refuses two ranks on one GPU) and still deliver CUDA
 weights exactly; members on two GPUs agree on NCCL and broadcast through it."""
 
@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from dualpath_ray.runtime.deploy.weight_sync import WeightGroup, WeightSender, manifest_of
+from dualpath_ray.runtime.weights.sync import WeightGroup, WeightSender, manifest_of
 
 pytestmark = [
     pytest.mark.gpu,

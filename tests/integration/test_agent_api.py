@@ -129,7 +129,7 @@ def test_rollout_reports_a_failed_trajectory_and_finishes_the_others(cluster):
 
 def test_an_unsatisfiable_topology_is_a_clear_error_not_a_hang(cluster):
     # Not a hang: a wait that never ends is failed by the test's timeout (tests/integration/conftest.py).
-    from dualpath_ray.runtime.deploy.topology import TopologyError, create_role_groups
+    from dualpath_ray.runtime.placement.topology import TopologyError, create_role_groups
 
     cfg = cluster.cfg.with_overrides(cluster={"prefill_nodes": 2}, runtime={"namespace": "dualpath-probe"})
     with pytest.raises(TopologyError, match=r"2 prefill node\(s\).*has 1 alive node"):

@@ -19,7 +19,7 @@ from dualpath_ray.api.openrlhf_adapter import create_openrlhf_engine  # noqa: E4
 from dualpath_ray.api.validation import RequestError  # noqa: E402
 from dualpath_ray.cluster import DualPathCluster  # noqa: E402
 from dualpath_ray.model.llama import DecoderModel  # noqa: E402
-from dualpath_ray.runtime.deploy.weight_sync import WeightSender, manifest_of  # noqa: E402
+from dualpath_ray.runtime.weights.sync import WeightSender, manifest_of  # noqa: E402
 from dualpath_ray.workload.trace import Trajectory, Turn  # noqa: E402
 
 pytestmark = pytest.mark.integration

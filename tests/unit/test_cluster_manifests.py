@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from dualpath_ray.config import DualPathConfig, parse_config
-from dualpath_ray.runtime.deploy.topology import HEAD_RESOURCE, ROLE_LABEL, slot_resource
+from dualpath_ray.runtime.placement.topology import HEAD_RESOURCE, ROLE_LABEL, slot_resource
 
 CONFIGS = Path(__file__).resolve().parents[2] / "cluster_configs"
 ROLES = ("prefill", "decode")

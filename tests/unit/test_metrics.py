@@ -15,7 +15,7 @@ from dualpath_ray import metrics as m
 from dualpath_ray.config import ConfigError, DualPathConfig, parse_config
 from dualpath_ray.metrics import ALL_METRICS, TAGS, MetricKind, RayMetrics
 from dualpath_ray.protocol.counters import PATHS
-from dualpath_ray.runtime.control.counts import SchedulerCounts
+from dualpath_ray.runtime.telemetry.scheduler_counts import SchedulerCounts
 from dualpath_ray.runtime.telemetry.actor_metrics import EngineMetrics, ReaderMetrics, SchedulerMetrics, node_role
 from dualpath_ray.protocol.messages import ErrorKind, TurnResult
 from dualpath_ray.runtime.telemetry.metrics_export import CounterTotals, PeriodicExport

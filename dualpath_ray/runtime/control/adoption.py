@@ -2,9 +2,9 @@
 
 Ray restarts the Scheduler actor (up to runtime.scheduler_max_restarts times) with an empty
 state and resends the calls that were in flight (each up to runtime.max_call_resends times;
-runtime/deploy/topology.py, scheduler_options): every caller's `generate` comes again, and every
+runtime/placement/topology.py, scheduler_options): every caller's `generate` comes again, and every
 engine's unacknowledged reports are sent again on its report channel's next connection
-(runtime/control/report_channel.py). The engines still hold the dead incarnation's attempts. The new incarnation (a
+(runtime/reporting/channel.py). The engines still hold the dead incarnation's attempts. The new incarnation (a
 new epoch, so none of its attempts shares a name with an old one) asks every engine what it
 holds before it serves anything:
 

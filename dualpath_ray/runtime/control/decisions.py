@@ -22,11 +22,11 @@ from dualpath_ray.config import DualPathConfig
 from dualpath_ray.faults.injector import FaultInjector
 from dualpath_ray.faults.plan import CallPhase
 from dualpath_ray.runtime.telemetry.actor_metrics import SchedulerMetrics
-from dualpath_ray.runtime.control.counts import SchedulerCounts
+from dualpath_ray.runtime.telemetry.scheduler_counts import SchedulerCounts
 from dualpath_ray.runtime.control.fanout import ClusterControl
 from dualpath_ray.protocol.messages import PeerState, PrefillTask
 from dualpath_ray.protocol.names import reader_name
-from dualpath_ray.runtime.deploy.topology import plan_nodes
+from dualpath_ray.runtime.placement.topology import plan_nodes
 from dualpath_ray.scheduling.liveness import Liveness
 from dualpath_ray.scheduling.loads import EngineLoad
 from dualpath_ray.scheduling.rounds import Outputs, Rounds

@@ -18,7 +18,7 @@ import ray
 
 from dualpath_ray.config import DualPathConfig
 from dualpath_ray.protocol.weights import TensorSpec
-from dualpath_ray.runtime.deploy.topology import plan_nodes
+from dualpath_ray.runtime.placement.topology import plan_nodes
 from dualpath_ray.scheduling.staging import StageOrder
 
 LOG = logging.getLogger("dualpath_ray.control")

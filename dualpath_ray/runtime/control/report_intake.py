@@ -16,7 +16,7 @@ import logging
 from typing import Iterator
 
 from dualpath_ray.protocol.messages import EngineReport, PeerState, ReaderReport
-from dualpath_ray.runtime.control.counts import SchedulerCounts
+from dualpath_ray.runtime.telemetry.scheduler_counts import SchedulerCounts
 from dualpath_ray.runtime.control.decisions import Decisions, ReaderStates
 from dualpath_ray.runtime.control.serving import Serving
 from dualpath_ray.runtime.control.streaming import TokenStreams

@@ -6,7 +6,7 @@ from a `SchedulerClient`: api/client.py) and collect their results with one long
 pushed (runtime/control/decisions.py: the rounds the simulator runs too), engines tell it what a step
 produced in one report (an EngineReport: handoffs taken, turns ended, streamed tokens), readers
 tell it their read queues when they change (a ReaderReport), both on the report channel
-(runtime/control/report_channel.py: a socket its event loop reads, not Ray calls), and the heartbeat watchdog
+(runtime/reporting/channel.py: a socket its event loop reads, not Ray calls), and the heartbeat watchdog
 (runtime/control/watchdog.py) judges who is alive. The prefix index lives here (rebuilt from the store
 at start) and learns every persisted block from the turn result before that result is
 answered, so the next turn of a trajectory always sees its predecessor's blocks. An idle
@@ -37,23 +37,23 @@ from dualpath_ray.protocol.messages import (
     failed_result,
 )
 from dualpath_ray.protocol.weights import TensorSpec, WeightSource
-from dualpath_ray.runtime.deploy.kept_state import IncarnationCounter
-from dualpath_ray.runtime.deploy.weight_ledger import Publication
+from dualpath_ray.runtime.restarts.kept_state import IncarnationCounter
+from dualpath_ray.runtime.weights.ledger import Publication
 from dualpath_ray.runtime.control.weight_updates import WeightUpdates
 from dualpath_ray.protocol.names import SCHEDULER
-from dualpath_ray.runtime.control.counts import SchedulerCounts
+from dualpath_ray.runtime.telemetry.scheduler_counts import SchedulerCounts
 from dualpath_ray.runtime.control.aborts import Aborts
 from dualpath_ray.runtime.control.adoption import Adoptions
 from dualpath_ray.runtime.control.decisions import Decisions, ReaderStates
 from dualpath_ray.runtime.control.fanout import ClusterControl
 from dualpath_ray.runtime.control.mailboxes import Mailboxes
-from dualpath_ray.runtime.control.report_channel import ChannelAddress, ReportServer
+from dualpath_ray.runtime.reporting.channel import ChannelAddress, ReportServer
 from dualpath_ray.runtime.control.report_intake import ReportIntake
 from dualpath_ray.runtime.control.scheduler_core import build_core
 from dualpath_ray.runtime.control.serving import Serving
 from dualpath_ray.runtime.control.streaming import TokenStreams
 from dualpath_ray.runtime.control.watchdog import Watchdog
-from dualpath_ray.runtime.engine.restarts import was_restarted
+from dualpath_ray.runtime.restarts.incarnations import was_restarted
 from dualpath_ray.runtime.telemetry.actor_metrics import SchedulerMetrics
 from dualpath_ray.scheduling.liveness import Liveness
 
@@ -172,7 +172,7 @@ class Scheduler:
         self.asleep = False
 
     async def join_weight_group(self, host: str, port: int, group_name: str = "policy", timeout_s: float = 300.0) -> int:
-        """Every engine joins a trainer's weight broadcast group (runtime/deploy/weight_sync.py) as
+        """Every engine joins a trainer's weight broadcast group (runtime/weights/sync.py) as
         ranks 1..N; the trainer joins as rank 0 beside this call. Returns the world size."""
         await self._started()
         return await self.control.join_weight_group(host, port, group_name, timeout_s)
@@ -285,7 +285,7 @@ class Scheduler:
     # --- what engines and readers tell -------------------------------------------------------
 
     async def report_channel(self) -> ChannelAddress:
-        """Where this incarnation reads engines' and readers' reports (runtime/control/report_channel.py),
+        """Where this incarnation reads engines' and readers' reports (runtime/reporting/channel.py),
         and the secret a sender proves: handed out only through this (authenticated) Ray call."""
         await self._started()
         assert self.reports is not None and self.reports.address is not None

@@ -19,7 +19,7 @@ import time
 from dualpath_ray.config import DualPathConfig
 from dualpath_ray.protocol.messages import ErrorKind, RequestSpec, TurnResult, aborted_result, failed_result
 from dualpath_ray.protocol.names import SCHEDULER, reader_name
-from dualpath_ray.runtime.control.counts import SchedulerCounts
+from dualpath_ray.runtime.telemetry.scheduler_counts import SchedulerCounts
 from dualpath_ray.runtime.control.aborts import Aborts
 from dualpath_ray.runtime.control.adoption import Adoptions
 from dualpath_ray.runtime.control.decisions import Decisions

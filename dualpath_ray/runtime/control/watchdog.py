@@ -35,13 +35,13 @@ import ray.exceptions
 
 from dualpath_ray.config import DualPathConfig
 from dualpath_ray.protocol.names import SCHEDULER, is_reader, reader_name, reader_node
-from dualpath_ray.runtime.control.counts import SchedulerCounts
+from dualpath_ray.runtime.telemetry.scheduler_counts import SchedulerCounts
 from dualpath_ray.runtime.control.adoption import Adoptions
 from dualpath_ray.runtime.control.fanout import ClusterControl
 from dualpath_ray.runtime.control.decisions import ReaderStates
 from dualpath_ray.protocol.messages import EngineHoldings, GroupReport, Holding, PeerState, RequestSpec
-from dualpath_ray.runtime.engine.restarts import IncarnationTracker, peer_state_of
-from dualpath_ray.runtime.deploy.topology import plan_nodes
+from dualpath_ray.runtime.restarts.incarnations import IncarnationTracker, peer_state_of
+from dualpath_ray.runtime.placement.topology import plan_nodes
 from dualpath_ray.scheduling.liveness import Liveness
 from dualpath_ray.scheduling.loads import EngineLoad
 from dualpath_ray.scheduling.scheduler import SchedulerCore

@@ -3,7 +3,7 @@
 Every way a trainer changes the weights (`DualPathCluster.update_weights`, the rollout-server's
 `update_weights` and `update_weights_from_group`, the adapters) ends here: every engine loads
 the new weights and answers with their fingerprint, and only when all of them hold the same
-weights are they published (runtime/deploy/weight_ledger.py), which is what a restarted engine
+weights are they published (runtime/weights/ledger.py), which is what a restarted engine
 catches up to (runtime/engine/weights_catch_up.py) and what a restarted front end serves. A
 version published before with other weights is refused at every engine before it loads
 anything (the engines check the fingerprint they are given), so a version number names one set
@@ -17,7 +17,7 @@ from typing import Sequence
 from dualpath_ray.config import DualPathConfig
 from dualpath_ray.protocol.weights import TensorSpec, WeightSource, WeightsId
 from dualpath_ray.runtime.control.fanout import ClusterControl
-from dualpath_ray.runtime.deploy.weight_ledger import Publication, WeightLedger
+from dualpath_ray.runtime.weights.ledger import Publication, WeightLedger
 from dualpath_ray.runtime.engine.held_weights import config_fingerprint
 
 

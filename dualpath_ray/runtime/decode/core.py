@@ -25,7 +25,7 @@ from dualpath_ray.kv.layout import KVLayout
 from dualpath_ray.kv.paged import PagedKVPool
 from dualpath_ray.protocol.counters import NodeCounters
 from dualpath_ray.runtime.engine.cancelled import CancelledAttempts
-from dualpath_ray.runtime.engine.compute import DecodeSeq, EngineCompute
+from dualpath_ray.runtime.compute.engine_compute import DecodeSeq, EngineCompute
 from dualpath_ray.runtime.decode.job import (
     DecodeJob,
     DecodeJobTable,

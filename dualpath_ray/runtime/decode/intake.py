@@ -29,7 +29,7 @@ from dualpath_ray.kv.layout import KVLayout
 from dualpath_ray.kv.paged import PagedKVPool, PagePoolFullError
 from dualpath_ray.protocol.counters import NodeCounters
 from dualpath_ray.protocol.names import Pool
-from dualpath_ray.runtime.engine.compute import EngineCompute, PageFill
+from dualpath_ray.runtime.compute.engine_compute import EngineCompute, PageFill
 from dualpath_ray.runtime.decode.job import (
     DecodeJob,
     DecodeJobTable,

@@ -16,7 +16,7 @@ import torch
 
 from dualpath_ray.kv.block_store import BlockStore
 from dualpath_ray.kv.digest import block_digests, mismatched_tokens
-from dualpath_ray.runtime.engine.compute import EngineCompute, page_token_views
+from dualpath_ray.runtime.compute.engine_compute import EngineCompute, page_token_views
 from dualpath_ray.protocol.messages import PrefillTask
 
 RTOL, ATOL = 1e-4, 1e-5

@@ -19,9 +19,9 @@ from dualpath_ray.config import DualPathConfig
 from dualpath_ray.protocol.names import OPENAI_SERVER, ROLLOUT_SERVER, SCHEDULER
 from dualpath_ray.runtime.control.scheduler import Scheduler
 from dualpath_ray.runtime.decode.actor import DecodeEngine
-from dualpath_ray.runtime.deploy.kept_state import KeptState
-from dualpath_ray.runtime.deploy.qos import ActorKind, actor_environment, engine_kind
-from dualpath_ray.runtime.deploy.topology import (
+from dualpath_ray.runtime.restarts.kept_state import KeptState
+from dualpath_ray.runtime.placement.qos import ActorKind, actor_environment, engine_kind
+from dualpath_ray.runtime.placement.topology import (
     NodeSpec,
     create_role_groups,
     engine_options,

@@ -18,7 +18,7 @@ import torch
 
 from dualpath_ray.config import DualPathConfig
 from dualpath_ray.kv.layout import KVLayout
-from dualpath_ray.runtime.engine.compute import (
+from dualpath_ray.runtime.compute.engine_compute import (
     ChunkSpec,
     DecodeSeq,
     EngineCompute,

@@ -28,22 +28,23 @@ from dualpath_ray.kv.layout import KVLayout
 from dualpath_ray.kv.store import open_store
 from dualpath_ray.protocol.counters import NodeCounters
 from dualpath_ray.runtime.telemetry.actor_metrics import EngineMetrics
-from dualpath_ray.runtime.emulation import make_compute, make_link
+from dualpath_ray.runtime.emulation import make_link
+from dualpath_ray.runtime.engine.compute_choice import make_compute
 from dualpath_ray.runtime.engine.directory import ActorDirectory
 from dualpath_ray.protocol.messages import EngineHoldings
 from dualpath_ray.model.weights import read_checkpoint, weights_fingerprint
 from dualpath_ray.protocol.weights import TensorSpec, WeightsId
-from dualpath_ray.runtime.deploy.topology import plan_nodes
-from dualpath_ray.runtime.deploy.weight_ledger import WeightLedger, check_version_reuse
+from dualpath_ray.runtime.placement.topology import plan_nodes
+from dualpath_ray.runtime.weights.ledger import WeightLedger, check_version_reuse
 from dualpath_ray.runtime.engine.held_weights import HeldWeights
 from dualpath_ray.runtime.engine.weights_catch_up import CatchUpPorts, WeightsCatchUp, peers_of
 from dualpath_ray.runtime.engine.hbm_moves import HbmMoves
-from dualpath_ray.runtime.deploy.qos import kv_transport_knobs
+from dualpath_ray.runtime.placement.qos import kv_transport_knobs
 from dualpath_ray.runtime.engine.ray_ports import RayScheduler
-from dualpath_ray.runtime.engine.restarts import TransportKeeper, was_restarted
+from dualpath_ray.runtime.restarts.incarnations import TransportKeeper, was_restarted
 from dualpath_ray.runtime.transport.endpoint import TransportEndpoint
 from dualpath_ray.runtime.transport.factory import make_transport
-from dualpath_ray.runtime.deploy.weight_sync import WeightGroup
+from dualpath_ray.runtime.weights.sync import WeightGroup
 from dualpath_ray.scheduling import EngineLoad
 from dualpath_ray.scheduling.types import Role
 
@@ -337,7 +338,7 @@ class EngineBase(TransportEndpoint):
         """Swap the model's weights between rollouts (source: a safetensors directory, or a state
         dict passed through the object store) and serve them as weight version `version`: later
         requests must name that version's key namespace. `expected`: the fingerprint the
-        version was published with before (runtime/deploy/weight_ledger.py), if it was; other
+        version was published with before (runtime/weights/ledger.py), if it was; other
         weights under it are refused before anything is loaded. Returns their fingerprint."""
         state = read_checkpoint(os.fspath(source)) if isinstance(source, (str, os.PathLike)) else dict(source)
         return self._load_weights(version, state, expected)

@@ -9,7 +9,7 @@ it, and tokens sampled with old weights under a new version are a silent off-pol
 So every engine holds a `HeldWeights`: its version, the fingerprint of what it loaded
 (model/weights.py `weights_fingerprint`; `config_fingerprint` for the weights its config builds)
 and whether it is ready. A restarted engine comes back with its config's weights; until it has
-loaded the weights published last (runtime/deploy/weight_ledger.py) it is not ready: it refuses
+loaded the weights published last (runtime/weights/ledger.py) it is not ready: it refuses
 every request, and the scheduler routes around it (EngineReport.ready, EngineHoldings.ready).
 A refusal is the retryable `StaleWeightsError` (ErrorKind.STALE_WEIGHTS): the scheduler places
 the request's next attempt on another engine. Pure: no Ray, no torch.

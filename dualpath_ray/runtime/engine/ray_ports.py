@@ -14,8 +14,8 @@ import ray
 
 from dualpath_ray.protocol.names import SCHEDULER, reader_name
 from dualpath_ray.runtime.engine.directory import ActorDirectory
-from dualpath_ray.runtime.control.report_channel import ChannelAddress
-from dualpath_ray.runtime.control.report_client import ReportClient, SentReport
+from dualpath_ray.runtime.reporting.channel import ChannelAddress
+from dualpath_ray.runtime.reporting.client import ReportClient, SentReport
 from dualpath_ray.runtime.transport.moves import PeerDiedError
 from dualpath_ray.protocol.messages import (
     DecodeHandoff, EngineReport, ExtentGrant, Holding, PersistedBlock, StagedRead, TokenChunk, TurnResult,
@@ -103,7 +103,7 @@ class RayReaders:
 
 class RayScheduler:
     """SchedulerPort: the singleton `scheduler` actor, reached through its report channel
-    (runtime/control/report_channel.py), found with one Ray call. Reports carry this engine's name and its
+    (runtime/reporting/channel.py), found with one Ray call. Reports carry this engine's name and its
     process's incarnation (which a wake from sleep renews: `incarnation` is read per report)."""
 
     def __init__(

@@ -2,7 +2,7 @@
 
 Ray restarts a dead engine by running its constructor again: it builds its config's weights,
 not the ones a trainer sent since. If those are not the weights the deployment published last
-(runtime/deploy/weight_ledger.py), the engine is not ready (runtime/engine/held_weights.py) and
+(runtime/weights/ledger.py), the engine is not ready (runtime/engine/held_weights.py) and
 this loop brings the published ones, from, in order:
 
 1. the checkpoint directory they were published from, if they came from one: read and checked
@@ -32,7 +32,7 @@ import torch
 
 from dualpath_ray.model.weights import read_checkpoint, weights_fingerprint
 from dualpath_ray.protocol.weights import WeightsId
-from dualpath_ray.runtime.deploy.weight_ledger import Publication
+from dualpath_ray.runtime.weights.ledger import Publication
 from dualpath_ray.runtime.engine.held_weights import HeldWeights
 
 LOG = logging.getLogger("dualpath_ray.engine")

@@ -34,7 +34,7 @@ from dualpath_ray.kv.block_store import BlockStore
 from dualpath_ray.kv.layout import KVLayout
 from dualpath_ray.kv.window import LayerWindow, span_offsets
 from dualpath_ray.protocol.counters import NodeCounters
-from dualpath_ray.runtime.engine.compute import ChunkSpec, EngineCompute
+from dualpath_ray.runtime.compute.engine_compute import ChunkSpec, EngineCompute
 from dualpath_ray.runtime.emulation.links import Link
 from dualpath_ray.runtime.engine.failures import ReadFailed, failure_of, log_failure, read_done
 from dualpath_ray.runtime.engine.refusals import Refusals

@@ -33,7 +33,7 @@ from dualpath_ray.kv.layout import KVLayout
 from dualpath_ray.kv.window import LayerWindow, SlotEvent, SlotState
 from dualpath_ray.protocol.counters import NodeCounters
 from dualpath_ray.protocol.names import Pool
-from dualpath_ray.runtime.engine.compute import ChunkSpec
+from dualpath_ray.runtime.compute.engine_compute import ChunkSpec
 from dualpath_ray.runtime.emulation.links import Link
 from dualpath_ray.runtime.engine.failures import KVMismatchError
 from dualpath_ray.runtime.engine.ports import Pending, TransportPort

@@ -37,9 +37,9 @@ from dualpath_ray.runtime.reader.stage_queue import StageQueue
 from dualpath_ray.scheduling.staging import StageOrder
 from dualpath_ray.runtime.reader.queue_reporter import QueueReporter
 from dualpath_ray.runtime.engine.ray_ports import scheduler_channel
-from dualpath_ray.runtime.control.report_client import ReportClient
-from dualpath_ray.runtime.deploy.qos import kv_transport_knobs
-from dualpath_ray.runtime.engine.restarts import TransportKeeper, was_restarted
+from dualpath_ray.runtime.reporting.client import ReportClient
+from dualpath_ray.runtime.placement.qos import kv_transport_knobs
+from dualpath_ray.runtime.restarts.incarnations import TransportKeeper, was_restarted
 from dualpath_ray.runtime.transport.moves import PeerDiedError, Region
 from dualpath_ray.runtime.transport.endpoint import TransportEndpoint, endpoint_actor_options
 from dualpath_ray.runtime.transport.factory import make_transport

@@ -17,7 +17,7 @@ from dualpath_ray.config import DualPathConfig
 from dualpath_ray.metrics import MetricSink, RayMetrics
 from dualpath_ray.protocol.counters import PATHS, NodeCounters
 from dualpath_ray.protocol.names import SCHEDULER, reader_name
-from dualpath_ray.runtime.control.counts import SchedulerCounts
+from dualpath_ray.runtime.telemetry.scheduler_counts import SchedulerCounts
 from dualpath_ray.runtime.telemetry.metrics_export import CounterTotals, PeriodicExport
 
 if TYPE_CHECKING:
@@ -31,7 +31,7 @@ RECENT_TURNS = 512
 
 def node_role(cfg: DualPathConfig, node_id: str) -> str:
     """The role of a logical node of the configuration (p0 -> prefill, d0 -> decode)."""
-    from dualpath_ray.runtime.deploy.topology import plan_nodes
+    from dualpath_ray.runtime.placement.topology import plan_nodes
 
     for spec in plan_nodes(cfg):
         if spec.node_id == node_id:
@@ -181,7 +181,7 @@ class EngineMetrics:
 class SchedulerMetrics:
     """Decisions, placements by read path, served turns' TTFT/TPOT, failures and retries.
 
-    `calls` is the scheduler's own counts (runtime/control/counts.py), from which retries, recomputed blocks and
+    `calls` is the scheduler's own counts (runtime/telemetry/scheduler_counts.py), from which retries, recomputed blocks and
     timeouts are exported periodically. The last RECENT_TURNS served turns are kept whether or
     not metrics are on: `dualpath status` shows them."""
 

@@ -96,7 +96,7 @@ class Transport(ABC):
         self._actors: dict[str, Any] = {}
         self._counters = StatsCounter()
         # Called (once per abort) when this endpoint's world becomes unusable (gloo's BROKEN),
-        # so the actor can ask for a new one (runtime/engine/restarts.py TransportKeeper).
+        # so the actor can ask for a new one (runtime/restarts/incarnations.py TransportKeeper).
         self.on_broken: Callable[[], None] | None = None
         self._released = False  # the pools' memory is freed (the engine sleeps)
 

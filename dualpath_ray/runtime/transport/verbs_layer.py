@@ -8,7 +8,7 @@ checks every posted work request and queue-pair attribute and moves the bytes it
 Handles (context, PD, MR, CQ, QP) are opaque objects owned by the layer. Queue pairs are RC
 (reliable connected) and move RESET -> INIT -> RTR -> RTS through `modify_to_*`; the path of
 RTR (the address vector) carries the service level and, with a GRH, the traffic class, which is
-how the KV class of runtime/deploy/qos.py reaches the wire. `post_send` posts a whole chain of work
+how the KV class of runtime/placement/qos.py reaches the wire. `post_send` posts a whole chain of work
 requests with one ibv_post_send call: the NIC's doorbell is rung once for the chain.
 """
 

@@ -1,4 +1,4 @@
-"""`VllmCompute`: the engines' EngineCompute (runtime/engine/compute.py) with vLLM computing.
+"""`VllmCompute`: the engines' EngineCompute (runtime/compute/engine_compute.py) with vLLM computing.
 
 The prefill and decode cores, the layer pipeline, the decode intake and persistence are the
 native engines' own; only what computes changes, so the scheduler, readers, store, transport,
@@ -29,7 +29,7 @@ import torch
 from dualpath_ray.config import DualPathConfig
 from dualpath_ray.kv.layout import KVLayout
 from dualpath_ray.protocol.messages import SamplingParams
-from dualpath_ray.runtime.engine.compute import ChunkSpec, DecodeSeq, EngineCompute, PageFill, PrefillBatch, Sampled
+from dualpath_ray.runtime.compute.engine_compute import ChunkSpec, DecodeSeq, EngineCompute, PageFill, PrefillBatch, Sampled
 from dualpath_ray.scheduling.types import Role
 from dualpath_ray.runtime.vllm_engine.host import VllmHost
 from dualpath_ray.runtime.vllm_engine.steps import PagesStep, PrefillStep

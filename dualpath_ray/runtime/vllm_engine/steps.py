@@ -24,7 +24,7 @@ from typing import Sequence
 import torch
 
 from dualpath_ray.kv.layout import KVLayout
-from dualpath_ray.runtime.engine.compute import ChunkSpec
+from dualpath_ray.runtime.compute.engine_compute import ChunkSpec
 from dualpath_ray.runtime.vllm_engine.pages import PageCodec, token_positions
 from dualpath_ray.runtime.vllm_engine.step_kv import ScheduledKV
 

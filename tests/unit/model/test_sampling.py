@@ -12,7 +12,7 @@ import torch
 
 from dualpath_ray.model.sampling import masked_logits, penalised, sample_token
 from dualpath_ray.protocol.messages import SamplingParams
-from dualpath_ray.runtime.engine.compute import sample_rows
+from dualpath_ray.runtime.compute.engine_compute import sample_rows
 
 LOGITS = torch.tensor([0.0, 3.0, 1.0, 2.9, -1.0])
 

@@ -9,7 +9,7 @@ from dualpath_ray.config import DualPathConfig
 from dualpath_ray.kv.layout import KVLayout
 from dualpath_ray.model.cost import cost_of_profile, derive_beta_tokens, prefill_tokens_per_second
 from dualpath_ray.model.profile import default_profile, derive_beta, typical_request
-from dualpath_ray.runtime.engine.compute import ChunkSpec
+from dualpath_ray.runtime.compute.engine_compute import ChunkSpec
 from dualpath_ray.runtime.emulation.profile_compute import ProfileCompute
 
 

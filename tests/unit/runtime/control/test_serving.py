@@ -19,7 +19,7 @@ from dualpath_ray.protocol.messages import (
     TurnResult,
     failed_result,
 )
-from dualpath_ray.runtime.control.counts import SchedulerCounts
+from dualpath_ray.runtime.telemetry.scheduler_counts import SchedulerCounts
 from dualpath_ray.runtime.control.aborts import Aborts
 from dualpath_ray.runtime.control.adoption import Adoptions
 from dualpath_ray.runtime.control.scheduler_core import build_core

@@ -12,7 +12,7 @@ import numpy as np
 
 from dualpath_ray.config import parse_config
 from dualpath_ray.protocol.messages import Holding, RequestSpec, SamplingParams
-from dualpath_ray.runtime.control.counts import SchedulerCounts
+from dualpath_ray.runtime.telemetry.scheduler_counts import SchedulerCounts
 from dualpath_ray.runtime.control.watchdog import Watchdog
 from dualpath_ray.scheduling.liveness import Liveness
 from dualpath_ray.scheduling.requests import Request, RequestState

@@ -11,7 +11,7 @@ import torch
 
 from dualpath_ray.model.weights import weights_fingerprint, write_checkpoint
 from dualpath_ray.protocol.weights import WeightsId
-from dualpath_ray.runtime.deploy.weight_ledger import Publication
+from dualpath_ray.runtime.weights.ledger import Publication
 from dualpath_ray.runtime.engine.held_weights import HeldWeights
 from dualpath_ray.runtime.engine.weights_catch_up import CatchUpPorts, WeightsCatchUp, peers_of
 

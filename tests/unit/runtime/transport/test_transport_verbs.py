@@ -18,7 +18,7 @@ import torch
 
 from dualpath_ray.config.qos import QosConfig
 from dualpath_ray.config.verbs import VerbsConfig
-from dualpath_ray.runtime.deploy.qos import kv_transport_knobs
+from dualpath_ray.runtime.placement.qos import kv_transport_knobs
 from dualpath_ray.runtime.transport.moves import PeerDiedError, Region, TransportError
 from dualpath_ray.runtime.transport.factory import make_transport
 from dualpath_ray.runtime.transport.verbs import VerbsTransport

@@ -1,4 +1,4 @@
-"""A sending process's side of the report channel (the protocol: runtime/control/report_channel.py).
+"""A sending process's side of the report channel (the protocol: runtime/reporting/channel.py).
 Any thread may send."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import uuid
 from typing import Any, Callable
 
 from dualpath_ray.protocol.wire import Codec
-from dualpath_ray.runtime.control.report_channel import REPORT_TYPES, ChannelAddress
-from dualpath_ray.runtime.control.report_frames import (
+from dualpath_ray.runtime.reporting.channel import REPORT_TYPES, ChannelAddress
+from dualpath_ray.runtime.reporting.frames import (
     ACK_BYTES, CLIENT_NONCE_BYTES, NONCE_BYTES, Hello, SessionKeys, seal_hello,
 )
 

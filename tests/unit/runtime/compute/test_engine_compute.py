@@ -9,7 +9,7 @@ import torch
 from dualpath_ray.config import parse_config
 from dualpath_ray.kv.layout import KVLayout
 from dualpath_ray.kv.paged import PagedKVPool
-from dualpath_ray.runtime.engine.compute import ModelCompute, PageFill, page_token_views
+from dualpath_ray.runtime.compute.engine_compute import ModelCompute, PageFill, page_token_views
 
 BLOCK = 16
 

@@ -18,7 +18,7 @@ Who reads it:
 
 The first Scheduler of a deployment (not a restarted one) starts the ledger afresh with the
 config's weights, so a ledger a crashed deployment left in the same Ray namespace is never
-taken for this one's (as with runtime/deploy/kept_state.py).
+taken for this one's (as with runtime/restarts/kept_state.py).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from dualpath_ray.runtime.deploy.kept_state import KeptState
+from dualpath_ray.runtime.restarts.kept_state import KeptState
 from dualpath_ray.protocol.weights import WeightsId
 
 LEDGER_NAME = "weight-ledger"

@@ -1,5 +1,5 @@
 """The report channel's bytes and the keys that seal them (the protocol they make, and why, is in
-runtime/control/report_channel.py's docstring).
+runtime/reporting/channel.py's docstring).
 
 MACs are keyed BLAKE2b (RFC 7693's keyed mode is a MAC; one call, no HMAC double hash: ~0.7 us
 for a report frame on this project's VMs), each use separated by BLAKE2b's personalization. Tags

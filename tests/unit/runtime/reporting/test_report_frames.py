@@ -1,10 +1,10 @@
-"""The report channel's seals (runtime/control/report_frames.py): what a tag binds."""
+"""The report channel's seals (runtime/reporting/frames.py): what a tag binds."""
 
 from __future__ import annotations
 
 import os
 
-from dualpath_ray.runtime.control.report_frames import (
+from dualpath_ray.runtime.reporting.frames import (
     ACK_BYTES, FRAME, HELLO_FIELDS, TAG_BYTES, Hello, SessionKeys, open_hello, seal_hello,
 )
 

@@ -8,7 +8,7 @@ is the number of data VLs the tables use. The generic `qos_` options apply to ev
 (HCAs, switch ports, routers) unless a `qos_ca_` / `qos_swe_` / ... option overrides them.
 
 RoCE: the paper gives no numbers ("the same is done with DSCP -> traffic classes"), so the IB
-policy is carried over: DSCP -> priority (the service levels of runtime/deploy/qos.py are the Ethernet
+policy is carried over: DSCP -> priority (the service levels of runtime/placement/qos.py are the Ethernet
 priorities on RoCE), priority -> traffic class through the same SL2VL table, and ETS shares
 that mirror the arbitration: while the high-priority lanes have traffic they get high_limit/256
 of the link (the paper's "~94%" for 240), split by their vlarb_high weights, and the KV lane the

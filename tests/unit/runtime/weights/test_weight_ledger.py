@@ -1,12 +1,12 @@
 """The weight ledger: what a restarted engine catches up to, and a version never names two
-sets of weights (runtime/deploy/weight_ledger.py)."""
+sets of weights (runtime/weights/ledger.py)."""
 
 from __future__ import annotations
 
 import pytest
 
 from dualpath_ray.protocol.weights import WeightsId
-from dualpath_ray.runtime.deploy.weight_ledger import Publication, WeightLedger, WeightVersionConflict
+from dualpath_ray.runtime.weights.ledger import Publication, WeightLedger, WeightVersionConflict
 from tests.fakes import FakeKeptState
 
 

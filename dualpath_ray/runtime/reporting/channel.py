@@ -60,10 +60,10 @@ from typing import Any, Callable
 
 from dualpath_ray.protocol.messages import EngineReport, ReaderReport
 from dualpath_ray.protocol.wire import Codec, WireError
-from dualpath_ray.runtime.control.report_frames import (
+from dualpath_ray.runtime.reporting.frames import (
     FRAME, HELLO_BYTES, MAX_FRAME_BYTES, MAX_SEQ, NONCE_BYTES, TAG_BYTES, SessionKeys, open_hello,
 )
-from dualpath_ray.runtime.control.report_senders import Senders, SequenceGap
+from dualpath_ray.runtime.reporting.senders import Senders, SequenceGap
 
 LOG = logging.getLogger("dualpath_ray.report_channel")
 

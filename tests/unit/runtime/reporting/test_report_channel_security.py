@@ -1,4 +1,4 @@
-"""What the report channel (runtime/control/report_channel.py) refuses from hostile peers: forged
+"""What the report channel (runtime/reporting/channel.py) refuses from hostile peers: forged
 or injected frames, pickles, numbers that would silence a sender, peers that never finish the
 handshake, forged acknowledgements; and that its memory of senders stays bounded (issue 31,
 items 7 and 9)."""
@@ -14,10 +14,10 @@ from typing import Any, Iterator
 
 import pytest
 
-from dualpath_ray.runtime.control.report_channel import ChannelAddress, ChannelLimits
-from dualpath_ray.runtime.control.report_client import ReportClient
-from dualpath_ray.runtime.control.report_frames import ACK, HELLO_BYTES, NONCE_BYTES, TAG_BYTES
-from tests.unit.runtime.control._report_peers import (
+from dualpath_ray.runtime.reporting.channel import ChannelAddress, ChannelLimits
+from dualpath_ray.runtime.reporting.client import ReportClient
+from dualpath_ray.runtime.reporting.frames import ACK, HELLO_BYTES, NONCE_BYTES, TAG_BYTES
+from tests.unit.runtime.reporting._report_peers import (
     LoopThread, RawSender, closed_by_peer, encode, recv_exactly, report, start_server, wait_until,
 )
 

@@ -5,7 +5,7 @@ collectives (AllToAll, AllGather, ReduceScatter). DualPath keeps model latency i
 all KV traffic in a low-priority class the NIC and switches arbitrate in hardware. This module
 turns the one description of that policy, the `qos` config section (config/qos.py), into what
 each process needs; the fabric side (the subnet manager's or the switches' configuration) is
-rendered by runtime/deploy/qos_fabric.py.
+rendered by runtime/placement/qos_fabric.py.
 
 Which knob sets what (each cited where it is defined):
 * InfiniBand. A packet's class is its service level (SL, 0-15). Each switch and HCA port maps

@@ -1,4 +1,4 @@
-"""The traffic isolation policy (runtime/deploy/qos.py, qos_fabric.py, `dualpath qos`) without a cluster:
+"""The traffic isolation policy (runtime/placement/qos.py, qos_fabric.py, `dualpath qos`) without a cluster:
 the default config must generate the paper's values exactly, on both fabrics."""
 
 from __future__ import annotations
@@ -11,14 +11,14 @@ import pytest
 from dualpath_ray.cli import main
 from dualpath_ray.config import ConfigError, DualPathConfig, parse_config
 from dualpath_ray.config.qos import QosConfig
-from dualpath_ray.runtime.deploy.qos import ActorKind, actor_environment, engine_kind, kv_transport_knobs
-from dualpath_ray.runtime.deploy.qos_fabric import (
+from dualpath_ray.runtime.placement.qos import ActorKind, actor_environment, engine_kind, kv_transport_knobs
+from dualpath_ray.runtime.placement.qos_fabric import (
     ets_shares,
     largest_remainder,
     opensm_policy,
     roce_policy,
 )
-from dualpath_ray.runtime.deploy.topology import environment_options
+from dualpath_ray.runtime.placement.topology import environment_options
 
 PAPER_OPENSM = [
     "qos TRUE",

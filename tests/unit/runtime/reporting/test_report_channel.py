@@ -1,4 +1,4 @@
-"""The report channel (runtime/control/report_channel.py) on real sockets, without Ray: a server on an
+"""The report channel (runtime/reporting/channel.py) on real sockets, without Ray: a server on an
 event loop in a thread, clients as engines and readers use them. What it refuses from hostile
 peers: test_report_channel_security.py."""
 
@@ -9,11 +9,11 @@ from typing import Any, Iterator
 
 import pytest
 
-from dualpath_ray.runtime.control import report_client
-from dualpath_ray.runtime.control.report_channel import ChannelAddress
-from dualpath_ray.runtime.control.report_client import ReportClient
-from dualpath_ray.runtime.control.report_frames import MAX_FRAME_BYTES, FRAME
-from tests.unit.runtime.control._report_peers import (
+from dualpath_ray.runtime.reporting import client as report_client
+from dualpath_ray.runtime.reporting.channel import ChannelAddress
+from dualpath_ray.runtime.reporting.client import ReportClient
+from dualpath_ray.runtime.reporting.frames import MAX_FRAME_BYTES, FRAME
+from tests.unit.runtime.reporting._report_peers import (
     LoopThread, RawSender, closed_by_peer, encode, report, start_server, wait_until,
 )
 

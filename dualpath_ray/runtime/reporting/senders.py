@@ -1,5 +1,5 @@
 """What a report channel server remembers of its senders: the last frame it handled from each,
-so that a frame sent again after a reconnect is handled once (runtime/control/report_channel.py).
+so that a frame sent again after a reconnect is handled once (runtime/reporting/channel.py).
 
 Every sending process has its own client id (a restarted engine is a new sender), so the table
 would grow by one entry per process ever seen. It is trimmed when a new sender arrives (the only

@@ -1,4 +1,4 @@
-"""The trainer's weight group (runtime/deploy/weight_sync.py) without Ray: the backend follows
+"""The trainer's weight group (runtime/weights/sync.py) without Ray: the backend follows
 the members' devices, every member agrees on it through the group's store, and a gloo broadcast
 between threads of this process delivers the manifest byte for byte. NCCL itself needs GPUs:
 tests/gpu/test_weight_sync_cuda.py."""
@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dualpath_ray.runtime.deploy.weight_sync import (
+from dualpath_ray.runtime.weights.sync import (
     WeightGroup,
     WeightSender,
     WeightSyncError,

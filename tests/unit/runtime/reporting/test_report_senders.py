@@ -1,11 +1,11 @@
-"""The report channel server's memory of its senders (runtime/control/report_senders.py): frames
+"""The report channel server's memory of its senders (runtime/reporting/senders.py): frames
 handled once per sender, numbered without gaps, and a table that stays bounded."""
 
 from __future__ import annotations
 
 import pytest
 
-from dualpath_ray.runtime.control.report_senders import Senders, SequenceGap
+from dualpath_ray.runtime.reporting.senders import Senders, SequenceGap
 
 A, B = b"a" * 16, b"b" * 16
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 
 from dualpath_ray.config import DualPathConfig
-from dualpath_ray.runtime.deploy.topology import (
+from dualpath_ray.runtime.placement.topology import (
     front_end_options,
     plan_nodes,
     scheduler_options,
@@ -64,7 +64,7 @@ def test_control_actors_restart_and_resend_as_often_as_the_config_says():
 def test_a_reader_sees_its_nodes_gpus_to_pin_its_buffer_whatever_rays_override_setting():
     from ray.util.placement_group import PlacementGroup
 
-    from dualpath_ray.runtime.deploy.topology import reader_options
+    from dualpath_ray.runtime.placement.topology import reader_options
 
     spec = plan_nodes(DualPathConfig())[0]
     group = PlacementGroup.empty()

@@ -13,9 +13,9 @@ from typing import Any, Callable
 
 from dualpath_ray.protocol.messages import ReaderReport
 from dualpath_ray.protocol.wire import Codec
-from dualpath_ray.runtime.control.report_channel import REPORT_TYPES, ChannelLimits, ReportServer
-from dualpath_ray.runtime.control.report_client import recv_exactly
-from dualpath_ray.runtime.control.report_frames import (
+from dualpath_ray.runtime.reporting.channel import REPORT_TYPES, ChannelLimits, ReportServer
+from dualpath_ray.runtime.reporting.client import recv_exactly
+from dualpath_ray.runtime.reporting.frames import (
     ACK_BYTES, CLIENT_ID_BYTES, CLIENT_NONCE_BYTES, FRAME, NONCE_BYTES, TAG_BYTES, Hello, SessionKeys, seal_hello,
 )
 

@@ -179,7 +179,7 @@ def front_end_options(cfg: DualPathConfig, name: str) -> dict[str, Any]:
 
 
 def environment_options(env_vars: Mapping[str, str] | None) -> dict[str, Any]:
-    """The actor's process environment (runtime/deploy/qos.py's per-role traffic classes) as a Ray
+    """The actor's process environment (runtime/placement/qos.py's per-role traffic classes) as a Ray
     runtime_env: set before the process starts, so UCX and NCCL read it when they initialise.
     Ray merges it with the job's runtime_env, these variables winning."""
     return {"runtime_env": {"env_vars": dict(env_vars)}} if env_vars else {}
