@@ -29,7 +29,7 @@ from dualpath_ray.protocol.messages import TurnResult
 from dualpath_ray.protocol.wire import Codec
 from dualpath_ray.runtime.reporting.channel import REPORT_TYPES
 from dualpath_ray.runtime.reporting.frames import FRAME, TAG_BYTES, Hello, SessionKeys
-from dualpath_ray.scheduling.types import ReadPath, StopReason
+from dualpath_ray.protocol.types import ReadPath, StopReason
 
 
 def turn(i: int, tokens: int, blocks: int) -> TurnResult:

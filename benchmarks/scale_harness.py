@@ -71,7 +71,7 @@ from dualpath_ray.runtime.reporting.channel import ChannelAddress  # noqa: E402
 from dualpath_ray.runtime.reporting.client import ReportClient  # noqa: E402
 from dualpath_ray.runtime.control.scheduler import Scheduler  # noqa: E402
 from dualpath_ray.runtime.placement.topology import plan_nodes  # noqa: E402
-from dualpath_ray.scheduling.types import ReadPath, StopReason  # noqa: E402
+from dualpath_ray.protocol.types import ReadPath, StopReason  # noqa: E402
 
 NAMESPACE = "dualpath-scale"
 SIM = "sim-nodes"

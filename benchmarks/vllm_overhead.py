@@ -56,7 +56,7 @@ def backend_round(batch: int, context: int, steps: int, round_: int) -> float:
 
     from dualpath_ray.kv.layout import KVLayout
     from dualpath_ray.runtime.vllm_engine.compute import VllmCompute
-    from dualpath_ray.scheduling.types import Role
+    from dualpath_ray.protocol.types import Role
     from tests.engine_harness import EngineHarness, Request
 
     if "harness" not in _STATE:
@@ -86,7 +86,7 @@ def backend_round(batch: int, context: int, steps: int, round_: int) -> float:
 def direct_round(batch: int, context: int, steps: int, round_: int) -> float:
     """Decode tokens/s of a plain vLLM engine on the same prompts."""
     from dualpath_ray.runtime.vllm_engine.host import configure_vllm_env, engine_kwargs
-    from dualpath_ray.scheduling.types import Role
+    from dualpath_ray.protocol.types import Role
 
     if "engine" not in _STATE:
         configure_vllm_env()

@@ -28,7 +28,7 @@ def vllm_config(mode: str) -> DualPathConfig:
 
 def _recompute(cfg: DualPathConfig, trajs: list[Trajectory]) -> dict[str, list[tuple[int, ...]]]:
     from dualpath_ray.runtime.vllm_engine.host import configure_vllm_env, engine_kwargs
-    from dualpath_ray.scheduling.types import Role
+    from dualpath_ray.protocol.types import Role
 
     configure_vllm_env()
     from vllm import EngineArgs, LLMEngine, SamplingParams

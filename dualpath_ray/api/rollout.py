@@ -26,7 +26,7 @@ from dualpath_ray.api.validation import make_spec, validate_prompt
 from dualpath_ray.config import DualPathConfig
 from dualpath_ray.metrics import TRAJECTORY_JCT_SECONDS, MetricSink, RayMetrics
 from dualpath_ray.protocol.messages import SamplingParams, TurnResult
-from dualpath_ray.scheduling.types import ReadPath, StopReason
+from dualpath_ray.protocol.types import ReadPath, StopReason
 from dualpath_ray.workload.trace import Trajectory
 
 ROLLOUT_SCHEMA = pa.schema(

@@ -42,7 +42,7 @@ from dualpath_ray.protocol.weights import WeightSource
 from dualpath_ray.runtime.restarts.kept_state import KeptState
 from dualpath_ray.runtime.weights.ledger import WeightLedger
 from dualpath_ray.runtime.restarts.incarnations import was_restarted
-from dualpath_ray.scheduling.types import StopReason
+from dualpath_ray.protocol.types import StopReason
 
 SERVER_NAME = ROLLOUT_SERVER
 # How often a restarted server asks again to submit a turn its dead incarnation left in flight.

@@ -10,7 +10,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from dualpath_ray.config.section import Section
-from dualpath_ray.scheduling.types import Mode
+from dualpath_ray.protocol.types import Mode
 
 
 # runtime.session_ttl_s's default, also the default of the tables built without a config (tests,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dualpath_ray.scheduling.types import READ_SIDES
+from dualpath_ray.protocol.types import READ_SIDES
 
 from dataclasses import dataclass, field
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Iterable, NamedTuple
 
 import numpy as np
 
-from dualpath_ray.scheduling.types import ReadPath, StopReason
+from dualpath_ray.protocol.types import ReadPath, StopReason
 
 from dualpath_ray.protocol.errors import ErrorKind  # carried by TurnResult; callers import it from here too
 

@@ -12,7 +12,7 @@ from dualpath_ray.scheduling.admission import Admission
 from dualpath_ray.scheduling.compute_path import ComputePathModel
 from dualpath_ray.scheduling.dispatcher import Constants
 from dualpath_ray.scheduling.staging import StagingSettings
-from dualpath_ray.scheduling.types import Mode
+from dualpath_ray.protocol.types import Mode
 
 if TYPE_CHECKING:
     from dualpath_ray.config import DualPathConfig

@@ -26,7 +26,7 @@ from dualpath_ray.scheduling.policy import (
     split_read,
 )
 from dualpath_ray.scheduling.requests import Request, RequestState, transition
-from dualpath_ray.scheduling.types import Mode, ReadPath
+from dualpath_ray.protocol.types import Mode, ReadPath
 
 
 @dataclass(frozen=True)

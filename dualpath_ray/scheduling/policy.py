@@ -13,7 +13,7 @@ import heapq
 from bisect import bisect_left, insort
 from collections.abc import Iterable, Mapping, Sequence
 from dualpath_ray.scheduling.loads import Assignment, EngineLoad, QueuedRequest
-from dualpath_ray.scheduling.types import ReadPath
+from dualpath_ray.protocol.types import ReadPath
 
 
 def _require_unique_ids(engines: Sequence[EngineLoad]) -> None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from dualpath_ray.scheduling.loads import prefill_tokens
-from dualpath_ray.scheduling.types import ReadPath
+from dualpath_ray.protocol.types import ReadPath
 
 if TYPE_CHECKING:
     from dualpath_ray.scheduling.staging import StageOrder

@@ -31,7 +31,7 @@ from dualpath_ray.scheduling.liveness import is_attempt
 from dualpath_ray.scheduling.loads import decode_tokens
 from dualpath_ray.scheduling.requests import Request, RequestState
 from dualpath_ray.scheduling.staging import StageOrder, StagingBook
-from dualpath_ray.scheduling.types import Mode, ReadPath, Role
+from dualpath_ray.protocol.types import Mode, ReadPath, Role
 
 if TYPE_CHECKING:
     from dualpath_ray.kv.eviction import LRUEviction

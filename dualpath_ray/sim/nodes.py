@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from dualpath_ray.protocol.names import engine_name
-from dualpath_ray.scheduling.types import ReadPath, Role
+from dualpath_ray.protocol.types import ReadPath, Role
 from dualpath_ray.sim.buffers import SimBufferPool
 from dualpath_ray.sim.links import SimLink, ReadQueue
 from dualpath_ray.sim.settings import SimSettings

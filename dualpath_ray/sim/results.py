@@ -9,7 +9,7 @@ import numpy as np
 
 from dualpath_ray.analysis.snic_window import HighLoadWindow, SnicSeries, high_load_window, window_bytes
 from dualpath_ray.analysis.snic_window import snic_balance as bench_balance
-from dualpath_ray.scheduling.types import ReadPath
+from dualpath_ray.protocol.types import ReadPath
 
 
 def summary(values: Sequence[float]) -> dict[str, float]:

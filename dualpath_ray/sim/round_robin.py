@@ -8,7 +8,7 @@ A baseline the paper compares its scheduler with (SNIC balance: round-robin 1.53
 from __future__ import annotations
 
 from dualpath_ray.scheduling.dispatcher import Constants, Dispatcher
-from dualpath_ray.scheduling.types import Mode, ReadPath
+from dualpath_ray.protocol.types import Mode, ReadPath
 
 
 class RoundRobinPaths(Dispatcher):

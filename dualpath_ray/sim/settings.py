@@ -18,7 +18,7 @@ from dualpath_ray.config import ConfigError, DualPathConfig
 from dualpath_ray.model.cost import DecodeModel, EngineCost, WithDecode, derive_beta_tokens, derive_gpu_cost
 from dualpath_ray.scheduling.dispatcher import Constants
 from dualpath_ray.scheduling.staging import StagingSettings
-from dualpath_ray.scheduling.types import Mode
+from dualpath_ray.protocol.types import Mode
 
 @dataclass(frozen=True)
 class SimOptions:

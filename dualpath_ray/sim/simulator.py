@@ -18,7 +18,7 @@ from dualpath_ray.protocol.messages import DecodeReservation, PersistedBlock, Pr
 from dualpath_ray.model.cost import prefill_forward_ms
 from dualpath_ray.scheduling.core_settings import CoreSettings, compute_path_model
 from dualpath_ray.scheduling.scheduler import SchedulerCore
-from dualpath_ray.scheduling.types import READ_SIDES, Mode, Role, StopReason
+from dualpath_ray.protocol.types import READ_SIDES, Mode, Role, StopReason
 from dualpath_ray.sim.agents import Agent, Agents
 from dualpath_ray.sim.decode import SimDecodeEngine, SimDecodeJob, SimDecodeStats
 from dualpath_ray.scheduling.rounds import Outputs

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable
 
-from dualpath_ray.scheduling.types import ReadPath
+from dualpath_ray.protocol.types import ReadPath
 from dualpath_ray.sim.events import EventLoop
 from dualpath_ray.sim.nodes import SimNode
 from dualpath_ray.sim.prefill import SimPrefillJob

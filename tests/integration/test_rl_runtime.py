@@ -19,7 +19,7 @@ import ray  # noqa: E402
 from dualpath_ray.api.validation import make_spec  # noqa: E402
 from dualpath_ray.cluster import DualPathCluster  # noqa: E402
 from dualpath_ray.protocol.messages import SamplingParams, StreamDelta, TurnResult  # noqa: E402
-from dualpath_ray.scheduling.types import StopReason  # noqa: E402
+from dualpath_ray.protocol.types import StopReason  # noqa: E402
 
 pytestmark = pytest.mark.integration
 

@@ -24,7 +24,7 @@ def _load_and_decode(cfg: DualPathConfig) -> dict[str, object]:
     from dualpath_ray.protocol.messages import SamplingParams
     from dualpath_ray.runtime.vllm_engine.compute import VllmCompute
     from dualpath_ray.runtime.vllm_engine.steps import PagesStep
-    from dualpath_ray.scheduling.types import Role
+    from dualpath_ray.protocol.types import Role
 
     class RecordingStep(PagesStep):
         """A PagesStep that reads back, after each layer's load, what landed in vLLM's pages."""

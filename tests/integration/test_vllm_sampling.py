@@ -53,7 +53,7 @@ def _probe(cfg: DualPathConfig, cases: dict[str, SamplingParams]) -> dict[str, d
     from dualpath_ray.runtime.vllm_engine.compute import VllmCompute
     from dualpath_ray.runtime.vllm_engine.step_kv import EXTERNAL_TOKENS, KEY
     from dualpath_ray.runtime.vllm_engine.steps import PagesStep
-    from dualpath_ray.scheduling.types import Role
+    from dualpath_ray.protocol.types import Role
 
     plain_kwargs = host_module.engine_kwargs
     # The reference request asks for log-probs over the whole vocabulary (vLLM's default cap is 20).

@@ -32,7 +32,7 @@ from dualpath_ray.scheduling.loads import EngineLoad
 from dualpath_ray.scheduling.rounds import Outputs, Rounds
 from dualpath_ray.scheduling.scheduler import SchedulerCore
 from dualpath_ray.scheduling.staging import StageOrder
-from dualpath_ray.scheduling.types import Role
+from dualpath_ray.protocol.types import Role
 
 LOG = logging.getLogger("dualpath_ray.scheduler")
 

@@ -30,7 +30,7 @@ from dualpath_ray.scheduling.admission import QueueFull
 from dualpath_ray.scheduling.liveness import Liveness
 from dualpath_ray.scheduling.requests import Request
 from dualpath_ray.scheduling.scheduler import SchedulerCore
-from dualpath_ray.scheduling.types import StopReason
+from dualpath_ray.protocol.types import StopReason
 
 
 class Serving:

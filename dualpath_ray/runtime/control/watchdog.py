@@ -45,7 +45,7 @@ from dualpath_ray.runtime.placement.topology import plan_nodes
 from dualpath_ray.scheduling.liveness import Liveness
 from dualpath_ray.scheduling.loads import EngineLoad
 from dualpath_ray.scheduling.scheduler import SchedulerCore
-from dualpath_ray.scheduling.types import Role
+from dualpath_ray.protocol.types import Role
 
 Fail = Callable[[RequestSpec, str, str], None]
 LOG = logging.getLogger("dualpath_ray.scheduler")

@@ -17,7 +17,7 @@ from dualpath_ray.runtime.engine.base import EngineBase
 from dualpath_ray.protocol.messages import DecodeHandoff
 from dualpath_ray.runtime.engine.ray_ports import RayReaders, SystemClock
 from dualpath_ray.runtime.transport.endpoint import endpoint_actor_options
-from dualpath_ray.scheduling.types import Role
+from dualpath_ray.protocol.types import Role
 
 
 @ray.remote(**endpoint_actor_options(extra_concurrency_groups={"control": 4, "io": 4}))

@@ -49,7 +49,7 @@ from dualpath_ray.protocol.messages import (
 from dualpath_ray.runtime.engine.outbox import Outbox
 from dualpath_ray.runtime.engine.ports import Pending
 from dualpath_ray.scheduling import EngineLoad
-from dualpath_ray.scheduling.types import StopReason
+from dualpath_ray.protocol.types import StopReason
 
 LOG = logging.getLogger("dualpath_ray.decode")
 

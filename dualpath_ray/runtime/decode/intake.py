@@ -45,7 +45,7 @@ from dualpath_ray.protocol.messages import DecodeHandoff, ErrorKind, Holding, Tu
 from dualpath_ray.runtime.transport.moves import Move, Region
 from dualpath_ray.runtime.decode.verify import landed_mismatches, verify_prompt_kv
 from dualpath_ray.scheduling.loads import decode_tokens
-from dualpath_ray.scheduling.types import ReadPath
+from dualpath_ray.protocol.types import ReadPath
 
 LOG = logging.getLogger("dualpath_ray.decode")
 

@@ -28,7 +28,7 @@ from dualpath_ray.runtime.engine.ports import (
     WeightsPort,
 )
 from dualpath_ray.runtime.decode.verify import KVCheck
-from dualpath_ray.scheduling.types import StopReason
+from dualpath_ray.protocol.types import StopReason
 
 
 class DecodeState(enum.Enum):

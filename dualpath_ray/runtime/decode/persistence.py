@@ -39,7 +39,7 @@ from dualpath_ray.runtime.decode.job import DecodeJob, DecodeSettings, DecodeSta
 from dualpath_ray.runtime.emulation.links import Link
 from dualpath_ray.runtime.engine.ports import ReaderPort
 from dualpath_ray.runtime.reader.store_errors import WriteRefusals
-from dualpath_ray.scheduling.types import ReadPath
+from dualpath_ray.protocol.types import ReadPath
 
 
 class DecodePersistence:

@@ -46,7 +46,7 @@ from dualpath_ray.runtime.transport.endpoint import TransportEndpoint
 from dualpath_ray.runtime.transport.factory import make_transport
 from dualpath_ray.runtime.weights.sync import WeightGroup
 from dualpath_ray.scheduling import EngineLoad
-from dualpath_ray.scheduling.types import Role
+from dualpath_ray.protocol.types import Role
 
 LOG = logging.getLogger("dualpath_ray.engine")
 # While a transfer that signals nothing is in flight (a decode engine's prompt load), the worker

@@ -14,7 +14,7 @@ import torch
 from dualpath_ray.config import DualPathConfig
 from dualpath_ray.kv.layout import KVLayout
 from dualpath_ray.runtime.compute.engine_compute import EngineCompute, ModelCompute
-from dualpath_ray.scheduling.types import Role
+from dualpath_ray.protocol.types import Role
 
 
 def make_compute(cfg: DualPathConfig, layout: KVLayout, device: torch.device, role: Role | None = None) -> EngineCompute:

@@ -20,7 +20,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from dualpath_ray.analysis.report import classify_ratio, pd_bounds
 from dualpath_ray.config import DualPathConfig
 from dualpath_ray.protocol.names import SCHEDULER, engine_name, reader_name
-from dualpath_ray.scheduling.types import Role
+from dualpath_ray.protocol.types import Role
 
 ROLE_LABEL = "dualpath/role"
 HEAD_RESOURCE = "dualpath_head"

@@ -18,7 +18,7 @@ from dualpath_ray.runtime.prefill.core import PrefillCore
 from dualpath_ray.runtime.prefill.job import PrefillPorts, PrefillSettings
 from dualpath_ray.runtime.engine.ray_ports import RayDecodeTargets, RayReaders, SystemClock
 from dualpath_ray.runtime.transport.endpoint import endpoint_actor_options
-from dualpath_ray.scheduling.types import Role
+from dualpath_ray.protocol.types import Role
 
 
 @ray.remote(**endpoint_actor_options(extra_concurrency_groups={"control": 4}))

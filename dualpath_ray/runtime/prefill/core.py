@@ -46,7 +46,7 @@ from dualpath_ray.runtime.prefill.job import PrefillJob, PrefillPorts, PrefillSe
 from dualpath_ray.runtime.prefill.kv_ready import KVReady, kv_ready_for
 from dualpath_ray.runtime.prefill.pipeline import LayerPipeline, PipelineStats, oracle_kv_for
 from dualpath_ray.scheduling import EngineLoad, pack_prefill_batch, prefill_tokens
-from dualpath_ray.scheduling.types import ReadPath
+from dualpath_ray.protocol.types import ReadPath
 
 LOG = logging.getLogger("dualpath_ray.prefill")
 

@@ -40,7 +40,7 @@ from dualpath_ray.runtime.engine.ports import Pending, TransportPort
 from dualpath_ray.runtime.prefill.job import PrefillJob
 from dualpath_ray.runtime.prefill.kv_ready import KVReady, kv_ready_for
 from dualpath_ray.runtime.transport.moves import Move, Region
-from dualpath_ray.scheduling.types import ReadPath
+from dualpath_ray.protocol.types import ReadPath
 
 
 

@@ -30,7 +30,7 @@ from dualpath_ray.config import DualPathConfig
 from dualpath_ray.kv.layout import KVLayout
 from dualpath_ray.protocol.messages import SamplingParams
 from dualpath_ray.runtime.compute.engine_compute import ChunkSpec, DecodeSeq, EngineCompute, PageFill, PrefillBatch, Sampled
-from dualpath_ray.scheduling.types import Role
+from dualpath_ray.protocol.types import Role
 from dualpath_ray.runtime.vllm_engine.host import VllmHost
 from dualpath_ray.runtime.vllm_engine.steps import PagesStep, PrefillStep
 

@@ -25,7 +25,7 @@ import torch
 from dualpath_ray.config import DualPathConfig
 from dualpath_ray.kv.layout import KVLayout
 from dualpath_ray.protocol.messages import SamplingParams
-from dualpath_ray.scheduling.types import Role
+from dualpath_ray.protocol.types import Role
 from dualpath_ray.runtime.vllm_engine.internals import free_kv_pages
 from dualpath_ray.runtime.vllm_engine.step_kv import EXTERNAL_TOKENS, KEY, StepKV
 from dualpath_ray.runtime.vllm_engine.model_dir import check_kv_geometry, dummy_model_dir

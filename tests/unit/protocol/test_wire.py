@@ -23,7 +23,7 @@ from dualpath_ray.protocol.messages import (
 )
 from dualpath_ray.protocol.wire import Codec, WireError
 from dualpath_ray.protocol.wire_ext import ARRAY_EXT, FLOATS_EXT, INTS_EXT, SMALL_INTS_EXT
-from dualpath_ray.scheduling.types import ReadPath, StopReason
+from dualpath_ray.protocol.types import ReadPath, StopReason
 
 REPORTS = (EngineReport, ReaderReport)
 

@@ -15,7 +15,7 @@ from dualpath_ray.scheduling.admission import Admission, QueueFull
 from dualpath_ray.scheduling.dispatcher import Constants
 from dualpath_ray.scheduling.core_settings import CoreSettings
 from dualpath_ray.scheduling.scheduler import SchedulerCore
-from dualpath_ray.scheduling.types import Mode
+from dualpath_ray.protocol.types import Mode
 
 BLOCK = 16
 LIMIT = 4

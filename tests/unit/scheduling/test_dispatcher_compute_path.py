@@ -8,7 +8,7 @@ from dualpath_ray.scheduling.compute_path import ComputePathModel
 from dualpath_ray.scheduling.dispatcher import Constants, Dispatcher
 from dualpath_ray.scheduling.loads import EngineLoad, prefill_tokens
 from dualpath_ray.scheduling.requests import Request
-from dualpath_ray.scheduling.types import Mode
+from dualpath_ray.protocol.types import Mode
 
 DECODE = (EngineLoad("d0/g0", "d0", 0, 0, free_hbm_tokens=100_000),)
 PREFILL = (EngineLoad("p0/g0", "p0", 0, 0),)

@@ -18,7 +18,7 @@ from dualpath_ray.scheduling.loads import EngineLoad
 from dualpath_ray.scheduling.rounds import Outputs, Rounds
 from dualpath_ray.scheduling.core_settings import CoreSettings
 from dualpath_ray.scheduling.scheduler import SchedulerCore
-from dualpath_ray.scheduling.types import Mode, ReadPath
+from dualpath_ray.protocol.types import Mode, ReadPath
 
 BLOCK = 16
 BETA = 1000

@@ -17,7 +17,7 @@ from dualpath_ray.scheduling.dispatcher import Constants
 from dualpath_ray.scheduling.core_settings import CoreSettings
 from dualpath_ray.scheduling.scheduler import SchedulerCore
 from dualpath_ray.scheduling.staging import StagingBook, StagingSettings, stage_id_of
-from dualpath_ray.scheduling.types import Mode, ReadPath
+from dualpath_ray.protocol.types import Mode, ReadPath
 
 BLOCK = 16
 NAMESPACE = "model@0"

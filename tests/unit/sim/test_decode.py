@@ -7,7 +7,7 @@ import pytest
 from dualpath_ray.model.latency import LayerModel
 from dualpath_ray.model.profile import HardwareProfile, describe_model
 from dualpath_ray.protocol.messages import DecodeReservation, PrefillTask, RequestSpec, SamplingParams
-from dualpath_ray.scheduling.types import ReadPath, Role
+from dualpath_ray.protocol.types import ReadPath, Role
 from dualpath_ray.sim.decode import SimDecodeEngine, SimDecodeStats
 from dualpath_ray.sim.events import EventLoop
 from dualpath_ray.sim.nodes import SimNode

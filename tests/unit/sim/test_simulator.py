@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dualpath_ray.scheduling.types import Mode
+from dualpath_ray.protocol.types import Mode
 from dualpath_ray.sim.profiles import sim_config
 from dualpath_ray.sim.settings import SimOptions
 from dualpath_ray.sim.simulator import Simulation, simulate

@@ -25,7 +25,7 @@ from dualpath_ray.protocol.messages import GroupReport, PersistedBlock, RequestS
 from dualpath_ray.runtime.control.scheduler_core import build_core
 from dualpath_ray.scheduling import EngineLoad
 from dualpath_ray.scheduling.scheduler import SchedulerCore
-from dualpath_ray.scheduling.types import ReadPath
+from dualpath_ray.protocol.types import ReadPath
 
 BASE = DualPathConfig()
 LAYOUT = KVLayout.from_model(BASE.model, BASE.store.block_size)

@@ -20,7 +20,7 @@ from dualpath_ray.scheduling.scheduler import SchedulerCore
 from dualpath_ray.runtime.transport.moves import PeerDiedError, TransportState
 from dualpath_ray.scheduling import EngineLoad
 from dualpath_ray.scheduling.requests import RequestState
-from dualpath_ray.scheduling.types import Role
+from dualpath_ray.protocol.types import Role
 from tests.unit.runtime.engine.test_failures import core_with_chain
 
 FREE = 1 << 20
