@@ -69,6 +69,24 @@ def test_vllm_engines_serve_a_multi_turn_rollout_exactly(reference, mode: str) -
     )
 
 
+def test_prompts_chunked_by_the_compute_quota_stay_exact_on_vllm(reference) -> None:
+    """The prefill core chunks a prompt whose predicted attention exceeds the compute quota (the
+    paper's, scheduler.compute_quota_ms); each chunk is a vLLM request that loads its earlier
+    chunks' KV or finds it in vLLM's own prefix cache, and vLLM computes it in one step."""
+    trajs, expected = reference
+    cluster = DualPathCluster.start(vllm_config("dualpath").with_overrides(scheduler={"compute_quota_ms": 0.05}))
+    try:
+        cluster.deploy("dualpath")
+        result = cluster.rollout(trajs, progress=False)
+        prefill = cluster.engine_stats()["prefill/p0/g0"]["core"]
+    finally:
+        cluster.shutdown()
+    assert not result.failures, f"every trajectory completes: {result.failures}"
+    got = {tid: [turn.output_tokens for turn in turns] for tid, turns in result.turn_results.items()}
+    assert got == expected, "greedy tokens of chunked prompts equal a plain vLLM engine recomputing every prompt"
+    assert prefill["chunks"] > prefill["handoffs"], f"the quota chunked prompts into several prefill batches: {prefill}"
+
+
 def test_rollout_server_sleep_wake_weight_update_and_abort_on_vllm_engines(reference) -> None:
     """The rollout server and the between-rollout controls on vLLM engines: the server's generate
     gives plain vLLM's tokens, sleep and wake keep serving the same tokens,

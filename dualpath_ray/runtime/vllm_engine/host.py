@@ -27,7 +27,16 @@ from dualpath_ray.kv.layout import KVLayout
 from dualpath_ray.protocol.messages import SamplingParams
 from dualpath_ray.protocol.types import Role
 from dualpath_ray.runtime.vllm_engine.internals import free_kv_pages
-from dualpath_ray.runtime.vllm_engine.step_kv import EXTERNAL_TOKENS, KEY, StepKV
+from dualpath_ray.runtime.vllm_engine.step_kv import (
+    EXTERNAL_TOKENS,
+    HELD_BLOCKS,
+    HELD_ID,
+    HOLD,
+    KEY,
+    SOURCE,
+    KVSource,
+    StepKV,
+)
 from dualpath_ray.runtime.vllm_engine.model_dir import check_kv_geometry, dummy_model_dir
 from dualpath_ray.runtime.vllm_engine.version import check_vllm_version
 
@@ -103,6 +112,8 @@ class VllmHost:
             **engine_kwargs(cfg, role),
             kv_transfer_config=KVTransferConfig(
                 kv_connector="DualPathConnector", kv_role="kv_both", kv_connector_module_path=CONNECTOR_MODULE,
+                # A failed asynchronous load (connector.py) is computed from its first failed block.
+                kv_load_failure_policy="recompute",
             ),
         )
         self.engine = LLMEngine.from_engine_args(args)
@@ -110,6 +121,8 @@ class VllmHost:
         self._ids = itertools.count()
         self._lock = threading.Lock()  # the engine is not thread-safe: one call at a time
         self.steps = 0
+        # key -> the pages a request added with `hold` ended holding, and vLLM's id of it.
+        self.held: dict[str, tuple[list[int], str]] = {}
 
     # --- requests -------------------------------------------------------------------------
 
@@ -118,13 +131,16 @@ class VllmHost:
 
     def add(
         self, key: str, tokens: Iterable[int], external: int, sampling: SamplingParams, max_tokens: int,
-        private_cache: bool = False, cache_domain: str = "",
+        private_cache: bool = False, cache_domain: str = "", source: KVSource | None = None, hold: bool = False,
     ) -> None:
         """A request named `key` whose first `external` tokens' KV the step's StepKV loads, past
         what vLLM's prefix cache holds. vLLM's cache is shared only between requests of one
         `cache_domain` (the request's key namespace: model, weights, tenant's salt), its cache
         salt. `private_cache`: a salt of its own keeps vLLM's prefix cache out of it (a
-        recompute must compute, not find the KV it is checked against)."""
+        recompute must compute, not find the KV it is checked against). `source`: the external
+        tokens' KV lies there and loads asynchronously, before vLLM schedules the request
+        (runtime/vllm_engine/async_loads.py), rather than inside its first step. `hold`: its pages
+        outlive it until `release(key)` (named in `held[key]` once it ended)."""
         from vllm import SamplingParams as VllmSampling
         from vllm.inputs import TokensPrompt
 
@@ -136,7 +152,11 @@ class VllmHost:
             n=1, max_tokens=max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
             top_k=max(0, sampling.top_k), min_p=sampling.min_p, repetition_penalty=sampling.repetition_penalty,
             seed=sampling.seed if sampling.temperature > 0 else None, logprobs=0, ignore_eos=True, detokenize=False,
-            extra_args={"kv_transfer_params": {EXTERNAL_TOKENS: external, KEY: key}},
+            extra_args={"kv_transfer_params": {
+                EXTERNAL_TOKENS: external, KEY: key,
+                **({SOURCE: [source.peer, source.pool, list(source.blocks), source.pages]} if source is not None else {}),
+                **({HOLD: True} if hold else {}),
+            }},
         )
         with self._lock:
             prompt = TokensPrompt(prompt_token_ids=[int(t) for t in tokens])
@@ -162,6 +182,9 @@ class VllmHost:
             self.steps += 1
         sampled = {}
         for output in outputs:
+            params = getattr(output, "kv_transfer_params", None) or {}
+            if HELD_ID in params:
+                self.held[output.request_id] = ([int(b) for b in params[HELD_BLOCKS]], str(params[HELD_ID]))
             completion = output.outputs[0]
             if not completion.token_ids:
                 continue
@@ -169,6 +192,13 @@ class VllmHost:
             log_probs = completion.logprobs[-1] if completion.logprobs else None
             sampled[output.request_id] = (token, float(log_probs[token].logprob) if log_probs else 0.0)
         return sampled
+
+    def release(self, key: str) -> None:
+        """The pages request `key` held (added with `hold`) were read: vLLM frees them at its
+        next step."""
+        _, request_id = self.held.pop(key)
+        with self._lock:
+            self.connector.release(request_id)
 
     def unfinished(self) -> int:
         with self._lock:

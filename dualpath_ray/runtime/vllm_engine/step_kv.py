@@ -14,6 +14,34 @@ if TYPE_CHECKING:
 
 EXTERNAL_TOKENS = "external_tokens"  # kv_transfer_params: tokens whose KV the connector loads
 KEY = "key"  # kv_transfer_params: our name of the request (the compute's, not vLLM's request id)
+# kv_transfer_params: where the external tokens' KV lies, as KVSource's fields, for a request that
+# loads it asynchronously (vLLM holds it in WAITING_FOR_REMOTE_KVS until the load finished).
+SOURCE = "source"
+# kv_transfer_params: the request's pages outlive it until `VllmHost.release` (a prefill whose KV
+# a decode engine reads from them); its output's params name them (HELD_BLOCKS, HELD_ID).
+HOLD = "hold"
+HELD_BLOCKS = "held_blocks"
+HELD_ID = "held_request_id"
+
+
+@dataclass(frozen=True)
+class KVSource:
+    """Where a request's past KV lies, in pool `pool` of the transport endpoint `peer`: Full
+    Blocks (the store's format, [n_layer, block_size, bytes]), block i of the request at byte
+    offset `blocks[i]` (a reader's buffer extent, an engine's pages); or, with `pages`, another
+    vLLM engine's pages of the same geometry, block i of the request in its vLLM block `blocks[i]`
+    (a prefill engine's held pages: block_layers.py runs to runs, nothing to settle)."""
+
+    peer: str
+    pool: str
+    blocks: tuple[int, ...]
+    pages: bool = False
+
+    def block_layer(self, block: int, layer: int, block_layer_bytes: int) -> tuple[str, int, int]:
+        """(pool, byte offset, bytes) of one block-layer of the request's block `block`."""
+        if not 0 <= block < len(self.blocks):
+            raise ValueError(f"block {block} of a request whose past KV source holds {len(self.blocks)} blocks")
+        return self.pool, self.blocks[block] + layer * block_layer_bytes, block_layer_bytes
 
 
 @dataclass(frozen=True)
