@@ -1,4 +1,5 @@
-"""Session-wide hooks: the test command's exit status is pytest's, not a native finaliser's.
+"""Session-wide hooks: the test command's exit status is pytest's, not a native finaliser's; and the
+embedded Ray cluster that integration and chaos tests share (`cluster_for`, tests/shared_cluster.py).
 
 Native libraries run threads inside the pytest process: Ray's core worker and gRPC (every
 integration test drives its cluster from here), UCX's progress thread under NIXL, torch's pools.
@@ -13,8 +14,13 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import pytest
+
+if TYPE_CHECKING:
+    from tests.shared_cluster import SharedCluster
 
 _EXIT_STATUS = pytest.StashKey[int]()
 
@@ -34,3 +40,39 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)
+
+
+@pytest.fixture(scope="session")
+def shared_cluster() -> Iterator[SharedCluster]:
+    from tests.shared_cluster import SharedCluster
+
+    shared = SharedCluster()
+    try:
+        yield shared
+    finally:
+        shared.close()
+
+
+@pytest.fixture
+def cluster_for(shared_cluster: SharedCluster) -> Iterator[Callable[..., Any]]:
+    """`cluster_for(cfg, mode=None)`: the session's shared embedded 1P1D cluster with `cfg`
+    deployed (runtime_config()'s cluster section; started at first use), its deployment torn down
+    after the test. For a test that only needs a deployment, not a Ray cluster of its own."""
+    try:
+        yield shared_cluster.deploy
+    finally:
+        shared_cluster.end_deployment()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_embedded_cluster_at_a_time(request: pytest.FixtureRequest) -> None:
+    """A driver holds one Ray connection: before an integration or chaos module none of whose
+    tests share the cluster (it starts its own, or a `ray start` one), the shared cluster, if up,
+    is stopped. (Unit modules never touch it: they import no Ray.)"""
+    module = request.module
+    if not module.__name__.startswith(("tests.integration.", "tests.chaos.")):
+        return
+    if any("cluster_for" in getattr(item, "fixturenames", ()) for item in request.session.items
+           if getattr(item, "module", None) is module):
+        return
+    request.getfixturevalue("shared_cluster").close()

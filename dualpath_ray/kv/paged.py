@@ -20,9 +20,11 @@ from typing import NamedTuple
 import torch
 
 from dualpath_ray.kv.layout import KVLayout
+from dualpath_ray.lifecycle import Lifecycle, TransitionError
 
 
 class PageOwnerState(enum.Enum):
+    UNKNOWN = "unknown"  # the pool holds no reservation of it (never made, or released)
     RESERVED = "reserved"
     ACTIVE = "active"
     RELEASED = "released"
@@ -34,17 +36,20 @@ class PageEvent(enum.Enum):
     RELEASE = "release"
 
 
-_MOVES = {
-    (None, PageEvent.RESERVE): PageOwnerState.RESERVED,
-    (PageOwnerState.RESERVED, PageEvent.ALLOCATE): PageOwnerState.ACTIVE,
-    (PageOwnerState.ACTIVE, PageEvent.ALLOCATE): PageOwnerState.ACTIVE,
-    (PageOwnerState.RESERVED, PageEvent.RELEASE): PageOwnerState.RELEASED,
-    (PageOwnerState.ACTIVE, PageEvent.RELEASE): PageOwnerState.RELEASED,
-}
-
-
-class PageTransitionError(RuntimeError):
+class PageTransitionError(TransitionError):
     """A request asked the page pool for a move its lifecycle forbids."""
+
+
+PAGE_OWNER_LIFECYCLE = Lifecycle(
+    moves={
+        (PageOwnerState.UNKNOWN, PageEvent.RESERVE): PageOwnerState.RESERVED,
+        (PageOwnerState.RESERVED, PageEvent.ALLOCATE): PageOwnerState.ACTIVE,
+        (PageOwnerState.ACTIVE, PageEvent.ALLOCATE): PageOwnerState.ACTIVE,
+        (PageOwnerState.RESERVED, PageEvent.RELEASE): PageOwnerState.RELEASED,
+        (PageOwnerState.ACTIVE, PageEvent.RELEASE): PageOwnerState.RELEASED,
+    },
+    error=PageTransitionError,
+)
 
 
 class PagePoolFullError(RuntimeError):
@@ -55,13 +60,9 @@ class PageIntegrityError(RuntimeError):
     """The page accounting is inconsistent (a bug, never a user error)."""
 
 
-def transition(owner: str, current: PageOwnerState | None, event: PageEvent) -> PageOwnerState:
+def transition(owner: str, current: PageOwnerState, event: PageEvent) -> PageOwnerState:
     """The one place page-owner moves are decided: the next state, or PageTransitionError."""
-    target = _MOVES.get((current, event))
-    if target is None:
-        state = "unknown" if current is None else current.value
-        raise PageTransitionError(f"request {owner}: {event.value} is illegal when {state}")
-    return target
+    return PAGE_OWNER_LIFECYCLE.move(f"request {owner}", current, event)
 
 
 class PageCounts(NamedTuple):
@@ -120,8 +121,7 @@ class PagedKVPool:
         """Append n_pages to the owner's table, within its reservation; returns the new pages."""
         with self._lock:
             entry = self._owners.get(owner)
-            entry_state = entry.state if entry else None
-            state = transition(owner, entry_state, PageEvent.ALLOCATE)
+            state = transition(owner, self._state(owner), PageEvent.ALLOCATE)
             assert entry is not None  # ALLOCATE is legal only for a known owner
             if len(entry.pages) + n_pages > entry.reserved:
                 raise PageTransitionError(
@@ -154,7 +154,7 @@ class PagedKVPool:
         """Give back the owner's pages and reservation."""
         with self._lock:
             entry = self._owners.get(owner)
-            transition(owner, entry.state if entry else None, PageEvent.RELEASE)
+            transition(owner, self._state(owner), PageEvent.RELEASE)
             assert entry is not None
             del self._owners[owner]
             self._free.extend(reversed(entry.pages))
@@ -187,9 +187,9 @@ class PagedKVPool:
             raise PageIntegrityError(f"reservations {reserved} disagree with the total {total}")
         return counts
 
-    def _state(self, owner: str) -> PageOwnerState | None:
+    def _state(self, owner: str) -> PageOwnerState:
         entry = self._owners.get(owner)
-        return None if entry is None else entry.state
+        return PageOwnerState.UNKNOWN if entry is None else entry.state
 
     def _claim(self, holder: list[str | None], page: int, who: str) -> None:
         if not 0 <= page < self.capacity:

@@ -31,6 +31,7 @@ import torch
 from dualpath_ray.kv.direct_io import ALIGNMENT
 from dualpath_ray.kv.host_memory import allocate_host_buffer
 from dualpath_ray.kv.layout import KVLayout
+from dualpath_ray.lifecycle import Lifecycle, TransitionError
 
 
 class ExtentState(enum.Enum):
@@ -48,25 +49,28 @@ class ExtentEvent(enum.Enum):
     RETIRE = "retire"
 
 
-_MOVES = {
-    (ExtentState.FREE, ExtentEvent.LEASE): ExtentState.LEASED,
-    (ExtentState.LEASED, ExtentEvent.BEGIN_TRANSFER): ExtentState.IN_FLIGHT,
-    (ExtentState.IN_FLIGHT, ExtentEvent.END_TRANSFER): ExtentState.LEASED,
-    (ExtentState.LEASED, ExtentEvent.RELEASE): ExtentState.FREE,
-    (ExtentState.LEASED, ExtentEvent.RETIRE): ExtentState.FREE,
-    (ExtentState.IN_FLIGHT, ExtentEvent.RETIRE): ExtentState.RETIRING,
-    (ExtentState.RETIRING, ExtentEvent.END_TRANSFER): ExtentState.FREE,
-}
-_HINTS = {
-    ExtentState.FREE: "the extent is not leased (never leased, or already released)",
-    ExtentState.LEASED: "the extent is leased with no transfer in flight",
-    ExtentState.IN_FLIGHT: "a transfer is in flight: end_transfer first (one transfer at a time)",
-    ExtentState.RETIRING: "it was retired during a transfer: only that transfer's end_transfer (which frees it)",
-}
-
-
-class ExtentTransitionError(RuntimeError):
+class ExtentTransitionError(TransitionError):
     """An extent was asked to make a move its lifecycle forbids."""
+
+
+EXTENT_LIFECYCLE = Lifecycle(
+    moves={
+        (ExtentState.FREE, ExtentEvent.LEASE): ExtentState.LEASED,
+        (ExtentState.LEASED, ExtentEvent.BEGIN_TRANSFER): ExtentState.IN_FLIGHT,
+        (ExtentState.IN_FLIGHT, ExtentEvent.END_TRANSFER): ExtentState.LEASED,
+        (ExtentState.LEASED, ExtentEvent.RELEASE): ExtentState.FREE,
+        (ExtentState.LEASED, ExtentEvent.RETIRE): ExtentState.FREE,
+        (ExtentState.IN_FLIGHT, ExtentEvent.RETIRE): ExtentState.RETIRING,
+        (ExtentState.RETIRING, ExtentEvent.END_TRANSFER): ExtentState.FREE,
+    },
+    error=ExtentTransitionError,
+    hints={
+        ExtentState.FREE: "the extent is not leased (never leased, or already released)",
+        ExtentState.LEASED: "the extent is leased with no transfer in flight",
+        ExtentState.IN_FLIGHT: "a transfer is in flight: end_transfer first (one transfer at a time)",
+        ExtentState.RETIRING: "it was retired during a transfer: only that transfer's end_transfer (which frees it)",
+    },
+)
 
 
 class PoolIntegrityError(RuntimeError):
@@ -75,12 +79,7 @@ class PoolIntegrityError(RuntimeError):
 
 def transition(extent_id: int, current: ExtentState, event: ExtentEvent) -> ExtentState:
     """The one place extent moves are decided: the next state, or ExtentTransitionError."""
-    target = _MOVES.get((current, event))
-    if target is None:
-        raise ExtentTransitionError(
-            f"extent {extent_id}: {event.value} is illegal in state {current.name} ({_HINTS[current]})"
-        )
-    return target
+    return EXTENT_LIFECYCLE.move(f"extent {extent_id}", current, event)
 
 
 @dataclass(frozen=True)
@@ -280,7 +279,7 @@ class BufferPool:
         if lease is None or current is not ExtentState.LEASED:
             raise ExtentTransitionError(
                 f"extent {extent_id}: only a LEASED extent can grow or change owner, it is {current.name} "
-                f"({_HINTS[current]})"
+                f"({EXTENT_LIFECYCLE.hints[current]})"
             )
         return lease
 

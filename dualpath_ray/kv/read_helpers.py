@@ -34,6 +34,7 @@ import weakref
 from collections.abc import Callable
 
 from dualpath_ray.kv.block_store import BlockHook
+from dualpath_ray.lifecycle import Lifecycle, TransitionError
 
 # Reads block i into its out and verifies it; raises if the block is missing or bad.
 BlockRead = Callable[[int], None]
@@ -53,23 +54,23 @@ class HelperEvent(enum.Enum):
     CLOSE = "close"
 
 
-_MOVES = {
-    (HelperState.IDLE, HelperEvent.START): HelperState.RUNNING,
-    (HelperState.IDLE, HelperEvent.CLOSE): HelperState.CLOSED,
-    (HelperState.RUNNING, HelperEvent.CLOSE): HelperState.CLOSED,
-}
-
-
-class HelperTransitionError(RuntimeError):
+class HelperTransitionError(TransitionError):
     """The helper pool was asked to make a move its lifecycle forbids."""
+
+
+HELPER_LIFECYCLE = Lifecycle(
+    moves={
+        (HelperState.IDLE, HelperEvent.START): HelperState.RUNNING,
+        (HelperState.IDLE, HelperEvent.CLOSE): HelperState.CLOSED,
+        (HelperState.RUNNING, HelperEvent.CLOSE): HelperState.CLOSED,
+    },
+    error=HelperTransitionError,
+)
 
 
 def transition(current: HelperState, event: HelperEvent) -> HelperState:
     """The one place pool moves are decided: the next state, or HelperTransitionError."""
-    target = _MOVES.get((current, event))
-    if target is None:
-        raise HelperTransitionError(f"read helpers: {event.value} is illegal in state {current.name}")
-    return target
+    return HELPER_LIFECYCLE.move("read helpers", current, event)
 
 
 class _JobBoard:

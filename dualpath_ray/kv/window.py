@@ -21,6 +21,7 @@ from typing import Sequence
 import torch
 
 from dualpath_ray.kv.layout import KVLayout
+from dualpath_ray.lifecycle import Lifecycle, TransitionError
 
 RING_LAYERS = 3
 
@@ -43,26 +44,26 @@ class SlotEvent(enum.Enum):
     DROP = "drop"
 
 
-_MOVES = {
-    (SlotState.FREE, SlotEvent.LOAD): SlotState.LOADING,
-    (SlotState.LOADING, SlotEvent.LOADED): SlotState.READY,
-    (SlotState.FREE, SlotEvent.SKIP_LOAD): SlotState.READY,
-    (SlotState.READY, SlotEvent.COMPUTE): SlotState.COMPUTED,
-    (SlotState.COMPUTED, SlotEvent.SEND): SlotState.SENDING,
-    (SlotState.SENDING, SlotEvent.SENT): SlotState.FREE,
-    (SlotState.COMPUTED, SlotEvent.DROP): SlotState.FREE,
-}
-
-
-class SlotTransitionError(RuntimeError):
+class SlotTransitionError(TransitionError):
     """A window slot was asked for a move its lifecycle forbids (a pipeline ordering bug)."""
 
 
+SLOT_LIFECYCLE = Lifecycle(
+    moves={
+        (SlotState.FREE, SlotEvent.LOAD): SlotState.LOADING,
+        (SlotState.LOADING, SlotEvent.LOADED): SlotState.READY,
+        (SlotState.FREE, SlotEvent.SKIP_LOAD): SlotState.READY,
+        (SlotState.READY, SlotEvent.COMPUTE): SlotState.COMPUTED,
+        (SlotState.COMPUTED, SlotEvent.SEND): SlotState.SENDING,
+        (SlotState.SENDING, SlotEvent.SENT): SlotState.FREE,
+        (SlotState.COMPUTED, SlotEvent.DROP): SlotState.FREE,
+    },
+    error=SlotTransitionError,
+)
+
+
 def transition(slot: int, current: SlotState, event: SlotEvent) -> SlotState:
-    target = _MOVES.get((current, event))
-    if target is None:
-        raise SlotTransitionError(f"window slot {slot}: {event.value} is illegal when {current.value}")
-    return target
+    return SLOT_LIFECYCLE.move(f"window slot {slot}", current, event)
 
 
 def span_offsets(lengths: Sequence[int]) -> list[int]:

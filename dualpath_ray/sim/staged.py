@@ -2,11 +2,14 @@
 
 The scheduler core orders a finished turn's context staged on a decode node when its caller
 hints that the session continues (scheduling/staging.py, `SchedulerCore.take_stage_orders`).
-Here each decode node's reader acts on its orders as the runtime's reader does:
+Here each decode node's reader acts on its orders as the runtime's reader does, with the rules
+and the lifecycle of kv/staged.py that the runtime's reader applies too (`StagedTable`: which
+order is skipped, which staged extents a real lease cancels, each extent's moves):
 
 - **Lease without waiting**: the order's blocks are leased in the node's buffer at once
-  (`SimBufferPool.try_lease`), or the order is skipped: no room, a real lease waiting, or the
-  node's staged extents would pass `scheduler.stage_buffer_fraction` of its buffer.
+  (`SimBufferPool.try_lease`), or the order is skipped: no room, a real lease waiting, its
+  stage_id still live (the live extent holds those blocks and keeps its deadline), or the node's
+  staged extents would pass `scheduler.stage_buffer_fraction` of its buffer.
 - **Read at low priority**: the blocks are read through the node's SNIC (and its DRAM)
   `options.stage_chunk_blocks` at a time, a chunk only while no real read is queued or in service
   on that SNIC; so a real read that comes waits at most one chunk. Staged reads are not in the
@@ -32,6 +35,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from itertools import count
 
+from dualpath_ray.kv.staged import LIVE, StagedExtent, StagedTable, StageEvent, StageState
 from dualpath_ray.scheduling.staging import StageOrder
 from dualpath_ray.sim.events import EventLoop
 from dualpath_ray.sim.nodes import SimNode
@@ -56,15 +60,26 @@ class StagingCounters:
 
 @dataclass(eq=False)
 class SimStagedExtent:
+    """An order's extent: its entry in the node's `StagedTable` (state, deadline) and how far
+    its read has gone on the simulated SNIC."""
+
     order: StageOrder
-    expires_at: float
+    entry: StagedExtent
     issued: int = 0  # blocks handed to the SNIC (read, or in the chunk in service)
     last_done: float = 0.0  # when the last issued chunk is through
-    live: bool = True  # held, unclaimed (False once claimed, expired or cancelled)
 
     @property
     def blocks(self) -> int:
         return self.order.blocks
+
+    @property
+    def expires_at(self) -> float:
+        return self.entry.deadline
+
+    @property
+    def live(self) -> bool:
+        """Reading or held, unclaimed (not once claimed, expired or cancelled)."""
+        return self.entry.state in LIVE
 
 
 @dataclass(eq=False)
@@ -72,10 +87,10 @@ class NodeStaging:
     """One decode node's reader: its staged extents, by receipt, and its staged-read state."""
 
     node: SimNode
-    extents: dict[str, SimStagedExtent] = field(default_factory=dict)  # stage id -> extent, by receipt
+    table: StagedTable = field(default_factory=StagedTable)  # the live entries and the blocks they hold
+    extents: dict[str, SimStagedExtent] = field(default_factory=dict)  # the table's live entries' reads
     to_read: deque[SimStagedExtent] = field(default_factory=deque)
     expiries: list[tuple[float, int, SimStagedExtent]] = field(default_factory=list)  # heap
-    held: int = 0  # blocks of its live staged extents
     reading: bool = False  # a chunk is in service, or a wake-up is set for when the SNIC is free
 
 
@@ -105,17 +120,16 @@ class StagedReads:
             counters.skipped += 1
             return
         self._expire(staging, now)
-        old = staging.extents.pop(order.stage_id, None)  # a chain ordered again: the new order holds
-        if old is not None and old.live:
-            self._free(staging, old, now)
-            counters.expired += 1
-        if staging.held + order.blocks > self.limit or not staging.node.buffer.try_lease(order.blocks):
+        refused = staging.table.refuses(order.stage_id, order.blocks, self.limit)
+        if refused or not staging.node.buffer.try_lease(order.blocks):
             counters.skipped += 1
             return
-        extent = SimStagedExtent(order, now + order.ttl_s, last_done=now)
+        sequence = next(self._sequence)
+        entry = StagedExtent(order.stage_id, order.keys, sequence, now + order.ttl_s)
+        extent = SimStagedExtent(order, entry, last_done=now)
+        staging.table.add(entry)
         staging.extents[order.stage_id] = extent
-        staging.held += order.blocks
-        heapq.heappush(staging.expiries, (extent.expires_at, next(self._sequence), extent))
+        heapq.heappush(staging.expiries, (extent.expires_at, sequence, extent))
         staging.to_read.append(extent)
         self._pump(staging)
 
@@ -133,6 +147,9 @@ class StagedReads:
                 self._expire(staging, now)
             if head.live and head.issued < head.blocks:
                 break
+            if head.entry.state is StageState.READING:
+                # Every chunk of it is through (no chunk is in service here): read, now held.
+                staging.table.move(head.entry, StageEvent.READ_DONE)
             to_read.popleft()
         if not to_read:
             return
@@ -165,11 +182,18 @@ class StagedReads:
         if staging is not None:
             self._expire(staging, now)
         extent = staging.extents.pop(stage_id, None) if staging is not None else None
-        if extent is None or not extent.live:
+        if staging is None or extent is None or not extent.live:
             self.counters.missed += 1
             return None
-        extent.live = False
-        staging.held -= extent.blocks  # type: ignore[union-attr]
+        entry = extent.entry
+        if entry.state is StageState.HELD:
+            staging.table.move(entry, StageEvent.CLAIM)
+        else:
+            # Still reading: promoted, and the job takes its unread blocks over as its own read,
+            # so the staged read is over as the claim takes it.
+            staging.table.move(entry, StageEvent.PROMOTE)
+            staging.table.move(entry, StageEvent.READ_DONE)
+        staging.table.released(entry)  # the job's extent now, no longer the staging's
         counters = self.counters
         counters.used += 1
         counters.used_blocks += extent.issued
@@ -182,35 +206,32 @@ class StagedReads:
         while expiries and expiries[0][0] <= now:
             extent = heapq.heappop(expiries)[2]
             if extent.live:
-                staging.extents.pop(extent.order.stage_id, None)
+                staging.table.move(extent.entry, StageEvent.EXPIRE)
                 self._free(staging, extent, now)
                 self.counters.expired += 1
 
     def _reclaim(self, staging: NodeStaging, now: float, blocks: int) -> None:
         """A real lease waits for `blocks` more: free expired extents, then the oldest unclaimed."""
         self._expire(staging, now)
-        while blocks > 0 and staging.extents:
-            stage_id = next(iter(staging.extents))
-            extent = staging.extents.pop(stage_id)
-            if not extent.live:
-                continue
-            blocks -= extent.blocks
-            self._free(staging, extent, now)
+        for entry in staging.table.victims(blocks):
+            staging.table.move(entry, StageEvent.CANCEL)
+            self._free(staging, staging.extents[entry.stage_id], now)
             self.counters.cancelled += 1
 
     def _free(self, staging: NodeStaging, extent: SimStagedExtent, now: float) -> None:
-        extent.live = False
-        staging.held -= extent.blocks
+        """Give an ended extent's blocks back (the simulated reader frees at once, even one whose
+        chunk is still in service: its SNIC time is spent either way)."""
+        staging.extents.pop(extent.order.stage_id, None)
+        staging.table.released(extent.entry)
         staging.node.buffer.release(now, extent.blocks)
 
     def close(self, now: float) -> None:
         """The run is over: every extent still held is freed as expired (its session never came)."""
         for staging in self.nodes.values():
             for extent in list(staging.extents.values()):
-                if extent.live:
-                    self._free(staging, extent, now)
-                    self.counters.expired += 1
-            staging.extents.clear()
+                staging.table.move(extent.entry, StageEvent.EXPIRE)
+                self._free(staging, extent, now)
+                self.counters.expired += 1
 
     def held_blocks(self) -> int:
-        return sum(staging.held for staging in self.nodes.values())
+        return sum(staging.table.held_blocks for staging in self.nodes.values())

@@ -20,7 +20,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import default_timeout
+from tests.helpers import default_timeout, ray_test_env
+
+# Ray's test settings (auth off, no usage stats) before any test module here imports ray.
+ray_test_env()
 
 TIMEOUT_S = 600
 

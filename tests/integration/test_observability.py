@@ -6,7 +6,8 @@ and checksum failures happen), then
 - every PromQL query of every panel of the committed Grafana dashboard returns data,
 - the SNIC byte counters in Prometheus equal the runtime's exact per-node accounting,
 - `dualpath status --once --json` reports the live deployment,
-- the README's `ray job submit` line runs on the cluster as written.
+- the `ray job submit` line of docs/rl.md ("Rollouts from RL pipelines and Ray jobs") runs on
+  the cluster as written.
 
 Without a `prometheus` binary (.ci/run installs Debian's package) the Prometheus tests skip.
 """
@@ -116,8 +117,8 @@ def observed(tmp_path_factory: pytest.TempPathFactory):
         assert down.returncode == 0, f"`dualpath cluster down` failed:\n{down.stderr[-3000:]}"
 
 
-def submit_readme_job(dashboard_url: str, scratch: Path) -> subprocess.CompletedProcess[str]:
-    """The README's `ray job submit` line (relative --out and --summary, which land in the job's
+def submit_documented_job(dashboard_url: str, scratch: Path) -> subprocess.CompletedProcess[str]:
+    """The `ray job submit` line of docs/rl.md (relative --out and --summary, which land in the job's
     working directory on the head), on a small trace."""
     trace = write_trace(trajectories(count=2, turns=2, seed=5), scratch / "trace.parquet")
     command = ["ray", "job", "submit", "--working-dir", ".", "--metadata-json", '{"trainer_run_id": "run-42"}', "--",
@@ -290,16 +291,16 @@ def test_the_ray_dashboard_shows_actor_names_and_the_drivers_job_metadata(observ
 
 
 @pytest.fixture(scope="module")
-def readme_job(observed):
-    """The README's job, once the checks on the live deployment are done: its deployment needs
+def documented_job(observed):
+    """The documented job, once the checks on the live deployment are done: its deployment needs
     the cluster's GPU slots, and its byte counters would add to the deployment's in Prometheus."""
     observed["cluster"].teardown()
-    return submit_readme_job(observed["info"]["dashboard_url"], observed["scratch"])
+    return submit_documented_job(observed["info"]["dashboard_url"], observed["scratch"])
 
 
-def test_the_readmes_job_line_runs_on_a_cluster_up_cluster(observed, readme_job):
-    job = readme_job
-    assert job.returncode == 0, f"the README's ray job submit line succeeds:\n{job.stdout[-3000:]}\n{job.stderr[-3000:]}"
+def test_the_documented_job_line_runs_on_a_cluster_up_cluster(observed, documented_job):
+    job = documented_job
+    assert job.returncode == 0, f"the documented ray job submit line succeeds:\n{job.stdout[-3000:]}\n{job.stderr[-3000:]}"
     working_dirs = observed["temp_dir"] / "session_latest" / "runtime_resources" / "working_dir_files"
     outputs = list(working_dirs.glob("*/results/results.parquet"))
     assert len(outputs) == 1, f"its relative --out is written in the job's working directory on the head: {outputs}"

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from dualpath_ray.lifecycle import Lifecycle, TransitionError
 from dualpath_ray.protocol.messages import DecodeHandoff, PersistedBlock, attempt_owner
 from dualpath_ray.runtime.engine.cancelled import CancelledAttempts
 from dualpath_ray.runtime.engine.ports import (
@@ -40,18 +41,21 @@ class DecodeState(enum.Enum):
     FAILED = "failed"
 
 
-_MOVES = {
-    DecodeState.RESERVED: {DecodeState.LOADING, DecodeState.RUNNING, DecodeState.FAILED},
-    DecodeState.LOADING: {DecodeState.RUNNING, DecodeState.FAILED},
-    DecodeState.RUNNING: {DecodeState.FINISHING, DecodeState.FAILED},
-    DecodeState.FINISHING: {DecodeState.DONE, DecodeState.FAILED},
-    DecodeState.DONE: set(),
-    DecodeState.FAILED: set(),
-}
+class DecodeTransitionError(TransitionError):
+    """A decode job was asked to make a move its lifecycle forbids."""
 
 
-class DecodeTransitionError(RuntimeError):
-    pass
+DECODE_LIFECYCLE = Lifecycle.of_targets(
+    {
+        DecodeState.RESERVED: {DecodeState.LOADING, DecodeState.RUNNING, DecodeState.FAILED},
+        DecodeState.LOADING: {DecodeState.RUNNING, DecodeState.FAILED},
+        DecodeState.RUNNING: {DecodeState.FINISHING, DecodeState.FAILED},
+        DecodeState.FINISHING: {DecodeState.DONE, DecodeState.FAILED},
+        DecodeState.DONE: set(),
+        DecodeState.FAILED: set(),
+    },
+    DecodeTransitionError,
+)
 
 
 @dataclass
@@ -92,9 +96,7 @@ class DecodeJob:
 
 def transition(job: DecodeJob, target: DecodeState) -> None:
     """The one way a decode job's state changes; an illegal move raises."""
-    if target not in _MOVES[job.state]:
-        raise DecodeTransitionError(f"request {job.request_id}: {job.state.value} -> {target.value}")
-    job.state = target
+    job.state = DECODE_LIFECYCLE.move(f"request {job.request_id}", job.state, target)
 
 
 @dataclass(frozen=True)

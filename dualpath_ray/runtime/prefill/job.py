@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from dualpath_ray.lifecycle import Lifecycle, TransitionError
 from dualpath_ray.protocol.messages import ExtentGrant, PrefillTask
 from dualpath_ray.runtime.engine.ports import (
     Clock, DecodePort, Pending, ReaderPort, SchedulerPort, TransportPort, WeightsPort,
@@ -29,17 +30,20 @@ class PrefillState(enum.Enum):
     FAILED = "failed"
 
 
-_MOVES = {
-    PrefillState.STAGING: {PrefillState.READY, PrefillState.FAILED},
-    PrefillState.READY: {PrefillState.BATCHED, PrefillState.FAILED},
-    PrefillState.BATCHED: {PrefillState.READY, PrefillState.HANDED_OFF, PrefillState.FAILED},
-    PrefillState.HANDED_OFF: set(),
-    PrefillState.FAILED: set(),
-}
+class PrefillTransitionError(TransitionError):
+    """A prefill job was asked to make a move its lifecycle forbids."""
 
 
-class PrefillTransitionError(RuntimeError):
-    pass
+PREFILL_LIFECYCLE = Lifecycle.of_targets(
+    {
+        PrefillState.STAGING: {PrefillState.READY, PrefillState.FAILED},
+        PrefillState.READY: {PrefillState.BATCHED, PrefillState.FAILED},
+        PrefillState.BATCHED: {PrefillState.READY, PrefillState.HANDED_OFF, PrefillState.FAILED},
+        PrefillState.HANDED_OFF: set(),
+        PrefillState.FAILED: set(),
+    },
+    PrefillTransitionError,
+)
 
 
 @dataclass
@@ -70,9 +74,7 @@ class PrefillJob:
 
 def transition(job: PrefillJob, target: PrefillState) -> None:
     """The one way a prefill job's state changes; an illegal move raises."""
-    if target not in _MOVES[job.state]:
-        raise PrefillTransitionError(f"request {job.request_id}: {job.state.value} -> {target.value}")
-    job.state = target
+    job.state = PREFILL_LIFECYCLE.move(f"request {job.request_id}", job.state, target)
 
 
 @dataclass(frozen=True)

@@ -25,12 +25,10 @@ from dualpath_ray.kv.block_store import BlockStore
 from dualpath_ray.kv.errors import BlockCorruptedError, BlockNotFoundError, IncompatibleBlockError
 from dualpath_ray.kv.layout import KVLayout
 from dualpath_ray.kv.pool import BufferPool, Extent
+from dualpath_ray.kv.staged import CLAIMABLE, StagedExtent, StagedTable, StageEvent, StageState
 from dualpath_ray.protocol.counters import NodeCounters
 from dualpath_ray.protocol.messages import StagedRead
 from dualpath_ray.runtime.reader.snic import SnicLink
-from dualpath_ray.runtime.reader.staged import (
-    CLAIMABLE, StagedExtent, StagedTable, StageEvent, StageState,
-)
 from dualpath_ray.scheduling.staging import StageOrder
 
 # The store's errors for one bad block: the staged read fails, the claim reads it again (and
@@ -90,10 +88,7 @@ class ReaderStaging:
     def _accept(self, order: StageOrder, now: float) -> StagedExtent | None:
         with self.cond:
             n = order.blocks
-            refused = (
-                n == 0 or self.table.get(order.stage_id) is not None
-                or self.table.held_blocks + n > self.cap_blocks
-            )
+            refused = self.table.refuses(order.stage_id, n, self.cap_blocks)
             extent = None if refused else self.pool.lease(order.stage_id, n)
             if extent is None:
                 self.table.counts.skipped += n

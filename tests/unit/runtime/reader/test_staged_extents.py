@@ -1,4 +1,4 @@
-"""Tool-time staging in the reader (runtime/reader/staged.py, stager.py, core.py): StageOrders read
+"""Tool-time staging in the reader (kv/staged.py, runtime/reader/stager.py, core.py): StageOrders read
 ahead behind real reads, claimed by the next turn's DE-path stage, expired, cancelled by pressure.
 
 Every scenario ends with the pool's integrity (free + leased + in_flight == capacity, no slot
@@ -20,7 +20,7 @@ from dualpath_ray.kv.pool import PoolCounts
 from dualpath_ray.protocol.messages import StagedRead
 from dualpath_ray.runtime.emulation.links import Link
 from dualpath_ray.runtime.reader.core import ReaderCore, ReaderSettings, ReclaimedOwnerError
-from dualpath_ray.runtime.reader.staged import StageEvent, StageState, StageTransitionError, transition
+from dualpath_ray.kv.staged import StageEvent, StageState, StageTransitionError, transition
 from dualpath_ray.scheduling.staging import StageOrder, stage_id_of
 from dualpath_ray.faults.injector import FaultInjector
 from dualpath_ray.faults.plan import FaultPlan

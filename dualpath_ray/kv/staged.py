@@ -1,4 +1,6 @@
-"""A reader's table of staged extents (tool-time staging, scheduling/staging.py), by stage_id.
+"""A node's table of staged extents (tool-time staging, scheduling/staging.py), by stage_id: the
+rules a reader applies to them, shared by the runtime's reader (runtime/reader/stager.py) and the
+simulator's (sim/staged.py), so the two cannot drift apart.
 
 A `StageOrder` makes the reader lease an extent under the order's `stage_id` and read the
 order's keys into it behind every real read; the entry here tracks that extent until a next turn
@@ -10,19 +12,25 @@ claims it, its time is up, buffer pressure cancels it, or its read fails:
     READING | HELD --cancel--> CANCELLED                       (buffer pressure)
     READING | PROMOTED --fail--> FAILED                        (a store read failed)
 
-Every move goes through `transition`. Who frees the extent: while READING or PROMOTED the thread
+Every move goes through `transition` (the table `STAGE_LIFECYCLE`). An order is refused (skipped)
+when it has no blocks, its stage_id is live already, or its blocks would take the staging past
+its cap (`StagedTable.refuses`); under buffer pressure the oldest unclaimed entries go first
+(`StagedTable.victims`). Who frees the extent: while READING or PROMOTED the thread
 reading it owns it (an EXPIRED or CANCELLED entry it still reads is freed by that thread at its
 next block); a HELD one is freed by whoever ends it; a CLAIMED one belongs to its claimant. A
 PROMOTED entry is neither expired nor cancelled: a claimant is waiting for it.
 
 Pure bookkeeping, no lock and no clock of its own: the reader core guards the table with its
-lock and passes `now` (time.monotonic on the actor) to every call that needs a time.
+lock and passes `now` (time.monotonic on the actor, the event loop's clock in the simulator) to
+every call that needs a time.
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+
+from dualpath_ray.lifecycle import Lifecycle, TransitionError
 
 
 class StageState(enum.Enum):
@@ -44,34 +52,34 @@ class StageEvent(enum.Enum):
     FAIL = "fail"
 
 
-_MOVES = {
-    (StageState.READING, StageEvent.READ_DONE): StageState.HELD,
-    (StageState.READING, StageEvent.PROMOTE): StageState.PROMOTED,
-    (StageState.PROMOTED, StageEvent.READ_DONE): StageState.CLAIMED,
-    (StageState.HELD, StageEvent.CLAIM): StageState.CLAIMED,
-    (StageState.READING, StageEvent.EXPIRE): StageState.EXPIRED,
-    (StageState.HELD, StageEvent.EXPIRE): StageState.EXPIRED,
-    (StageState.READING, StageEvent.CANCEL): StageState.CANCELLED,
-    (StageState.HELD, StageEvent.CANCEL): StageState.CANCELLED,
-    (StageState.READING, StageEvent.FAIL): StageState.FAILED,
-    (StageState.PROMOTED, StageEvent.FAIL): StageState.FAILED,
-}
+class StageTransitionError(TransitionError):
+    """A staged extent was asked to make a move its lifecycle forbids."""
+
+
+STAGE_LIFECYCLE = Lifecycle(
+    moves={
+        (StageState.READING, StageEvent.READ_DONE): StageState.HELD,
+        (StageState.READING, StageEvent.PROMOTE): StageState.PROMOTED,
+        (StageState.PROMOTED, StageEvent.READ_DONE): StageState.CLAIMED,
+        (StageState.HELD, StageEvent.CLAIM): StageState.CLAIMED,
+        (StageState.READING, StageEvent.EXPIRE): StageState.EXPIRED,
+        (StageState.HELD, StageEvent.EXPIRE): StageState.EXPIRED,
+        (StageState.READING, StageEvent.CANCEL): StageState.CANCELLED,
+        (StageState.HELD, StageEvent.CANCEL): StageState.CANCELLED,
+        (StageState.READING, StageEvent.FAIL): StageState.FAILED,
+        (StageState.PROMOTED, StageEvent.FAIL): StageState.FAILED,
+    },
+    error=StageTransitionError,
+)
 LIVE = frozenset({StageState.READING, StageState.PROMOTED, StageState.HELD})
 # Entries a claim may take, and those buffer pressure or expiry may end.
 CLAIMABLE = frozenset({StageState.READING, StageState.HELD})
 ENDABLE = CLAIMABLE
 
 
-class StageTransitionError(RuntimeError):
-    """A staged extent was asked to make a move its lifecycle forbids."""
-
-
 def transition(stage_id: str, current: StageState, event: StageEvent) -> StageState:
     """The one place staged-extent moves are decided: the next state, or StageTransitionError."""
-    target = _MOVES.get((current, event))
-    if target is None:
-        raise StageTransitionError(f"staged extent {stage_id}: {event.value} is illegal in state {current.name}")
-    return target
+    return STAGE_LIFECYCLE.move(f"staged extent {stage_id}", current, event)
 
 
 @dataclass
@@ -125,6 +133,11 @@ class StagedTable:
 
     def get(self, stage_id: str) -> StagedExtent | None:
         return self._live.get(stage_id)
+
+    def refuses(self, stage_id: str, blocks: int, cap_blocks: int) -> bool:
+        """Whether an order is skipped rather than leased: no blocks, its stage_id live already (the
+        live entry holds those blocks and keeps its deadline), or the staging would pass its cap."""
+        return blocks == 0 or stage_id in self._live or self.held_blocks + blocks > cap_blocks
 
     def add(self, entry: StagedExtent) -> None:
         if entry.stage_id in self._live:
