@@ -95,7 +95,7 @@ class Scheduler:
         )
         self.readers = ReaderStates()
         self.faults = FaultInjector(cfg.faults, SCHEDULER, self.restarted)
-        self.metrics = SchedulerMetrics.start(cfg, mode, self.calls)
+        self.metrics = SchedulerMetrics.start(cfg, mode, self.calls, self.core)
         self.serving = Serving(
             cfg, self.core, self.control, self.liveness, self.aborts, self.adoptions, self.calls, self.metrics
         )
