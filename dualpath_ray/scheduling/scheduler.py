@@ -297,6 +297,11 @@ class SchedulerCore:
         self.dispatcher.release(sharing.fulfilled(request_id), may_wait=True)
         return published
 
+    def sharing_counts(self) -> dict[str, int]:
+        """Late binding's and in-flight sharing's totals (`Scheduler.call_counts`, tests)."""
+        sharing = self.dispatcher.sharing
+        return {"late_hit_tokens": self.binder.late_hit_tokens, **(sharing.counts() if sharing is not None else {})}
+
     def _plan_staging(self, request: Request, result: TurnResult) -> None:
         """A finished turn hinted to continue: order its context's blocks (its hits, then what it
         published) staged on the decode node the next turn will most likely read through."""

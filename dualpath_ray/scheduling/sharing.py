@@ -84,6 +84,13 @@ class InFlightSharing:
         self._waiters: dict[str, list[str]] = {}  # producer -> its held waiters, in hold order
         self.stats = SharingStats()
 
+    def counts(self) -> dict[str, int]:
+        """Prefix tokens shared in flight, waits, requests waiting now, and waiters released by a
+        producer that failed or left."""
+        stats = self.stats
+        return {"shared_prefix_tokens": sum(stats.shared_tokens.values()), "prefix_waits": sum(stats.waits.values()),
+                "waiting_prefix": len(self.waiters()), "released_on_failure": stats.released_on_failure}
+
     def waiters(self) -> list[str]:
         """Every request held now (released ones no longer are), producer by producer."""
         return [rid for waiting in self._waiters.values() for rid in waiting]

@@ -197,12 +197,8 @@ class Simulation:
 
     def _sharing(self) -> dict[str, float]:
         sharing = self.core.dispatcher.sharing
-        figures: dict[str, float] = {"late_hit_tokens": self.core.binder.late_hit_tokens}
-        if sharing is not None:
-            stats = sharing.stats
-            figures.update(shared_tokens=sum(stats.shared_tokens.values()), waits=sum(stats.waits.values()),
-                           wait_s=sum(stats.wait_s.values()), released_on_failure=stats.released_on_failure)
-        return figures
+        wait_s = sum(sharing.stats.wait_s.values()) if sharing is not None else 0.0
+        return {**self.core.sharing_counts(), **({"wait_s": wait_s} if sharing is not None else {})}
 
     def _persisted(self, agent: Agent, hit_tokens: int, kv_tokens: int) -> tuple[PersistedBlock, ...]:
         """The blocks this turn published: every full block of its KV after its hits."""
