@@ -166,6 +166,29 @@ RECOMPUTED_HIT_TOKENS = MetricSpec(
     "(compute_path: scheduler.compute_path judged computing them sooner than reading them).",
     ("mode", "engine", "why"), "tokens", only_when="scheduler.compute_path: auto or all",
 )
+SHARED_PREFIX_TOKENS = MetricSpec(
+    "dualpath_shared_prefix_tokens", MetricKind.COUNTER,
+    "Prompt tokens shared in flight: a request waited for another request in flight to compute and publish "
+    "them, then read them instead of computing them again, by the prefill engine it was then placed on.",
+    ("mode", "engine"), "tokens", only_when="scheduler.share_in_flight: true",
+)
+PREFIX_WAITS = MetricSpec(
+    "dualpath_prefix_waits", MetricKind.COUNTER,
+    "Requests that waited for a producer's prefix (scheduler.share_in_flight), by the prefill engine each was "
+    "then placed on.",
+    ("mode", "engine"), "requests", only_when="scheduler.share_in_flight: true",
+)
+PREFIX_WAIT_SECONDS = MetricSpec(
+    "dualpath_prefix_wait_seconds", MetricKind.COUNTER,
+    "Seconds those requests waited for their producers, summed, by the prefill engine each was then placed on.",
+    ("mode", "engine"), "seconds", only_when="scheduler.share_in_flight: true",
+)
+LATE_HIT_TOKENS = MetricSpec(
+    "dualpath_late_hit_tokens", MetricKind.COUNTER,
+    "Hit tokens a request found when it was placed on a prefill engine beyond what it found at submit "
+    "(persisted by other turns while it waited; scheduler.bind_hits: late).",
+    ("mode",), "tokens",
+)
 ATTEMPT_FAILURES = MetricSpec(
     "dualpath_attempt_failures", MetricKind.COUNTER,
     "Attempts that failed, by why (retried or not; timeouts included).",
@@ -201,7 +224,8 @@ ALL_METRICS: tuple[MetricSpec, ...] = (
     SNIC_READ_BYTES, SNIC_WRITE_BYTES, CNIC_BYTES, REQUESTS, READ_QUEUE_TOKENS, ENGINE_TOKENS,
     ENGINE_REQUESTS, BUFFER_BYTES_USED, BUFFER_BYTES_CAPACITY, HBM_BYTES_USED, HBM_BYTES_CAPACITY,
     TTFT_SECONDS, TPOT_SECONDS, KV_LOAD_SECONDS, DECISION_SECONDS, TRAJECTORY_JCT_SECONDS, RETRIES,
-    RECOMPUTED_BLOCKS, RECOMPUTED_HIT_TOKENS, ATTEMPT_FAILURES, STORE_CHECKSUM_FAILURES, STORE_WRITE_FAILURES,
+    RECOMPUTED_BLOCKS, RECOMPUTED_HIT_TOKENS, SHARED_PREFIX_TOKENS, PREFIX_WAITS, PREFIX_WAIT_SECONDS,
+    LATE_HIT_TOKENS, ATTEMPT_FAILURES, STORE_CHECKSUM_FAILURES, STORE_WRITE_FAILURES,
     KV_DIGEST_MISMATCHES,
     STAGED_BLOCKS,
 )

@@ -83,7 +83,7 @@ class OpenAIEndpoint:
     def prepare(self, body: Any, chat: bool, tenant_salt: str | None = None) -> Prepared:
         """The checked request of `body`, from the tenant of `tenant_salt` (None: the only one)."""
         if chat:
-            request, messages = parse_chat(body, self.model)
+            request, messages = parse_chat(body, self.model, self.max_prompts)
             prompts = [self._chat_prompt(messages)]
         else:
             request = parse_completion(body, self.model, self.max_prompts)
@@ -91,6 +91,9 @@ class OpenAIEndpoint:
                 prompts = self._token_prompts(request.prompt_ids)
             else:
                 prompts = [self._text_prompt(request.prompt_text or "")]
+        # n samples of each prompt, adjacent (a choice's index is prompt * n + sample), each its
+        # own turn: sent together, one computes the prompt and the others can share it.
+        prompts = [prompt for prompt in prompts for _ in range(request.samples)]
         request_id = SessionIds.fresh("chatcmpl" if chat else "cmpl")
         request_ids = [request_id] if len(prompts) == 1 else [f"{request_id}/{i}" for i in range(len(prompts))]
         sampling = dict(request.sampling)
@@ -106,6 +109,12 @@ class OpenAIEndpoint:
             raise APIError(str(exc), prompt_field if exc.field == "prompt" else exc.field) from None
         return Prepared(request, request_id, request_ids, prompts, sampling,
                         combined_salt(tenant_salt, request.cache_salt))
+
+    @staticmethod
+    def sampling_of(prepared: Prepared, turn: int) -> dict[str, Any]:
+        """The sampling of one turn: sample j of a prompt is seeded seed + j."""
+        sample = turn % prepared.request.samples
+        return {**prepared.sampling, "seed": prepared.sampling["seed"] + sample} if sample else prepared.sampling
 
     def _token_prompts(self, prompts: tuple[tuple[int, ...], ...]) -> list[list[int]]:
         limit = self.cfg.model.max_context
@@ -162,9 +171,9 @@ class OpenAIEndpoint:
     async def respond(self, prepared: Prepared) -> dict[str, Any]:
         request = prepared.request
         turns = [asyncio.ensure_future(self.server.generate.remote(
-            rid, prompt_ids, prepared.sampling, request.session_id, request.expect_next_turn_s,
+            rid, prompt_ids, self.sampling_of(prepared, i), request.session_id, request.expect_next_turn_s,
             cache_salt=prepared.cache_salt,
-        )) for rid, prompt_ids in zip(prepared.request_ids, prepared.prompts)]
+        )) for i, (rid, prompt_ids) in enumerate(zip(prepared.request_ids, prepared.prompts))]
         await asyncio.wait(turns, return_when=asyncio.FIRST_EXCEPTION)
         failed = [turn.exception() for turn in turns if turn.done() and turn.exception() is not None]
         if failed:

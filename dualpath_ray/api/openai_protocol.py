@@ -1,8 +1,10 @@
 """OpenAI's /v1/completions and /v1/chat/completions request bodies, checked into one
 `GenerationRequest`, and the response, chunk and error objects (pure: no Ray, no HTTP).
 
-A field this server cannot honour is a 400 naming it, never silently ignored: one choice per
-prompt (`n` 1: a request id is one sample), sampled-token log-probs only (`logprobs` 0 /
+A field this server cannot honour is a 400 naming it, never silently ignored: `n` samples of
+each prompt are n turns of their own (sample j seeded `seed` + j, not streamed, not in a session;
+sent together, so with scheduler.share_in_flight one computes the prompt and the others read it),
+at most `max_prompts` turns in all; sampled-token log-probs only (`logprobs` 0 /
 `top_logprobs` 0), no presence/frequency penalties, no string stops (stops are token ids:
 `stop_token_ids`). vLLM's extra sampling fields `top_k`, `min_p` and `repetition_penalty` are
 honoured (checked by api/validation.py, as the token API checks them). A completions `prompt` is one string, one
@@ -27,7 +29,7 @@ from dualpath_ray.api.validation import RequestError, check_cache_salt, validate
 
 # Fields accepted only at the value that means "off".
 _NEUTRAL = {
-    "n": (1, None), "best_of": (1, None), "echo": (False, None), "suffix": (None, ""),
+    "best_of": (1, None), "echo": (False, None), "suffix": (None, ""),
     "presence_penalty": (0, 0.0, None), "frequency_penalty": (0, 0.0, None), "logit_bias": (None,),
     "stop": (None,), "tools": (None,), "tool_choice": (None, "none"), "top_logprobs": (0, None),
     "parallel_tool_calls": (None, False),
@@ -36,11 +38,10 @@ _NEUTRAL = {
 _EXTRA_SAMPLING = ("top_k", "min_p", "repetition_penalty")
 _NEUTRAL_HINTS = {
     "stop": " (stops are token ids here: use stop_token_ids)",
-    "n": " (one request is one sample here: send n requests, each with its own seed, for n samples)",
 }
 _COMMON = {"model", "max_tokens", "temperature", "top_p", *_EXTRA_SAMPLING, "seed", "stream", "stream_options", "user",
            "metadata", "store", "session_id", "conversation_id", "stop_token_ids", "return_token_ids", "expect_next_turn_s",
-           "cache_salt", *_NEUTRAL}
+           "cache_salt", "n", *_NEUTRAL}
 COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs"}
 CHAT_FIELDS = _COMMON | {"messages", "logprobs", "max_completion_tokens", "response_format"}
 ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -79,6 +80,7 @@ class GenerationRequest:
     # one ends (its tool runs meanwhile): the next turn's KV is staged (scheduling/staging.py).
     expect_next_turn_s: float | None = None
     cache_salt: str | None = None  # the request's own salt (the tenant's is added by the endpoint)
+    samples: int = 1  # `n`: choices per prompt, each a turn of its own seeded seed + j
 
 
 def _number(body: Mapping[str, Any], key: str, default: float, low: float, high: float) -> float:
@@ -192,6 +194,22 @@ def _prompt(body: Mapping[str, Any], max_prompts: int) -> tuple[str | None, tupl
                    "prompt")
 
 
+def _samples(body: Mapping[str, Any], prompts: int, max_prompts: int) -> int:
+    """`n`: samples of each prompt, each a turn of its own; with the prompts, at most `max_prompts` turns."""
+    n = _int_or_none(body, "n", 1)
+    if n is None or n == 1:
+        return 1
+    if body.get("stream"):
+        raise APIError("a streamed request takes one sample (n = 1); send n requests, or leave stream out", "n")
+    if _session(body) is not None:
+        raise APIError("a session's turn is one sample (n = 1); send n requests outside the session", "n")
+    if n * prompts > max_prompts:
+        raise APIError(f"n = {n} samples of {prompts} prompt(s) is {n * prompts} turns, over this server's limit of "
+                       f"{max_prompts} per request; send fewer, or restart `dualpath serve` with a larger --max-prompts",
+                       "n")
+    return n
+
+
 def _flag(body: Mapping[str, Any], key: str) -> bool:
     value = body.get(key)
     if value not in (None, True, False):
@@ -212,9 +230,10 @@ def parse_completion(body: Any, served_model: str, max_prompts: int = DEFAULT_MA
         raise APIError("logprobs must be 0 (the sampled tokens' log-probs) or null; top alternatives are not "
                        "returned", "logprobs")
     max_tokens = _int_or_none(body, "max_tokens", 1)
+    samples = _samples(body, 1 if ids is None else len(ids), max_prompts)
     return GenerationRequest(False, model, text, ids, _sampling(body, 16 if max_tokens is None else max_tokens),
                              bool(body.get("stream", False)), _stream_usage(body), _session(body), logprobs == 0,
-                             _flag(body, "return_token_ids"), _next_turn_hint(body), _cache_salt(body))
+                             _flag(body, "return_token_ids"), _next_turn_hint(body), _cache_salt(body), samples)
 
 
 def _message_text(message: Any, index: int) -> dict[str, str]:
@@ -231,7 +250,9 @@ def _message_text(message: Any, index: int) -> dict[str, str]:
     return {"role": str(message["role"]), "content": content}
 
 
-def parse_chat(body: Any, served_model: str) -> tuple[GenerationRequest, list[dict[str, str]]]:
+def parse_chat(
+    body: Any, served_model: str, max_prompts: int = DEFAULT_MAX_PROMPTS,
+) -> tuple[GenerationRequest, list[dict[str, str]]]:
     """A /v1/chat/completions body, and its messages as {role, content} text."""
     if not isinstance(body, Mapping):
         raise APIError("the request body must be a JSON object", None)
@@ -251,7 +272,8 @@ def parse_chat(body: Any, served_model: str) -> tuple[GenerationRequest, list[di
     max_tokens = _int_or_none(body, key, 1)
     request = GenerationRequest(True, model, "", None, _sampling(body, max_tokens), bool(body.get("stream", False)),
                                 _stream_usage(body), _session(body), bool(body.get("logprobs")),
-                                _flag(body, "return_token_ids"), _next_turn_hint(body), _cache_salt(body))
+                                _flag(body, "return_token_ids"), _next_turn_hint(body), _cache_salt(body),
+                                _samples(body, 1, max_prompts))
     return request, texts
 
 

@@ -51,11 +51,20 @@ class ModeRun:
     # Stored tokens of the timed turns computed instead of read (scheduler.compute_path) x KV
     # bytes per token: hit_bytes counts what was read, this what the compute path saved reading.
     recomputed_hit_bytes: int = 0
+    # Prompt tokens the prefill engines computed (prompt minus what was read) in the timed turns,
+    # and in each trajectory's first timed turn alone, with that turn's TTFT (grouped sampling:
+    # the turn whose prompt G samples share).
+    computed_prompt_tokens: int = 0
+    first_turn_computed_tokens: int = 0
+    first_turn_ttft_s: Percentiles | None = None
 
     def to_json(self) -> dict[str, object]:
         return {
             "round": self.round, "mode": self.mode, "jct_s": self.jct_s, "turns": self.turns,
             "hit_bytes": self.hit_bytes, "recomputed_hit_bytes": self.recomputed_hit_bytes,
+            "computed_prompt_tokens": self.computed_prompt_tokens,
+            "first_turn_computed_tokens": self.first_turn_computed_tokens,
+            "first_turn_ttft_s": self.first_turn_ttft_s.to_json() if self.first_turn_ttft_s else None,
             "ttft_s": self.ttft_s.to_json(), "tpot_s": self.tpot_s.to_json(),
             "snic_read_bytes": self.snic_read_bytes, "snic_read_bytes_by_path": self.snic_read_bytes_by_path,
             "snic_write_bytes": self.snic_write_bytes, "store_read_gbps": self.store_read_gbps,

@@ -132,6 +132,7 @@ def measure_run(
 ) -> ModeRun:
     """One run's figures from its timed turns, counter deltas and sampled series."""
     turns = [r for rs in results.values() for r in rs]
+    firsts = [rs[0] for rs in results.values() if rs]
     window = high_load_window(series)
     return ModeRun(
         round=round_index, mode=mode, jct_s=jct_s, turns=len(turns),
@@ -147,6 +148,9 @@ def measure_run(
         snic_balance=snic_balance(window_bytes(series, window)) if window else None,
         high_load_window_s=(window.start_s, window.end_s) if window else None,
         series=series,
+        computed_prompt_tokens=sum(r.prompt_tokens - r.hit_tokens for r in turns),
+        first_turn_computed_tokens=sum(r.prompt_tokens - r.hit_tokens for r in firsts),
+        first_turn_ttft_s=percentiles([r.ttft_s for r in firsts]),
     )
 
 

@@ -42,6 +42,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--appended", type=int, default=16, help="synthetic workload: tokens appended per later turn (default 16)")
     parser.add_argument("--gen", type=int, default=8, help="synthetic workload: tokens generated per turn (default 8)")
     parser.add_argument("--seed", type=int, default=0, help="synthetic workload: token seed (default 0)")
+    parser.add_argument("--samples", type=int, default=1,
+                        help="synthetic workload: grouped sampling, G samples of each of the --agents prompts, which "
+                        "share its first turn (GRPO's groups; dualpath_ray/workload/grouped.py); default 1: none")
     parser.add_argument("--modes", default=DEFAULT_MODES, help=f"comma list, run in this order (default {DEFAULT_MODES})")
     parser.add_argument("--repeat", type=int, default=1, help="rounds of every mode, interleaved (default 1)")
     parser.add_argument("--warmup-turns", type=int, default=1,
@@ -72,7 +75,7 @@ def check_flags(args: argparse.Namespace) -> tuple[str, ...]:
         raise BenchInputError(f"--sample-interval must be > 0 seconds (got {args.sample_interval:g}); e.g. 0.25")
     if args.trace is None:
         for flag, value in (("--agents", args.agents), ("--turns", args.turns), ("--first", args.first),
-                            ("--appended", args.appended), ("--gen", args.gen)):
+                            ("--appended", args.appended), ("--gen", args.gen), ("--samples", args.samples)):
             _at_least(flag, value, 1, "8")
     if args.plot is not None:
         from dualpath_ray.bench.plot import PlotUnavailableError, require_matplotlib
@@ -94,6 +97,11 @@ def load_workload(args: argparse.Namespace, cfg: DualPathConfig) -> list[Traject
         except TraceError as exc:
             fix = exc.fix or TRACE_FIX
             raise BenchInputError(f"--trace: {TraceError(exc.problem, **{**exc.location(), 'fix': fix})}") from None
+    elif args.samples > 1:
+        from dualpath_ray.workload.grouped import grouped_trajectories
+
+        trajectories = grouped_trajectories(args.agents, args.samples, args.turns, args.first, args.appended, args.gen,
+                                            cfg.model.vocab_size, seed=args.seed)
     else:
         from dualpath_ray.demos.demo import demo_trajectories
 

@@ -170,6 +170,23 @@ class SchedulerConfig(Section):
         "compute every prompt whole (the baseline of a cluster without the store's reads). off = read every hit. "
         "Off by default until the benchmarks show auto never loses (benchmarks/README.md, \"The compute path\").",
     )
+    bind_hits: Literal["late", "early"] = Field(
+        "late",
+        description="When a request's hits are looked up in the prefix index: late = at submit and again when it "
+        "is placed on a prefill engine, so a request that waited in the queues reads every block persisted "
+        "meanwhile (another request's turn with the same prefix) and its read path and read queues use that "
+        "answer (scheduling/binding.py); early = at submit only (the behaviour before late binding, kept for "
+        "comparison: benchmarks/README.md, \"Late binding\").",
+    )
+    share_in_flight: bool = Field(
+        False,
+        description="Beyond the paper: a request whose next prompt blocks another request in flight is computing "
+        "right now (G samples of one prompt, agents sharing a system prompt) waits for that producer's turn to "
+        "publish them and reads them, instead of computing the same prefix on a second engine, when the latency "
+        "model says waiting ends it sooner (scheduling/sharing.py, scheduling/share_rule.py); a producer that fails "
+        "or is aborted releases its waiters at once and they compute. Uses alpha's read rate, beta's compute rate "
+        "and the latency profile (emulation.profile_path, else the built-in nominal one).",
+    )
     stage_tool_time: bool = Field(
         True,
         description="Beyond the paper: when a turn ends with the caller's hint that its session continues "

@@ -324,6 +324,10 @@ class PrefixIndex:
             matched += 1
         return matched
 
+    def chain(self, token_ids: Sequence[int] | np.ndarray, namespace: str) -> list[str]:
+        """Every full block key of a prompt, stored or not (in-flight sharing names promises by them)."""
+        return block_keys(token_ids, self.block_size, namespace)
+
     def match(self, token_ids: Sequence[int] | np.ndarray, namespace: str) -> PrefixHit:
         """The longest stored prefix of a prompt, in whole blocks."""
         keys = block_keys(token_ids, self.block_size, namespace)

@@ -31,6 +31,12 @@ class CoreSettings:
     admission: Admission = Admission()  # no limit unless configured (scheduler.max_queued_turns)
     staging: StagingSettings = StagingSettings()  # tool-time staging (scheduler.stage_tool_time)
     compute_path: ComputePathModel | None = None  # recompute hit tails (scheduler.compute_path); None = off
+    bind_hits: str = "late"  # or "early": hits looked up at submit only (scheduler.bind_hits)
+    # In-flight sharing's estimates (scheduler.share_in_flight, scheduling/sharing.py); None = off.
+    share_in_flight: ComputePathModel | None = None
+    # The driver reports a prompt's blocks stored before its turn ends (prompt_persisted): the
+    # simulator does; the runtime publishes them with the turn's result.
+    early_prompt_publish: bool = False
 
     @classmethod
     def of(
@@ -45,7 +51,8 @@ class CoreSettings:
                        cfg.scheduler.stage_tool_time and Mode(mode) is Mode.DUALPATH,
                        cfg.scheduler.stage_slack, cfg.scheduler.stage_margin_s,
                        read_tokens_per_s=constants.alpha_tokens / cfg.scheduler.alpha_seconds),
-                   compute_path_model(cfg, constants, prefill_s))
+                   compute_path_model(cfg, constants, prefill_s), cfg.scheduler.bind_hits,
+                   sharing_model(cfg, constants, prefill_s))
 
 
 def compute_path_model(
@@ -61,4 +68,18 @@ def compute_path_model(
     return ComputePathModel(
         constants.alpha_tokens / cfg.scheduler.alpha_seconds, constants.beta_tokens / cfg.scheduler.beta_seconds, prefill_s,
         read_nothing=cfg.scheduler.compute_path == "all",
+    )
+
+
+def sharing_model(
+    cfg: DualPathConfig, constants: Constants, prefill_s: Callable[[int, int], float] | None,
+) -> ComputePathModel | None:
+    """In-flight sharing's estimates, when scheduler.share_in_flight is on: the compute path's
+    rates and latency model (scheduling/share_rule.py)."""
+    if not cfg.scheduler.share_in_flight:
+        return None
+    if prefill_s is None:
+        raise ValueError("scheduler.share_in_flight needs a latency model (prefill_s) to estimate compute with")
+    return ComputePathModel(
+        constants.alpha_tokens / cfg.scheduler.alpha_seconds, constants.beta_tokens / cfg.scheduler.beta_seconds, prefill_s,
     )

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterator, Sequence
 
+from dualpath_ray.scheduling.binding import HitBinder
 from dualpath_ray.scheduling.compute_path import ComputePathModel, SplitInputs, blocks_to_read
 from dualpath_ray.scheduling.engine_book import EngineBook
+from dualpath_ray.scheduling.integrity import DispatcherView, check_dispatcher
 from dualpath_ray.scheduling.loads import EngineLoad, QueuedRequest
 from dualpath_ray.scheduling.policy import (
     assign_decode_in_group,
@@ -27,6 +29,7 @@ from dualpath_ray.scheduling.policy import (
 )
 from dualpath_ray.scheduling.requests import Request, RequestState, transition
 from dualpath_ray.protocol.types import Mode, ReadPath
+from dualpath_ray.scheduling.sharing import InFlightSharing
 
 
 @dataclass(frozen=True)
@@ -41,7 +44,8 @@ class Dispatcher:
 
     def __init__(
         self, constants: Constants, mode: Mode = Mode.DUALPATH, read_split: str = "whole", decode_groups: int = 0,
-        compute_path: ComputePathModel | None = None,
+        compute_path: ComputePathModel | None = None, binder: HitBinder | None = None,
+        sharing: InFlightSharing | None = None,
     ) -> None:
         if read_split not in ("whole", "proportional"):
             raise ValueError(f"scheduler.read_split must be whole or proportional (got {read_split!r})")
@@ -51,6 +55,11 @@ class Dispatcher:
         # The compute path (scheduling/compute_path.py): None = every hit block is read.
         self.compute_path = compute_path if Mode(mode) is not Mode.ORACLE else None
         self.recomputed_hit_tokens = 0  # hit tokens placed to be computed instead of read
+        # Looks each request's hits up again as placement considers it (scheduling/binding.py);
+        # None: the hits found at submit are kept.
+        self.binder = binder
+        # In-flight sharing (scheduling/sharing.py): None = off, nothing waits for a producer.
+        self.sharing = sharing
         self.requests: dict[str, Request] = {}
         # Requests in a queued state (RequestState.queued), kept as they move: what admission
         # counts (scheduling/admission.py), in O(1).
@@ -165,15 +174,16 @@ class Dispatcher:
             head.append(request)
         return head
 
-    def fetch_prefill(self, engines: Sequence[EngineLoad]) -> list[Request]:
-        """A prefill group leader pulls: FIFO assignment to its engines, then the read path."""
+    def fetch_prefill(self, engines: Sequence[EngineLoad], now: float = 0.0) -> list[Request]:
+        """A prefill group leader pulls: FIFO assignment to its engines, then the read path.
+        `now` (the core's clock) times in-flight sharing's waits."""
         self._engine_node.update({e.engine_id: e.node_id for e in engines})
-        # Lazy: the policy stops at the first request no engine can take, so a long queue costs
-        # only what is assigned.
-        queue = (QueuedRequest(rid, self.requests[rid].prefill_tokens) for rid in self.prefill_queue)
         read_q = {e.node_id: self.read_q.get(e.node_id, 0) for e in engines}
+        considered: list[str] = []  # handed to the policy, in order; the policy places a prefix of them
+        held: list[str] = []  # held by in-flight sharing instead
         assignments = assign_prefill(
-            queue, engines, read_q, self.constants.alpha_tokens, self.constants.beta_tokens
+            self._considered(engines, now, considered, held), engines, read_q,
+            self.constants.alpha_tokens, self.constants.beta_tokens,
         )
         requests = []
         # Prefill tokens each engine holds, as the requests of this call land on them.
@@ -182,14 +192,18 @@ class Dispatcher:
             request = self.requests[assignment.request_id]
             pe_node = self._engine_node[assignment.target]
             staged = self._staged_blocks(request)
+            # The policy's pick, once per placement of a request that reads and is not staged (an
+            # ablation's RoundRobinPaths advances per call, so it alternates over those requests).
+            reads = bool(request.hit_keys) and not staged
+            choice = self._path(pe_node, request.decode_node, request.avoid_reader) if reads else None
             if not staged:
-                self._choose_read_blocks(request, pe_node, engine_tok[assignment.target])
+                self._choose_read_blocks(request, choice, pe_node, engine_tok[assignment.target])
             engine_tok[assignment.target] += request.prefill_tokens
-            pe_blocks = 0 if staged else self._pe_blocks(request, pe_node)
+            pe_blocks = 0 if staged else self._pe_blocks(request, pe_node, choice)
             hit_blocks = len(request.read_keys)
             path = ReadPath.PE if pe_blocks == hit_blocks and hit_blocks else ReadPath.DE if not pe_blocks else ReadPath.SPLIT
-            if not hit_blocks:
-                path = self._path(pe_node, request.decode_node)  # nothing to read: the policy's pick, for the record
+            if not hit_blocks:  # nothing to read: the policy's pick, for the record
+                path = choice or Dispatcher._path(self, pe_node, request.decode_node, request.avoid_reader)
             # Until the readers report again, count this request's hits in the queues they join
             # (staged blocks are read already).
             block_tokens = request.read_tokens // hit_blocks if hit_blocks else 0
@@ -202,9 +216,55 @@ class Dispatcher:
             transition(request, RequestState.PREFILLING)
             self.queued -= 1
             requests.append(request)
-        for _ in requests:
-            self.prefill_queue.popleft()
+            if self.sharing is not None:
+                self.sharing.placed(request, now)
+        if self.sharing is not None:
+            for rid in considered[len(assignments):]:
+                self.sharing.unpromise(rid)
+        if held:  # what left the queue is no longer a prefix of it
+            gone = {*held, *(a.request_id for a in assignments)}
+            self.prefill_queue = deque(rid for rid in self.prefill_queue if rid not in gone)
+        else:
+            for _ in requests:
+                self.prefill_queue.popleft()
         return requests
+
+    def _considered(
+        self, engines: Sequence[EngineLoad], now: float, considered: list[str], held: list[str],
+    ) -> Iterator[QueuedRequest]:
+        """The prefill queue as the policy walks it. Lazy: the policy stops at the first request
+        no engine can take, so a long queue costs only what is assigned (and one more). Each
+        request's hits are looked up again as it is considered (scheduling/binding.py), so its
+        prefill tokens, read queues and path all use the late answer; with in-flight sharing on,
+        one whose prefix a producer is computing may be held instead (scheduling/sharing.py),
+        and each one handed on promises its blocks to those after it."""
+        nodes = {e.node_id for e in engines}
+        ahead = min((e.tok for e in engines), default=0) * len(engines)  # prefill tokens before it, all engines
+        for rid in self.prefill_queue:
+            request = self.requests[rid]
+            if self.binder is not None:
+                self.binder.rebind(request)
+            if self.sharing is not None:
+                engine_q = ahead // max(1, len(engines))
+                read_q = min(self.read_q.get(node, 0) for node in (*nodes, request.decode_node))
+                if self.sharing.consider(request, now, read_q, engine_q):
+                    transition(request, RequestState.WAITING_PREFIX)
+                    held.append(rid)
+                    continue
+                self.sharing.promise(request, now, engine_q)
+            considered.append(rid)
+            ahead += request.prefill_tokens
+            yield QueuedRequest(rid, request.prefill_tokens)
+
+    def release(self, waiters: Sequence[str], may_wait: bool) -> None:
+        """Held waiters go back to the head of the prefill queue, in the order they were held
+        (they were ahead of everything queued since); `may_wait` False: their producer failed,
+        so they compute."""
+        for rid in waiters:
+            request = self.requests[rid]
+            request.may_wait = request.may_wait and may_wait
+            transition(request, RequestState.QUEUED_PREFILL)
+        self.prefill_queue.extendleft(reversed(waiters))
 
     def handed_off(self, request_id: str) -> bool:
         """The request's KV reached its decode engine: it no longer depends on its prefill
@@ -230,6 +290,8 @@ class Dispatcher:
         transition(request, RequestState.FAILED if failed else RequestState.DONE)
         if failed:
             self._dequeue(request_id)
+        if self.sharing is not None:  # its waiters, if it was a producer, go back at once
+            self.release(self.sharing.ended(request_id, published=not failed), may_wait=not failed)
         return request
 
     def cancel(self, request_id: str) -> Request | None:
@@ -244,34 +306,14 @@ class Dispatcher:
 
     def check_integrity(self) -> None:
         """Every queued id is a live request in the state its queue holds, queued once; every
-        waiting request is in exactly one queue. Raises AssertionError naming what is wrong."""
-        decode_queued = [*self.decode_global, *(rid for q in self.decode_private.values() for rid in q)]
-        for name, ids, state in (("decode", decode_queued, RequestState.QUEUED_DECODE),
-                                 ("prefill", list(self.prefill_queue), RequestState.QUEUED_PREFILL)):
-            duplicated = sorted({rid for rid in ids if ids.count(rid) > 1})
-            assert not duplicated, f"{name} queues hold {duplicated} more than once"
-            wrong = sorted(rid for rid in ids if rid not in self.requests or self.requests[rid].state is not state)
-            assert not wrong, f"{name} queues hold {wrong}, which are not live requests in {state.value}"
-            waiting = sorted(rid for rid, r in self.requests.items() if r.state is state and rid not in ids)
-            assert not waiting, f"{waiting} are {state.value} but in no {name} queue"
-        dead = sorted(rid for rid, r in self.requests.items() if not r.state.live)
-        assert not dead, f"{dead} are done or failed but still held"
-        queued = sum(1 for r in self.requests.values() if r.state.queued)
-        assert self.queued == queued, f"the queued count {self.queued} differs from the {queued} queued requests"
-        self._check_books()
-
-    def _check_books(self) -> None:
-        """Each engine's seq and tok in the books equal what the live requests on it add up to."""
-        decode, prefill = EngineBook(), EngineBook()
-        for request in self.requests.values():
-            if request.decode_engine:
-                decode.add(request.decode_engine, request.decode_tokens)
-            if request.state is RequestState.PREFILLING:
-                prefill.add(request.prefill_engine, request.prefill_tokens)
-        for role, kept, recomputed in (("decode", self.decode_book, decode), ("prefill", self.prefill_book, prefill)):
-            assert kept.snapshot() == recomputed.snapshot(), (
-                f"{role} book {kept.snapshot()} differs from what the live requests add up to {recomputed.snapshot()}"
-            )
+        waiting request is in exactly one queue (or held by in-flight sharing); the books equal
+        what the live requests add up to. Raises AssertionError naming what is wrong
+        (scheduling/integrity.py)."""
+        check_dispatcher(DispatcherView(
+            self.requests, [*self.decode_global, *(rid for q in self.decode_private.values() for rid in q)],
+            self.prefill_queue, self.sharing.waiters() if self.sharing is not None else [], self.queued,
+            self.decode_book, self.prefill_book,
+        ))
 
     def engines_in_use(self) -> set[str]:
         """Engines that hold a live request (its HBM reservation, its prefill)."""
@@ -311,14 +353,13 @@ class Dispatcher:
             return 0
         return staged.blocks
 
-    def _choose_read_blocks(self, request: Request, pe_node: str, engine_tok: int) -> None:
+    def _choose_read_blocks(self, request: Request, path: ReadPath | None, pe_node: str, engine_tok: int) -> None:
         """With the compute path on, how many of the request's hit blocks are read (the rest
         computed): the split that ends it soonest given the read queue of the reader its hits
         would go through and the prefill tokens its engine holds (scheduling/compute_path.py)."""
         hit_blocks = len(request.hit_keys)
         if self.compute_path is None or not hit_blocks:
             return
-        path = self._path(pe_node, request.decode_node, request.avoid_reader)
         reader = pe_node if path is ReadPath.PE else request.decode_node
         inputs = SplitInputs(
             hit_blocks, request.hit_tokens // hit_blocks, request.prompt_tokens - request.hit_tokens,
@@ -327,7 +368,7 @@ class Dispatcher:
         request.read_blocks = blocks_to_read(inputs, self.compute_path)
         self.recomputed_hit_tokens += request.recomputed_hit_tokens
 
-    def _pe_blocks(self, request: Request, pe_node: str) -> int:
+    def _pe_blocks(self, request: Request, pe_node: str, path: ReadPath | None) -> int:
         """How many of the request's read blocks the prefill-side reader reads: all of them (PE
         path), none (DE path), or, with read_split proportional in dualpath mode, a share by
         the two read queues' headroom below alpha (split_read)."""
@@ -337,7 +378,7 @@ class Dispatcher:
             pe, _ = split_read(hit_blocks, self.read_q.get(pe_node, 0), self.read_q.get(request.decode_node, 0),
                                self.constants.alpha_tokens)
             return pe
-        return hit_blocks if self._path(pe_node, request.decode_node, request.avoid_reader) is ReadPath.PE else 0
+        return hit_blocks if path is ReadPath.PE else 0
 
     def _path(self, pe_node: str, de_node: str, avoid: str = "") -> ReadPath:
         """The read path: DE where the prefill node's reader is down or to be avoided (the

@@ -132,7 +132,7 @@ class Liveness:
             spec = request.spec
             owner = spec.owner
             live.add(owner)
-            if request.state in (RequestState.QUEUED_DECODE, RequestState.QUEUED_PREFILL):
+            if request.state.queued:
                 continue  # held by the scheduler itself
             if self.in_delivery(owner) or request.decode_engine in silent or request.prefill_engine in silent:
                 continue  # not known either way this round

@@ -2,6 +2,8 @@
 
 submit -> QUEUED_DECODE (global decode queue, then a group's private queue)
        -> QUEUED_PREFILL (its decode engine reserved HBM; FIFO prefill queue)
+          <-> WAITING_PREFIX (held while a producer in flight computes its prefix, out of the
+              queue; released back to its head: scheduling/sharing.py)
        -> PREFILLING (a prefill engine and a read path are chosen)
        -> DECODING (the prompt's KV reached the decode engine)
        -> DONE | FAILED (FAILED from any live state)
@@ -26,6 +28,7 @@ if TYPE_CHECKING:
 class RequestState(enum.Enum):
     QUEUED_DECODE = "queued_decode"
     QUEUED_PREFILL = "queued_prefill"
+    WAITING_PREFIX = "waiting_prefix"
     PREFILLING = "prefilling"
     DECODING = "decoding"
     DONE = "done"
@@ -38,12 +41,13 @@ class RequestState(enum.Enum):
     @property
     def queued(self) -> bool:
         """It waits at the scheduler: no engine has been handed it yet (scheduling/admission.py)."""
-        return self in (RequestState.QUEUED_DECODE, RequestState.QUEUED_PREFILL)
+        return self in (RequestState.QUEUED_DECODE, RequestState.QUEUED_PREFILL, RequestState.WAITING_PREFIX)
 
 
 _LEGAL = {
     RequestState.QUEUED_DECODE: {RequestState.QUEUED_PREFILL, RequestState.FAILED},
-    RequestState.QUEUED_PREFILL: {RequestState.PREFILLING, RequestState.FAILED},
+    RequestState.QUEUED_PREFILL: {RequestState.PREFILLING, RequestState.WAITING_PREFIX, RequestState.FAILED},
+    RequestState.WAITING_PREFIX: {RequestState.QUEUED_PREFILL, RequestState.FAILED},
     RequestState.PREFILLING: {RequestState.DECODING, RequestState.DONE, RequestState.FAILED},
     RequestState.DECODING: {RequestState.DONE, RequestState.FAILED},
     RequestState.DONE: set(),
@@ -59,8 +63,10 @@ class IllegalTransition(RuntimeError):
 class Request:
     """A request (one attempt of one turn) at the scheduler.
 
-    prompt_tokens: the whole prompt (cached + new); hit_keys / hit_tokens: its stored prefix
-    the scheduler found at submit; decode_tokens: the HBM its decode engine reserves (prompt +
+    prompt_tokens: the whole prompt (cached + new); hit_keys / hit_tokens: its stored prefix,
+    as the scheduler found it at submit and again when it was considered for a prefill engine
+    (late binding, scheduling/binding.py: the latest, longest answer; bound_at: the binder's
+    generation at that look); decode_tokens: the HBM its decode engine reserves (prompt +
     max new tokens, in whole pages). `spec` is what the caller submitted (the runtime's
     RequestSpec), carried to the engines unchanged.
     """
@@ -84,6 +90,10 @@ class Request:
     # Of its hit blocks, how many are read; the rest are computed with its miss tokens (the
     # compute path, scheduling/compute_path.py). None: all of them (set when it is placed).
     read_blocks: int | None = None
+    bound_at: int = 0  # HitBinder.generation when its hits were last looked up
+    # Whether it may wait for a producer's prefix (scheduling/sharing.py); False once a producer
+    # it waited for failed or left: it computes.
+    may_wait: bool = True
     # A node whose reader it must not read through (its previous attempt's read failed there).
     avoid_reader: str = ""
 

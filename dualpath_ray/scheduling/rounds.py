@@ -161,7 +161,16 @@ class Rounds:
                 pulls.work = True  # its HBM was freed and requests wait for it
             self._report_changed(pulls)
         self._decode_round(self.timers.now() + self.pull_delay_s)
+        if self.core.dispatcher.prefill_queue:
+            self.prefill_round()  # waiters it released (scheduling/sharing.py), or what an engine freed
         return holders
+
+    def prompt_persisted(self, request_id: str) -> None:
+        """A request's prompt blocks are stored before its turn ends (SchedulerCore.prompt_persisted):
+        the requests that waited for them are placed."""
+        self._timed(self.core.prompt_persisted, request_id)
+        if self.core.dispatcher.prefill_queue:
+            self.prefill_round()
 
     def everything_changed(self) -> None:
         """Engines or readers came or went (a death, a restart, a reader routed around): every

@@ -1,7 +1,8 @@
 """The scheduler core: every decision of the central scheduler, with no Ray and no torch.
 
 It owns one `Request` record per request in flight (scheduling/requests.py), the prefix index
-that finds each prompt's hit blocks (leaving one token to compute), the constants alpha and
+that finds each prompt's hit blocks (leaving one token to compute; at submit and again at
+placement, scheduling/binding.py), the constants alpha and
 beta, decode and prefill placement and the read path (the dispatcher and the policy), the
 tasks handed to the engines, and which engines and readers may take work. The runtime's
 Scheduler actor (runtime/control/scheduler.py) is a shell around it that adds futures, heartbeats and
@@ -25,11 +26,13 @@ from dualpath_ray.protocol.messages import (
     RequestSpec,
     TurnResult,
 )
+from dualpath_ray.scheduling.binding import HitBinder
 from dualpath_ray.scheduling.core_settings import CoreSettings
 from dualpath_ray.scheduling.dispatcher import Dispatcher
 from dualpath_ray.scheduling.liveness import is_attempt
 from dualpath_ray.scheduling.loads import decode_tokens
 from dualpath_ray.scheduling.requests import Request, RequestState
+from dualpath_ray.scheduling.sharing import InFlightSharing
 from dualpath_ray.scheduling.staging import StageOrder, StagingBook
 from dualpath_ray.protocol.types import Mode, ReadPath, Role
 
@@ -58,8 +61,14 @@ class SchedulerCore:
         self.index = index
         self.eviction = eviction
         self.store = store
+        self.binder = HitBinder(index, settings.block_size, eviction, late=settings.bind_hits == "late")
+        sharing = None
+        if settings.share_in_flight is not None and settings.mode is not Mode.ORACLE:
+            sharing = InFlightSharing(settings.share_in_flight, index, settings.block_size,  # type: ignore[arg-type]
+                                      settings.early_prompt_publish)
         self.dispatcher = Dispatcher(
-            settings.constants, settings.mode, settings.read_split, settings.decode_groups, settings.compute_path
+            settings.constants, settings.mode, settings.read_split, settings.decode_groups, settings.compute_path,
+            self.binder, sharing,
         )
         self.dead: set[str] = set()  # engines gone for good
         self.presumed_dead: set[str] = set()  # silent past the heartbeat timeout; see _live
@@ -83,26 +92,21 @@ class SchedulerCore:
 
     def lookup(self, spec: RequestSpec) -> tuple[tuple[str, ...], int]:
         """Hit blocks of a prompt, leaving at least one token to compute (it yields the logits)."""
-        size = self.settings.block_size
-        hit = self.index.match(spec.prompt, spec.namespace)
-        usable = min(hit.hit_blocks, (len(spec.prompt) - 1) // size)
-        if self.eviction is not None:
-            self.eviction.touch(hit.keys[:usable])
-        return tuple(hit.keys[:usable]), usable * size
+        return self.binder.lookup(spec)
 
     def submit(self, spec: RequestSpec) -> Request:
         """Queue a turn's attempt; a new turn that finds the queue full raises QueueFull
-        (scheduling/admission.py), before anything of it is recorded."""
+        (scheduling/admission.py), before anything of it is recorded. Its hits are looked up
+        now and again when it is placed (scheduling/binding.py)."""
         self.settings.admission.check(spec.request_id, spec.attempt, self.dispatcher.queued)
-        keys, hit_tokens = self.lookup(spec)
         reserved = decode_tokens(len(spec.prompt), spec.sampling.max_new_tokens, self.settings.block_size)
-        request = Request(spec.request_id, len(spec.prompt), hit_tokens, reserved, keys, spec,
-                          avoid_reader=spec.avoid_reader)
-        if len(self.staging) and keys:
-            request.staged = self.staging.claim(keys, self.clock())
+        request = Request(spec.request_id, len(spec.prompt), 0, reserved, (), spec, avoid_reader=spec.avoid_reader)
+        self.binder.bind(request)
+        if len(self.staging) and request.hit_keys:
+            request.staged = self.staging.claim(request.hit_keys, self.clock())
         self.dispatcher.submit(request)
         if self.eviction is not None:
-            self.eviction.pin(keys)  # unpinned when it leaves the dispatcher (_released)
+            self.eviction.pin(request.hit_keys)  # unpinned when it leaves the dispatcher (_released)
         return request
 
     # --- placement ----------------------------------------------------------------------
@@ -119,7 +123,7 @@ class SchedulerCore:
     def fetch_prefill(self, report: GroupReport) -> list[PrefillTask]:
         self._note_read_q(report)
         live = self._live(report) if self.takes_work(Role.PREFILL, report) else ()
-        return [self.task_of(r) for r in self.dispatcher.fetch_prefill(live)] if live else []
+        return [self.task_of(r) for r in self.dispatcher.fetch_prefill(live, self.clock())] if live else []
 
     def _note_read_q(self, report: GroupReport) -> None:
         if report.read_q_tokens is not None:
@@ -267,6 +271,7 @@ class SchedulerCore:
         that reported it. A late result of an earlier attempt only contributes its published blocks."""
         published = self.index.publish((block.key, block.parent) for block in result.persisted)
         self.unpublished_blocks += len(result.persisted) - published
+        self.binder.published(published)
         current = self.is_current(result)
         request = self.dispatcher.finish(result.request_id, failed=result.error is not None) if current else None
         if request is not None:
@@ -279,6 +284,23 @@ class SchedulerCore:
         if request is None or result.error is None:
             return ()
         return tuple(e for e in (request.decode_engine, request.prefill_engine) if e and e != result.prefill_engine)
+
+    def prompt_persisted(self, request_id: str) -> int:
+        """The prompt blocks a request in flight computed are in the store before its turn ends
+        (the simulator reports it; scheduling/sharing.py): they are published now and the requests
+        waiting for them are released. Returns the blocks indexed."""
+        request, sharing = self.requests.get(request_id), self.dispatcher.sharing
+        if request is None or sharing is None:
+            return 0
+        published = self.index.publish(sharing.prompt_blocks(request))
+        self.binder.published(published)
+        self.dispatcher.release(sharing.fulfilled(request_id), may_wait=True)
+        return published
+
+    def sharing_counts(self) -> dict[str, int]:
+        """Late binding's and in-flight sharing's totals (`Scheduler.call_counts`, tests)."""
+        sharing = self.dispatcher.sharing
+        return {"late_hit_tokens": self.binder.late_hit_tokens, **(sharing.counts() if sharing is not None else {})}
 
     def _plan_staging(self, request: Request, result: TurnResult) -> None:
         """A finished turn hinted to continue: order its context's blocks (its hits, then what it

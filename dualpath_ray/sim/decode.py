@@ -56,9 +56,12 @@ Finished = Callable[["SimDecodeEngine", SimDecodeJob, float], None]
 class SimDecodeEngine:
     def __init__(
         self, engine_id: str, node: SimNode, settings: SimSettings, loop: EventLoop, finished: Finished,
-        stats: SimDecodeStats,
+        stats: SimDecodeStats, prompt_stored: Callable[[str], None] | None = None,
     ) -> None:
         self.engine_id = engine_id
+        # Told when a request's computed prompt blocks are in the store, before its turn ends
+        # (in-flight sharing publishes them then: SchedulerCore.prompt_persisted); None: not told.
+        self.prompt_stored = prompt_stored
         self.node = node
         self.settings = settings
         self.loop = loop
@@ -122,6 +125,8 @@ class SimDecodeEngine:
             blocks = job.prompt // size - job.task.stored_tokens // size
             if blocks > 0:
                 decode.persist_done = self.node.write(now, blocks * self.settings.block_bytes)
+                if self.prompt_stored is not None:
+                    self.loop.at(decode.persist_done, self.prompt_stored, decode.request_id)
             self.loop.at(decode.persist_done, self._free_extent, extent)
         if decode.remaining <= 0:
             self._end(decode, now)

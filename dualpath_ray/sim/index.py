@@ -56,6 +56,11 @@ class ChainIndex:
         base = prompt.chain * KEY_STRIDE
         return PrefixHit(hit, hit * self.block_size, tuple(range(base, base + hit)))  # type: ignore[arg-type]
 
+    def chain(self, prompt: SimPrompt, namespace: str) -> range:
+        """Every full block key of the prompt, stored or not."""
+        base = prompt.chain * KEY_STRIDE
+        return range(base, base + prompt.length // self.block_size)
+
     def insert_block(self, key: int, parent: int | None) -> bool:
         chain, position = divmod(key, KEY_STRIDE)
         stored = self.stored.get(chain, 0)
@@ -115,6 +120,10 @@ class TreeIndex:
                 break
             hit += 1
         return PrefixHit(hit, hit * self.block_size, prompt.keys[:hit])  # type: ignore[arg-type]
+
+    def chain(self, prompt: SimPrompt, namespace: str) -> tuple[int, ...]:
+        """Every full block key of the prompt, stored or not."""
+        return prompt.keys
 
     def insert_block(self, key: int, parent: int | None) -> bool:
         if key in self.parents:

@@ -149,6 +149,9 @@ class SimResult:
     staging: dict[str, int] = field(default_factory=dict)
     # Hit tokens the compute path placed to be computed instead of read (scheduler.compute_path).
     recomputed_hit_tokens: int = 0
+    # Late binding and in-flight sharing (scheduling/binding.py, scheduling/sharing.py): hit tokens
+    # found at placement beyond submit's; prefix tokens shared in flight, waits and their seconds.
+    sharing: dict[str, float] = field(default_factory=dict)
 
     def to_json(self, decisions: bool = False) -> dict[str, Any]:
         data = asdict(self)

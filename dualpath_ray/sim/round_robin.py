@@ -7,13 +7,23 @@ A baseline the paper compares its scheduler with (SNIC balance: round-robin 1.53
 
 from __future__ import annotations
 
+from dualpath_ray.scheduling.binding import HitBinder
+from dualpath_ray.scheduling.compute_path import ComputePathModel
 from dualpath_ray.scheduling.dispatcher import Constants, Dispatcher
 from dualpath_ray.protocol.types import Mode, ReadPath
+from dualpath_ray.scheduling.sharing import InFlightSharing
 
 
 class RoundRobinPaths(Dispatcher):
-    def __init__(self, constants: Constants, mode: Mode = Mode.DUALPATH, read_split: str = "whole") -> None:
-        super().__init__(constants, mode, read_split)
+    """`_path` is asked once per placement (Dispatcher.fetch_prefill), so the paths alternate
+    request by request."""
+
+    def __init__(
+        self, constants: Constants, mode: Mode = Mode.DUALPATH, read_split: str = "whole",
+        compute_path: ComputePathModel | None = None, binder: HitBinder | None = None,
+        sharing: InFlightSharing | None = None,
+    ) -> None:
+        super().__init__(constants, mode, read_split, compute_path=compute_path, binder=binder, sharing=sharing)
         self._next_de = False
 
     def _path(self, pe_node: str, de_node: str, avoid: str = "") -> ReadPath:

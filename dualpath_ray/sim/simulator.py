@@ -16,7 +16,7 @@ from typing import NamedTuple, Sequence
 from dualpath_ray.config import DualPathConfig
 from dualpath_ray.protocol.messages import DecodeReservation, PersistedBlock, PrefillTask, RequestSpec, TurnResult
 from dualpath_ray.model.cost import prefill_forward_ms
-from dualpath_ray.scheduling.core_settings import CoreSettings, compute_path_model
+from dualpath_ray.scheduling.core_settings import CoreSettings, compute_path_model, sharing_model
 from dualpath_ray.scheduling.scheduler import SchedulerCore
 from dualpath_ray.protocol.types import READ_SIDES, Mode, Role, StopReason
 from dualpath_ray.sim.agents import Agent, Agents
@@ -60,8 +60,9 @@ class Simulation:
         prefill_groups = [self._prefill_node(node) for node in self.prefill_nodes]
         self.decode_engines: dict[str, SimDecodeEngine] = {}
         self.decode_groups: dict[str, SimGroup] = {}
+        stored = self._prompt_stored if self.core.dispatcher.sharing is not None else None
         for node in self.decode_nodes:
-            engines = [SimDecodeEngine(e, node, settings, loop, self._finished, self.decode_stats)
+            engines = [SimDecodeEngine(e, node, settings, loop, self._finished, self.decode_stats, stored)
                        for e in engine_ids(Role.DECODE, node.node_id, cluster.gpus_per_node)]
             self.decode_engines.update({e.engine_id: e for e in engines})
             group = SimGroup(f"{Role.DECODE}/{node.node_id}", node, engines)
@@ -81,16 +82,20 @@ class Simulation:
         settings = self.settings
         index = TreeIndex(settings.block_size) if self.workload.tree else ChainIndex(settings.block_size)
         cost = settings.cost
-        compute_path = compute_path_model(
-            self.cfg, settings.constants, lambda cached, new: prefill_forward_ms(cost, [(cached, new)]) / 1000.0
-        )
+        def prefill_s(cached: int, new: int) -> float:
+            return prefill_forward_ms(cost, [(cached, new)]) / 1000.0
+
+        compute_path = compute_path_model(self.cfg, settings.constants, prefill_s)
         core_settings = CoreSettings(settings.mode, settings.block_size, settings.constants, read_split=settings.read_split,
                                      decode_groups=self.cfg.cluster.decode_nodes, staging=settings.staging,
-                                     compute_path=compute_path)
+                                     compute_path=compute_path, bind_hits=self.cfg.scheduler.bind_hits,
+                                     share_in_flight=sharing_model(self.cfg, settings.constants, prefill_s),
+                                     early_prompt_publish=True)
         loop = self.loop
         core = SchedulerCore(core_settings, index, clock=lambda: loop.now)  # type: ignore[arg-type]
         if settings.options.path_choice == "round_robin":
-            core.dispatcher = RoundRobinPaths(settings.constants, settings.mode, settings.read_split)
+            core.dispatcher = RoundRobinPaths(settings.constants, settings.mode, settings.read_split, compute_path,
+                                              core.binder, core.dispatcher.sharing)
         return core
 
     def _prefill_node(self, node: SimNode) -> SimGroup:
@@ -150,6 +155,9 @@ class Simulation:
         job.decode_engine.hand_off(job, now)  # type: ignore[attr-defined]
         self.driver.handed_off(job.request_id)
 
+    def _prompt_stored(self, request_id: str) -> None:
+        self.driver.prompt_persisted(request_id)
+
     def _finished(self, engine: SimDecodeEngine, decode: SimDecodeJob, now: float) -> None:
         job = decode.job
         assert job is not None
@@ -186,6 +194,11 @@ class Simulation:
         parts["prefill_wait"] += job.assigned_at - job.reserved_at
         parts["staging"] += job.staged_at - job.assigned_at
         parts["prefill"] += job.first_token_at - job.staged_at
+
+    def _sharing(self) -> dict[str, float]:
+        sharing = self.core.dispatcher.sharing
+        wait_s = sum(sharing.stats.wait_s.values()) if sharing is not None else 0.0
+        return {**self.core.sharing_counts(), **({"wait_s": wait_s} if sharing is not None else {})}
 
     def _persisted(self, agent: Agent, hit_tokens: int, kv_tokens: int) -> tuple[PersistedBlock, ...]:
         """The blocks this turn published: every full block of its KV after its hits."""
@@ -233,6 +246,7 @@ class Simulation:
             requests_by_path=dict(self.log.by_path),
             hit_rate=self.log.hit_tokens / self.log.prompt_tokens if self.log.prompt_tokens else 0.0,
             recomputed_hit_tokens=self.core.dispatcher.recomputed_hit_tokens,
+            sharing=self._sharing(),
             snic_read_bytes={n.node_id: n.snic_read.bytes_total for n in nodes},
             snic_read_bytes_by_path={p.value: sum(n.read_bytes_by_path[p] for n in nodes) for p in READ_SIDES},
             snic_write_bytes={n.node_id: n.snic_write.bytes_total for n in nodes},

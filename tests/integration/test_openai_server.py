@@ -137,7 +137,7 @@ def test_aborting_a_session_ends_its_stream(endpoint) -> None:
     ({"temperature": 5}, "temperature"),
     ({"top_p": 0}, "top_p"),
     ({"max_tokens": 0}, "max_tokens"),
-    ({"n": 2}, "n"),
+    ({"n": 100_000}, "n"),  # n samples are turns of their own, at most --max-prompts of them
     ({"stop": ["\n"]}, "stop"),
     ({"extra_body": {"beam_width": 2}}, "beam_width"),
     ({"max_tokens": 5000}, "max_tokens"),

@@ -47,6 +47,17 @@ def test_a_workload_with_nothing_left_to_time_is_refused(capsys: pytest.CaptureF
     assert "--warmup-turns 0" in err, f"one-turn trajectories need the warm-up off, and the line says so: {err}"
 
 
+def test_samples_makes_grouped_sampling_trajectories() -> None:
+    from dualpath_ray.cli import build_parser
+    from dualpath_ray.commands.bench import load_workload
+    from dualpath_ray.demos.demo import demo_config
+
+    args = build_parser().parse_args(["bench", "--agents", "2", "--samples", "3", "--turns", "2", "--first", "128"])
+    trajs = load_workload(args, demo_config())
+    assert [t.trajectory_id for t in trajs] == [f"p{p}-s{s}" for p in range(2) for s in range(3)], "2 prompts x 3"
+    assert len({t.turns[0].appended for t in trajs[:3]}) == 1, "the samples of a prompt share its first turn"
+
+
 @pytest.mark.parametrize(
     ("argv", "flag"),
     [
@@ -56,6 +67,7 @@ def test_a_workload_with_nothing_left_to_time_is_refused(capsys: pytest.CaptureF
         (["--warmup-turns", "-1"], "--warmup-turns"),
         (["--sample-interval", "0"], "--sample-interval"),
         (["--agents", "0"], "--agents"),
+        (["--samples", "0"], "--samples"),
     ],
 )
 def test_bad_flags_name_themselves(argv: list[str], flag: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -17,7 +17,8 @@ from dualpath_ray.metrics import ALL_METRICS, TAGS, MetricKind, RayMetrics
 from dualpath_ray.protocol.counters import PATHS
 from dualpath_ray.runtime.telemetry.scheduler_counts import SchedulerCounts
 from dualpath_ray.runtime.telemetry.actor_metrics import EngineMetrics, ReaderMetrics, SchedulerMetrics, node_role
-from dualpath_ray.protocol.messages import ErrorKind, TurnResult
+from dualpath_ray.protocol.messages import ErrorKind, GroupReport, TurnResult
+from dualpath_ray.scheduling.loads import EngineLoad
 from dualpath_ray.runtime.telemetry.metrics_export import CounterTotals, PeriodicExport
 from tests.engine_harness import DE, PE, EngineHarness, Request
 from tests.metric_sink import RecordingSink
@@ -224,3 +225,26 @@ def test_metrics_off_records_nothing_and_starts_no_thread(tmp_path: Path) -> Non
 def test_metrics_interval_must_be_positive() -> None:
     with pytest.raises(ConfigError, match="runtime.metrics_interval_s"):
         config(metrics_interval_s=0)
+
+
+def test_scheduler_metrics_export_the_cores_late_hits_and_prefixes_shared_in_flight() -> None:
+    """Driven through a real scheduler core: three samples of one prompt, two of which wait for
+    the first (tests/unit/scheduling/test_sharing.py has the scenario's figures)."""
+    from tests.unit.scheduling.test_sharing import core, result, spec, three_samples
+
+    c, clock = core()
+    three_samples(c)
+    clock.now = 0.5
+    c.finish(result(spec("s0")))
+    c.fetch_prefill(GroupReport("prefill/p0", "p0", (EngineLoad("prefill/p0/g0", "p0", 0, 0),), 0))
+    sink = RecordingSink()
+    metrics = SchedulerMetrics(sink, "dualpath", SchedulerCounts())
+    metrics.core = c
+    metrics.collect()
+    engine = {"mode": "dualpath", "engine": "prefill/p0/g0"}
+    assert sink.counter(m.SHARED_PREFIX_TOKENS, **engine) == 256, "2 x 128 prompt tokens read instead of computed"
+    assert sink.counter(m.PREFIX_WAITS, **engine) == 2, "two waits, counted for the engine they were placed on"
+    assert sink.counter(m.PREFIX_WAIT_SECONDS, **engine) == 1.0, "each waited 0.5 s"
+    assert sink.counter(m.LATE_HIT_TOKENS, mode="dualpath") == 256, "found at placement, not at submit"
+    metrics.collect()
+    assert sink.counter(m.PREFIX_WAITS, **engine) == 2, "a second export adds nothing: counters equal the totals"

@@ -77,7 +77,8 @@ def test_completion_and_chat_bodies_are_checked_into_one_request() -> None:
     ({"model": MODEL, "prompt": "x", "temperature": 3}, "temperature", 400),
     ({"model": MODEL, "prompt": "x", "session_id": "s", "conversation_id": "c"}, "conversation_id", 400),
     ({"model": MODEL, "prompt": "x", "stream_options": {"x": 1}}, "stream_options", 400),
-    ({"model": MODEL, "prompt": "x", "n": 2}, "n", 400),
+    ({"model": MODEL, "prompt": "x", "n": 2, "stream": True}, "n", 400),
+    ({"model": MODEL, "prompt": "x", "n": 0}, "n", 400),
 ])
 def test_a_bad_body_is_an_openai_error_naming_the_field(body, field, status) -> None:
     with pytest.raises(APIError) as caught:
@@ -86,14 +87,15 @@ def test_a_bad_body_is_an_openai_error_naming_the_field(body, field, status) -> 
     assert (error["param"], caught.value.status) == (field, status), "OpenAI's error shape names the field"
 
 
-def test_openai_bodies_carry_vllms_extra_sampling_fields_and_refuse_n_with_the_fix() -> None:
+def test_openai_bodies_carry_vllms_extra_sampling_fields_and_n_samples_where_a_request_may_be_several_turns() -> None:
     request = parse_completion({"model": MODEL, "prompt": "x", "top_k": 4, "min_p": 0.1, "repetition_penalty": 1.1}, MODEL)
     assert {k: request.sampling[k] for k in ("top_k", "min_p", "repetition_penalty")} == {
         "top_k": 4, "min_p": 0.1, "repetition_penalty": 1.1}, "vLLM's extra fields go on to api/validation.py as sent"
     assert "top_k" not in parse_completion({"model": MODEL, "prompt": "x"}, MODEL).sampling, "absent stays absent"
+    assert parse_completion({"model": MODEL, "prompt": "x", "n": 3}, MODEL).samples == 3, "n samples, a turn each"
     with pytest.raises(APIError, match="send n requests") as caught:
-        parse_completion({"model": MODEL, "prompt": "x", "n": 3}, MODEL)
-    assert caught.value.param == "n", "n > 1 is refused by name"
+        parse_completion({"model": MODEL, "prompt": "x", "n": 3, "stream": True}, MODEL)
+    assert caught.value.param == "n", "n > 1 in a stream (one turn) is refused by name, with the fix"
 
 
 def test_openrlhf_vllm_sampling_objects_carry_every_knob() -> None:

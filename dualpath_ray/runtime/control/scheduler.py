@@ -95,7 +95,7 @@ class Scheduler:
         )
         self.readers = ReaderStates()
         self.faults = FaultInjector(cfg.faults, SCHEDULER, self.restarted)
-        self.metrics = SchedulerMetrics.start(cfg, mode, self.calls)
+        self.metrics = SchedulerMetrics.start(cfg, mode, self.calls, self.core)
         self.serving = Serving(
             cfg, self.core, self.control, self.liveness, self.aborts, self.adoptions, self.calls, self.metrics
         )
@@ -358,7 +358,7 @@ class Scheduler:
                 "adoptions_dropped": self.adoptions.dropped, "restarted": int(self.restarted), "mailboxes": len(self.mailboxes),
                 "dropped_results": self.mailboxes.dropped, "queue_full": self.serving.refused,
                 "decode_pulls": rounds.decode_pulls if rounds else 0, "prefill_pulls": rounds.prefill_pulls if rounds else 0,
-                "recomputed_hit_tokens": self.core.dispatcher.recomputed_hit_tokens,
+                "recomputed_hit_tokens": self.core.dispatcher.recomputed_hit_tokens, **self.core.sharing_counts(),
                 **{f"reread_elsewhere_{cause}": n for cause, n in self.core.reread_elsewhere.items()},
                 **self._staging_counts(), **self._channel_counts()}
 

@@ -23,8 +23,9 @@ from dualpath_ray.scheduling.scheduler import SchedulerCore
 
 def prefill_s_of(cfg: DualPathConfig) -> Callable[[int, int], float] | None:
     """One request's prefill seconds given (cached, new) tokens, from the configured hardware
-    profile (what beta is derived from), for the compute path; None when it is off."""
-    if cfg.scheduler.compute_path == "off":
+    profile (what beta is derived from), for the compute path and in-flight sharing; None when
+    both are off."""
+    if cfg.scheduler.compute_path == "off" and not cfg.scheduler.share_in_flight:
         return None
     if cfg.scheduler.compute_path == "auto" and cfg.emulation.profile_path is None:
         # The built-in profile is a nominal accelerator's: its prefill times can be off by 50x

@@ -308,7 +308,10 @@ class PrefillCore:
             state = self.compute.begin_prefill(chunks)
             pipeline.run(jobs, chunks, lambda layer: self.compute.prefill_layer(state, layer, self.window.slot(layer)))
             finished = [i for i, c in enumerate(chunks) if c.end == len(c.prompt)]
-            sampled = self.compute.sample_last(state, finished, [jobs[i].task.request.sampling for i in finished])
+            # A batch of only non-final chunks (a long prompt's first chunks) samples nothing; the
+            # backends' sample_last index rows by `finished`, and an empty index is no index.
+            params = [jobs[i].task.request.sampling for i in finished]
+            sampled = self.compute.sample_last(state, finished, params) if finished else []
         except Exception as exc:  # noqa: BLE001 - fail this batch's requests, keep serving the others
             log_failure(LOG, f"{self.settings.engine_id}: batch of {len(jobs)}", exc)
             if state is not None:

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from dualpath_ray.kv.layout import KVLayout
     from dualpath_ray.kv.pool import BufferPool
     from dualpath_ray.protocol.messages import TurnResult
+    from dualpath_ray.scheduling.scheduler import SchedulerCore
 
 # Served turns the scheduler remembers for `dualpath status` (TTFT/TPOT of the recent ones).
 RECENT_TURNS = 512
@@ -192,10 +193,15 @@ class SchedulerMetrics:
         self.totals = CounterTotals(sink)
         self.recent: deque[tuple[float, float, float, str]] = deque(maxlen=RECENT_TURNS)
         self.export: PeriodicExport | None = None
+        # The core whose late-binding and in-flight-sharing totals are exported (given at start).
+        self.core: SchedulerCore | None = None
 
     @classmethod
-    def start(cls, cfg: DualPathConfig, mode: str, calls: SchedulerCounts) -> SchedulerMetrics:
+    def start(
+        cls, cfg: DualPathConfig, mode: str, calls: SchedulerCounts, core: SchedulerCore | None = None,
+    ) -> SchedulerMetrics:
         exporter = cls(RayMetrics(cfg.runtime.metrics), mode, calls)
+        exporter.core = core
         exporter.export = _periodic(cfg, SCHEDULER, exporter.collect)
         return exporter
 
@@ -229,6 +235,15 @@ class SchedulerMetrics:
 
     def collect(self) -> None:
         mode = {"mode": self.mode}
+        if self.core is not None:
+            self.totals.update(m.LATE_HIT_TOKENS, self.core.binder.late_hit_tokens, mode)
+            sharing = self.core.dispatcher.sharing
+            if sharing is not None:
+                stats = sharing.stats  # per-engine totals; copied, since the event loop adds to them
+                for spec, totals in ((m.SHARED_PREFIX_TOKENS, dict(stats.shared_tokens)),
+                                     (m.PREFIX_WAITS, dict(stats.waits)), (m.PREFIX_WAIT_SECONDS, dict(stats.wait_s))):
+                    for engine, total in totals.items():
+                        self.totals.update(spec, total, {**mode, "engine": engine})
         self.totals.update(m.RETRIES, self.calls.retries, mode)
         self.totals.update(m.RECOMPUTED_BLOCKS, self.calls.unindexed_blocks, mode)
         self.totals.update(m.ATTEMPT_FAILURES, self.calls.timeouts, {**mode, "kind": "timeout"})

@@ -1,6 +1,7 @@
 """A /v1/completions batch (a list of token-id prompts) is bounded and fails whole: more prompts
 than --max-prompts is a 400 naming `prompt` before anything reaches the cluster (a body of a
-million one-token prompts included, which fits the body limit), `n` cannot multiply them, and
+million one-token prompts included, which fits the body limit), `n` samples of each prompt are
+turns of their own counted against the same cap, and
 when one prompt's turn is refused (a full queue: 429) or fails, every other turn of the batch is
 aborted, the one not yet submitted included, before the client is answered: nothing of a batch
 keeps the cluster busy once its client has its error. The app runs on Starlette's test client
@@ -71,11 +72,51 @@ def test_a_million_one_token_prompts_are_refused_not_fanned_out() -> None:
     assert server.calls == [], "not one of them reached the rollout-server"
 
 
-def test_n_cannot_multiply_a_batch() -> None:
+def test_n_cannot_multiply_a_batch_past_the_cap() -> None:
     server = FakeRolloutServer()
     answer = client(server).post("/v1/completions", json=completion([[1], [2]], n=1000))
-    assert answer.status_code == 400 and answer.json()["error"]["param"] == "n", "n other than 1 is refused"
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "n", "n x prompts over the cap is refused"
+    assert "2000 turns" in answer.json()["error"]["message"], f"the count is named: {answer.json()}"
     assert server.calls == [], "nothing reached the rollout-server"
+
+
+class SeedServer(FakeRolloutServer):
+    """Records each turn's seed; a turn's tokens name its prompt's first token and its seed."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.seeds: list[int] = []
+        self.generate = Method(self._seeded)
+
+    async def _seeded(self, request_id: str, prompt: list[int], sampling: dict[str, Any], session_id: Any,
+                      expect_next_turn_s: Any = None, cache_salt: str | None = None) -> Any:
+        self.record(request_id, prompt, session_id, cache_salt)
+        self.seeds.append(sampling["seed"])
+        tokens = [prompt[0], sampling["seed"]]
+        return type("Out", (), {"token_ids": tokens, "log_probs": None,
+                                "extra_fields": {"finish_reason": "length", "hit_tokens": 0}})()
+
+
+def test_n_samples_of_each_prompt_are_turns_of_their_own_seeded_apart_and_sent_together() -> None:
+    server = SeedServer()
+    answer = client(server).post("/v1/completions", json=completion([[5, 1], [7, 1]], n=3, seed=40))
+    assert answer.status_code == 200, answer.text
+    choices = answer.json()["choices"]
+    assert [c["index"] for c in choices] == list(range(6)), "one choice per sample of each prompt, indexed in order"
+    assert [c["token_ids"] for c in choices] == [[5, 40], [5, 41], [5, 42], [7, 40], [7, 41], [7, 42]], (
+        "choice prompt * n + j is sample j of that prompt, seeded seed + j"
+    )
+    assert [call.prompt for call in server.calls] == [[5, 1]] * 3 + [[7, 1]] * 3, "each sample is a turn of its own"
+    assert len({call.request_id for call in server.calls}) == 6, "with an id of its own"
+    assert answer.json()["usage"]["prompt_tokens"] == 12, "usage adds up the six turns"
+
+
+@pytest.mark.parametrize(("fields", "why"), [({"stream": True}, "stream"), ({"session_id": "s1"}, "session")])
+def test_n_is_one_sample_where_a_request_is_one_turn(fields: dict[str, Any], why: str) -> None:
+    server = FakeRolloutServer()
+    answer = client(server).post("/v1/completions", json=completion([1, 2], n=2, **fields))
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "n", f"n > 1 with a {why} is refused"
+    assert server.calls == []
 
 
 class BatchServer:

@@ -128,3 +128,28 @@ def test_binding_at_the_round_moves_jobs_between_lockstep_peers_and_loses_none()
     for engine in sim.prefill_engines.values():
         assert not engine.jobs and engine.tok == 0, f"{engine.engine_id}: every job left with its tok"
     assert result.attention_engine_totals is not None and result.attention_fill is not None
+
+
+def grouped_first_turns(share: bool):
+    """16 requests, 4 samples of each of 4 prompts of 2,047 tokens, all arriving at 0, simulated
+    with in-flight sharing on or off."""
+    from dualpath_ray.sim.workload import from_mooncake
+    from dualpath_ray.workload.mooncake import MooncakeRequest
+
+    cfg = paper_config().with_overrides(scheduler={"share_in_flight": share})
+    requests = [MooncakeRequest(4 * p + s + 1, 0.0, 2047, 16, tuple(range(4 * p, 4 * p + 4)))
+                for p in range(4) for s in range(4)]
+    sim = Simulation(cfg, from_mooncake(requests, cfg.store.block_size), Mode.DUALPATH, SimOptions())
+    return sim, sim.run()
+
+
+def test_samples_of_one_prompt_share_it_in_flight_in_the_simulator():
+    off_sim, off = grouped_first_turns(share=False)
+    on_sim, on = grouped_first_turns(share=True)
+    assert on.turns == off.turns == 16, "every sample finished either way"
+    assert off.hit_rate == 0.0, "without sharing the samples, placed together, all compute their prompt"
+    counts = on_sim.core.sharing_counts()
+    assert counts["prefix_waits"] == 12 and counts["waiting_prefix"] == 0, "3 of each 4 samples waited, none is left"
+    assert on.hit_rate > 0.7, "the waiters read the producers' prompts (published when stored, before their turns end)"
+    assert on.sharing["shared_prefix_tokens"] == counts["shared_prefix_tokens"] > 0, "the result reports the sharing"
+    on_sim.core.dispatcher.check_integrity()

@@ -176,6 +176,25 @@ def test_chunked_prefill_across_batches_gives_the_same_kv_and_tokens(harness, tm
         chunked.close()
 
 
+def test_a_batch_of_only_first_chunks_on_the_model_backend_samples_nothing_and_fails_nothing(tmp_path: Path) -> None:
+    """The model computing for real (compute/engine_compute.py): a batch whose chunks all end before
+    their prompt's end has nothing to sample (an empty row index was a float tensor: IndexError)."""
+    model_cfg = config().with_overrides(emulation={"compute": "model"})
+    whole = EngineHarness(model_cfg, tmp_path / "whole")
+    chunked = EngineHarness(model_cfg.with_overrides(scheduler={"compute_quota_ms": 0.02}), tmp_path / "chunked")
+    try:
+        _, whole_turns = two_turns(whole, "de", first=300, appended=150)
+        _, chunked_turns = two_turns(chunked, "de", first=300, appended=150)
+        assert chunked.prefill.stats.chunks > chunked.prefill.stats.handoffs, "a tiny quota cuts prompts into chunks"
+        assert all(t.error is None for t in chunked_turns), "no batch failed"
+        assert [t.output_tokens for t in chunked_turns] == [t.output_tokens for t in whole_turns], (
+            "chunked prefill produces the same tokens"
+        )
+    finally:
+        whole.close()
+        chunked.close()
+
+
 def test_batch_of_several_requests_one_transfer_per_layer_and_reader(harness) -> None:
     h = harness()
     prompts = [tokens(64 + 16 * i, 10 + i) for i in range(4)]

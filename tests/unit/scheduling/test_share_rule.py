@@ -1,0 +1,83 @@
+"""The wait-or-compute rule of in-flight sharing (scheduling/share_rule.py) against the rule
+written out literally, step by step, and on hand-worked cases."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dualpath_ray.scheduling.compute_path import ComputePathModel
+from dualpath_ray.scheduling.share_rule import ShareInputs, end_if_computed, end_if_waiting, should_wait
+
+READ_RATE, COMPUTE_RATE = 2048.0, 1024.0  # powers of two: every figure below is exact in binary
+
+
+def prefill_s(cached: int, new: int) -> float:
+    return cached / 4096 + new / 256  # attention over the cached tokens, then the new ones' compute
+
+
+MODEL = ComputePathModel(READ_RATE, COMPUTE_RATE, prefill_s)
+
+
+def reference_should_wait(hit: int, promised: int, miss: int, ready_in: float, read_q: int, engine_q: int) -> bool:
+    """Issue 37's rule, literally: wait if the producer's blocks, then read, let the request end
+    sooner than computing the prefix again."""
+    if promised == 0:
+        return False
+    engines_free_in = engine_q / COMPUTE_RATE
+    computing_ends = engines_free_in + prefill_s(hit, promised + miss)
+    blocks_published_in = ready_in
+    blocks_read_in = blocks_published_in + read_q / READ_RATE + promised / READ_RATE
+    starts_in = blocks_read_in if blocks_read_in > engines_free_in else engines_free_in
+    waiting_ends = starts_in + prefill_s(hit + promised, miss)
+    return waiting_ends < computing_ends
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    hit=st.integers(0, 64).map(lambda b: b * 16),
+    promised=st.integers(0, 256).map(lambda b: b * 16),
+    miss=st.integers(1, 4096),
+    ready_in=st.integers(0, 4096).map(lambda t: t / 64),
+    read_q=st.integers(0, 1 << 16),
+    engine_q=st.integers(0, 1 << 16),
+)
+def test_the_rule_matches_its_literal_reference(
+    hit: int, promised: int, miss: int, ready_in: float, read_q: int, engine_q: int
+) -> None:
+    inputs = ShareInputs(hit, promised, miss, ready_in, read_q, engine_q)
+    assert should_wait(inputs, MODEL) == reference_should_wait(hit, promised, miss, ready_in, read_q, engine_q), (
+        f"the rule differs from its literal reference at {inputs}"
+    )
+
+
+def test_behind_a_long_engine_queue_a_sample_waits_for_its_prompts_producer() -> None:
+    """G samples of a 2,048-token prompt: the engines hold 8,192 tokens (8 s); the producer
+    publishes in 3 s, its blocks read in 1 s: waiting ends at 8 s + 0.5 s + 1/256 s, computing
+    at 8 s + 8 s."""
+    inputs = ShareInputs(0, 2048, 1, 3.0, 0, 8192)
+    assert end_if_computed(inputs, MODEL) == 8.0 + 2049 / 256
+    assert end_if_waiting(inputs, MODEL) == 8.0 + 2048 / 4096 + 1 / 256, "the read ends before the engines are free"
+    assert should_wait(inputs, MODEL), "waiting saves computing 2,048 tokens again"
+
+
+def test_with_idle_engines_and_a_late_producer_it_computes() -> None:
+    inputs = ShareInputs(0, 256, 16, 60.0, 0, 0)
+    assert end_if_computed(inputs, MODEL) == 272 / 256, "idle engines: about a second"
+    assert not should_wait(inputs, MODEL), "a producer a minute away is not worth waiting for"
+
+
+def test_equal_ends_compute_and_nothing_promised_never_waits() -> None:
+    # computing: 0 + (64 + 1) / 256; waiting: ready_in + 64 / 2048 + 64 / 4096 + 1 / 256, made equal
+    ready_in = 64 / 256 - 64 / 2048 - 64 / 4096
+    assert end_if_waiting(ShareInputs(0, 64, 1, ready_in, 0, 0), MODEL) == end_if_computed(ShareInputs(0, 64, 1, ready_in, 0, 0), MODEL)
+    assert not should_wait(ShareInputs(0, 64, 1, ready_in, 0, 0), MODEL), "a tie computes: no dependency on another request"
+    assert not should_wait(ShareInputs(0, 0, 100, 0.0, 0, 1 << 20), MODEL), "nothing promised: nothing to wait for"
+
+
+def test_bad_inputs_name_themselves() -> None:
+    with pytest.raises(ValueError, match="miss >= 1"):
+        ShareInputs(0, 16, 0, 0.0, 0, 0)
+    with pytest.raises(ValueError, match="share inputs"):
+        ShareInputs(0, 16, 1, -1.0, 0, 0)
