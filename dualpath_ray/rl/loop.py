@@ -31,11 +31,11 @@ from dualpath_ray.rl.report import StepRecord
 
 @dataclass(frozen=True)
 class GRPOSettings:
-    steps: int = 60
+    steps: int = 80
     prompts: int = 8  # prompts per step
     group: int = 8  # G: samples per prompt
     temperature: float = 1.0
-    lr: float = 3e-3
+    lr: float = 1e-3
     clip_eps: float = 0.2
     epochs: int = 4  # optimizer passes over each step's rollout (the ratio leaves 1 after the first)
     max_grad_norm: float = 1.0
@@ -72,6 +72,19 @@ def warm_up(policy: Policy, task: LookupTask, settings: GRPOSettings, rng: np.ra
         losses.append(policy.warm_up([e[0] for e in examples], [e[1] for e in examples], settings.max_grad_norm))
     return WarmUp(settings.warmup_steps, losses[0] if losses else 0.0, losses[-1] if losses else 0.0,
                   time.monotonic() - started)
+
+
+@dataclass(frozen=True)
+class Trained:
+    """A step's optimizer passes: the first's loss, gradient norm and log-prob gap (all sampled
+    tokens, and by kind), the last's clip fraction and KL estimate."""
+
+    loss: float
+    grad_norm: float
+    gap: dict[str, float | int]
+    gap_by_kind: dict[str, dict[str, float | int]]
+    clip_fraction: float
+    approx_kl: float
 
 
 def _gap_kinds(flat: list[EpisodeRollout]) -> list[str]:
@@ -125,6 +138,30 @@ class GRPORun:
         self.sync(0)
         return result
 
+    def _train(self, batch: Scored, flat: list[EpisodeRollout], advantages: torch.Tensor) -> Trained:
+        """`epochs` optimizer passes over the step's batch; the gap is taken on the first, whose
+        weights are the ones the rollout served."""
+        device = self.policy.model.device
+        rollout_lp = torch.tensor([lp for e in flat for lp in e.rollout_log_probs], dtype=torch.float32, device=device)
+        advantages = advantages.to(device)
+        kinds = _gap_kinds(flat)
+        results: dict[str, Any] = {}
+        for epoch in range(self.settings.epochs):
+            trainer_lp = self.policy.token_log_probs(batch)
+            parts = clipped_surrogate(trainer_lp, rollout_lp, advantages, self.settings.clip_eps)
+            if epoch == 0:
+                results["gap"] = logprob_gap(rollout_lp, trainer_lp).as_dict()
+                results["gap_by_kind"] = {
+                    kind: logprob_gap(rollout_lp[idx], trainer_lp[idx]).as_dict()
+                    for kind in sorted(set(kinds))
+                    for idx in [torch.tensor([i for i, k in enumerate(kinds) if k == kind], device=device)]
+                }
+                results["loss"] = float(parts.loss.detach())
+            norm = self.policy.step(parts.loss, self.settings.max_grad_norm)
+            results.setdefault("grad_norm", norm)
+        # The clip and the KL estimate of the last pass: the first is on-policy (ratio ~1).
+        return Trained(clip_fraction=parts.clip_fraction, approx_kl=parts.approx_kl, **results)
+
     def step(self, step: int, loop_started: float) -> StepRecord:
         s = self.settings
         episodes = [self.task.episode(self.rng) for _ in range(s.prompts)]
@@ -134,40 +171,24 @@ class GRPORun:
         flat = [e for g in groups for e in g]
         rewards = torch.tensor([[e.score.reward for e in g] for g in groups], dtype=torch.float32)
         per_episode = group_advantages(rewards).reshape(-1)
-        batch = Scored([e.tokens for e in flat], [e.agent_positions for e in flat])
-        device = self.policy.model.device
-        rollout_lp = torch.tensor([lp for e in flat for lp in e.rollout_log_probs], dtype=torch.float32, device=device)
-        advantages = torch.cat([per_episode[i].expand(len(e.agent_positions)) for i, e in enumerate(flat)]).to(device)
+        advantages = torch.cat([per_episode[i].expand(len(e.agent_positions)) for i, e in enumerate(flat)])
         started = time.monotonic()
-        first = None
-        for epoch in range(s.epochs):
-            trainer_lp = self.policy.token_log_probs(batch)
-            parts = clipped_surrogate(trainer_lp, rollout_lp, advantages, s.clip_eps)
-            if epoch == 0:
-                kinds = _gap_kinds(flat)
-                gap = logprob_gap(rollout_lp, trainer_lp)
-                by_kind = {
-                    kind: logprob_gap(rollout_lp[idx], trainer_lp[idx]).as_dict()
-                    for kind in sorted(set(kinds))
-                    for idx in [torch.tensor([i for i, k in enumerate(kinds) if k == kind], device=device)]
-                }
-            norm = self.policy.step(parts.loss, s.max_grad_norm)
-            first = first or (float(parts.loss.detach()), parts.clip_fraction, parts.approx_kl, norm)
+        trained = self._train(Scored([e.tokens for e in flat], [e.agent_positions for e in flat]), flat, advantages)
         train_s = time.monotonic() - started
         counts = self.ledger.record_step(self.version, flat)
         served = self.version
         sync_s = self.sync(step + 1)
         hits, turns = _by_path(flat)
-        assert first is not None
         return StepRecord(
             step=step, weight_version=served, mean_reward=float(rewards.mean()),
             call_accuracy=float(np.mean([e.score.call_ok for e in flat])),
             answer_accuracy=float(np.mean([e.score.answer_ok for e in flat])),
-            groups_with_signal=int((rewards.max(dim=1).values > rewards.min(dim=1).values).sum()), loss=first[0], clip_fraction=first[1], approx_kl=first[2], grad_norm=first[3],
+            groups_with_signal=int((rewards.max(dim=1).values > rewards.min(dim=1).values).sum()), loss=trained.loss,
+            clip_fraction=trained.clip_fraction, approx_kl=trained.approx_kl, grad_norm=trained.grad_norm,
             rollout_s=rollout_s, train_s=train_s, sync_s=sync_s, elapsed_s=time.monotonic() - loop_started,
             episodes=len(flat), prompt_tokens=sum(len(t.prompt) for e in flat for t in e.turns),
             hit_tokens=sum(t.hit_tokens for e in flat for t in e.turns), hit_tokens_by_path=hits, turns_by_path=turns,
-            logprob_gap=gap.as_dict(), logprob_gap_by_kind=by_kind, namespace=counts.as_dict(),
+            logprob_gap=trained.gap, logprob_gap_by_kind=trained.gap_by_kind, namespace=counts.as_dict(),
         )
 
     def run(self, on_step: Callable[[StepRecord], None]) -> list[StepRecord]:
