@@ -21,7 +21,7 @@ starts at chance, 0.5/keys + 0.5/values, and RL has to learn the lookup itself. 
 (postfix) puts the token to repeat at the position the agent's turn starts from, so the skill RL
 must find is the tiny model's easiest (repeat the current token): a 4-layer, 64-wide model learns
 it from rewards in minutes on 2 cores, where copying the token before the current one (`CALL k`)
-did not move in 40 steps (measured).
+stayed near chance for 40 steps in a single-process check (lr 3e-3).
 """
 
 from __future__ import annotations

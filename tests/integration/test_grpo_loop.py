@@ -30,7 +30,8 @@ def cluster():
 
 
 def test_two_steps_train_sync_every_engine_and_move_the_namespace(cluster) -> None:
-    settings = GRPOSettings(steps=2, prompts=4, group=4, warmup_steps=40, tool_s=0.02)
+    # lr 3e-3: the 40-step warm-up then has the format, so groups differ and the loss has a gradient.
+    settings = GRPOSettings(steps=2, prompts=4, group=4, lr=3e-3, warmup_steps=40, tool_s=0.02)
     run = GRPORun(cluster, settings)
     first_version = run.version
     run.warm_up()
