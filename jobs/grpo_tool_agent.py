@@ -85,6 +85,10 @@ def run(cfg: DualPathConfig, args: argparse.Namespace, out: Path) -> dict[str, A
     torch.set_num_threads(args.trainer_threads)
     settings = settings_from(args)
     out.mkdir(parents=True, exist_ok=True)
+    # A Ray job's working directory is replaced when its driver joins the cluster, and torch
+    # looks up the current directory when the optimizer first imports its compiler: work from
+    # the output folder, which stays.
+    os.chdir(out)
     steps_path = out / "steps.jsonl"
     steps_path.write_text("")
     started = time.monotonic()
