@@ -33,6 +33,7 @@ from dualpath_ray.api.server_record import ServerRecord
 from dualpath_ray.api.sessions import SessionIds, check_session_id, session_prefix
 from dualpath_ray.api.validation import (
     RequestError, check_verl_kwargs, make_spec, parse_sampling_request, salt_namespace, validate_prompt,
+    with_request_seed,
 )
 from dualpath_ray.api.verl_server import VerlServerControl
 from dualpath_ray.config import DualPathConfig
@@ -137,7 +138,7 @@ class RolloutServer:
         """The scheduler's spec of one turn, and whether log-probs were asked for."""
         if not isinstance(request_id, str) or not request_id:
             raise RequestError(f"request_id must be a non-empty string (got {request_id!r})", "request_id")
-        parsed = parse_sampling_request(request_id, sampling_params, self.cfg.runtime.max_new_tokens)
+        parsed = parse_sampling_request(request_id, with_request_seed(sampling_params), self.cfg.runtime.max_new_tokens)
         prompt = validate_prompt(request_id, prompt_ids, parsed.params.max_new_tokens, self.cfg.model)
         namespace = salt_namespace(self.cfg.kv_namespace(self.weight_version), cache_salt)  # a bad salt counts no turn
         if request_id in self.in_flight:

@@ -10,6 +10,7 @@ the caller's `stop_token_ids`); any other value is an error, never silently igno
 from __future__ import annotations
 
 import math
+import secrets
 import time
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
@@ -167,6 +168,20 @@ def parse_sampling_request(request_id: str, params: Mapping[str, Any] | None, de
                               top_k, min_p, repetition_penalty)
     # vLLM: logprobs=0 or True returns the sampled token's log-prob; None/False returns none.
     return ParsedSampling(sampling, logprobs is not None and logprobs is not False)
+
+
+def with_request_seed(params: Any) -> Any:
+    """`params` with a seed of its own when it has none (absent or None), as vLLM draws one for
+    such a request. The `rollout-server` applies it: verl's agent loop sends no seed for each of
+    a prompt's G samples, which must differ (with one default seed they were the same tokens, and
+    GRPO learnt nothing). The spec carries the seed drawn, so the scheduler's retries of the
+    request reproduce its tokens; a caller wanting the same tokens again sends a seed."""
+    if params is not None and not isinstance(params, Mapping):
+        return params  # not sampling params at all: parse_sampling_request names the error
+    filled = dict(params or {})
+    if filled.get("seed") is None:
+        filled["seed"] = secrets.randbits(62)
+    return filled
 
 
 def parse_sampling(request_id: str, params: Mapping[str, Any] | None, default_max_new: int) -> SamplingParams:

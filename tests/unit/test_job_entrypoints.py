@@ -50,3 +50,14 @@ def test_rollout_job_rejects_a_bad_config_naming_the_field(tmp_path):
     bad.write_text("cluster:\n  snic_gbps: -3\n")
     out = run_script("jobs/rollout.py", "--config", str(bad), "--trace", "t.parquet", "--out", str(tmp_path / "o.parquet"))
     assert out.returncode == 2 and "cluster.snic_gbps" in out.stderr, f"a bad config is a clear error: {out.stderr}"
+
+
+def test_grpo_job_documents_its_arguments_and_rejects_a_bad_config(tmp_path):
+    help_text = run_script("jobs/grpo_tool_agent.py", "--help")
+    assert help_text.returncode == 0 and "--shape" in help_text.stdout and "--address" in help_text.stdout, (
+        "the GRPO job documents its arguments (the call shape, the cluster)"
+    )
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("cluster:\n  snic_gbps: -3\n")
+    out = run_script("jobs/grpo_tool_agent.py", "--config", str(bad), "--out", str(tmp_path / "out"))
+    assert out.returncode == 2 and "cluster.snic_gbps" in out.stderr, f"a bad config is a clear error: {out.stderr}"

@@ -11,7 +11,7 @@ import pytest
 from dualpath_ray.api.openai_protocol import APIError, parse_chat, parse_completion, response_object, usage
 from dualpath_ray.api.openrlhf_adapter import sample_seeds, sampling_dict
 from dualpath_ray.api.sessions import SessionIds, check_session_id
-from dualpath_ray.api.validation import RequestError, parse_sampling_request
+from dualpath_ray.api.validation import RequestError, parse_sampling_request, with_request_seed
 from dualpath_ray.api.verl_server import VerlServerControl
 
 MODEL = "dualpath-tiny"
@@ -23,6 +23,15 @@ def test_verl_agent_loop_sampling_is_accepted_and_log_probs_follow_vllm() -> Non
     assert parsed.params.max_new_tokens == 16 and not parsed.want_log_probs, "verl's logprobs=False: none returned"
     assert parse_sampling_request("r", {"logprobs": 0}, 16).want_log_probs, "vLLM's logprobs=0: the sampled token's"
     assert parse_sampling_request("r", {}, 16).want_log_probs, "by default log-probs are returned"
+
+
+def test_a_server_request_without_a_seed_draws_its_own_as_vllm_does() -> None:
+    verl = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "logprobs": True}
+    seeds = {parse_sampling_request(f"r{i}", with_request_seed(verl), 16).params.seed for i in range(8)}
+    assert len(seeds) == 8, "verl's G samples of one prompt send no seed: each request gets its own, so they differ"
+    assert with_request_seed({**verl, "seed": None})["seed"] not in seeds, "seed None is no seed"
+    assert with_request_seed({**verl, "seed": 7})["seed"] == 7, "a seed sent is kept (reproducible)"
+    assert "seed" not in verl and with_request_seed(None)["seed"] >= 0, "the caller's dict is not changed; None is {}"
 
 
 def test_top_k_min_p_and_repetition_penalty_reach_the_sampling_params() -> None:
