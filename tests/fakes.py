@@ -24,6 +24,7 @@ import torch
 
 from dualpath_ray.faults.injector import FaultCount, fault_label
 from dualpath_ray.faults.plan import FaultMode, FaultSite, FaultSpec
+from dualpath_ray.protocol.types import ReadPath
 from dualpath_ray.protocol.messages import (
     DecodeHandoff, ExtentGrant, Holding, PersistedBlock, StagedRead, TokenChunk, TurnResult,
 )
@@ -150,16 +151,16 @@ class FakeReaders:
         for node, core in cores.items():
             fabric.register(f"reader/{node}", Pool.BUFFER, core.pool.buffer)
 
-    def stage(
-        self, node_id: str, owner: str, keys: Sequence[str], total_blocks: int, path: str, first_block: int = 0,
+    def read_hits(
+        self, node_id: str, owner: str, keys: Sequence[str], total_blocks: int, path: ReadPath, first_block: int = 0,
         staged: StagedRead | None = None,
     ) -> Any:
-        self.calls.append("stage")
+        self.calls.append("read_hits")
         if self.fail_stage:
             self.fail_stage -= 1
             return Failed(RuntimeError(f"injected read failure on {node_id}"))
         core = self.cores[node_id]
-        return Ready(core.stage(owner, keys, total_blocks, path, f"reader/{node_id}", first_block, staged))
+        return Ready(core.read_hits(owner, keys, total_blocks, path, f"reader/{node_id}", first_block, staged))
 
     def stage_ahead(self, orders: Sequence[StageOrder], now: float) -> None:
         """As the reader actor's stage_ahead, synchronously, on the test's clock `now` (expire

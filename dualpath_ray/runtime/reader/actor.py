@@ -31,6 +31,7 @@ from dualpath_ray.runtime.telemetry.actor_metrics import ReaderMetrics
 from dualpath_ray.runtime.emulation import make_link
 from dualpath_ray.runtime.engine.directory import ActorDirectory
 from dualpath_ray.protocol.messages import ExtentGrant, PersistedBlock, ReaderReport, StagedRead
+from dualpath_ray.protocol.types import ReadPath
 from dualpath_ray.runtime.reader.core import ReaderCore, ReaderSettings
 from dualpath_ray.runtime.reader.expiry_timer import ExpiryTimer
 from dualpath_ray.runtime.reader.stage_queue import StageQueue
@@ -154,12 +155,12 @@ class StorageReader(TransportEndpoint):
         return bool(incarnation) and incarnation != self.incarnation
 
     @ray.method(concurrency_group="io")
-    def stage(
-        self, owner: str, keys: list[str], total_blocks: int, path: str, first_block: int = 0,
+    def read_hits(
+        self, owner: str, keys: list[str], total_blocks: int, path: ReadPath, first_block: int = 0,
         staged: StagedRead | None = None,
     ) -> ExtentGrant:
         with self.metrics.kv_load(path, len(keys)):
-            return self.core.stage(owner, keys, total_blocks, path, self.name, first_block, staged)
+            return self.core.read_hits(owner, keys, total_blocks, path, self.name, first_block, staged)
 
     @ray.method(concurrency_group="ctl")
     def stage_ahead(self, orders: list[StageOrder]) -> None:

@@ -27,6 +27,7 @@ from dualpath_ray.kv.layout import KVLayout
 from dualpath_ray.kv.pool import BufferPool, Extent
 from dualpath_ray.protocol.counters import NodeCounters
 from dualpath_ray.protocol.messages import StagedRead
+from dualpath_ray.protocol.types import ReadPath
 from dualpath_ray.runtime.reader.snic import SnicLink
 from dualpath_ray.runtime.reader.staged import (
     CLAIMABLE, StagedExtent, StagedTable, StageEvent, StageState,
@@ -36,7 +37,7 @@ from dualpath_ray.scheduling.staging import StageOrder
 # The store's errors for one bad block: the staged read fails, the claim reads it again (and
 # reports it as the normal read does).
 _STORE_ERRORS = (BlockNotFoundError, BlockCorruptedError, IncompatibleBlockError, OSError)
-STAGED_PATH = "de"  # staged blocks are read by the decode node's SNIC
+STAGED_PATH = ReadPath.DE  # staged blocks are read by the decode node's SNIC
 
 
 class ReaderStaging:
@@ -157,7 +158,7 @@ class ReaderStaging:
     # --- claims ---------------------------------------------------------------------------
 
     def claim(
-        self, staged: StagedRead, node_id: str, owner: str, keys: Sequence[str], path: str, first_block: int
+        self, staged: StagedRead, node_id: str, owner: str, keys: Sequence[str], path: ReadPath, first_block: int
     ) -> Extent | None:
         """The staged extent `staged` names, adopted by `owner`, holding keys[:staged.blocks] at
         block positions [0, staged.blocks); None (a miss, counted) when this node holds no live
@@ -167,7 +168,7 @@ class ReaderStaging:
         with self.cond:
             entry = self.table.get(staged.stage_id) if staged.node_id == node_id else None
             usable = (
-                entry is not None and entry.state in CLAIMABLE and path == STAGED_PATH and first_block == 0
+                entry is not None and entry.state in CLAIMABLE and path is STAGED_PATH and first_block == 0
                 and 0 < blocks == entry.blocks <= len(keys) and entry.keys == tuple(keys[:blocks])
             )
             if entry is None or not usable:

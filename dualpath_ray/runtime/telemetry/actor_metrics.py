@@ -17,6 +17,7 @@ from dualpath_ray.config import DualPathConfig
 from dualpath_ray.metrics import MetricSink, RayMetrics
 from dualpath_ray.protocol.counters import PATHS, NodeCounters
 from dualpath_ray.protocol.names import SCHEDULER, reader_name
+from dualpath_ray.protocol.types import ReadPath
 from dualpath_ray.runtime.telemetry.scheduler_counts import SchedulerCounts
 from dualpath_ray.runtime.telemetry.metrics_export import CounterTotals, PeriodicExport
 
@@ -111,13 +112,13 @@ class ReaderMetrics:
         self.sink.set(m.BUFFER_BYTES_CAPACITY, pool.capacity * block_bytes, self.tags)
 
     @contextmanager
-    def kv_load(self, path: str, hit_blocks: int) -> Iterator[None]:
-        """Time one stage call that loads `hit_blocks` blocks (lease wait + SNIC read); a call
+    def kv_load(self, path: ReadPath, hit_blocks: int) -> Iterator[None]:
+        """Time one read_hits call that loads `hit_blocks` blocks (lease wait + SNIC read); a call
         with no hit, or one that fails, is not a KV load and is not observed."""
         started = time.perf_counter()
         yield
         if hit_blocks and self.sink.enabled:
-            self.sink.observe(m.KV_LOAD_SECONDS, time.perf_counter() - started, {**self.tags, "path": path})
+            self.sink.observe(m.KV_LOAD_SECONDS, time.perf_counter() - started, {**self.tags, "path": path.value})
 
     def close(self) -> None:
         if self.export is not None:

@@ -241,7 +241,7 @@ def test_a_duplicate_delivery_leases_nothing_and_runs_once(harness) -> None:
     task = h.task(Request("once", tokens(60, 7), "de"))
     h.prefill.accept([task])
     h.prefill.accept([task])
-    staging = [call for call in h.readers.calls if call in ("stage", "lease")]
+    staging = [call for call in h.readers.calls if call in ("read_hits", "lease")]
     assert staging == ["lease"], "one extent for the first delivery (no hits: an empty lease); the duplicate staged nothing"
     while not h.collector.results:  # the test's timeout ends it if it never finishes
         h.prefill.step() | h.decode.step()
