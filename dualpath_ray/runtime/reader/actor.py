@@ -35,6 +35,7 @@ from dualpath_ray.protocol.types import ReadPath
 from dualpath_ray.runtime.reader.core import ReaderCore, ReaderSettings
 from dualpath_ray.runtime.reader.expiry_timer import ExpiryTimer
 from dualpath_ray.runtime.reader.stage_queue import StageQueue
+from dualpath_ray.runtime.reader.staged import StagingCounts
 from dualpath_ray.scheduling.staging import StageOrder
 from dualpath_ray.runtime.reader.queue_reporter import QueueReporter
 from dualpath_ray.runtime.engine.ray_ports import scheduler_channel
@@ -177,7 +178,7 @@ class StorageReader(TransportEndpoint):
                 LOG.exception("%s: staging order %s failed", self.name, queued.order.stage_id)
 
     @ray.method(concurrency_group="ctl")
-    def staging_counts(self) -> dict[str, int]:
+    def staging_counts(self) -> StagingCounts:
         """Staged blocks by outcome: staged, used, expired, cancelled, skipped, failed, missed."""
         return self.core.staging_counts()
 

@@ -43,6 +43,7 @@ from dualpath_ray.runtime.reader.read_time import StoreReadTime
 from dualpath_ray.runtime.reader.recent_keys import RecentKeys
 from dualpath_ray.runtime.reader.settings import ReaderFaults, ReaderSettings
 from dualpath_ray.runtime.reader.snic import ReadTurn, SnicLink
+from dualpath_ray.runtime.reader.staged import StagingCounts
 from dualpath_ray.runtime.reader.stager import ReaderStaging
 from dualpath_ray.runtime.reader.store_errors import WriteRefusals, bad_block_kind
 from dualpath_ray.runtime.reader.writer import BlockWriter
@@ -183,7 +184,7 @@ class ReaderCore:
         """Free the staged extents past their deadline; the next deadline (None: none staged)."""
         return self.stager.expire(now)
 
-    def staging_counts(self) -> dict[str, int]:
+    def staging_counts(self) -> StagingCounts:
         """Staged blocks by outcome (staged, used, expired, cancelled, skipped, failed, missed)."""
         return self.stager.counts()
 

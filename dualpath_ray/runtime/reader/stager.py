@@ -18,6 +18,7 @@ Shares the core's lock (`cond`): the table, the real-read count and the pool mov
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from typing import Callable, Sequence
 
@@ -30,7 +31,7 @@ from dualpath_ray.protocol.messages import StagedRead
 from dualpath_ray.protocol.types import ReadPath
 from dualpath_ray.runtime.reader.snic import SnicLink
 from dualpath_ray.runtime.reader.staged import (
-    CLAIMABLE, StagedExtent, StagedTable, StageEvent, StageState,
+    CLAIMABLE, StagedExtent, StagedTable, StageEvent, StageState, StagingCounts,
 )
 from dualpath_ray.scheduling.staging import StageOrder
 
@@ -215,6 +216,7 @@ class ReaderStaging:
             self.cond.notify_all()
             return self.table.next_deadline()
 
-    def counts(self) -> dict[str, int]:
+    def counts(self) -> StagingCounts:
+        """A snapshot of the counts (the table's own go on changing)."""
         with self.cond:
-            return self.table.counts.as_dict()
+            return dataclasses.replace(self.table.counts)

@@ -46,6 +46,13 @@ def _periodic(cfg: DualPathConfig, name: str, collect: Callable[[], None]) -> Pe
     return PeriodicExport(name, cfg.runtime.metrics_interval_s, collect).start()
 
 
+class BlockCounts(Protocol):
+    """Blocks by outcome (the reader's StagingCounts, runtime/reader/staged.py; telemetry sits
+    above the reader and does not import it)."""
+
+    def as_dict(self) -> dict[str, int]: ...
+
+
 class ReaderFigures(Protocol):
     """What ReaderMetrics reads from a node's reader (ReaderCore, runtime/reader/core.py).
 
@@ -75,7 +82,7 @@ class ReaderFigures(Protocol):
     @property
     def persist_mismatches(self) -> int: ...
 
-    def staging_counts(self) -> dict[str, int]: ...
+    def staging_counts(self) -> BlockCounts: ...
 
 
 class ReaderMetrics:
@@ -103,7 +110,7 @@ class ReaderMetrics:
         self.totals.update(m.STORE_CHECKSUM_FAILURES, self.core.corrupt_found(), self.tags)
         # Writes the store refused and blocks whose bytes failed their engine's digest: neither published.
         self.totals.update(m.STORE_WRITE_FAILURES, self.core.store_faults()[1] + self.core.persist_mismatches, self.tags)
-        for outcome, blocks in self.core.staging_counts().items():
+        for outcome, blocks in self.core.staging_counts().as_dict().items():
             self.totals.update(m.STAGED_BLOCKS, blocks, {**self.tags, "outcome": outcome})
         self.sink.set(m.READ_QUEUE_TOKENS, self.core.read_q(), self.tags)
         pool = self.core.pool.check_integrity()

@@ -69,7 +69,7 @@ def test_a_turn_served_from_a_staged_extent_gives_the_unstaged_output(tmp_path: 
     d0 = h.readers.cores["d0"]
     assert turn2.error is None and turn2.output_tokens == want.output_tokens, "the output is the unstaged one"
     counts = d0.staging_counts()
-    assert (counts["staged"], counts["used"], counts["missed"]) == (4, 4, 0), "4 blocks staged and claimed"
+    assert (counts.staged, counts.used, counts.missed) == (4, 4, 0), "4 blocks staged and claimed"
     assert d0.counters.snic_read["de"] == ref_bytes, "each hit block was read once: staged ones are not read again"
     h.assert_idle()
     assert d0.expire(1e9) is None, "nothing is left staged"
