@@ -139,7 +139,7 @@ class FakeReaders:
         self.cores = cores
         self.fabric = fabric
         self.slow_writes_s = slow_writes_s
-        self.fail_stage = 0
+        self.fail_read_hits = 0
         # While set and not open, leases wait for it on a helper thread (a pool that is full).
         self.lease_gate: threading.Event | None = None
         # While set and not open, page pulls (persist_pages) wait for it after their lease and
@@ -156,8 +156,8 @@ class FakeReaders:
         staged: StagedRead | None = None,
     ) -> Any:
         self.calls.append("read_hits")
-        if self.fail_stage:
-            self.fail_stage -= 1
+        if self.fail_read_hits:
+            self.fail_read_hits -= 1
             return Failed(RuntimeError(f"injected read failure on {node_id}"))
         core = self.cores[node_id]
         return Ready(core.read_hits(owner, keys, total_blocks, path, f"reader/{node_id}", first_block, staged))

@@ -211,7 +211,7 @@ def test_a_failed_read_fails_only_that_request_and_frees_its_extents(harness) ->
     h = harness()
     context = tokens(100, 1)
     (turn1,) = h.serve([Request("t1", context, "pe")])
-    h.readers.fail_stage = 1
+    h.readers.fail_read_hits = 1
     follow = context + list(turn1.output_tokens) + tokens(10, 3)
     results = h.serve([Request("bad", follow, "pe"), Request("good", tokens(40, 4), "pe")])
     assert results[0].error and "injected read failure" in results[0].error, "the failed read is the request's error"
@@ -224,7 +224,7 @@ def test_a_lease_granted_after_its_request_failed_is_freed_not_leaked(harness) -
     context = tokens(100, 1)
     (turn1,) = h.serve([Request("t1", context, "pe")])
     gate = threading.Event()
-    h.readers.fail_stage, h.readers.lease_gate = 1, gate
+    h.readers.fail_read_hits, h.readers.lease_gate = 1, gate
     (bad,) = h.serve([Request("bad", context + list(turn1.output_tokens), "pe")])
     assert bad.error and "injected read failure" in bad.error, "the PE read failed while the DE lease still waited"
     assert h.prefill.orphans() == 1, "the waiting lease is remembered, not waited for in the failure path"
