@@ -89,7 +89,7 @@ def run_once(cfg: DualPathConfig, trajectories: list, monkey: Any, fault_free_s:
         jct = time.monotonic() - started
         if thread is not None:
             thread.join(timeout=120)
-        calls = ray.get(deployment.scheduler.call_counts.remote())
+        calls = ray.get(deployment.scheduler.call_counts.remote()).to_json()
         return {"jct_s": jct, "failures": len(result.failures), "turns": result.table.num_rows,
                 "retries": calls["retries"], "restarts": restarts(calls, monkey), "outputs": result.outputs()}
     finally:

@@ -107,10 +107,10 @@ def calls_sent(cluster: DualPathCluster, client_calls: Counter[str]) -> Counter[
     for reader in deployment.readers.values():
         sent["reader_report"] += ray.get(reader.reports_sent.remote())
     counts = ray.get(deployment.scheduler.call_counts.remote())
-    sent["accept"] += counts.get("pushes", 0)
-    sent["heartbeat"] += counts.get("heartbeats", 0)
+    sent["accept"] += counts.received.pushes
+    sent["heartbeat"] += counts.received.heartbeats
     for method in ("cancel", "abort", "reclaim"):
-        sent[method] += counts.get(f"sent_{method}", 0)
+        sent[method] += counts.sent.get(method, 0)
     return sent
 
 

@@ -334,14 +334,14 @@ async def drive(args: argparse.Namespace, cfg: DualPathConfig, scheduler: Any, p
     agents = [asyncio.create_task(agent(i, client, cfg, args, tally, stop)) for i in range(args.agents)]
     await asyncio.sleep(args.warmup_s)
     cpu0 = {name: cpu_seconds(pid) for name, pid in pids.items()}
-    calls0 = await scheduler.call_counts.remote()
+    calls0 = (await scheduler.call_counts.remote()).to_json()
     sim0 = await sim.call_counts.remote()
     turns0, t0 = tally.finished, time.monotonic()
     await asyncio.sleep(args.measure_s)
     elapsed = time.monotonic() - t0
     turns = tally.finished - turns0
     cpu = {name: cpu_seconds(pid) - cpu0[name] for name, pid in pids.items()}
-    calls1 = await scheduler.call_counts.remote()
+    calls1 = (await scheduler.call_counts.remote()).to_json()
     sim1 = await sim.call_counts.remote()
     stop.set()
     await asyncio.gather(*agents, return_exceptions=True)

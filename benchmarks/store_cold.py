@@ -54,6 +54,7 @@ from dualpath_ray.kv.store import LocalDirStore
 from dualpath_ray.runtime.emulation.links import Link
 from dualpath_ray.runtime.reader.core import ReaderCore
 from dualpath_ray.runtime.reader.settings import ReaderSettings
+from dualpath_ray.protocol.types import ReadPath
 
 
 def drop_caches(level: int = 3) -> None:
@@ -176,7 +177,7 @@ def cold_reads(args: argparse.Namespace) -> dict[str, object]:
     def run_reader() -> None:
         for first in range(0, len(keys), args.request_blocks):
             chunk = keys[first : first + args.request_blocks]
-            read = core.read_blocks("bench", chunk, len(chunk), "pe")
+            read = core.read_blocks("bench", chunk, len(chunk), ReadPath.PE)
             core.free(read.extent_id)
 
     # Two requests at once, as the reader actor serves them (its "io" concurrency group): the
@@ -188,7 +189,7 @@ def cold_reads(args: argparse.Namespace) -> dict[str, object]:
     def run_reader_pair() -> None:
         def stream(mine: list[list[str]]) -> None:
             for chunk in mine:
-                read = pair_core.read_blocks("bench", chunk, len(chunk), "pe")
+                read = pair_core.read_blocks("bench", chunk, len(chunk), ReadPath.PE)
                 pair_core.free(read.extent_id)
 
         other = threading.Thread(target=stream, args=(requests[1::2],))

@@ -63,13 +63,13 @@ def run_once(cluster: Any, cfg: Any, staging: bool, trajs: list[Any]) -> tuple[d
                 raise RuntimeError(f"trajectories failed: {result.failures}")
             hinted = [r.ttft_s for turns in result.turn_results.values() for r in turns[1:]]
             staged = {name: ray.get(actor.staging_counts.remote()) for name, actor in deployment.readers.items()}
-            calls = ray.get(deployment.scheduler.call_counts.remote())
+            calls = ray.get(deployment.scheduler.call_counts.remote()).to_json()
             pools = settled_pools(cluster, 3 * cfg.scheduler.stage_margin_s + 10.0)
         finally:
             cluster.teardown()
     totals: dict[str, int] = {}
     for counts in staged.values():
-        for key, value in counts.items():
+        for key, value in counts.as_dict().items():
             totals[key] = totals.get(key, 0) + value
     figures = {
         "staging": staging, "jct_s": jct_s, "hinted_turns": len(hinted),

@@ -24,6 +24,7 @@ import torch
 
 from dualpath_ray.faults.injector import FaultCount, fault_label
 from dualpath_ray.faults.plan import FaultMode, FaultSite, FaultSpec
+from dualpath_ray.protocol.types import ReadPath
 from dualpath_ray.protocol.messages import (
     DecodeHandoff, ExtentGrant, Holding, PersistedBlock, StagedRead, TokenChunk, TurnResult,
 )
@@ -138,7 +139,7 @@ class FakeReaders:
         self.cores = cores
         self.fabric = fabric
         self.slow_writes_s = slow_writes_s
-        self.fail_stage = 0
+        self.fail_read_hits = 0
         # While set and not open, leases wait for it on a helper thread (a pool that is full).
         self.lease_gate: threading.Event | None = None
         # While set and not open, page pulls (persist_pages) wait for it after their lease and
@@ -150,16 +151,16 @@ class FakeReaders:
         for node, core in cores.items():
             fabric.register(f"reader/{node}", Pool.BUFFER, core.pool.buffer)
 
-    def stage(
-        self, node_id: str, owner: str, keys: Sequence[str], total_blocks: int, path: str, first_block: int = 0,
+    def read_hits(
+        self, node_id: str, owner: str, keys: Sequence[str], total_blocks: int, path: ReadPath, first_block: int = 0,
         staged: StagedRead | None = None,
     ) -> Any:
-        self.calls.append("stage")
-        if self.fail_stage:
-            self.fail_stage -= 1
+        self.calls.append("read_hits")
+        if self.fail_read_hits:
+            self.fail_read_hits -= 1
             return Failed(RuntimeError(f"injected read failure on {node_id}"))
         core = self.cores[node_id]
-        return Ready(core.stage(owner, keys, total_blocks, path, f"reader/{node_id}", first_block, staged))
+        return Ready(core.read_hits(owner, keys, total_blocks, path, f"reader/{node_id}", first_block, staged))
 
     def stage_ahead(self, orders: Sequence[StageOrder], now: float) -> None:
         """As the reader actor's stage_ahead, synchronously, on the test's clock `now` (expire

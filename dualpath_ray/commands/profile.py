@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from dualpath_ray.config import DualPathConfig, ModelConfig, load_config
+from dualpath_ray.config.engine import EngineBackend
 from dualpath_ray.kv.layout import KVLayout, torch_dtype
 from dualpath_ray.model.profile import (
     HardwareProfile,
@@ -126,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
         print("dualpath profile: --repeats and --max-bsz must be >= 1, --warmup >= 0", file=sys.stderr)
         return 2
     cfg = load_config(args.config)
-    if cfg.engine.backend != "native":
+    if cfg.engine.backend is not EngineBackend.NATIVE:
         print(
             f"dualpath profile: it times the native model's layers (the simulator's and profile compute's latency "
             f"model); engine.backend is {cfg.engine.backend}, whose kernels it cannot time. Profile with "

@@ -16,7 +16,7 @@ from dualpath_ray.config.loading import load_config
 from dualpath_ray.config.model import ROPE_SCALING_TYPES, ModelConfig, RopeScaling
 from dualpath_ray.config.qos import QosConfig
 from dualpath_ray.config.section import ConfigError
-from dualpath_ray.config.engine import EngineConfig
+from dualpath_ray.config.engine import EngineBackend, EngineConfig
 from dualpath_ray.config.sections import (
     ClusterConfig,
     EmulationConfig,
@@ -29,7 +29,7 @@ from dualpath_ray.config.tree import DualPathConfig, parse_config
 from dualpath_ray.config.verbs import VerbsConfig
 
 __all__ = [
-    "ROPE_SCALING_TYPES", "ClusterConfig", "ConfigError", "DualPathConfig", "EmulationConfig", "EngineConfig", "ModelConfig",
+    "ROPE_SCALING_TYPES", "ClusterConfig", "ConfigError", "DualPathConfig", "EmulationConfig", "EngineBackend", "EngineConfig", "ModelConfig",
     "QosConfig", "RopeScaling", "RuntimeConfig", "SchedulerConfig", "SimConfig", "StoreConfig", "VerbsConfig",
     "load_config", "parse_config",
 ]

@@ -9,13 +9,21 @@ from typing import Literal
 from pydantic import Field
 
 from dualpath_ray.config.section import Section
+from dualpath_ray.protocol.types import NameEnum
+
+
+class EngineBackend(NameEnum):
+    """What computes inside an engine actor (the YAML's `engine.backend` strings)."""
+
+    NATIVE = "native"  # dualpath_ray's own decoder (dualpath_ray/model/)
+    VLLM = "vllm"  # one in-process vLLM engine fed through DualPath's KV connector
 
 
 class EngineConfig(Section):
     """What computes inside the prefill and decode engine actors."""
 
-    backend: Literal["native", "vllm"] = Field(
-        "native",
+    backend: EngineBackend = Field(
+        EngineBackend.NATIVE,
         description="native = dualpath_ray's own small Llama/Qwen2 decoder (exact, CPU-friendly: tests, the "
         "simulator's calibration, the demo); vllm = one in-process vLLM engine per engine actor, which DualPath "
         "feeds through its KV connector (dualpath_ray/runtime/vllm_engine/): vLLM's kernels and model zoo, the same "

@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from dualpath_ray.config.section import Section
+from dualpath_ray.config.engine import EngineBackend
 
 
 ROPE_SCALING_TYPES = ("llama3", "linear")
@@ -90,7 +91,9 @@ class ModelConfig(Section):
     )
     weight_version: int = Field(0, ge=0, description="Policy version; part of every block key.")
 
-    def kv_namespace(self, weight_version: int | None = None, *, block_size: int, engine: str = "native") -> str:
+    def kv_namespace(
+        self, weight_version: int | None = None, *, block_size: int, engine: EngineBackend = EngineBackend.NATIVE,
+    ) -> str:
         """Namespace of the block keys these weights write: model id, weight version, the seed
         of random weights (a checkpoint's KV does not depend on it) and the KV layout of this
         model at `block_size` (store.block_size), so a persistent store written with another
@@ -102,7 +105,7 @@ class ModelConfig(Section):
 
         version = self.weight_version if weight_version is None else weight_version
         seed = None if self.weights_dir is not None else self.seed
-        model_id = self.model_id if engine == "native" else f"{self.model_id}+{engine}"
+        model_id = self.model_id if engine is EngineBackend.NATIVE else f"{self.model_id}+{engine}"
         return namespace_for(model_id, version, seed, KVLayout.from_model(self, block_size))
 
     @model_validator(mode="after")

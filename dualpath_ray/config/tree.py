@@ -10,7 +10,7 @@ from pydantic import ValidationError, model_validator
 from dualpath_ray.config.model import ModelConfig
 from dualpath_ray.config.qos import QosConfig
 from dualpath_ray.config.section import ConfigError, Section
-from dualpath_ray.config.engine import EngineConfig
+from dualpath_ray.config.engine import EngineBackend, EngineConfig
 from dualpath_ray.config.sections import (
     ClusterConfig,
     EmulationConfig,
@@ -49,7 +49,7 @@ class DualPathConfig(Section):
 
     @model_validator(mode="after")
     def _vllm_computes_for_real(self) -> DualPathConfig:
-        if self.engine.backend == "vllm" and self.emulation.compute == "profile":
+        if self.engine.backend is EngineBackend.VLLM and self.emulation.compute == "profile":
             raise ValueError(
                 "engine.backend vllm computes with vLLM; emulation.compute profile replaces compute with fitted "
                 "times: set emulation.compute: model (or engine.backend: native)"

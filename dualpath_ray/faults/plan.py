@@ -51,7 +51,7 @@ MODES_BY_SITE: dict[FaultSite, frozenset[FaultMode]] = {
 
 # The calls an engine waits on or whose loss the runtime must survive. Frees, reclaims and
 # cancels are cleanup: losing one is a leak by construction, so they are not fault sites.
-CALL_METHODS = ("stage", "lease", "persist_extent", "persist_pages", "report", "hand_off", "accept")
+CALL_METHODS = ("read_hits", "lease", "persist_extent", "persist_pages", "report", "hand_off", "accept")
 
 
 class FaultSpec(BaseModel):

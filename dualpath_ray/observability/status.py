@@ -118,7 +118,8 @@ def collect(namespace: str, window_s: float = 60.0, timeout_s: float = 5.0) -> C
     if status.deployed:
         status.mode = calls.get(SCHEDULER, "mode")
         status.in_flight = len(calls.get(SCHEDULER, "in_flight") or {})
-        counts = calls.get(SCHEDULER, "call_counts") or {}
+        answered = calls.get(SCHEDULER, "call_counts")  # a CallCounts (runtime/telemetry/status_views.py)
+        counts = answered.to_json() if answered is not None else {}
         status.scheduler_calls = {k: int(counts[k]) for k in SHOWN_CALLS if k in counts}
         recent = calls.get(SCHEDULER, "recent_turns")
         if recent is not None:

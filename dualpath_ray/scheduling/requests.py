@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from dualpath_ray.protocol.messages import RequestSpec
 from dualpath_ray.scheduling.loads import prefill_tokens
 from dualpath_ray.protocol.types import ReadPath
 
@@ -67,8 +68,9 @@ class Request:
     as the scheduler found it at submit and again when it was considered for a prefill engine
     (late binding, scheduling/binding.py: the latest, longest answer; bound_at: the binder's
     generation at that look); decode_tokens: the HBM its decode engine reserves (prompt +
-    max new tokens, in whole pages). `spec` is what the caller submitted (the runtime's
-    RequestSpec), carried to the engines unchanged.
+    max new tokens, in whole pages). `spec` is what the caller submitted, carried to the
+    engines unchanged: SchedulerCore.submit always sets it; only a policy test that places
+    requests no engine serves leaves it None.
     """
 
     request_id: str
@@ -76,7 +78,7 @@ class Request:
     hit_tokens: int
     decode_tokens: int
     hit_keys: tuple[str, ...] = ()
-    spec: Any = None
+    spec: RequestSpec | None = None
     state: RequestState = RequestState.QUEUED_DECODE
     decode_engine: str = ""
     decode_node: str = ""

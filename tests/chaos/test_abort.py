@@ -43,13 +43,13 @@ def test_aborting_half_the_trajectories_mid_turn_frees_everything_and_changes_no
         worker = threading.Thread(target=lambda: box.setdefault("result", cluster.rollout(trajs, progress=False)))
         worker.start()
         deadline = time.monotonic() + 120
-        while ray.get(scheduler.call_counts.remote())["complete"] < 100 and time.monotonic() < deadline:
+        while ray.get(scheduler.call_counts.remote()).received.complete < 100 and time.monotonic() < deadline:
             time.sleep(0.05)
         in_flight = sum(cluster.abort_trajectory(victim) for victim in victims)
         worker.join(timeout=300)
         assert not worker.is_alive(), "the rollout ends (aborted trajectories stop, the others finish)"
         result = box["result"]
-        calls = ray.get(scheduler.call_counts.remote())
+        calls = ray.get(scheduler.call_counts.remote()).to_json()
         pools = settled_pools(cluster, cfg.runtime.transfer_timeout_s)
         pages = cluster.page_integrity()
         queued = ray.get(scheduler.check_integrity.remote())

@@ -54,7 +54,7 @@ def test_bad_hit_blocks_are_detected_repaired_and_outputs_unchanged():
         warm = cluster.rollout(first_turns(trajs), progress=False)
         injected = damage(cfg, deployment.store_root, trajs)
         result = cluster.rollout(trajs, resume=warm, progress=False)
-        calls = ray.get(deployment.scheduler.call_counts.remote())
+        calls = ray.get(deployment.scheduler.call_counts.remote()).to_json()
         print(f"injected {len(injected)} bad blocks; retries {calls['retries']}, unindexed {calls['unindexed_blocks']}")
         assert not result.failures, f"every trajectory completes: {result.failures}"
         assert calls["retries"] == len(injected), "each bad block is detected exactly once (detected == injected)"

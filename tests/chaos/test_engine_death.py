@@ -32,10 +32,10 @@ def rollout_killing_actor(cluster: DualPathCluster, trajs, actor, after_turns: i
     scheduler = cluster.deployment.scheduler
     worker.start()
     deadline = time.monotonic() + 120
-    while ray.get(scheduler.call_counts.remote())["complete"] < after_turns and time.monotonic() < deadline:
+    while ray.get(scheduler.call_counts.remote()).received.complete < after_turns and time.monotonic() < deadline:
         time.sleep(0.05)
     ray.kill(actor, no_restart=True)
-    killed_at = ray.get(scheduler.call_counts.remote())["complete"]
+    killed_at = ray.get(scheduler.call_counts.remote()).received.complete
     worker.join(timeout=300)
     assert not worker.is_alive(), f"the rollout finishes (never hangs on a dead engine); {hang_report(scheduler)}"
     return box["result"], killed_at
@@ -60,7 +60,7 @@ def test_a_killed_engine_loses_no_trajectory_and_changes_no_output(victim: str):
         started = time.monotonic()
         result, killed_at = rollout_killing(cluster, trajs, victim, after_turns=6)
         elapsed = time.monotonic() - started
-        calls = ray.get(deployment.scheduler.call_counts.remote())
+        calls = ray.get(deployment.scheduler.call_counts.remote()).to_json()
         turns = sum(len(t) for t in result.turn_results.values())
         print(f"{victim} killed after {killed_at} turns; {turns} turns in {elapsed:.1f} s; "
               f"retries {calls['retries']}, dead engines seen {calls['dead_engines']}, stale results {calls['stale_results']}")

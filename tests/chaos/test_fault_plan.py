@@ -71,8 +71,8 @@ def run(cfg: DualPathConfig, trajs, mode: str = "dualpath", during: Callable[[An
             "engines": cluster.engine_stats(),
             "counters": cluster.counters(),
             "failures": result.failures,
-            "calls": ray.get(deployment.scheduler.call_counts.remote()),
-            "service": ray.get(deployment.scheduler.service_view.remote()),
+            "calls": ray.get(deployment.scheduler.call_counts.remote()).to_json(),
+            "service": ray.get(deployment.scheduler.service_view.remote()).to_json(),
             "in_flight": ray.get(deployment.scheduler.check_integrity.remote()),
             "faults": cluster.fault_counts(),
             "integrity": cluster.integrity_report(),
@@ -155,7 +155,7 @@ def wait_until_restarted(deployment: Any, role: str, timeout_s: float = RESTART_
     came back as a first sighting, never counted; the deployment now waits for every first
     report, runtime/deploy/deployment.py.)"""
     deadline = time.monotonic() + timeout_s
-    while ray.get(deployment.scheduler.call_counts.remote())[f"restarted_{role}"] < 1:
+    while ray.get(deployment.scheduler.call_counts.remote()).to_json()[f"restarted_{role}"] < 1:
         if time.monotonic() > deadline:
             raise AssertionError(f"the scheduler saw no restarted {role} within {timeout_s} s")
         time.sleep(0.2)

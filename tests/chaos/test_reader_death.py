@@ -42,7 +42,7 @@ def rollout_killing_reader(cfg: DualPathConfig, trajs, reader: str) -> Iterator[
     try:
         deployment = cluster.deploy("dualpath")
         result, killed_at = rollout_killing_actor(cluster, trajs, deployment.readers[reader], after_turns=8)
-        calls = ray.get(deployment.scheduler.call_counts.remote())
+        calls = ray.get(deployment.scheduler.call_counts.remote()).to_json()
         yield deployment, result, killed_at, {**calls, "verify_mismatches": verify_mismatches(cluster)}
     finally:
         cluster.deployment.readers.pop(reader, None)

@@ -54,8 +54,8 @@ def kill_a_prefill_engine_mid_read(cluster: DualPathCluster, timeout_s: float = 
     while time.monotonic() < deadline:
         if any(ray.get(r.read_q.remote()) > 0 for r in deployment.readers.values()):
             engines = sorted({
-                e["prefill_engine"] for e in ray.get(deployment.scheduler.in_flight.remote()).values()
-                if e["prefill_engine"]
+                e.prefill_engine for e in ray.get(deployment.scheduler.in_flight.remote()).values()
+                if e.prefill_engine
             })
             if engines:
                 ray.kill(deployment.engines[engines[0]], no_restart=True)

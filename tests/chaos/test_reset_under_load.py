@@ -36,7 +36,7 @@ def test_resets_and_an_abort_while_turns_run_lose_no_other_turn() -> None:
         worker = threading.Thread(target=lambda: box.setdefault("result", cluster.rollout(trajs, progress=False)))
         started = time.monotonic()
         worker.start()
-        while ray.get(scheduler.call_counts.remote())["complete"] < 8 and worker.is_alive():
+        while ray.get(scheduler.call_counts.remote()).received.complete < 8 and worker.is_alive():
             time.sleep(0.05)
         cluster.abort_trajectory(victim)
         resets = 0
@@ -47,7 +47,7 @@ def test_resets_and_an_abort_while_turns_run_lose_no_other_turn() -> None:
         worker.join(timeout=240)
         assert not worker.is_alive(), "the rollout ends"
         result = box["result"]
-        calls = ray.get(scheduler.call_counts.remote())
+        calls = ray.get(scheduler.call_counts.remote()).to_json()
         print(f"{resets} resets; rollout {time.monotonic() - started:.1f} s; report errors {calls.get('report_errors')}, "
               f"timeouts {calls['timeouts']}, retries {calls['retries']}, orphaned blocks {calls.get('unpublished_blocks')}")
         assert not result.failures, f"no turn lost to a reset of the index: {result.failures}"

@@ -62,11 +62,11 @@ def test_a_killed_producer_releases_its_waiters_and_every_sample_finishes_identi
         victim, deadline = None, time.monotonic() + 120
         while victim is None and time.monotonic() < deadline:
             live = ray.get(scheduler.in_flight.remote())
-            waiting = {rid.split("-s")[0] for rid, r in live.items() if r["state"] == "waiting_prefix"}
+            waiting = {rid.split("-s")[0] for rid, r in live.items() if r.state == "waiting_prefix"}
             # The producer's engine: its prefill engine while it prefills, then its decode engine.
-            producers = [r["prefill_engine"] if r["state"] == "prefilling" else r["decode_engine"]
+            producers = [r.prefill_engine if r.state == "prefilling" else r.decode_engine
                          for rid, r in live.items()
-                         if r["state"] in ("prefilling", "decoding") and rid.split("-s")[0] in waiting]
+                         if r.state in ("prefilling", "decoding") and rid.split("-s")[0] in waiting]
             victim = producers[0] if producers else None
             time.sleep(0.01)
         assert victim is not None, "samples waited for a producer computing their prompt"
@@ -74,7 +74,7 @@ def test_a_killed_producer_releases_its_waiters_and_every_sample_finishes_identi
         worker.join(timeout=300)
         assert not worker.is_alive(), "the rollout finishes (no waiter is left waiting for a dead producer)"
         result = box["result"]
-        calls = ray.get(scheduler.call_counts.remote())
+        calls = ray.get(scheduler.call_counts.remote()).to_json()
         print(f"killed {victim} under a producer; retries {calls['retries']}, dead engines {calls['dead_engines']}, "
               f"waits {calls['prefix_waits']}, released on failure {calls['released_on_failure']}, "
               f"prefix tokens shared {calls['shared_prefix_tokens']}")

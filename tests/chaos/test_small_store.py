@@ -47,7 +47,7 @@ def test_a_store_at_half_the_working_set_completes_with_identical_outputs():
     try:
         deployment = cluster.deploy("dualpath")
         result = cluster.rollout(trajs, progress=False)
-        calls = ray.get(deployment.scheduler.call_counts.remote())
+        calls = ray.get(deployment.scheduler.call_counts.remote()).to_json()
         summary = result.summary()
         deleted = settle_store(deployment.scheduler)  # evicted files go on the janitor's thread
         store = open_store(cfg.store, layout, root=deployment.store_root)

@@ -53,7 +53,7 @@ def test_a_killed_vllm_engine_is_restarted_and_loses_nothing(reference, victim: 
         monkey.start()
         result = cluster.rollout(trajs, progress=False)
         monkey.join(timeout=60)
-        calls = ray.get(deployment.scheduler.call_counts.remote())
+        calls = ray.get(deployment.scheduler.call_counts.remote()).to_json()
         pools = settled_pools(cluster, timeout_s=20.0)
     finally:
         cluster.shutdown()

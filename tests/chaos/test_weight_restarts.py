@@ -68,7 +68,7 @@ def test_engines_restarted_after_a_weight_update_serve_only_the_new_weights() ->
         for victim in victims:
             ray.kill(deployment.engines[victim], no_restart=False)
         result = cluster.rollout(trajs, progress=False)
-        calls = ray.get(deployment.scheduler.call_counts.remote())
+        calls = ray.get(deployment.scheduler.call_counts.remote()).to_json()
         held = {v: ray.get(deployment.engines[v].held_weights.remote(), timeout=60) for v in victims}
         print(f"restarted engines' weights {held}; retries {calls['retries']}, "
               f"unready engines seen {calls['unready_engines']}, restarts seen {calls['restarted_engines']}")

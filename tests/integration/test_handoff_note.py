@@ -31,18 +31,18 @@ def test_the_scheduler_sees_a_turn_decoding_before_any_heartbeat(cluster_for) ->
     deployment = cluster.deployment
     outcome: dict[str, object] = {}
     rolling = threading.Thread(target=lambda: outcome.update(result=cluster.rollout([trajectory], progress=False)))
-    heartbeats = ray.get(deployment.scheduler.call_counts.remote())["heartbeats"]
+    heartbeats = ray.get(deployment.scheduler.call_counts.remote()).received.heartbeats
     rolling.start()
     states: list[str] = []
     while rolling.is_alive():
         entry = ray.get(deployment.scheduler.in_flight.remote()).get("note/t0")
-        if entry is not None and (not states or states[-1] != entry["state"]):
-            states.append(entry["state"])
+        if entry is not None and (not states or states[-1] != entry.state):
+            states.append(entry.state)
         time.sleep(0.02)
     rolling.join()
     result = outcome["result"]
     assert result.failures == {}, f"the turn succeeded: {result.failures}"  # type: ignore[attr-defined]
-    assert ray.get(deployment.scheduler.call_counts.remote())["heartbeats"] == heartbeats, (
+    assert ray.get(deployment.scheduler.call_counts.remote()).received.heartbeats == heartbeats, (
         "the scheduler asked no engine for a heartbeat during the turn, as this test needs"
     )
     assert "decoding" in states, f"the scheduler saw the turn decoding while it decoded; states seen: {states}"

@@ -78,7 +78,7 @@ def idle_activity(cluster: DualPathCluster, deployment, seconds: float) -> dict[
 
     def snapshot() -> tuple[dict[str, int], dict[str, int], list[int]]:
         loops = {name: stats["worker_loops"] for name, stats in cluster.engine_stats().items()}
-        calls = ray.get(deployment.scheduler.call_counts.remote())
+        calls = ray.get(deployment.scheduler.call_counts.remote()).to_json()
         reports = ray.get([reader.reports_sent.remote() for reader in deployment.readers.values()])
         return loops, calls, reports
 

@@ -11,6 +11,7 @@ import pytest
 import ray
 
 from dualpath_ray.cluster import DualPathCluster
+from dualpath_ray.kv.staged import StagingCounts
 from tests.helpers import recompute_outputs, runtime_config, settled_pools, trajectories
 
 pytestmark = [pytest.mark.integration]
@@ -18,7 +19,7 @@ pytestmark = [pytest.mark.integration]
 TOOL_S = 1.5
 
 
-def reader_staging(cluster: DualPathCluster) -> dict[str, dict[str, int]]:
+def reader_staging(cluster: DualPathCluster) -> dict[str, StagingCounts]:
     readers = cluster.deployment.readers
     return {name: ray.get(actor.staging_counts.remote()) for name, actor in readers.items()}
 
@@ -29,7 +30,7 @@ def test_a_rollout_with_tool_time_stages_each_next_turn_and_uses_it(cluster_for)
     cluster = cluster_for(cfg, "dualpath")
     deployment = cluster.deployment
     result = cluster.rollout(trajs, progress=False)
-    calls = ray.get(deployment.scheduler.call_counts.remote())
+    calls = ray.get(deployment.scheduler.call_counts.remote()).to_json()
     staging = reader_staging(cluster)
     pools = settled_pools(cluster, 10.0)
     print(f"scheduler: {({k: v for k, v in calls.items() if k.startswith('stage')})}; readers: {staging}")
@@ -38,7 +39,7 @@ def test_a_rollout_with_tool_time_stages_each_next_turn_and_uses_it(cluster_for)
     hinted = 4 * 2  # every turn but the last of each trajectory is followed by tool time
     assert calls["stage_orders"] == hinted, "each hinted turn's context was ordered staged"
     assert calls["stage_claims"] > 0, "next turns claimed their staged chains"
-    used = sum(counts["used"] for counts in staging.values())
+    used = sum(counts.used for counts in staging.values())
     assert used > 0, f"the readers handed staged blocks to next turns: {staging}"
     later = [r for turns in result.turn_results.values() for r in turns[1:]]
     assert all(r.path == "de" for r in later if r.hit_tokens), "staged turns read their hits on the DE path"
@@ -58,10 +59,10 @@ def test_a_session_that_never_returns_costs_one_extent_until_it_expires(cluster_
     held = max(capacity - free for free, _, _, capacity in cluster.pool_integrity().values())
     pools = settled_pools(cluster, 10.0)
     staging = reader_staging(cluster)
-    calls = ray.get(cluster.deployment.scheduler.call_counts.remote())
+    calls = ray.get(cluster.deployment.scheduler.call_counts.remote()).to_json()
     print(f"blocks held right after the hinted turn: {held}; readers: {staging}")
     assert calls["stage_orders"] == 1, "the hinted turn's context was ordered staged, once"
-    expired = sum(counts["expired"] for counts in staging.values())
+    expired = sum(counts.expired for counts in staging.values())
     assert expired == calls["stage_order_blocks"] > 0, "that one extent, unclaimed, expired whole"
-    assert sum(counts["used"] for counts in staging.values()) == 0, "nothing claimed it"
+    assert sum(counts.used for counts in staging.values()) == 0, "nothing claimed it"
     assert all(free == capacity for free, _, _, capacity in pools.values()), f"and its extent was freed: {pools}"

@@ -20,6 +20,7 @@ from dualpath_ray.runtime.telemetry.actor_metrics import EngineMetrics, ReaderMe
 from dualpath_ray.protocol.messages import ErrorKind, GroupReport, TurnResult
 from dualpath_ray.scheduling.loads import EngineLoad
 from dualpath_ray.runtime.telemetry.metrics_export import CounterTotals, PeriodicExport
+from dualpath_ray.protocol.types import ReadPath
 from tests.engine_harness import DE, PE, EngineHarness, Request
 from tests.metric_sink import RecordingSink
 
@@ -154,11 +155,11 @@ def test_kv_load_is_observed_for_stage_calls_with_hits_that_succeed(tmp_path: Pa
     try:
         sink = RecordingSink()
         exporter = ReaderMetrics(sink, h.readers.cores["d0"], "decode")
-        with exporter.kv_load("de", 3):
+        with exporter.kv_load(ReadPath.DE, 3):
             pass
-        with exporter.kv_load("de", 0):
+        with exporter.kv_load(ReadPath.DE, 0):
             pass
-        with pytest.raises(RuntimeError), exporter.kv_load("de", 2):
+        with pytest.raises(RuntimeError), exporter.kv_load(ReadPath.DE, 2):
             raise RuntimeError("the read failed")
         seen = sink.observations[("dualpath_kv_load_seconds", (("node", "d0"), ("path", "de"), ("role", "decode")))]
         assert len(seen) == 1 and seen[0] >= 0, f"only the successful stage with hits is a KV load: {seen}"

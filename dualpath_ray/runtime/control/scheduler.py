@@ -21,7 +21,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import Any, AsyncIterator, Mapping
+from dataclasses import replace
+from typing import AsyncIterator, Mapping
 
 import ray
 
@@ -42,6 +43,9 @@ from dualpath_ray.runtime.weights.ledger import Publication
 from dualpath_ray.runtime.control.weight_updates import WeightUpdates
 from dualpath_ray.protocol.names import SCHEDULER
 from dualpath_ray.runtime.telemetry.scheduler_counts import SchedulerCounts
+from dualpath_ray.runtime.telemetry.status_views import (
+    CallCounts, ChannelRefusals, RequestView, ServiceView, ToolStagingCounts, TrackedTables,
+)
 from dualpath_ray.runtime.control.aborts import Aborts
 from dualpath_ray.runtime.control.adoption import Adoptions
 from dualpath_ray.runtime.control.decisions import Decisions, ReaderStates
@@ -319,11 +323,10 @@ class Scheduler:
 
     # --- views --------------------------------------------------------------------------
 
-    async def in_flight(self) -> dict[str, dict[str, Any]]:
+    async def in_flight(self) -> dict[str, RequestView]:
         """Each live request: its state, attempt and the engines it holds (for `status` and tests)."""
         return {
-            rid: {"state": e.state.value, "attempt": e.spec.attempt,
-                  "prefill_engine": e.prefill_engine, "decode_engine": e.decode_engine}
+            rid: RequestView(e.state.value, e.spec.attempt if e.spec is not None else 0, e.prefill_engine, e.decode_engine)
             for rid, e in self.core.requests.items()
         }
 
@@ -333,64 +336,48 @@ class Scheduler:
         self.core.dispatcher.check_integrity()
         return len(self.core.requests)
 
-    async def service_view(self) -> dict[str, list[str]]:
-        """Who is out of service and why (for `status` and tests): engines dead for good or
-        presumed dead from silence, nodes whose reader is gone or unavailable, nodes whose hits
-        are read through the DE path instead, and the last incarnation seen of each actor."""
+    async def service_view(self) -> ServiceView:
+        """Who is out of service and why (for `status` and tests)."""
         core = self.core
         known = self.watchdog.incarnations.known if self.watchdog is not None else {}
-        return {
-            "dead": sorted(core.dead), "presumed_dead": sorted(core.presumed_dead), "unready": sorted(core.unready),
-            "readers_dead": sorted(core.readers_dead), "readers_unavailable": sorted(core.readers_unavailable),
-            "no_pe_reads": sorted(core.dispatcher.no_pe_reads),
-            "incarnations": [f"{name}={inc}" for name, inc in sorted(known.items())],
-        }
+        return ServiceView(
+            tuple(sorted(core.dead)), tuple(sorted(core.presumed_dead)), tuple(sorted(core.unready)),
+            tuple(sorted(core.readers_dead)), tuple(sorted(core.readers_unavailable)),
+            tuple(sorted(core.dispatcher.no_pe_reads)), dict(known),
+        )
 
-    async def call_counts(self) -> dict[str, int]:
+    async def call_counts(self) -> CallCounts:
         """How often each entry point ran (submits, collects, engine and reader reports, task
         pushes, heartbeats, turns), retries and their causes, and the store's evictions."""
-        evicted = self.core.eviction.stats.evicted_blocks if self.core.eviction is not None else 0
+        core, channel, stats = self.core, self.reports, self.core.staging.stats
         rounds = self.decisions.rounds.stats if self.decisions is not None else None
-        sent = {f"sent_{method}": count for method, count in self.control.sent.items()}
-        return {**self.calls.as_dict(), **sent, "evicted_blocks": evicted,
-                "indexed_blocks": len(self.core.index), "unpublished_blocks": self.core.unpublished_blocks,
-                "readmitted": self.core.readmitted, "adopted": self.adoptions.adopted,
-                "adoptions_dropped": self.adoptions.dropped, "restarted": int(self.restarted), "mailboxes": len(self.mailboxes),
-                "dropped_results": self.mailboxes.dropped, "queue_full": self.serving.refused,
-                "decode_pulls": rounds.decode_pulls if rounds else 0, "prefill_pulls": rounds.prefill_pulls if rounds else 0,
-                "recomputed_hit_tokens": self.core.dispatcher.recomputed_hit_tokens, **self.core.sharing_counts(),
-                **{f"reread_elsewhere_{cause}": n for cause, n in self.core.reread_elsewhere.items()},
-                **self._staging_counts(), **self._channel_counts()}
+        return CallCounts(
+            received=replace(self.calls), sent=dict(self.control.sent),
+            evicted_blocks=core.eviction.stats.evicted_blocks if core.eviction is not None else 0,
+            indexed_blocks=len(core.index), unpublished_blocks=core.unpublished_blocks, readmitted=core.readmitted,
+            adopted=self.adoptions.adopted, adoptions_dropped=self.adoptions.dropped, restarted=bool(self.restarted),
+            mailboxes=len(self.mailboxes), dropped_results=self.mailboxes.dropped, queue_full=self.serving.refused,
+            decode_pulls=rounds.decode_pulls if rounds else 0, prefill_pulls=rounds.prefill_pulls if rounds else 0,
+            recomputed_hit_tokens=core.dispatcher.recomputed_hit_tokens, reread_elsewhere=dict(core.reread_elsewhere),
+            sharing=core.sharing_counts(),
+            staging=ToolStagingCounts(
+                stats.ordered, stats.ordered_blocks, stats.claimed, stats.claimed_blocks, stats.expired,
+                core.dispatcher.staged_missed, stats.too_short, stats.unready,
+            ),
+            channel=None if channel is None else ChannelRefusals(
+                channel.rejected, channel.timed_out, channel.refused, channel.undecodable,
+            ),
+        )
 
-    def _channel_counts(self) -> dict[str, int]:
-        """The report channel's refusals: connections closed for breaking the protocol (a bad
-        MAC, a jump in numbering), for not finishing the handshake in time or past the cap, and
-        authenticated frames whose payload was no message."""
-        channel = self.reports
-        if channel is None:
-            return {}
-        return {"channel_rejected": channel.rejected, "channel_timed_out": channel.timed_out,
-                "channel_refused": channel.refused, "channel_undecodable": channel.undecodable}
-
-    def _staging_counts(self) -> dict[str, int]:
-        """Tool-time staging at the scheduler: chains ordered staged (and their blocks), claimed by
-        a next turn, expired unclaimed, claims the placement could not honour, hints whose tool
-        time could not cover the read, and next turns that came before their chain was read."""
-        stats = self.core.staging.stats
-        return {"stage_orders": stats.ordered, "stage_order_blocks": stats.ordered_blocks,
-                "stage_claims": stats.claimed, "stage_claimed_blocks": stats.claimed_blocks,
-                "stage_expired": stats.expired, "stage_missed": self.core.dispatcher.staged_missed,
-                "stage_too_short": stats.too_short, "stage_unready": stats.unready}
-
-    async def tracked(self) -> dict[str, int]:
+    async def tracked(self) -> TrackedTables:
         """Sizes of every per-request table this actor keeps, and the aborted trajectories' marks
         (a soak test checks they return to their starting size once the turns are done and the
         marks idle for runtime.session_ttl_s)."""
         silent, unheld, delivering = self.liveness.tracked()
-        return {"requests": len(self.core.requests), "pending": len(self.serving.pending),
-                "clients": len(self.clients), "suspects": len(self.serving.suspects),
-                "streams": len(self.streams), "running": len(self.aborts.running),
-                "abort_marks": self.aborts.marks(), "silent": silent, "unheld": unheld, "delivering": delivering}
+        return TrackedTables(
+            len(self.core.requests), len(self.serving.pending), len(self.clients), len(self.serving.suspects),
+            len(self.streams), len(self.aborts.running), self.aborts.marks(), silent, unheld, delivering,
+        )
 
     async def recent_turns(self) -> list[tuple[float, float, float, str]]:
         """(finished at, ttft_s, tpot_s, path) of the latest served turns, for `dualpath status`."""

@@ -92,7 +92,7 @@ def _wait_until_known(scheduler: Any, names: frozenset[str], timeout_s: float) -
     written off as dead stayed out of service."""
     deadline = time.monotonic() + timeout_s
     while True:
-        known = {entry.split("=", 1)[0] for entry in ray.get(scheduler.service_view.remote())["incarnations"]}
+        known = set(ray.get(scheduler.service_view.remote()).incarnations)
         missing = sorted(names - known)
         if not missing:
             return

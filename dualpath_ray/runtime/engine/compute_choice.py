@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from dualpath_ray.config import DualPathConfig
+from dualpath_ray.config.engine import EngineBackend
 from dualpath_ray.kv.layout import KVLayout
 from dualpath_ray.runtime.compute.engine_compute import EngineCompute, ModelCompute
 from dualpath_ray.protocol.types import Role
@@ -20,7 +21,7 @@ from dualpath_ray.protocol.types import Role
 def make_compute(cfg: DualPathConfig, layout: KVLayout, device: torch.device, role: Role | None = None) -> EngineCompute:
     """The model on `device`, or the profile's emulated time when emulation.compute is profile;
     with engine.backend vllm, a vLLM engine of this engine's `role` (runtime/vllm_engine/compute.py)."""
-    if cfg.engine.backend == "vllm":
+    if cfg.engine.backend is EngineBackend.VLLM:
         if role is None:
             raise ValueError("a vLLM compute is sized for a prefill or a decode engine: pass its role")
         from dualpath_ray.runtime.vllm_engine.compute import VllmCompute  # imports vLLM: only when asked for

@@ -22,6 +22,7 @@ import torch
 
 from dualpath_ray.faults.injector import FaultInjector, InjectedFault
 from dualpath_ray.faults.plan import CallPhase, FaultMode, FaultSite
+from dualpath_ray.protocol.types import ReadPath
 from dualpath_ray.protocol.messages import (
     DecodeHandoff, ExtentGrant, Holding, PersistedBlock, StagedRead, TokenChunk, TurnResult,
 )
@@ -72,12 +73,12 @@ class FaultyReaders:
         self.inner = inner
         self.faults = faults
 
-    def stage(
-        self, node_id: str, owner: str, keys: Sequence[str], total_blocks: int, path: str, first_block: int = 0,
+    def read_hits(
+        self, node_id: str, owner: str, keys: Sequence[str], total_blocks: int, path: ReadPath, first_block: int = 0,
         staged: StagedRead | None = None,
     ) -> Pending[ExtentGrant]:
         return _call(
-            self.faults, "stage", lambda: self.inner.stage(node_id, owner, keys, total_blocks, path, first_block, staged)
+            self.faults, "read_hits", lambda: self.inner.read_hits(node_id, owner, keys, total_blocks, path, first_block, staged)
         )
 
     def lease(self, node_id: str, owner: str, n_blocks: int) -> Pending[ExtentGrant]:

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from dualpath_ray.kv.host_memory import HostPinning, allocate_host_buffer
+from dualpath_ray.protocol.types import ReadPath
 from dualpath_ray.protocol.messages import ExtentGrant, PersistedBlock, StagedRead
 from dualpath_ray.runtime.engine.ports import Pending, ReaderPort
 from dualpath_ray.runtime.transport.base import Transport
@@ -250,11 +251,11 @@ class _StagingReaders:
         return self._inner.persist_pages(node_id, owner, blocks)
 
     # The other calls touch no engine memory.
-    def stage(
-        self, node_id: str, owner: str, keys: Sequence[str], total_blocks: int, path: str, first_block: int = 0,
+    def read_hits(
+        self, node_id: str, owner: str, keys: Sequence[str], total_blocks: int, path: ReadPath, first_block: int = 0,
         staged: StagedRead | None = None,
     ) -> Pending[ExtentGrant]:
-        return self._inner.stage(node_id, owner, keys, total_blocks, path, first_block, staged)
+        return self._inner.read_hits(node_id, owner, keys, total_blocks, path, first_block, staged)
 
     def lease(self, node_id: str, owner: str, n_blocks: int) -> Pending[ExtentGrant]:
         return self._inner.lease(node_id, owner, n_blocks)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Generic, Protocol, Sequence, TypeVar
 
+from dualpath_ray.protocol.types import ReadPath
 from dualpath_ray.protocol.messages import (
     DecodeHandoff, ExtentGrant, Holding, PersistedBlock, RequestSpec, StagedRead, TokenChunk, TurnResult,
 )
@@ -58,8 +59,8 @@ class Failed:
 class ReaderPort(Protocol):
     """The storage readers of every node, addressed by node id."""
 
-    def stage(
-        self, node_id: str, owner: str, keys: Sequence[str], total_blocks: int, path: str, first_block: int = 0,
+    def read_hits(
+        self, node_id: str, owner: str, keys: Sequence[str], total_blocks: int, path: ReadPath, first_block: int = 0,
         staged: StagedRead | None = None,
     ) -> Pending[ExtentGrant]:
         """Lease an extent of total_blocks on the node and read the hit blocks `keys` into its

@@ -17,6 +17,7 @@ from dualpath_ray.runtime.engine.directory import ActorDirectory
 from dualpath_ray.runtime.reporting.channel import ChannelAddress
 from dualpath_ray.runtime.reporting.client import ReportClient, SentReport
 from dualpath_ray.runtime.transport.moves import PeerDiedError
+from dualpath_ray.protocol.types import ReadPath
 from dualpath_ray.protocol.messages import (
     DecodeHandoff, EngineReport, ExtentGrant, Holding, PersistedBlock, StagedRead, TokenChunk, TurnResult,
 )
@@ -59,13 +60,13 @@ class RayReaders:
     def _reader(self, node_id: str) -> Any:
         return self.directory.get(reader_name(node_id))
 
-    def stage(
-        self, node_id: str, owner: str, keys: Sequence[str], total_blocks: int, path: str, first_block: int = 0,
+    def read_hits(
+        self, node_id: str, owner: str, keys: Sequence[str], total_blocks: int, path: ReadPath, first_block: int = 0,
         staged: StagedRead | None = None,
     ) -> RefPending:
-        self.sent["stage"] += 1
+        self.sent["read_hits"] += 1
         reader = self._reader(node_id)
-        return RefPending(reader.stage.remote(owner, list(keys), total_blocks, path, first_block, staged), self.wake)
+        return RefPending(reader.read_hits.remote(owner, list(keys), total_blocks, path, first_block, staged), self.wake)
 
     def lease(self, node_id: str, owner: str, n_blocks: int) -> RefPending:
         self.sent["lease"] += 1

@@ -196,13 +196,13 @@ class PrefillCore:
             # so that extent ends up holding the whole prompt (with task.staged, its reader hands
             # over the chain staged in tool time and reads only the rest).
             if pe_blocks:
-                job.staging["pe"] = readers.stage(self.settings.node_id, owner, keys[:pe_blocks], pe_blocks, "pe")
+                job.reads[ReadPath.PE] = readers.read_hits(self.settings.node_id, owner, keys[:pe_blocks], pe_blocks, ReadPath.PE)
             if keys[pe_blocks:]:
-                job.staging["de"] = readers.stage(task.decode_node, owner, keys[pe_blocks:], blocks, "de",
-                                                  pe_blocks, staged=task.staged)
+                job.reads[ReadPath.DE] = readers.read_hits(
+                    task.decode_node, owner, keys[pe_blocks:], blocks, ReadPath.DE, pe_blocks, staged=task.staged)
             else:
-                job.staging["de"] = readers.lease(task.decode_node, owner, blocks)
-        self.stats.port_calls += len(job.staging)
+                job.reads[ReadPath.DE] = readers.lease(task.decode_node, owner, blocks)
+        self.stats.port_calls += len(job.reads)
         return job
 
     def _read_oracle_hits(self, keys: list[str]) -> torch.Tensor | None:
@@ -254,15 +254,17 @@ class PrefillCore:
             staging = [j for j in self.jobs.values() if j.state is PrefillState.STAGING]
         for job in staging:
             try:
-                here, there = self.settings.node_id, job.task.decode_node  # the "pe" and "de" readers' nodes
-                if not all(read_done(p, there if side == "de" else here) for side, p in job.staging.items()):
+                nodes = {ReadPath.PE: self.settings.node_id, ReadPath.DE: job.task.decode_node}  # each side's reader
+                if not all(read_done(pending, nodes[side]) for side, pending in job.reads.items()):
                     continue
             except ReadFailed as failed:  # a failed read fails this request only
                 self._fail(job, failed)
                 continue
-            for side, pending in job.staging.items():
-                setattr(job, side, pending.wait(0))
-            job.staging = {}
+            if ReadPath.PE in job.reads:
+                job.pe = job.reads[ReadPath.PE].wait(0)
+            if ReadPath.DE in job.reads:  # an oracle job reads nothing
+                job.de = job.reads[ReadPath.DE].wait(0)
+            job.reads = {}
             job.digests = self._first_digests(job)
             transition(job, PrefillState.READY)
 
@@ -369,8 +371,8 @@ class PrefillCore:
     def _fail(self, job: PrefillJob, error: BaseException, report: bool = True) -> None:
         """Free what the request holds, report the error (unless cancelled), forget it."""
         with self._lock:
-            self._orphans.extend(job.staging.values())
-        job.staging = {}
+            self._orphans.extend(job.reads.values())
+        job.reads = {}
         self._reap_orphans()
         for grant in (job.pe, job.de):
             if grant is not None:

@@ -17,6 +17,7 @@ import torch
 
 from dualpath_ray.lifecycle import Lifecycle, TransitionError
 from dualpath_ray.protocol.messages import ExtentGrant, PrefillTask
+from dualpath_ray.protocol.types import ReadPath
 from dualpath_ray.runtime.engine.ports import (
     Clock, DecodePort, Pending, ReaderPort, SchedulerPort, TransportPort, WeightsPort,
 )
@@ -54,7 +55,9 @@ class PrefillJob:
     prompt: np.ndarray
     state: PrefillState = PrefillState.STAGING
     computed: int = 0
-    staging: dict[str, Pending[ExtentGrant]] = field(default_factory=dict)
+    # Each side's extent in flight while STAGING: read_hits (or, the DE side of a PE-path
+    # request, a lease); both become `pe`/`de` once every one is done.
+    reads: dict[ReadPath, Pending[ExtentGrant]] = field(default_factory=dict)
     pe: ExtentGrant | None = None
     de: ExtentGrant | None = None
     oracle_kv: torch.Tensor | None = None

@@ -31,9 +31,11 @@ from dualpath_ray.runtime.telemetry.actor_metrics import ReaderMetrics
 from dualpath_ray.runtime.emulation import make_link
 from dualpath_ray.runtime.engine.directory import ActorDirectory
 from dualpath_ray.protocol.messages import ExtentGrant, PersistedBlock, ReaderReport, StagedRead
+from dualpath_ray.protocol.types import ReadPath
 from dualpath_ray.runtime.reader.core import ReaderCore, ReaderSettings
 from dualpath_ray.runtime.reader.expiry_timer import ExpiryTimer
 from dualpath_ray.runtime.reader.stage_queue import StageQueue
+from dualpath_ray.kv.staged import StagingCounts
 from dualpath_ray.scheduling.staging import StageOrder
 from dualpath_ray.runtime.reader.queue_reporter import QueueReporter
 from dualpath_ray.runtime.engine.ray_ports import scheduler_channel
@@ -154,12 +156,12 @@ class StorageReader(TransportEndpoint):
         return bool(incarnation) and incarnation != self.incarnation
 
     @ray.method(concurrency_group="io")
-    def stage(
-        self, owner: str, keys: list[str], total_blocks: int, path: str, first_block: int = 0,
+    def read_hits(
+        self, owner: str, keys: list[str], total_blocks: int, path: ReadPath, first_block: int = 0,
         staged: StagedRead | None = None,
     ) -> ExtentGrant:
         with self.metrics.kv_load(path, len(keys)):
-            return self.core.stage(owner, keys, total_blocks, path, self.name, first_block, staged)
+            return self.core.read_hits(owner, keys, total_blocks, path, self.name, first_block, staged)
 
     @ray.method(concurrency_group="ctl")
     def stage_ahead(self, orders: list[StageOrder]) -> None:
@@ -176,7 +178,7 @@ class StorageReader(TransportEndpoint):
                 LOG.exception("%s: staging order %s failed", self.name, queued.order.stage_id)
 
     @ray.method(concurrency_group="ctl")
-    def staging_counts(self) -> dict[str, int]:
+    def staging_counts(self) -> StagingCounts:
         """Staged blocks by outcome: staged, used, expired, cancelled, skipped, failed, missed."""
         return self.core.staging_counts()
 

@@ -37,11 +37,13 @@ from dualpath_ray.kv.layout import KVLayout
 from dualpath_ray.kv.pool import BufferPool, Extent, ExtentState
 from dualpath_ray.protocol.counters import NodeCounters
 from dualpath_ray.protocol.messages import ExtentGrant, PersistedBlock, StagedRead
+from dualpath_ray.protocol.types import ReadPath
 from dualpath_ray.runtime.reader.extents import ExtentRetiredError, ReaderExtents, ReclaimedOwnerError
 from dualpath_ray.runtime.reader.read_time import StoreReadTime
 from dualpath_ray.runtime.reader.recent_keys import RecentKeys
 from dualpath_ray.runtime.reader.settings import ReaderFaults, ReaderSettings
 from dualpath_ray.runtime.reader.snic import ReadTurn, SnicLink
+from dualpath_ray.kv.staged import StagingCounts
 from dualpath_ray.runtime.reader.stager import ReaderStaging
 from dualpath_ray.runtime.reader.store_errors import WriteRefusals, bad_block_kind
 from dualpath_ray.runtime.reader.writer import BlockWriter
@@ -156,8 +158,8 @@ class ReaderCore:
         transport peer of the one-sided moves into its buffer)."""
         return ExtentGrant(self.node_id, reader, extent.extent_id, extent.slots, incarnation=self.incarnation)
 
-    def stage(
-        self, owner: str, keys: Sequence[str], total_blocks: int, path: str, reader: str, first_block: int = 0,
+    def read_hits(
+        self, owner: str, keys: Sequence[str], total_blocks: int, path: ReadPath, reader: str, first_block: int = 0,
         staged: StagedRead | None = None,
     ) -> ExtentGrant:
         """read_blocks, granted with the digests of the verified hit KV (runtime.kv_digests).
@@ -182,12 +184,12 @@ class ReaderCore:
         """Free the staged extents past their deadline; the next deadline (None: none staged)."""
         return self.stager.expire(now)
 
-    def staging_counts(self) -> dict[str, int]:
+    def staging_counts(self) -> StagingCounts:
         """Staged blocks by outcome (staged, used, expired, cancelled, skipped, failed, missed)."""
         return self.stager.counts()
 
     def _claim_staged(
-        self, owner: str, keys: Sequence[str], total_blocks: int, path: str, first_block: int, staged: StagedRead
+        self, owner: str, keys: Sequence[str], total_blocks: int, path: ReadPath, first_block: int, staged: StagedRead
     ) -> tuple[Extent, np.ndarray | None] | None:
         """The claimed staged extent, grown to total_blocks with the rest of `keys` read into it;
         None (a counted miss) when it cannot be claimed: the caller reads all of them."""
@@ -212,7 +214,7 @@ class ReaderCore:
 
     # --- storage I/O --------------------------------------------------------------------
 
-    def read_blocks(self, owner: str, keys: Sequence[str], total_blocks: int, path: str, first_block: int = 0) -> Extent:
+    def read_blocks(self, owner: str, keys: Sequence[str], total_blocks: int, path: ReadPath, first_block: int = 0) -> Extent:
         """Lease an extent of total_blocks and read the hit blocks `keys` into its slots from
         `first_block` on (the prompt's block positions; a split read's decode side starts past
         the blocks the prefill side reads).
@@ -233,7 +235,7 @@ class ReaderCore:
             )
 
     def _read(
-        self, owner: str, keys: Sequence[str], path: str, first_block: int, get_extent: Callable[[], Extent],
+        self, owner: str, keys: Sequence[str], path: ReadPath, first_block: int, get_extent: Callable[[], Extent],
         digests: bool = False, digest_from: int | None = None,
     ) -> tuple[Extent, np.ndarray | None]:
         """read_blocks into the extent `get_extent` leases (or grows), which it frees itself if
@@ -260,7 +262,7 @@ class ReaderCore:
                 self.on_read_q()
             queued = True
 
-        if path != "de":
+        if path is not ReadPath.DE:
             enqueue()
 
         turn = ReadTurn(self.snic_read.turns if keys else None, len(keys))

@@ -18,6 +18,7 @@ Shares the core's lock (`cond`): the table, the real-read count and the pool mov
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from typing import Callable, Sequence
 
@@ -25,16 +26,17 @@ from dualpath_ray.kv.block_store import BlockStore
 from dualpath_ray.kv.errors import BlockCorruptedError, BlockNotFoundError, IncompatibleBlockError
 from dualpath_ray.kv.layout import KVLayout
 from dualpath_ray.kv.pool import BufferPool, Extent
-from dualpath_ray.kv.staged import CLAIMABLE, StagedExtent, StagedTable, StageEvent, StageState
+from dualpath_ray.kv.staged import CLAIMABLE, StagedExtent, StagedTable, StageEvent, StageState, StagingCounts
 from dualpath_ray.protocol.counters import NodeCounters
 from dualpath_ray.protocol.messages import StagedRead
+from dualpath_ray.protocol.types import ReadPath
 from dualpath_ray.runtime.reader.snic import SnicLink
 from dualpath_ray.scheduling.staging import StageOrder
 
 # The store's errors for one bad block: the staged read fails, the claim reads it again (and
 # reports it as the normal read does).
 _STORE_ERRORS = (BlockNotFoundError, BlockCorruptedError, IncompatibleBlockError, OSError)
-STAGED_PATH = "de"  # staged blocks are read by the decode node's SNIC
+STAGED_PATH = ReadPath.DE  # staged blocks are read by the decode node's SNIC
 
 
 class ReaderStaging:
@@ -152,7 +154,7 @@ class ReaderStaging:
     # --- claims ---------------------------------------------------------------------------
 
     def claim(
-        self, staged: StagedRead, node_id: str, owner: str, keys: Sequence[str], path: str, first_block: int
+        self, staged: StagedRead, node_id: str, owner: str, keys: Sequence[str], path: ReadPath, first_block: int
     ) -> Extent | None:
         """The staged extent `staged` names, adopted by `owner`, holding keys[:staged.blocks] at
         block positions [0, staged.blocks); None (a miss, counted) when this node holds no live
@@ -162,7 +164,7 @@ class ReaderStaging:
         with self.cond:
             entry = self.table.get(staged.stage_id) if staged.node_id == node_id else None
             usable = (
-                entry is not None and entry.state in CLAIMABLE and path == STAGED_PATH and first_block == 0
+                entry is not None and entry.state in CLAIMABLE and path is STAGED_PATH and first_block == 0
                 and 0 < blocks == entry.blocks <= len(keys) and entry.keys == tuple(keys[:blocks])
             )
             if entry is None or not usable:
@@ -209,6 +211,7 @@ class ReaderStaging:
             self.cond.notify_all()
             return self.table.next_deadline()
 
-    def counts(self) -> dict[str, int]:
+    def counts(self) -> StagingCounts:
+        """A snapshot of the counts (the table's own go on changing)."""
         with self.cond:
-            return self.table.counts.as_dict()
+            return dataclasses.replace(self.table.counts)

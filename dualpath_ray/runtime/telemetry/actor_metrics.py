@@ -14,9 +14,11 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol, Sequence
 
 from dualpath_ray import metrics as m
 from dualpath_ray.config import DualPathConfig
+from dualpath_ray.kv.staged import StagingCounts
 from dualpath_ray.metrics import MetricSink, RayMetrics
 from dualpath_ray.protocol.counters import PATHS, NodeCounters
 from dualpath_ray.protocol.names import SCHEDULER, reader_name
+from dualpath_ray.protocol.types import ReadPath
 from dualpath_ray.runtime.telemetry.scheduler_counts import SchedulerCounts
 from dualpath_ray.runtime.telemetry.metrics_export import CounterTotals, PeriodicExport
 
@@ -75,7 +77,7 @@ class ReaderFigures(Protocol):
     @property
     def persist_mismatches(self) -> int: ...
 
-    def staging_counts(self) -> dict[str, int]: ...
+    def staging_counts(self) -> StagingCounts: ...
 
 
 class ReaderMetrics:
@@ -103,7 +105,7 @@ class ReaderMetrics:
         self.totals.update(m.STORE_CHECKSUM_FAILURES, self.core.corrupt_found(), self.tags)
         # Writes the store refused and blocks whose bytes failed their engine's digest: neither published.
         self.totals.update(m.STORE_WRITE_FAILURES, self.core.store_faults()[1] + self.core.persist_mismatches, self.tags)
-        for outcome, blocks in self.core.staging_counts().items():
+        for outcome, blocks in self.core.staging_counts().as_dict().items():
             self.totals.update(m.STAGED_BLOCKS, blocks, {**self.tags, "outcome": outcome})
         self.sink.set(m.READ_QUEUE_TOKENS, self.core.read_q(), self.tags)
         pool = self.core.pool.check_integrity()
@@ -112,13 +114,13 @@ class ReaderMetrics:
         self.sink.set(m.BUFFER_BYTES_CAPACITY, pool.capacity * block_bytes, self.tags)
 
     @contextmanager
-    def kv_load(self, path: str, hit_blocks: int) -> Iterator[None]:
-        """Time one stage call that loads `hit_blocks` blocks (lease wait + SNIC read); a call
+    def kv_load(self, path: ReadPath, hit_blocks: int) -> Iterator[None]:
+        """Time one read_hits call that loads `hit_blocks` blocks (lease wait + SNIC read); a call
         with no hit, or one that fails, is not a KV load and is not observed."""
         started = time.perf_counter()
         yield
         if hit_blocks and self.sink.enabled:
-            self.sink.observe(m.KV_LOAD_SECONDS, time.perf_counter() - started, {**self.tags, "path": path})
+            self.sink.observe(m.KV_LOAD_SECONDS, time.perf_counter() - started, {**self.tags, "path": path.value})
 
     def close(self) -> None:
         if self.export is not None:

@@ -58,13 +58,13 @@ def test_probability_is_seeded_bounded_and_forces_its_minimum() -> None:
 
 
 def test_actors_glob_and_methods_select_where_a_fault_applies() -> None:
-    p = plan({"site": "actor_call", "mode": "fail", "nth": 1, "actors": "prefill/*", "methods": ["stage"]},
+    p = plan({"site": "actor_call", "mode": "fail", "nth": 1, "actors": "prefill/*", "methods": ["read_hits"]},
              {"site": "actor_call", "mode": "fail", "nth": 1, "phase": "response", "actors": "prefill/*"})
     decode = FaultInjector(p, "decode/d0/g0")
     assert not decode.active, "a decode engine has no prefill faults"
     prefill = FaultInjector(p, "prefill/p0/g1")
     assert not prefill.fail_call("lease", CallPhase.REQUEST), "lease is not among the request fault's methods"
-    assert prefill.fail_call("stage", CallPhase.REQUEST), "the first stage request is lost"
+    assert prefill.fail_call("read_hits", CallPhase.REQUEST), "the first read_hits request is lost"
     assert prefill.fail_call("lease", CallPhase.RESPONSE), "the first reply of any call is lost"
     assert set(prefill.counts()) == {"actor_call:fail:request", "actor_call:fail:response"}, "labels name the phase"
 

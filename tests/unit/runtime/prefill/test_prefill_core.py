@@ -230,7 +230,7 @@ def test_a_failed_read_fails_only_that_request_and_frees_its_extents(harness) ->
     h = harness()
     context = tokens(100, 1)
     (turn1,) = h.serve([Request("t1", context, "pe")])
-    h.readers.fail_stage = 1
+    h.readers.fail_read_hits = 1
     follow = context + list(turn1.output_tokens) + tokens(10, 3)
     results = h.serve([Request("bad", follow, "pe"), Request("good", tokens(40, 4), "pe")])
     assert results[0].error and "injected read failure" in results[0].error, "the failed read is the request's error"
@@ -243,7 +243,7 @@ def test_a_lease_granted_after_its_request_failed_is_freed_not_leaked(harness) -
     context = tokens(100, 1)
     (turn1,) = h.serve([Request("t1", context, "pe")])
     gate = threading.Event()
-    h.readers.fail_stage, h.readers.lease_gate = 1, gate
+    h.readers.fail_read_hits, h.readers.lease_gate = 1, gate
     (bad,) = h.serve([Request("bad", context + list(turn1.output_tokens), "pe")])
     assert bad.error and "injected read failure" in bad.error, "the PE read failed while the DE lease still waited"
     assert h.prefill.orphans() == 1, "the waiting lease is remembered, not waited for in the failure path"
@@ -260,7 +260,7 @@ def test_a_duplicate_delivery_leases_nothing_and_runs_once(harness) -> None:
     task = h.task(Request("once", tokens(60, 7), "de"))
     h.prefill.accept([task])
     h.prefill.accept([task])
-    staging = [call for call in h.readers.calls if call in ("stage", "lease")]
+    staging = [call for call in h.readers.calls if call in ("read_hits", "lease")]
     assert staging == ["lease"], "one extent for the first delivery (no hits: an empty lease); the duplicate staged nothing"
     while not h.collector.results:  # the test's timeout ends it if it never finishes
         h.prefill.step() | h.decode.step()

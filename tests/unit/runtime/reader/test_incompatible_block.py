@@ -14,6 +14,7 @@ from dualpath_ray.kv.index import block_keys, namespace_for
 from dualpath_ray.kv.local_store import LocalDirStore
 from dualpath_ray.protocol.messages import ErrorKind
 from dualpath_ray.runtime.engine.failures import classify
+from dualpath_ray.protocol.types import ReadPath
 from tests.unit.runtime.reader.test_reader_core import reader_core
 
 
@@ -26,7 +27,7 @@ def test_a_block_of_another_layout_is_named_as_corrupt_and_its_extent_freed(tmp_
     LocalDirStore(tmp_path, other).put(keys[1], torch.zeros(other.full_block_shape, dtype=torch.uint8), keys[0])
     free_before = core.pool.check_integrity().free
     with pytest.raises(BadBlockError) as failed:
-        core.read_blocks("r1", keys, 2, "pe")
+        core.read_blocks("r1", keys, 2, ReadPath.PE)
     assert (failed.value.kind, failed.value.key) == ("corrupt", keys[1]), (
         "the block of another layout is named, so the scheduler unindexes and deletes exactly it"
     )

@@ -25,6 +25,7 @@ from dualpath_ray.protocol.messages import PersistedBlock
 from dualpath_ray.runtime.emulation.links import FifoTurns, Link, TokenBucket
 from dualpath_ray.runtime.reader.core import ReaderCore, ReaderFaults, ReaderSettings, ReclaimedOwnerError
 from dualpath_ray.runtime.reader.snic import SnicLink
+from dualpath_ray.protocol.types import ReadPath
 from tests.fakes import FakeSnicLink, ScriptedFaults
 from tests.helpers import wait_until
 
@@ -75,7 +76,7 @@ def test_reader_read_queue_drops_per_verified_block(tmp_path: Path, monkeypatch:
         inner(keys, outs, before_read=before_read, on_verified=verified)
 
     monkeypatch.setattr(core.store, "get_many_into", recording)
-    extent = core.read_blocks("r1", keys, 6, "pe")
+    extent = core.read_blocks("r1", keys, 6, ReadPath.PE)
     expected = [(i, (3 - i) * layout.block_size, (i + 1) * layout.full_block_bytes) for i in range(4)]
     assert seen == expected, "each verified block must leave the read queue and enter the SNIC counter at once"
     assert core.read_q() == 0, "the read queue must be exactly empty after the read"
@@ -103,9 +104,9 @@ def refused_leases(core: ReaderCore) -> list[str]:
     return refused
 
 
-@pytest.mark.parametrize(("path", "counted_while_waiting"), [("pe", True), ("de", False)])
+@pytest.mark.parametrize(("path", "counted_while_waiting"), [(ReadPath.PE, True), (ReadPath.DE, False)])
 def test_a_read_waiting_for_its_extent_counts_in_the_read_queue_only_on_the_pe_path(
-    tmp_path: Path, path: str, counted_while_waiting: bool
+    tmp_path: Path, path: ReadPath, counted_while_waiting: bool
 ) -> None:
     core = reader_core(tmp_path)
     layout = core.layout
@@ -139,7 +140,7 @@ def test_reader_failed_read_frees_the_extent_and_empties_the_queue(tmp_path: Pat
         core.store.put(key, torch.full(layout.full_block_shape, i + 1, dtype=torch.uint8))
     free_before = core.pool.check_integrity().free
     with pytest.raises(BadBlockError) as failed:
-        core.read_blocks("r1", keys, 4, "de")
+        core.read_blocks("r1", keys, 4, ReadPath.DE)
     assert (failed.value.kind, failed.value.key) == ("missing", keys[2]), "the error names the first bad block"
     assert core.read_q() == 0, "a failed read must leave no tokens in the read queue"
     assert core.counters.snic_read["de"] == 2 * layout.full_block_bytes, "only the verified blocks are counted"
@@ -172,7 +173,7 @@ def test_an_emulated_snic_serves_whole_reads_first_come_first_served(tmp_path: P
 
     def read(name: str, keys: list[str]) -> None:
         try:
-            extent = core.read_blocks(name, keys, 4, "pe")
+            extent = core.read_blocks(name, keys, 4, ReadPath.PE)
             core.free(extent.extent_id)
         except BadBlockError:
             pass
@@ -272,7 +273,7 @@ def test_a_corrupt_block_is_named_by_key_and_its_extent_freed(tmp_path: Path) ->
     path.write_bytes(bytes(raw))
     free_before = core.pool.check_integrity().free
     with pytest.raises(BadBlockError) as failed:
-        core.read_blocks("r1", keys, 3, "pe")
+        core.read_blocks("r1", keys, 3, ReadPath.PE)
     assert (failed.value.kind, failed.value.key) == ("corrupt", keys[1]), "the flipped payload byte is caught at read"
     assert core.pool.check_integrity().free == free_before, "the failed read's extent is free again"
     core.store.close()
@@ -341,19 +342,19 @@ def test_the_core_runs_on_in_process_fakes_of_its_links_and_fault_plan(tmp_path:
         core.store.put(key, torch.full(layout.full_block_shape, i + 1, dtype=torch.uint8))
 
     with pytest.raises(BadBlockError, match="unreadable"):
-        core.read_blocks("r1", keys[:1], 1, "pe")  # an injected EIO, repaired as a real one
+        core.read_blocks("r1", keys[:1], 1, ReadPath.PE)  # an injected EIO, repaired as a real one
     assert read_link.takes == [], "a failed block never pays the SNIC: its fault is decided first"
     assert core.read_q() == 0 and core.pool.check_integrity().free == core.pool.capacity, (
         "an injected read failure leaves no queued tokens and no leased slot"
     )
 
     with pytest.raises(BadBlockError) as failed:
-        core.read_blocks("r2", keys[1:2], 1, "de")
+        core.read_blocks("r2", keys[1:2], 1, ReadPath.DE)
     assert (failed.value.kind, failed.value.key) == ("corrupt", keys[1]), "the damaged block is caught at read"
     assert core.integrity_keys() == ([keys[1]], [keys[1]]), "what the plan damaged is exactly what was found"
     assert read_link.takes == [block], "a damaged block was read, so it paid the SNIC"
 
-    extent = core.read_blocks("r3", keys[2:], 2, "pe")
+    extent = core.read_blocks("r3", keys[2:], 2, ReadPath.PE)
     assert int(core.pool.full_block(extent.slots[0])[0, 0, 0]) == 3, "a block with no fault is read as stored"
     assert (core.counters.snic_read["pe"], core.counters.snic_read["de"]) == (block, 0), (
         "only verified blocks are counted, by their path"
@@ -383,7 +384,7 @@ def test_an_inactive_fault_plan_is_never_asked(tmp_path: Path) -> None:
     keys = block_keys(list(range(2 * layout.block_size)), layout.block_size, namespace_for("fakes", 1))
     for key in keys:
         core.store.put(key, torch.zeros(layout.full_block_shape, dtype=torch.uint8))
-    extent = core.read_blocks("r1", keys, 2, "pe")
+    extent = core.read_blocks("r1", keys, 2, ReadPath.PE)
     assert link.takes == [layout.full_block_bytes] * 2, "each hit block pays the SNIC once"
     assert core.write_extent(extent.extent_id, [(0, PersistedBlock(keys[0], None))]) == 1, "already stored counts as stored"
     core.store.close()

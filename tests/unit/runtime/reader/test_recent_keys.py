@@ -13,6 +13,7 @@ from dualpath_ray.kv.errors import BadBlockError
 from dualpath_ray.kv.index import block_keys, namespace_for
 from dualpath_ray.runtime.reader.core import ReaderCore
 from dualpath_ray.runtime.reader.recent_keys import DEFAULT_KEY_CAP, RecentKeys
+from dualpath_ray.protocol.types import ReadPath
 from tests.unit.runtime.reader.test_reader_core import reader_core
 
 
@@ -45,7 +46,7 @@ def test_the_readers_bad_block_keys_are_bounded_and_its_count_goes_on(tmp_path: 
         path.write_bytes(bytes(raw))
     for key in keys:
         with pytest.raises(BadBlockError):
-            core.read_blocks("r#0", [key], 1, "pe")
+            core.read_blocks("r#0", [key], 1, ReadPath.PE)
     damaged, corrupt = core.integrity_keys()
     assert corrupt == sorted(keys[1:]) and not damaged, "only the newest `bad_key_cap` corrupt keys are remembered"
     assert core.corrupt_found() == 3, "the count of corrupt blocks found goes on past the cap (its metric too)"

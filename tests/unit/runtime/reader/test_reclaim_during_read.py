@@ -20,6 +20,7 @@ from dualpath_ray.kv.index import block_keys, namespace_for
 from dualpath_ray.kv.pool import Extent, PoolCounts
 from dualpath_ray.protocol.messages import ExtentGrant
 from dualpath_ray.runtime.reader.core import ExtentRetiredError, ReaderCore
+from dualpath_ray.protocol.types import ReadPath
 from tests.fakes import GatedStore
 from tests.unit.runtime.reader.test_reader_core import reader_core
 
@@ -75,7 +76,7 @@ def test_a_read_whose_extent_is_reclaimed_or_freed_stops_and_the_next_lease_gets
 ) -> None:
     core, gated, keys = gated_core(tmp_path)
     leased = recording_leases(core)
-    reading, read_outcome = run_on_thread(lambda: core.stage("dead#0", keys, BLOCKS, "pe", "reader/n0"))
+    reading, read_outcome = run_on_thread(lambda: core.read_hits("dead#0", keys, BLOCKS, ReadPath.PE, "reader/n0"))
     assert gated.paused.wait(10), "the read reached its second block"
     extent = leased[0]
     if how == "reclaim":
@@ -134,7 +135,7 @@ def test_a_reclaim_after_the_read_but_before_its_digests_leaves_no_grant(tmp_pat
 
     core._digests = reclaim_first  # type: ignore[method-assign]
     with pytest.raises(ExtentRetiredError):
-        core.stage("dead#0", keys, BLOCKS, "pe", "reader/n0")
+        core.read_hits("dead#0", keys, BLOCKS, ReadPath.PE, "reader/n0")
     assert reclaimed == [1], "the reclaim ran while the extent was still the read's"
     assert core.pool.check_integrity().free == BLOCKS, "the retired extent is free once the read ended"
 
@@ -144,7 +145,7 @@ def test_a_read_finished_before_the_free_grants_normally(tmp_path: Path) -> None
     its grant, and a free after it frees at once."""
     core, gated, keys = gated_core(tmp_path)
     gated.pause_at = BLOCKS + 1
-    grant = core.stage("r#0", keys, BLOCKS, "pe", "reader/n0")
+    grant = core.read_hits("r#0", keys, BLOCKS, ReadPath.PE, "reader/n0")
     assert isinstance(grant, ExtentGrant) and grant.digests is not None, "granted with the hit KV's digests"
     for i, slot in enumerate(grant.slots):
         assert int(core.pool.full_block(slot)[0, 0, 0]) == i + 1, f"hit block {i} landed in its slot"

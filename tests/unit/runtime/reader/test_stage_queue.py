@@ -58,11 +58,11 @@ def test_an_order_lives_from_its_arrival_not_from_when_the_staging_thread_gets_t
     now[0] = T0 + 6.0  # the staging thread was busy until now (a long read of another order)
     taken = queue.take(0)
     assert taken is not None and taken.order.keys == late, "the order whose time ran out while it waited is skipped"
-    assert core.staging_counts()["skipped"] == 2, "its blocks are counted skipped, never read"
+    assert core.staging_counts().skipped == 2, "its blocks are counted skipped, never read"
     assert taken.received == T0 + 4.0, "the order is stamped with its arrival"
     assert core.stage_ahead(taken.order, taken.received), "the live one is staged"
     assert core.expire(T0 + 13.9) == T0 + 14.0, "it is held until its arrival + ttl_s (14), not its read + ttl_s (16)"
-    assert core.expire(T0 + 14.0) is None and core.staging_counts()["expired"] == 3, "and freed then"
+    assert core.expire(T0 + 14.0) is None and core.staging_counts().expired == 3, "and freed then"
     assert core.pool.check_integrity().free == core.pool.capacity, "every slot is free again"
     assert queue.take(0) is None and len(queue) == 0, "nothing else waits"
     core.store.close()

@@ -25,6 +25,7 @@ from dualpath_ray.scheduling.staging import StageOrder, stage_id_of
 from dualpath_ray.faults.injector import FaultInjector
 from dualpath_ray.faults.plan import FaultPlan
 from dualpath_ray.kv.local_store import LocalDirStore
+from dualpath_ray.protocol.types import ReadPath
 from tests.fakes import FakeSnicLink
 from tests.unit.runtime.reader.test_reader_core import kv_layout
 
@@ -99,18 +100,18 @@ def test_a_claim_reads_only_the_rest_and_the_bytes_equal_a_normal_stage(tmp_path
     )
     assert core.read_q() == 0, "a staged read never enters the read queue"
     staged = StagedRead(stage_id_of(keys[:3]), "d0", 3)
-    grant = core.stage("req-1@0", keys, 7, "de", "reader/d0", staged=staged)
+    grant = core.read_hits("req-1@0", keys, 7, ReadPath.DE, "reader/d0", staged=staged)
     assert len(link.takes) == 5, "the claim reads only the two blocks past the staged ones"
     assert len(grant.slots) == 7, "the claimed extent is grown to the request's total blocks"
     claimed = extent_bytes(core, grant.slots[:5])
 
-    normal = core.stage("req-2@0", keys, 7, "de", "reader/d0")
+    normal = core.read_hits("req-2@0", keys, 7, ReadPath.DE, "reader/d0")
     assert all(torch.equal(a, b) for a, b in zip(claimed, extent_bytes(core, normal.slots[:5]))), (
         "the buffer holds exactly what a normal read gives, block by block"
     )
     assert grant.digests is not None and normal.digests is not None
     assert np.array_equal(grant.digests, normal.digests), "the grant's digests cover all hit blocks, as a normal stage's"
-    assert core.staging_counts()["staged"] == 3 and core.staging_counts()["used"] == 3, "3 staged, 3 used"
+    assert core.staging_counts().staged == 3 and core.staging_counts().used == 3, "3 staged, 3 used"
     assert core.pool.holders() == {"req-1@0": 7, "req-2@0": 7}, "the claimant owns the adopted, grown extent"
     assert_integrity(core)
     core.free(grant.extent_id)
@@ -124,16 +125,16 @@ def test_an_unusable_claim_falls_back_to_a_normal_read_and_counts_a_miss(tmp_pat
     keys = stored_chain(core, 4, 2)
     assert core.stage_ahead(order(keys[:2]), T0)
     wrong_keys = StagedRead(stage_id_of(keys[:2]), "d0", 2)
-    grant = core.stage("r1@0", keys[1:], 4, "de", "reader/d0", staged=wrong_keys)
-    assert core.staging_counts()["missed"] == 2, "keys that do not begin with the staged chain are a miss"
+    grant = core.read_hits("r1@0", keys[1:], 4, ReadPath.DE, "reader/d0", staged=wrong_keys)
+    assert core.staging_counts().missed == 2, "keys that do not begin with the staged chain are a miss"
     assert core.stager.table.get(stage_id_of(keys[:2])) is not None, "a miss leaves the staged entry for its claimant"
     core.free(grant.extent_id)
     other_node = StagedRead(stage_id_of(keys[:2]), "d9", 2)
-    core.free(core.stage("r2@0", keys, 4, "de", "reader/d0", staged=other_node).extent_id)
+    core.free(core.read_hits("r2@0", keys, 4, ReadPath.DE, "reader/d0", staged=other_node).extent_id)
     pe_path = StagedRead(stage_id_of(keys[:2]), "d0", 2)
-    core.free(core.stage("r3@0", keys, 4, "pe", "reader/d0", staged=pe_path).extent_id)
-    assert core.staging_counts()["missed"] == 6, "another node's order and a PE-path read are misses too"
-    assert core.staging_counts()["used"] == 0, "nothing was claimed"
+    core.free(core.read_hits("r3@0", keys, 4, ReadPath.PE, "reader/d0", staged=pe_path).extent_id)
+    assert core.staging_counts().missed == 6, "another node's order and a PE-path read are misses too"
+    assert core.staging_counts().used == 0, "nothing was claimed"
     core.expire(T0 + 11.0)
     assert_integrity(core, free_all=True)
     core.store.close()
@@ -166,7 +167,7 @@ def test_a_staged_read_never_starts_a_block_while_a_real_read_is_active(tmp_path
         real_link_take(nbytes)
 
     link.take = take  # type: ignore[method-assign]
-    real = threading.Thread(target=lambda: core.read_blocks("real@0", real_keys, 2, "de"))
+    real = threading.Thread(target=lambda: core.read_blocks("real@0", real_keys, 2, ReadPath.DE))
     real.start()
     assert inside.wait(10), "the real read is under way"
     ahead = threading.Thread(target=core.stage_ahead, args=(order(staged_keys), T0))
@@ -181,7 +182,7 @@ def test_a_staged_read_never_starts_a_block_while_a_real_read_is_active(tmp_path
     assert len(staged_takes) == 3 and all(n == 0 for n in staged_takes), (
         "no staged block was taken while a real read was active"
     )
-    assert core.staging_counts()["staged"] == 3
+    assert core.staging_counts().staged == 3
     core.expire(T0 + 100.0)
     free_all_and_check(core)
 
@@ -202,7 +203,7 @@ def test_a_claim_of_a_reading_entry_promotes_it_and_waits_for_its_last_block(tmp
         return inner(keys_, outs, before_read=before_read, on_verified=on_verified)
 
     core.store.get_many_into = held  # type: ignore[method-assign]
-    real = threading.Thread(target=lambda: core.read_blocks("real@0", real_keys, 1, "pe"))
+    real = threading.Thread(target=lambda: core.read_blocks("real@0", real_keys, 1, ReadPath.PE))
     real.start()
     assert inside.wait(10)
     ahead = threading.Thread(target=core.stage_ahead, args=(order(keys), T0))
@@ -210,9 +211,9 @@ def test_a_claim_of_a_reading_entry_promotes_it_and_waits_for_its_last_block(tmp
     ahead.join(0.1)
     entry = core.stager.table.get(stage_id_of(keys))
     assert entry is not None and entry.state is StageState.READING and entry.read == 0, "it yields to the real read"
-    grant = core.stage("req@0", keys, 4, "de", "reader/d0", staged=StagedRead(stage_id_of(keys), "d0", 3))
+    grant = core.read_hits("req@0", keys, 4, ReadPath.DE, "reader/d0", staged=StagedRead(stage_id_of(keys), "d0", 3))
     assert entry.state is StageState.CLAIMED and entry.read == 3, "promoted, it read every block while the real read ran"
-    assert core.staging_counts()["used"] == 3 and core.staging_counts()["missed"] == 0, "the claim used it"
+    assert core.staging_counts().used == 3 and core.staging_counts().missed == 0, "the claim used it"
     release.set()
     real.join(10)
     ahead.join(10)
@@ -231,9 +232,9 @@ def test_expiry_frees_exactly_the_expired_and_returns_the_next_deadline(tmp_path
     assert core.expire(T0 + 5.0) == T0 + 21.0, "the short one expires at its deadline; the long one is next"
     assert core.pool.check_integrity().leased == 3, "exactly the expired extent was freed"
     assert core.stager.table.get(stage_id_of(long_)) is not None, "the other stays held"
-    assert core.staging_counts()["expired"] == 2
-    miss = core.stage("late@0", short, 2, "de", "reader/d0", staged=StagedRead(stage_id_of(short), "d0", 2))
-    assert core.staging_counts()["missed"] == 2, "a claim after expiry reads as usual"
+    assert core.staging_counts().expired == 2
+    miss = core.read_hits("late@0", short, 2, ReadPath.DE, "reader/d0", staged=StagedRead(stage_id_of(short), "d0", 2))
+    assert core.staging_counts().missed == 2, "a claim after expiry reads as usual"
     core.free(miss.extent_id)
     assert core.expire(T0 + 21.0) is None, "all expired: no deadline left"
     assert_integrity(core, free_all=True)
@@ -251,7 +252,7 @@ def test_buffer_pressure_cancels_the_oldest_staged_extents_first(tmp_path: Path)
     assert core.stager.table.get(stage_id_of(b)) is not None and core.stager.table.get(stage_id_of(c)) is not None, (
         "younger ones stay while the oldest covers the shortfall"
     )
-    assert core.staging_counts()["cancelled"] == 3
+    assert core.staging_counts().cancelled == 3
     core.free(extent.extent_id)
     core.expire(T0 + 100.0)
     assert_integrity(core, free_all=True)
@@ -265,7 +266,7 @@ def test_a_duplicate_an_over_cap_or_an_empty_order_is_skipped(tmp_path: Path) ->
     assert not core.stage_ahead(order(a), T0), "a live stage_id is not staged twice"
     assert not core.stage_ahead(order(b), T0), "3 + 2 staged blocks would pass the cap of 4"
     assert not core.stage_ahead(StageOrder("stage/none", "d0", (), 5.0, T0 + 5.0), T0), "no keys, nothing to stage"
-    assert core.staging_counts()["skipped"] == 3 + 2, "skipped orders count their blocks"
+    assert core.staging_counts().skipped == 3 + 2, "skipped orders count their blocks"
     assert core.pool.check_integrity().leased == 3, "skipped orders lease nothing"
     core.expire(T0 + 100.0)
     assert_integrity(core, free_all=True)
@@ -277,10 +278,10 @@ def test_a_failed_staged_read_frees_its_extent_and_the_claim_reads_as_usual(tmp_
     keys = stored_chain(core, 3, 14)
     core.store.delete(keys[1])
     assert not core.stage_ahead(order(keys[:2]), T0), "a missing block fails the staged read"
-    assert core.staging_counts()["failed"] == 2 and core.pool.check_integrity().leased == 0, "its extent is freed"
+    assert core.staging_counts().failed == 2 and core.pool.check_integrity().leased == 0, "its extent is freed"
     stored_chain(core, 3, 14)  # the block is back (another turn stored it)
-    grant = core.stage("req@0", keys, 3, "de", "reader/d0", staged=StagedRead(stage_id_of(keys[:2]), "d0", 2))
-    assert core.staging_counts()["missed"] == 2, "the claim falls back to a normal read"
+    grant = core.read_hits("req@0", keys, 3, ReadPath.DE, "reader/d0", staged=StagedRead(stage_id_of(keys[:2]), "d0", 2))
+    assert core.staging_counts().missed == 2, "the claim falls back to a normal read"
     core.free(grant.extent_id)
     assert_integrity(core, free_all=True)
     core.store.close()
@@ -290,13 +291,13 @@ def test_reclaim_of_the_claimant_frees_the_grown_extent(tmp_path: Path) -> None:
     core = reader(tmp_path)
     keys = stored_chain(core, 4, 15)
     core.stage_ahead(order(keys[:2]), T0)
-    grant = core.stage("dead@0", keys, 6, "de", "reader/d0", staged=StagedRead(stage_id_of(keys[:2]), "d0", 2))
+    grant = core.read_hits("dead@0", keys, 6, ReadPath.DE, "reader/d0", staged=StagedRead(stage_id_of(keys[:2]), "d0", 2))
     assert core.pool.holders() == {"dead@0": 6}
     assert core.reclaim("dead@0") == 1, "the adopted and grown extent is the claimant's: reclaim frees it"
     assert_integrity(core, free_all=True)
     core.stage_ahead(order(keys[:2]), T0)
     with pytest.raises(ReclaimedOwnerError):
-        core.stage("dead@0", keys, 6, "de", "reader/d0", staged=StagedRead(stage_id_of(keys[:2]), "d0", 2))
+        core.read_hits("dead@0", keys, 6, ReadPath.DE, "reader/d0", staged=StagedRead(stage_id_of(keys[:2]), "d0", 2))
     core.free(grant.extent_id)  # a late free of the reclaimed extent is harmless
     core.expire(T0 + 100.0)
     assert_integrity(core, free_all=True)
@@ -318,7 +319,7 @@ def test_pressure_cancels_a_reading_entry_which_frees_itself_at_its_next_block(t
         return inner(keys_, outs, before_read=before_read, on_verified=on_verified)
 
     core.store.get_many_into = held  # type: ignore[method-assign]
-    real = threading.Thread(target=lambda: core.read_blocks("real@0", real_keys, 1, "pe"))
+    real = threading.Thread(target=lambda: core.read_blocks("real@0", real_keys, 1, ReadPath.PE))
     real.start()
     assert inside.wait(10)
     results: list[bool] = []
@@ -330,7 +331,7 @@ def test_pressure_cancels_a_reading_entry_which_frees_itself_at_its_next_block(t
     ahead.join(10)
     assert results == [False], "the cancelled order reports it did not stage"
     counts = core.staging_counts()
-    assert (counts["staged"], counts["cancelled"]) == (0, 5), "no block was read after the cancel; all 5 counted"
+    assert (counts.staged, counts.cancelled) == (0, 5), "no block was read after the cancel; all 5 counted"
     release.set()
     real.join(10)
     core.free(extent.extent_id)
@@ -346,9 +347,9 @@ def test_the_in_process_readers_port_stages_ahead_and_claims(tmp_path: Path) -> 
     readers = FakeReaders({"d0": core}, Fabric())
     keys = stored_chain(core, 3, 18)
     readers.stage_ahead([order(keys[:2])], T0)
-    grant = readers.stage("d0", "req@0", keys, 4, "de", staged=StagedRead(stage_id_of(keys[:2]), "d0", 2)).wait()
-    assert core.staging_counts()["used"] == 2, "the port's stage claimed the staged extent"
-    assert readers.calls == ["stage_ahead", "stage"]
+    grant = readers.read_hits("d0", "req@0", keys, 4, ReadPath.DE, staged=StagedRead(stage_id_of(keys[:2]), "d0", 2)).wait()
+    assert core.staging_counts().used == 2, "the port's stage claimed the staged extent"
+    assert readers.calls == ["stage_ahead", "read_hits"]
     readers.free(grant)
     readers.close()
     assert_integrity(core, free_all=True)
@@ -364,13 +365,13 @@ def test_the_reader_exports_its_staging_counts_as_staged_blocks_by_outcome(tmp_p
     keys = stored_chain(core, 3, 19)
     core.stage_ahead(order(keys[:2]), T0)
     core.stage_ahead(order(keys[:2]), T0)  # a duplicate: skipped
-    core.free(core.stage("req@0", keys, 3, "de", "reader/d0", staged=StagedRead(stage_id_of(keys[:2]), "d0", 2)).extent_id)
+    core.free(core.read_hits("req@0", keys, 3, ReadPath.DE, "reader/d0", staged=StagedRead(stage_id_of(keys[:2]), "d0", 2)).extent_id)
     sink = RecordingSink()
     ReaderMetrics(sink, core, "decode").collect()
-    for outcome, blocks in core.staging_counts().items():
+    for outcome, blocks in core.staging_counts().as_dict().items():
         assert sink.counter(m.STAGED_BLOCKS, node="d0", role="decode", outcome=outcome) == blocks, (
             f"dualpath_staged_blocks{{outcome={outcome}}} equals the reader's count"
         )
-    assert (core.staging_counts()["staged"], core.staging_counts()["used"], core.staging_counts()["skipped"]) == (2, 2, 2)
+    assert (core.staging_counts().staged, core.staging_counts().used, core.staging_counts().skipped) == (2, 2, 2)
     assert_integrity(core, free_all=True)
     core.store.close()

@@ -11,6 +11,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from dualpath_ray.config import DualPathConfig, parse_config
+from dualpath_ray.protocol.types import ReadPath
 from dualpath_ray.protocol.messages import StagedRead, TurnResult
 from dualpath_ray.scheduling.staging import StageOrder, stage_id_of
 from tests.engine_harness import EngineHarness, Request
@@ -30,19 +31,19 @@ def tokens(n: int, seed: int) -> list[int]:
 
 
 def claiming(h: EngineHarness, order: StageOrder) -> None:
-    """Route the DE stage of a request whose hits begin with the order's keys through the claim,
+    """Route the DE hit read of a request whose hits begin with the order's keys through the claim,
     as the prefill core does with PrefillTask.staged."""
-    inner = h.readers.stage
+    inner = h.readers.read_hits
 
-    def stage(
-        node_id: str, owner: str, keys: Sequence[str], total_blocks: int, path: str, first_block: int = 0,
+    def read_hits(
+        node_id: str, owner: str, keys: Sequence[str], total_blocks: int, path: ReadPath, first_block: int = 0,
         staged: StagedRead | None = None,
     ) -> Any:
-        if path == "de" and tuple(keys[: order.blocks]) == order.keys:
+        if path is ReadPath.DE and tuple(keys[: order.blocks]) == order.keys:
             staged = order.read()
         return inner(node_id, owner, keys, total_blocks, path, first_block, staged)
 
-    h.readers.stage = stage  # type: ignore[method-assign]
+    h.readers.read_hits = read_hits  # type: ignore[method-assign]
 
 
 def two_turns(root: Path, staged_blocks: int | None) -> tuple[EngineHarness, TurnResult]:
@@ -68,7 +69,7 @@ def test_a_turn_served_from_a_staged_extent_gives_the_unstaged_output(tmp_path: 
     d0 = h.readers.cores["d0"]
     assert turn2.error is None and turn2.output_tokens == want.output_tokens, "the output is the unstaged one"
     counts = d0.staging_counts()
-    assert (counts["staged"], counts["used"], counts["missed"]) == (4, 4, 0), "4 blocks staged and claimed"
+    assert (counts.staged, counts.used, counts.missed) == (4, 4, 0), "4 blocks staged and claimed"
     assert d0.counters.snic_read["de"] == ref_bytes, "each hit block was read once: staged ones are not read again"
     h.assert_idle()
     assert d0.expire(1e9) is None, "nothing is left staged"

@@ -22,6 +22,7 @@ from dualpath_ray.protocol.messages import ErrorKind, PersistedBlock
 from dualpath_ray.runtime.engine.failures import classify
 from dualpath_ray.runtime.reader.core import ReaderCore
 from dualpath_ray.runtime.telemetry.actor_metrics import ReaderMetrics
+from dualpath_ray.protocol.types import ReadPath
 from tests.fakes import ScriptedFaults
 from tests.metric_sink import RecordingSink
 from tests.unit.runtime.reader.test_reader_core import reader_core
@@ -81,7 +82,7 @@ def test_a_hit_block_the_disk_cannot_read_is_named_unreadable(store_io: IoMode, 
     core, store, keys = faulty_core(tmp_path, store_io)
     store.read_errors[keys[2]] = errno.EIO
     with pytest.raises(BadBlockError) as failed:
-        core.read_blocks("r1#0", keys, len(keys), "pe")
+        core.read_blocks("r1#0", keys, len(keys), ReadPath.PE)
     assert (failed.value.kind, failed.value.key) == ("unreadable", keys[2]), "the block whose read failed is named"
     assert classify(failed.value) == (ErrorKind.KV_UNREADABLE, (keys[2],)), (
         "an unreadable block is named as such: read through the other side's reader first, then repaired as a "
@@ -99,7 +100,7 @@ def test_a_file_system_checksum_error_is_an_unreadable_block(store_io: IoMode, t
     core, store, keys = faulty_core(tmp_path, store_io)
     store.read_errors[keys[0]] = code
     with pytest.raises(BadBlockError) as failed:
-        core.read_blocks("r1#0", keys[:1], 1, "de")
+        core.read_blocks("r1#0", keys[:1], 1, ReadPath.DE)
     assert (failed.value.kind, failed.value.key) == ("unreadable", keys[0]), f"{errno.errorcode[code]} names its block"
     assert_nothing_held(core)
     store.close()
@@ -109,7 +110,7 @@ def test_an_error_of_the_mount_names_no_block_and_is_retried_as_store_io(store_i
     core, store, keys = faulty_core(tmp_path, store_io)
     store.read_errors[keys[1]] = errno.ESTALE
     with pytest.raises(OSError) as failed:
-        core.read_blocks("r1#0", keys, len(keys), "pe")
+        core.read_blocks("r1#0", keys, len(keys), ReadPath.PE)
     assert not isinstance(failed.value, BadBlockError), "a stale mount says nothing about the block"
     assert classify(failed.value) == (ErrorKind.STORE_IO, ()), "so it is retried, reading the block again"
     assert core.store_faults() == ([], 0), "and no block is blamed"
@@ -120,7 +121,7 @@ def test_an_error_of_the_mount_names_no_block_and_is_retried_as_store_io(store_i
 def test_an_injected_store_read_fail_takes_the_path_of_a_real_eio(store_io: IoMode, tmp_path: Path) -> None:
     core, store, keys = faulty_core(tmp_path, store_io, ScriptedFaults({FaultSite.STORE_READ: [FaultMode.FAIL]}))
     with pytest.raises(BadBlockError) as failed:
-        core.read_blocks("r1#0", keys[:1], 1, "pe")
+        core.read_blocks("r1#0", keys[:1], 1, ReadPath.PE)
     assert (failed.value.kind, failed.value.key) == ("unreadable", keys[0]), "the injected EIO names its block"
     assert classify(failed.value)[0] is ErrorKind.KV_UNREADABLE, "and is classified as a real one"
     assert_nothing_held(core)
