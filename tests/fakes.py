@@ -391,6 +391,7 @@ class GatedStore:
     def get_many_into(
         self, keys: Sequence[str], outs: Sequence[torch.Tensor],
         before_read: Callable[[int], object] | None = None, on_verified: Callable[[int], object] | None = None,
+        on_failed: Callable[[int, BaseException], object] | None = None,
     ) -> None:
         for index, (key, out) in enumerate(zip(keys, outs)):
             if index == self.pause_at:
@@ -398,7 +399,12 @@ class GatedStore:
                 assert self.proceed.wait(self.timeout_s), "the test never let the gated read go on"
             if before_read is not None:
                 before_read(index)
-            self.inner.get_into(key, out)
+            try:
+                self.inner.get_into(key, out)
+            except BaseException as exc:
+                if on_failed is not None:
+                    on_failed(index, exc)
+                raise
             if index >= self.pause_at:
                 self.read_after_pause += 1
             if on_verified is not None:

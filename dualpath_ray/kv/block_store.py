@@ -34,6 +34,8 @@ __all__ = [
 ]
 
 BlockHook = Callable[[int], object]
+# on_failed(i, error): block i of a multi-block read was bad (missing, corrupt, unreadable).
+BlockFailureHook = Callable[[int, BaseException], object]
 # Checks a block's bytes as a put wrote them, before they are published; raises to refuse them.
 BlockCheck = Callable[["torch.Tensor"], None]
 
@@ -123,6 +125,7 @@ class BlockStore(ABC):
         outs: Sequence[torch.Tensor],
         before_read: BlockHook | None = None,
         on_verified: BlockHook | None = None,
+        on_failed: BlockFailureHook | None = None,
     ) -> None:
         """Fill outs[i] with block keys[i]; raises like get_into for the first failing key.
 
@@ -132,6 +135,11 @@ class BlockStore(ABC):
         on the caller's thread once block i has passed verification, for i = 0, 1, ... in
         order. Only blocks reported to on_verified may be used; after a raise, the out of every
         block that was read but not reported holds zeros, never unverified bytes.
+
+        on_failed(i, error) runs on the caller's thread, before the raise, for every block the
+        read found bad, in key order: a backend reading several blocks at once may find more than
+        the one it raises for (each was read because before_read(i) ran), and a caller that
+        counts or repairs bad blocks must hear of all of them.
         """
         check_batch(self.layout, keys, outs)
         for i, (key, out) in enumerate(zip(keys, outs)):
@@ -139,10 +147,14 @@ class BlockStore(ABC):
                 before_read(i)
             try:
                 self.get_into(key, out)
-            except BlockNotFoundError:
+            except BlockNotFoundError as exc:
+                if on_failed is not None:
+                    on_failed(i, exc)
                 raise
-            except BaseException:
+            except BaseException as exc:
                 out.zero_()
+                if on_failed is not None:
+                    on_failed(i, exc)
                 raise
             if on_verified is not None:
                 on_verified(i)

@@ -26,6 +26,7 @@ from dualpath_ray.kv.block_store import (
     KEY_PATTERN,
     BlockCheck,
     BlockCorruptedError,
+    BlockFailureHook,
     BlockHook,
     BlockNotFoundError,
     BlockStore,
@@ -176,6 +177,7 @@ class LocalDirStore(BlockStore):
         outs: Sequence[torch.Tensor],
         before_read: BlockHook | None = None,
         on_verified: BlockHook | None = None,
+        on_failed: BlockFailureHook | None = None,
     ) -> None:
         """BlockStore.get_many_into, read by the caller and the store's helper threads together.
 
@@ -199,6 +201,9 @@ class LocalDirStore(BlockStore):
             batch.stop()
             for out in outs[batch.verified : batch.claimed]:
                 out.zero_()
+            if on_failed is not None:
+                for index, error in batch.failures():
+                    on_failed(index, error)
             raise
 
     def close(self) -> None:

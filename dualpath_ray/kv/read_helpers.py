@@ -189,6 +189,10 @@ class BatchRead:
         if self._failures:
             raise self._failures[min(self._failures)]
 
+    def failures(self) -> list[tuple[int, BaseException]]:
+        """Every block found bad so far (after `stop`: every one), in key order."""
+        return sorted(self._failures.items())
+
     def stop(self) -> None:
         """Make no more claims and return once every claimed block has completed."""
         with self._lock:

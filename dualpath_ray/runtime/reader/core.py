@@ -267,6 +267,13 @@ class ReaderCore:
 
         turn = ReadTurn(self.snic_read.turns if keys else None, len(keys))
 
+        def on_failed(index: int, error: BaseException) -> None:
+            # Every bad block the read found, not only the one it raises for: the store reads
+            # several at once, and a corrupt block left unnamed would stay unrepaired and uncounted.
+            kind = bad_block_kind(error)
+            if kind is not None:
+                self._note_bad_block(kind, keys[index])
+
         def on_verified(_: int) -> None:
             nonlocal pending, verified
             verified += 1
@@ -299,7 +306,9 @@ class ReaderCore:
                     outs = [self.pool.full_block(slot) for slot in extent.slots[first_block:end]]
                     turn.begin()
                     with self.read_time.reading():
-                        self.store.get_many_into(list(keys), outs, before_read=before_read, on_verified=on_verified)
+                        self.store.get_many_into(
+                            list(keys), outs, before_read=before_read, on_verified=on_verified, on_failed=on_failed
+                        )
                 hit_digests = self._digests(extent, start, end) if wants_digests else None
             except (BlockNotFoundError, BlockCorruptedError, IncompatibleBlockError, OSError) as exc:
                 # The store raises for the first bad block in key order, the one after the

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -256,3 +257,24 @@ def test_default_batch_read_scrubs_a_corrupted_block() -> None:
         memory.get_many_into(KEYS[:4], outs, on_verified=verified.append)
     assert verified == [0, 1], "the default batch read must report only the blocks before the bad one"
     assert int(outs[2].count_nonzero()) == 0, "the default batch read must not leave corrupted bytes in the out"
+
+
+def test_every_bad_block_of_a_parallel_read_is_reported_not_only_the_one_raised(tmp_path: Path) -> None:
+    """Several blocks read at once may all be bad: the read raises for the first in key order, and
+    on_failed names each of them (the reader counts and repairs every one)."""
+    store = LocalDirStore(tmp_path / "store", LAYOUT, read_threads=3)
+    for i, key in enumerate(KEYS[:6]):
+        store.put(key, torch.full(LAYOUT.full_block_shape, i + 1, dtype=torch.uint8))
+    for key in (KEYS[1], KEYS[4]):
+        path = store.path_of(key)
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 0x01
+        path.write_bytes(bytes(data))
+    failed: list[int] = []
+    outs = [LAYOUT.empty_full_block() for _ in range(6)]
+    with pytest.raises(BlockCorruptedError):
+        # Block 1's read is slow, so another thread reads (bad) block 4 before block 1 fails.
+        store.get_many_into(list(KEYS[:6]), outs, before_read=lambda i: time.sleep(0.2 * (i == 1)),
+                            on_failed=lambda i, _: failed.append(i))
+    assert failed == [1, 4], f"both bad blocks are reported, in key order, and no good one: {failed}"
+    store.close()

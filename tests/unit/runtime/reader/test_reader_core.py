@@ -68,12 +68,12 @@ def test_reader_read_queue_drops_per_verified_block(tmp_path: Path, monkeypatch:
     seen: list[tuple[int, int, int]] = []
     inner = core.store.get_many_into
 
-    def recording(keys, outs, before_read=None, on_verified=None):  # type: ignore[no-untyped-def]
+    def recording(keys, outs, before_read=None, on_verified=None, on_failed=None):  # type: ignore[no-untyped-def]
         def verified(i: int) -> None:
             on_verified(i)
             seen.append((i, core.read_q(), core.counters.snic_read["pe"]))
 
-        inner(keys, outs, before_read=before_read, on_verified=verified)
+        inner(keys, outs, before_read=before_read, on_verified=verified, on_failed=on_failed)
 
     monkeypatch.setattr(core.store, "get_many_into", recording)
     extent = core.read_blocks("r1", keys, 6, ReadPath.PE)

@@ -153,11 +153,11 @@ def test_a_staged_read_never_starts_a_block_while_a_real_read_is_active(tmp_path
     inside, release = threading.Event(), threading.Event()
     inner = core.store.get_many_into
 
-    def held(keys, outs, before_read=None, on_verified=None):  # type: ignore[no-untyped-def]
+    def held(keys, outs, before_read=None, on_verified=None, **more):  # type: ignore[no-untyped-def]
         if before_read is not None:  # the real read: hold it open until the test releases it
             inside.set()
             release.wait(10)
-        return inner(keys, outs, before_read=before_read, on_verified=on_verified)
+        return inner(keys, outs, before_read=before_read, on_verified=on_verified, **more)
 
     core.store.get_many_into = held  # type: ignore[method-assign]
     real_link_take = link.take
@@ -196,11 +196,11 @@ def test_a_claim_of_a_reading_entry_promotes_it_and_waits_for_its_last_block(tmp
     inside, release = threading.Event(), threading.Event()
     inner = core.store.get_many_into
 
-    def held(keys_, outs, before_read=None, on_verified=None):  # type: ignore[no-untyped-def]
+    def held(keys_, outs, before_read=None, on_verified=None, **more):  # type: ignore[no-untyped-def]
         if before_read is not None and list(keys_) == list(real_keys):
             inside.set()
             release.wait(10)
-        return inner(keys_, outs, before_read=before_read, on_verified=on_verified)
+        return inner(keys_, outs, before_read=before_read, on_verified=on_verified, **more)
 
     core.store.get_many_into = held  # type: ignore[method-assign]
     real = threading.Thread(target=lambda: core.read_blocks("real@0", real_keys, 1, ReadPath.PE))
@@ -312,11 +312,11 @@ def test_pressure_cancels_a_reading_entry_which_frees_itself_at_its_next_block(t
     inside, release = threading.Event(), threading.Event()
     inner = core.store.get_many_into
 
-    def held(keys_, outs, before_read=None, on_verified=None):  # type: ignore[no-untyped-def]
+    def held(keys_, outs, before_read=None, on_verified=None, **more):  # type: ignore[no-untyped-def]
         if before_read is not None:
             inside.set()
             release.wait(10)
-        return inner(keys_, outs, before_read=before_read, on_verified=on_verified)
+        return inner(keys_, outs, before_read=before_read, on_verified=on_verified, **more)
 
     core.store.get_many_into = held  # type: ignore[method-assign]
     real = threading.Thread(target=lambda: core.read_blocks("real@0", real_keys, 1, ReadPath.PE))
