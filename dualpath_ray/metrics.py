@@ -188,6 +188,9 @@ LATE_HIT_TOKENS = MetricSpec(
     "Hit tokens a request found when it was placed on a prefill engine beyond what it found at submit "
     "(persisted by other turns while it waited; scheduler.bind_hits: late).",
     ("mode",), "tokens",
+    # A counter's series appears with its first increment: a workload whose turns never wait in
+    # the queue while blocks they hit are published (each agent's next turn after its last) has none.
+    only_when="a queued turn finds blocks persisted while it waited (scheduler.bind_hits: late)",
 )
 ATTEMPT_FAILURES = MetricSpec(
     "dualpath_attempt_failures", MetricKind.COUNTER,
