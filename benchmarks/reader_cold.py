@@ -30,7 +30,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from store_cold import drop_caches, fill, fio_rate, fio_read_command
+from store_cold import cold_run_refusal, drop_caches, fill, fio_rate, fio_read_command
 
 from dualpath_ray.config import load_config
 from dualpath_ray.kv.block_format import HEADER_SIZE
@@ -55,11 +55,9 @@ def bench_round(args: argparse.Namespace, out: Path) -> dict[str, dict[str, floa
 
 
 def main(args: argparse.Namespace) -> int:
-    if os.geteuid() != 0:
-        print("reader_cold.py drops the page cache before fio: run as root", file=sys.stderr)
-        return 2
-    if shutil.which("fio") is None:
-        print("reader_cold.py compares with fio: install it (apt-get install fio)", file=sys.stderr)
+    refusal = cold_run_refusal("reader_cold.py")
+    if refusal is not None:
+        print(refusal, file=sys.stderr)
         return 2
     cfg = load_config(args.config)
     layout = KVLayout.from_model(cfg.model, cfg.store.block_size)

@@ -326,12 +326,20 @@ def page_cache(args: argparse.Namespace) -> dict[str, object]:
     }
 
 
-def main(args: argparse.Namespace) -> int:
+def cold_run_refusal(what: str) -> str | None:
+    """Why `what` cannot run here (it drops the page cache, so needs root, and compares with
+    fio); None when it can."""
     if os.geteuid() != 0:
-        print("--cold drops the page cache between runs: run as root", file=sys.stderr)
-        return 2
+        return f"{what} drops the page cache: run as root"
     if shutil.which("fio") is None:
-        print("--cold compares with fio: install it (apt-get install fio)", file=sys.stderr)
+        return f"{what} compares with fio: install it (apt-get install fio)"
+    return None
+
+
+def main(args: argparse.Namespace) -> int:
+    refusal = cold_run_refusal("--cold")
+    if refusal is not None:
+        print(refusal, file=sys.stderr)
         return 2
     args.root.mkdir(parents=True, exist_ok=True)
     if args.page_cache_gib:

@@ -312,11 +312,10 @@ class ReaderCore:
                 hit_digests = self._digests(extent, start, end) if wants_digests else None
             except (BlockNotFoundError, BlockCorruptedError, IncompatibleBlockError, OSError) as exc:
                 # The store raises for the first bad block in key order, the one after the
-                # verified ones: name it, so the scheduler repairs that block and no other.
+                # verified ones: name it, so the scheduler repairs that block and no other
+                # (on_failed has already noted it, with every other bad block the read found).
                 retired = self.extents.end_transfer(extent.extent_id)
                 kind = bad_block_kind(exc)
-                if kind is not None:
-                    self._note_bad_block(kind, keys[verified])
                 if retired:
                     raise ExtentRetiredError(self.extents.retired_detail(extent)) from exc
                 self.free(extent.extent_id)
