@@ -125,10 +125,13 @@ ENGINE_ROW = Row(300, "Engines and scheduler", (
     Panel(302, "Unfinished requests per engine (seq_e)",
           "Requests on each engine, from assignment to handoff (prefill) or to the last token (decode).",
           "short", (Target(f"sum by (engine) ({sel(m.ENGINE_REQUESTS)})", "{{engine}}"),)),
+    # max/avg is 0/0 while a role's engines are all idle: the `or` branch reads that as 1.0 (balanced),
+    # so the panel has a value at every scrape instead of a gap.
     Panel(303, "Engine load balance (max / avg tokens, by role)",
-          "1.0 means the engines of a role hold equal token loads.",
+          "1.0 means the engines of a role hold equal token loads; an idle role reads 1.0.",
           "short", (Target(
-              f"max by (role) ({sel(m.ENGINE_TOKENS)}) / avg by (role) ({sel(m.ENGINE_TOKENS)})", "{{role}}"),)),
+              f"(max by (role) ({sel(m.ENGINE_TOKENS)}) / (avg by (role) ({sel(m.ENGINE_TOKENS)}) > 0))"
+              f" or (0 * avg by (role) ({sel(m.ENGINE_TOKENS)}) + 1)", "{{role}}"),)),
     Panel(304, "Scheduler decision latency (p50 / p99)",
           "Time of one ask of the pure policy for one group in a round, by the role of the group.",
           "s", quantiles(m.DECISION_SECONDS, (0.5, 0.99), "role")),
