@@ -19,6 +19,7 @@ endpoint's --max-prompts): each prompt is a turn of its own on the cluster.
 
 from __future__ import annotations
 
+import secrets
 import time
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
@@ -146,13 +147,21 @@ def _stream_usage(body: Mapping[str, Any]) -> bool:
     return bool(options.get("include_usage", False))
 
 
+def _request_seed(body: Mapping[str, Any]) -> int:
+    """The request's seed, or one drawn for it when it sends none (OpenAI's and vLLM's meaning of
+    no seed): with a fixed default, every unseeded request of one prompt at temperature > 0
+    sampled the same tokens, so n clients' samples (or GRPO's group) were one sample."""
+    seed = _int_or_none(body, "seed", 0)
+    return secrets.randbits(62) if seed is None else seed
+
+
 def _sampling(body: Mapping[str, Any], max_tokens: int | None) -> dict[str, Any]:
     stops = body.get("stop_token_ids") or []
     if not isinstance(stops, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in stops):
         raise APIError(f"stop_token_ids must be a list of token ids (got {stops!r})", "stop_token_ids")
     sampling: dict[str, Any] = {
         "temperature": _number(body, "temperature", 1.0, 0.0, 2.0), "top_p": _number(body, "top_p", 1.0, 1e-9, 1.0),
-        "seed": _int_or_none(body, "seed", 0) or 0, "stop_token_ids": list(stops),
+        "seed": _request_seed(body), "stop_token_ids": list(stops),
     }
     sampling.update({key: body[key] for key in _EXTRA_SAMPLING if body.get(key) is not None})
     if max_tokens is not None:

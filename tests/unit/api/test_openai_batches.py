@@ -191,3 +191,15 @@ def test_a_failed_prompt_aborts_the_rest_of_its_batch_before_the_client_is_answe
     assert server.log == [f"abort {batch}", f"resume {batch}"], (
         "the batch is aborted as one prefix, and its mark cleared once all its turns ended"
     )
+
+
+def test_a_request_without_a_seed_gets_one_drawn_and_a_sent_seed_is_kept() -> None:
+    server = SeedServer()
+    for _ in range(2):
+        answer = client(server).post("/v1/completions", json=completion([[5, 1]], n=1))
+        assert answer.status_code == 200, answer.text
+    answer = client(server).post("/v1/completions", json=completion([[5, 1]], n=1, seed=7))
+    assert answer.status_code == 200, answer.text
+    assert server.seeds[0] != server.seeds[1], (
+        f"two unseeded requests of one prompt sample differently (a seed is drawn for each): {server.seeds}")
+    assert server.seeds[2] == 7, f"a seed the client sends is the one the turn uses: {server.seeds}"
