@@ -114,13 +114,19 @@ def upward(graph: dict[str, set[str]]) -> list[str]:
     )
 
 
-def test_the_package_has_no_import_circles():
-    found = cycles(import_graph())
+@pytest.fixture(scope="module")
+def package_graph() -> dict[str, set[str]]:
+    """The package's import graph, parsed once for this module's checks (each copies what it changes)."""
+    return import_graph()
+
+
+def test_the_package_has_no_import_circles(package_graph):
+    found = cycles(package_graph)
     assert not found, "modules that import each other, directly or around a circle:\n" + "\n".join(map(str, found))
 
 
-def test_pure_layers_do_not_import_runtime_or_api():
-    found = upward(import_graph())
+def test_pure_layers_do_not_import_runtime_or_api(package_graph):
+    found = upward(package_graph)
     assert not found, "a pure layer imports the Ray side:\n" + "\n".join(found)
 
 
@@ -241,16 +247,16 @@ def new_folder_problems(graph: dict[str, set[str]], scope: str, report: bool = T
 
 
 @pytest.mark.parametrize("scope", ["runtime", "pure"])
-def test_folders_form_a_stack(scope):
+def test_folders_form_a_stack(scope, package_graph):
     """No folder circle or upward arrow beyond today's known ones (KNOWN_*, which issue 35 item 1
     empties); all of them are printed."""
-    new = new_folder_problems(import_graph(), scope)
+    new = new_folder_problems(package_graph, scope)
     assert not new, f"{scope}: new folder circles or upward arrows (import downward instead):\n" + "\n".join(new)
 
 
-def test_the_folder_check_finds_a_new_circle_and_a_new_upward_arrow():
+def test_the_folder_check_finds_a_new_circle_and_a_new_upward_arrow(package_graph):
     """The check itself: transport importing the reader (up, and into today's circle) is found."""
-    graph = import_graph()
+    graph = {name: set(targets) for name, targets in package_graph.items()}
     graph["dualpath_ray.runtime.transport.base"] = {*graph["dualpath_ray.runtime.transport.base"],
                                                     "dualpath_ray.runtime.reader.core"}
     graph["dualpath_ray.lifecycle"] = {"dualpath_ray.kv.pool"}
