@@ -52,7 +52,8 @@ class CoreSettings:
                        cfg.scheduler.stage_slack, cfg.scheduler.stage_margin_s,
                        read_tokens_per_s=constants.alpha_tokens / cfg.scheduler.alpha_seconds),
                    compute_path_model(cfg, constants, prefill_s), cfg.scheduler.bind_hits,
-                   sharing_model(cfg, constants, prefill_s))
+                   sharing_model(cfg, constants, prefill_s, buffer_source=Mode(mode) is Mode.DUALPATH),
+                   early_prompt_publish=Mode(mode) is Mode.DUALPATH and cfg.scheduler.share_buffer_blocks > 0)
 
 
 def compute_path_model(
@@ -73,13 +74,21 @@ def compute_path_model(
 
 def sharing_model(
     cfg: DualPathConfig, constants: Constants, prefill_s: Callable[[int, int], float] | None,
+    buffer_source: bool = False,
 ) -> ComputePathModel | None:
     """In-flight sharing's estimates, when scheduler.share_in_flight is on: the compute path's
-    rates and latency model (scheduling/share_rule.py)."""
+    rates and latency model (scheduling/share_rule.py). With `buffer_source` (the runtime in
+    dualpath mode) and scheduler.share_buffer_blocks > 0, the decode-node buffer's read rate
+    too: one CNIC's KV tokens per second, alpha's SNIC rate scaled by cnic_gbps / snic_gbps (both
+    are the NIC's bytes per second over the KV bytes per token)."""
     if not cfg.scheduler.share_in_flight:
         return None
     if prefill_s is None:
         raise ValueError("scheduler.share_in_flight needs a latency model (prefill_s) to estimate compute with")
+    read_rate = constants.alpha_tokens / cfg.scheduler.alpha_seconds
+    buffer_rate = 0.0
+    if buffer_source and cfg.scheduler.share_buffer_blocks > 0:
+        buffer_rate = read_rate * cfg.cluster.cnic_gbps / cfg.cluster.snic_gbps
     return ComputePathModel(
-        constants.alpha_tokens / cfg.scheduler.alpha_seconds, constants.beta_tokens / cfg.scheduler.beta_seconds, prefill_s,
+        read_rate, constants.beta_tokens / cfg.scheduler.beta_seconds, prefill_s, buffer_read_tokens_per_s=buffer_rate,
     )
