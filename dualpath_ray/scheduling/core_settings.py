@@ -35,7 +35,8 @@ class CoreSettings:
     # In-flight sharing's estimates (scheduler.share_in_flight, scheduling/sharing.py); None = off.
     share_in_flight: ComputePathModel | None = None
     # The driver reports a prompt's blocks stored before its turn ends (prompt_persisted): the
-    # simulator does; the runtime publishes them with the turn's result.
+    # simulator does, and the runtime in dualpath mode with scheduler.share_buffer_blocks > 0 (its
+    # decode nodes' readers report them held in memory); otherwise they publish with the turn's result.
     early_prompt_publish: bool = False
 
     @classmethod

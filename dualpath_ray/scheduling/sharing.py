@@ -11,8 +11,9 @@ dearer.
 
 A producer promises, when it is placed, every full block of its prompt past its stored hit, and
 when it expects to publish them: its engine's queue, its prefill (the latency model), the write
-of those blocks at the read rate and, where a turn publishes what it persisted only when it ends
-(the runtime, so far), its decode (max_new_tokens decode steps, each one token's forward over
+of those blocks at the read rate (with a decode-buffer source, below: their transfer to its decode
+node at the CNIC's rate) and, where a turn publishes what it persisted only when it ends (the
+runtime without that source), its decode (max_new_tokens decode steps, each one token's forward over
 the prompt). Where the driver reports the prompt's blocks stored as soon as they are
 (`SchedulerCore.prompt_persisted`: the simulator), they are published then. When they are
 published, or its turn ends, its waiters are released at once, back at the head of the prefill queue in the order they
@@ -84,8 +85,8 @@ class InFlightSharing:
     ) -> None:
         self.model = model
         # Whether the driver reports a producer's prompt blocks stored before its turn ends
-        # (SchedulerCore.prompt_persisted: the simulator does, the runtime not yet); if not, a
-        # producer publishes them with its turn's result, after its decode.
+        # (SchedulerCore.prompt_persisted: the simulator does, and the runtime with a decode-buffer
+        # source); if not, a producer publishes them with its turn's result, after its decode.
         self.early_publish = early_publish
         self.chains = chains
         self.block_size = block_size
