@@ -27,6 +27,7 @@ from dualpath_ray.workload.grouped import grouped_trajectories  # noqa: E402
 pytestmark = pytest.mark.integration
 
 PROMPTS, SAMPLES, FIRST = 2, 4, 641  # 10 full blocks and one token: a waiter computes that token only
+GEN = 24  # the producer decodes long after its prefill: its waiters must not wait for that
 
 
 def grouped_config(profile: Path) -> DualPathConfig:
@@ -53,7 +54,7 @@ def test_grouped_samples_compute_their_prompt_once_per_group_and_read_it_from_th
     tmp_path: Path,
 ) -> None:
     cfg = grouped_config(tmp_path / "profile.json")
-    trajs = grouped_trajectories(prompts=PROMPTS, samples=SAMPLES, turns=1, first=FIRST, appended=16, gen=4,
+    trajs = grouped_trajectories(prompts=PROMPTS, samples=SAMPLES, turns=1, first=FIRST, appended=16, gen=GEN,
                                  vocab=cfg.model.vocab_size)
     expected = recompute_outputs(cfg, trajs)
     cluster = DualPathCluster.start(cfg)
@@ -77,6 +78,15 @@ def test_grouped_samples_compute_their_prompt_once_per_group_and_read_it_from_th
         assert sum(c.get("served", 0) for c in hot.values()) == waiters * (FIRST - 1) // 64, (
             "every shared block came from the decode node's memory, none through the SNIC"
         )
+        for p in range(PROMPTS):
+            group = [r for tid, r in firsts.items() if tid.startswith(f"p{p}-")]
+            producer = next(r for r in group if r.hit_tokens == 0)
+            producer_end = producer.ttft_s + (len(producer.output_tokens) - 1) * producer.tpot_s
+            print(f"group {p}: producer's turn ends at {producer_end:.2f} s, its waiters' first tokens at "
+                  f"{sorted(round(r.ttft_s, 2) for r in group if r is not producer)} s")
+            assert max(r.ttft_s for r in group if r is not producer) < producer_end, (
+                "waiters are released when the producer's prompt is on its decode node, not when its turn ends"
+            )
         assert result.outputs() == expected, "outputs equal the single-process recompute (sharing off's outputs)"
         assert verify_mismatches(cluster) == 0, "no assembled KV differed from the store (or the recompute)"
         assert ray.get(deployment.scheduler.check_integrity.remote()) == 0, "nothing is left held or queued"
