@@ -27,7 +27,7 @@ from dualpath_ray.workload.grouped import grouped_trajectories  # noqa: E402
 pytestmark = pytest.mark.integration
 
 PROMPTS, SAMPLES, FIRST = 2, 4, 641  # 10 full blocks and one token: a waiter computes that token only
-GEN = 24  # the producer decodes long after its prefill: its waiters must not wait for that
+GEN = 96  # the producer decodes long after its prefill: its waiters must not wait for that
 
 
 def grouped_config(profile: Path) -> DualPathConfig:
