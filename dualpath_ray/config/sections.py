@@ -187,6 +187,16 @@ class SchedulerConfig(Section):
         "or is aborted releases its waiters at once and they compute. Uses alpha's read rate, beta's compute rate "
         "and the latency profile (emulation.profile_path, else the built-in nominal one).",
     )
+    share_buffer_blocks: int = Field(
+        256, ge=0,
+        description="With share_in_flight in dualpath mode: how many freshly computed prompt blocks each decode "
+        "node's reader keeps in memory (a hot tier in front of the store, runtime/reader/hot_blocks.py) from the "
+        "prefill -> decode transfer until they are written to the store, oldest written first out. A producer's "
+        "prompt is then published as soon as it is on its decode node, and a waiter decoding on that node reads it "
+        "from there over the CNIC (its DE path) instead of the store over the SNIC, when the rule says that is "
+        "sooner (scheduling/share_rule.py). Memory: this many Full Blocks per decode node. 0 = off: waiters read "
+        "the store once the producer's turn has ended.",
+    )
     stage_tool_time: bool = Field(
         True,
         description="Beyond the paper: when a turn ends with the caller's hint that its session continues "

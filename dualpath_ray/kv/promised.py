@@ -28,6 +28,7 @@ class Promise:
     producer: str
     keys: tuple[Hashable, ...]
     ready_at: float  # the core's clock; an estimate (scheduling/sharing.py)
+    node: str = ""  # the producer's decode node, whose buffer its prompt's KV reaches first
 
     @property
     def blocks(self) -> int:
@@ -47,8 +48,8 @@ class PromisedBlocks:
     def __contains__(self, producer: object) -> bool:
         return producer in self._promises
 
-    def promise(self, producer: str, keys: Sequence[Hashable], ready_at: float) -> Promise:
-        """`producer` will publish `keys` (a chain, first block first) at about `ready_at`. Only
+    def promise(self, producer: str, keys: Sequence[Hashable], ready_at: float, node: str = "") -> Promise:
+        """`producer` (decoding on `node`) will publish `keys` (a chain, first block first) at about `ready_at`. Only
         the blocks no one has promised yet are its promise, from the first one (a run: a block
         promised by another producer ends it, since what follows depends on it)."""
         if producer in self._promises:
@@ -60,7 +61,7 @@ class PromisedBlocks:
                     break
                 continue
             run.append(key)
-        promise = Promise(producer, tuple(run), ready_at)
+        promise = Promise(producer, tuple(run), ready_at, node)
         self._promises[producer] = promise
         for position, key in enumerate(promise.keys):
             self._by_key[key] = (producer, position)

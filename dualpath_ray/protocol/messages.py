@@ -341,12 +341,15 @@ class EngineReport:
 @dataclass(frozen=True)
 class ReaderReport:
     """A storage reader's read queue (hit tokens waiting for or in its SNIC), sent when it
-    changed (at most every scheduler.report_interval_ms), and once when the reader starts."""
+    changed (at most every scheduler.report_interval_ms), and once when the reader starts; and
+    the attempts (owners) whose computed prompt blocks it now holds in memory, sent as soon as it
+    holds them (in-flight sharing's decode-buffer source, runtime/reader/hot_blocks.py)."""
 
     node_id: str
     reader: str
     incarnation: str
     read_q_tokens: int
+    prompts_on_node: tuple[str, ...] = ()
 
 
 class Refusal(str, enum.Enum):

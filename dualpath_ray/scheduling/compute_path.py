@@ -43,14 +43,20 @@ class ComputePathModel:
       beta_seconds), for the time its queued tokens take.
     prefill_s: one request's prefill time in seconds given (cached, new) tokens, all layers.
     read_nothing: compute every hit whole (scheduler.compute_path: all, the baseline).
+    buffer_read_tokens_per_s: one CNIC in KV tokens per second (cnic_gbps over the KV bytes per
+      token): what a read of blocks a decode node holds in memory costs (in-flight sharing's
+      decode-buffer source, scheduling/share_rule.py); 0 = no such source.
     """
 
     read_tokens_per_s: float
     compute_tokens_per_s: float
     prefill_s: Callable[[int, int], float]
     read_nothing: bool = False
+    buffer_read_tokens_per_s: float = 0.0
 
     def __post_init__(self) -> None:
+        if self.buffer_read_tokens_per_s < 0:
+            raise ValueError(f"the decode-buffer read rate must be >= 0 (0: none), not {self.buffer_read_tokens_per_s} tokens/s")
         if self.read_tokens_per_s <= 0 or self.compute_tokens_per_s <= 0:
             raise ValueError(
                 f"compute path rates must be > 0 (read {self.read_tokens_per_s}, compute {self.compute_tokens_per_s} tokens/s)"

@@ -35,7 +35,8 @@ class CoreSettings:
     # In-flight sharing's estimates (scheduler.share_in_flight, scheduling/sharing.py); None = off.
     share_in_flight: ComputePathModel | None = None
     # The driver reports a prompt's blocks stored before its turn ends (prompt_persisted): the
-    # simulator does; the runtime publishes them with the turn's result.
+    # simulator does, and the runtime in dualpath mode with scheduler.share_buffer_blocks > 0 (its
+    # decode nodes' readers report them held in memory); otherwise they publish with the turn's result.
     early_prompt_publish: bool = False
 
     @classmethod
@@ -52,7 +53,8 @@ class CoreSettings:
                        cfg.scheduler.stage_slack, cfg.scheduler.stage_margin_s,
                        read_tokens_per_s=constants.alpha_tokens / cfg.scheduler.alpha_seconds),
                    compute_path_model(cfg, constants, prefill_s), cfg.scheduler.bind_hits,
-                   sharing_model(cfg, constants, prefill_s))
+                   sharing_model(cfg, constants, prefill_s, buffer_source=Mode(mode) is Mode.DUALPATH),
+                   early_prompt_publish=Mode(mode) is Mode.DUALPATH and cfg.scheduler.share_buffer_blocks > 0)
 
 
 def compute_path_model(
@@ -73,13 +75,21 @@ def compute_path_model(
 
 def sharing_model(
     cfg: DualPathConfig, constants: Constants, prefill_s: Callable[[int, int], float] | None,
+    buffer_source: bool = False,
 ) -> ComputePathModel | None:
     """In-flight sharing's estimates, when scheduler.share_in_flight is on: the compute path's
-    rates and latency model (scheduling/share_rule.py)."""
+    rates and latency model (scheduling/share_rule.py). With `buffer_source` (the runtime in
+    dualpath mode) and scheduler.share_buffer_blocks > 0, the decode-node buffer's read rate
+    too: one CNIC's KV tokens per second, alpha's SNIC rate scaled by cnic_gbps / snic_gbps (both
+    are the NIC's bytes per second over the KV bytes per token)."""
     if not cfg.scheduler.share_in_flight:
         return None
     if prefill_s is None:
         raise ValueError("scheduler.share_in_flight needs a latency model (prefill_s) to estimate compute with")
+    read_rate = constants.alpha_tokens / cfg.scheduler.alpha_seconds
+    buffer_rate = 0.0
+    if buffer_source and cfg.scheduler.share_buffer_blocks > 0:
+        buffer_rate = read_rate * cfg.cluster.cnic_gbps / cfg.cluster.snic_gbps
     return ComputePathModel(
-        constants.alpha_tokens / cfg.scheduler.alpha_seconds, constants.beta_tokens / cfg.scheduler.beta_seconds, prefill_s,
+        read_rate, constants.beta_tokens / cfg.scheduler.beta_seconds, prefill_s, buffer_read_tokens_per_s=buffer_rate,
     )

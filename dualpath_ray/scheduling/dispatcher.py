@@ -195,11 +195,13 @@ class Dispatcher:
             # The policy's pick, once per placement of a request that reads and is not staged (an
             # ablation's RoundRobinPaths advances per call, so it alternates over those requests).
             reads = bool(request.hit_keys) and not staged
-            choice = self._path(pe_node, request.decode_node, request.avoid_reader) if reads else None
+            # Blocks its decode node holds in memory, maybe not stored yet: read there (sharing.py).
+            from_buffer = reads and self.sharing is not None and self.sharing.in_buffer(request)
+            choice = (ReadPath.DE if from_buffer else self._path(pe_node, request.decode_node, request.avoid_reader)) if reads else None
             if not staged:
                 self._choose_read_blocks(request, choice, pe_node, engine_tok[assignment.target])
             engine_tok[assignment.target] += request.prefill_tokens
-            pe_blocks = 0 if staged else self._pe_blocks(request, pe_node, choice)
+            pe_blocks = 0 if staged or from_buffer else self._pe_blocks(request, pe_node, choice)
             hit_blocks = len(request.read_keys)
             path = ReadPath.PE if pe_blocks == hit_blocks and hit_blocks else ReadPath.DE if not pe_blocks else ReadPath.SPLIT
             if not hit_blocks:  # nothing to read: the policy's pick, for the record

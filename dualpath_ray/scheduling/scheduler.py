@@ -287,14 +287,15 @@ class SchedulerCore:
 
     def prompt_persisted(self, request_id: str) -> int:
         """The prompt blocks a request in flight computed are in the store before its turn ends
-        (the simulator reports it; scheduling/sharing.py): they are published now and the requests
-        waiting for them are released. Returns the blocks indexed."""
+        (the simulator reports it), or in its decode node's memory (the runtime's readers report
+        it, with a decode-buffer source; scheduling/sharing.py): they are published now and the
+        requests waiting for them are released. Returns the blocks indexed."""
         request, sharing = self.requests.get(request_id), self.dispatcher.sharing
-        if request is None or sharing is None:
-            return 0
+        if request is None or sharing is None or not sharing.early_publish:
+            return 0  # without a decode-buffer source the runtime publishes with the turn's result
         published = self.index.publish(sharing.prompt_blocks(request))
         self.binder.published(published)
-        self.dispatcher.release(sharing.fulfilled(request_id), may_wait=True)
+        self.dispatcher.release(sharing.fulfilled(request), may_wait=True)
         return published
 
     def sharing_counts(self) -> dict[str, int]:

@@ -1,29 +1,47 @@
-"""The wait-or-compute rule of in-flight sharing: pure, one comparison of two estimated ends.
+"""The wait-or-compute rule of in-flight sharing: pure, a comparison of estimated ends.
 
 A request about to be placed whose next blocks (past its stored hit) are promised by a
 producer in flight (kv/promised.py) can
 
 - compute them itself, now:  end = engine_wait + prefill_s(hit, promised + miss)
-- wait for the producer:      end = max(ready_in + (read_queue + promised) / read_rate, engine_wait)
+- wait for the producer and read them from a source:
+                              end = max(ready_in + read_s(source), engine_wait)
                                     + prefill_s(hit + promised, miss)
+
+  the store:                  read_s = (read_queue + promised) / read_rate
+  the producer's decode-node buffer (only where the request decodes on that node too, so its
+  DE-path read finds them in its own node's memory and the prefill engine pulls them over
+  its CNIC, as it pulls any DE-path hit):
+                              read_s = promised / buffer_rate
 
 where engine_wait is the time the prefill engines need for the tokens they hold before it
 (engine_queue_tokens at the compute rate), ready_in the time until the producer publishes the
-blocks (its estimate, scheduling/sharing.py), the promised blocks are then read through a
-reader whose queue holds read_queue_tokens, and prefill_s is the latency model's time of one
-request's prefill given (cached, new) tokens (scheduling/compute_path.py's ComputePathModel: the
-same estimates as the compute path). The hit is read in both cases and left out of both.
+blocks (its estimate, scheduling/sharing.py), read_queue_tokens what the SNIC reader already
+holds (a buffer read never crosses the SNIC, so it waits behind nothing there), read_rate one
+SNIC's and buffer_rate one CNIC's KV tokens per second (ComputePathModel), and prefill_s the
+latency model's time of one request's prefill given (cached, new) tokens (scheduling/
+compute_path.py: the same estimates as the compute path). The hit is read in every case and
+left out of all of them.
 
-It waits only if waiting ends strictly sooner: of equal ends computing wins (no dependency on
-another request, nothing to release if that one fails). `tests/unit/scheduling/test_share_rule.py`
-checks it against the rule written out literally.
+It waits, through the source that ends it sooner (of equal ends the buffer: it leaves the SNIC
+to others), only if waiting ends strictly sooner than computing: of equal ends computing wins
+(no dependency on another request, nothing to release if that one fails).
+`tests/unit/scheduling/test_share_rule.py` checks it against the rule written out literally.
 """
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 from dualpath_ray.scheduling.compute_path import ComputePathModel
+
+
+class ShareSource(str, enum.Enum):
+    """Where a waiter reads the producer's blocks from."""
+
+    STORE = "store"  # through a storage reader's SNIC, once the producer's turn has stored them
+    BUFFER = "buffer"  # from the producer's decode node's memory, over the prefill engine's CNIC
 
 
 @dataclass(frozen=True)
@@ -36,6 +54,8 @@ class ShareInputs:
     ready_in_s: float  # until the producer publishes the promised blocks (0 if it is late)
     read_queue_tokens: int  # queued on the reader the promised blocks would be read through
     engine_queue_tokens: int  # prefill tokens the engines it may land on hold before it
+    # The producer's decode node keeps its prompt in memory and is this request's decode node.
+    same_decode_node: bool = False
 
     def __post_init__(self) -> None:
         if min(self.hit_tokens, self.promised_tokens, self.read_queue_tokens, self.engine_queue_tokens) < 0 or (
@@ -50,15 +70,34 @@ def end_if_computed(inputs: ShareInputs, model: ComputePathModel) -> float:
     return engine_wait + model.prefill_s(inputs.hit_tokens, inputs.promised_tokens + inputs.miss_tokens)
 
 
-def end_if_waiting(inputs: ShareInputs, model: ComputePathModel) -> float:
-    """Seconds from now to the end of its prefill when it waits for the producer and reads them."""
+def sources(inputs: ShareInputs, model: ComputePathModel) -> tuple[ShareSource, ...]:
+    """The sources it could read the promised blocks from, the buffer first (it wins ties)."""
+    if inputs.same_decode_node and model.buffer_read_tokens_per_s > 0:
+        return ShareSource.BUFFER, ShareSource.STORE
+    return (ShareSource.STORE,)
+
+
+def end_if_waiting(inputs: ShareInputs, model: ComputePathModel, source: ShareSource = ShareSource.STORE) -> float:
+    """Seconds from now to the end of its prefill when it waits for the producer and reads the
+    promised blocks from `source`."""
     engine_wait = inputs.engine_queue_tokens / model.compute_tokens_per_s
-    read_done = inputs.ready_in_s + (inputs.read_queue_tokens + inputs.promised_tokens) / model.read_tokens_per_s
+    if source is ShareSource.BUFFER:
+        read_s = inputs.promised_tokens / model.buffer_read_tokens_per_s
+    else:
+        read_s = (inputs.read_queue_tokens + inputs.promised_tokens) / model.read_tokens_per_s
+    read_done = inputs.ready_in_s + read_s
     return max(read_done, engine_wait) + model.prefill_s(inputs.hit_tokens + inputs.promised_tokens, inputs.miss_tokens)
+
+
+def wait_source(inputs: ShareInputs, model: ComputePathModel) -> ShareSource | None:
+    """The source to wait for and read the promised blocks from, or None: compute them (module doc)."""
+    if inputs.promised_tokens == 0:
+        return None
+    ends = {source: end_if_waiting(inputs, model, source) for source in sources(inputs, model)}
+    best = min(ends, key=ends.__getitem__)  # the first of equal minima: the buffer
+    return best if ends[best] < end_if_computed(inputs, model) else None
 
 
 def should_wait(inputs: ShareInputs, model: ComputePathModel) -> bool:
     """Whether waiting for the producer ends the request strictly sooner (module doc)."""
-    if inputs.promised_tokens == 0:
-        return False
-    return end_if_waiting(inputs, model) < end_if_computed(inputs, model)
+    return wait_source(inputs, model) is not None

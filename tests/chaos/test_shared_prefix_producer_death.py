@@ -1,8 +1,9 @@
 """In-flight sharing on a real 1P1D cluster (scheduler.share_in_flight; the tiny model computing
 for real, every assembled KV byte verified): G samples of a prompt arrive together, one computes
 the prompt and the others wait for it. The prefill engine computing a producer is killed while
-its waiters hold (its decode engine, once it decodes: the runtime publishes a turn's blocks with
-its result): they are released at once and compute, the producer is retried, and every sample
+its waiters hold (its decode engine, once it decodes, if the waiters still hold: with the
+decode-node buffer the runtime publishes a producer's prompt as soon as it is there): they are
+released at once and compute, the producer is retried, and every sample
 finishes with exactly the outputs of a single-process recompute."""
 
 from __future__ import annotations

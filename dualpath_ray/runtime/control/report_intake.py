@@ -15,7 +15,7 @@ import contextlib
 import logging
 from typing import Iterator
 
-from dualpath_ray.protocol.messages import EngineReport, PeerState, ReaderReport
+from dualpath_ray.protocol.messages import EngineReport, PeerState, ReaderReport, attempt_owner
 from dualpath_ray.runtime.telemetry.scheduler_counts import SchedulerCounts
 from dualpath_ray.runtime.control.decisions import Decisions, ReaderStates
 from dualpath_ray.runtime.control.serving import Serving
@@ -82,10 +82,18 @@ class ReportIntake:
             LOG.exception("%s could not be handled", what)
 
     def _reader_report(self, report: ReaderReport) -> None:
-        """A reader's read queue changed (or the reader just started)."""
+        """A reader's read queue changed (or the reader just started), or it holds attempts'
+        computed prompt blocks in memory: those are published now (in-flight sharing,
+        SchedulerCore.prompt_persisted) if the attempt is still the one in flight."""
         self.calls.reader_report += 1
         self.watchdog.observe(report.reader, report.incarnation)
         self.core.dispatcher.report_read_q(report.node_id, report.read_q_tokens)
+        for owner in report.prompts_on_node:
+            with self._isolated(f"the prompt of {owner} on {report.node_id}"):
+                rid = owner.rsplit("#", 1)[0]
+                request = self.core.requests.get(rid)
+                if request is not None and attempt_owner(rid, request.spec.attempt, request.spec.epoch) == owner:
+                    self.decisions.rounds.prompt_persisted(rid)
         if self.readers.state(report.node_id) is not PeerState.ALIVE and report.node_id not in self.core.readers_dead:
             self.watchdog.reader_state(report.node_id, PeerState.ALIVE)
 

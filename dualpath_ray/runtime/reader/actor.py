@@ -68,6 +68,7 @@ def build_core(
         pin_host_buffers=cfg.cluster.pin_host_buffers,
         incarnation=incarnation,
         stage_buffer_fraction=cfg.scheduler.stage_buffer_fraction,
+        hot_blocks=cfg.scheduler.share_buffer_blocks if cfg.scheduler.share_in_flight else 0,
     )
     # cluster.snic_gbps is per direction: the NIC is full duplex.
     links = (
@@ -206,7 +207,13 @@ class StorageReader(TransportEndpoint):
         (fewer than asked when the store refused one: ReaderCore.write_blocks)."""
         if self._stale(incarnation):
             raise PeerDiedError(f"{self.name} restarted: extent {extent_id} of its dead incarnation is gone")
-        return self.core.write_extent(extent_id, blocks)
+        return self.core.write_extent(extent_id, blocks, on_hot=self._prompt_on_node)
+
+    def _prompt_on_node(self, owner: str) -> None:
+        """An attempt's computed prompt blocks are held in this node's memory (hot_blocks.py):
+        the scheduler publishes them now (in-flight sharing), before they are written. Sent after
+        they are held, so a read the scheduler places on hearing it finds them here."""
+        self.reports.send(ReaderReport(self.core.node_id, self.name, self.incarnation, self.core.read_q(), (owner,)))
 
     @ray.method(concurrency_group="io")
     def persist_pages(self, owner: str, engine: str, blocks: list[tuple[int, PersistedBlock]]) -> int:
@@ -227,6 +234,12 @@ class StorageReader(TransportEndpoint):
             )
         finally:
             self.core.end_write(extent.extent_id)
+
+    @ray.method(concurrency_group="ctl")
+    def hot_counts(self) -> dict[str, int]:
+        """The hot tier's blocks held now, ever held, served instead of a store read, and persists
+        not held (runtime/reader/hot_blocks.py); empty without one."""
+        return self.core.hot.counts() if self.core.hot is not None else {}
 
     @ray.method(concurrency_group="ctl")
     def read_q(self) -> int:

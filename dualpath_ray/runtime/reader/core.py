@@ -39,6 +39,7 @@ from dualpath_ray.protocol.counters import NodeCounters
 from dualpath_ray.protocol.messages import ExtentGrant, PersistedBlock, StagedRead
 from dualpath_ray.protocol.types import ReadPath
 from dualpath_ray.runtime.reader.extents import ExtentRetiredError, ReaderExtents, ReclaimedOwnerError
+from dualpath_ray.runtime.reader.hot_blocks import HotBlocks
 from dualpath_ray.runtime.reader.read_time import StoreReadTime
 from dualpath_ray.runtime.reader.recent_keys import RecentKeys
 from dualpath_ray.runtime.reader.settings import ReaderFaults, ReaderSettings
@@ -106,6 +107,8 @@ class ReaderCore:
         self.extents = ReaderExtents(settings.node_id, self.pool, self._cond, settings.lease_timeout_s, self.stager.relieve)
         # Persists (runtime/reader/writer.py): the store's refusals, the persist digest check.
         self.writer = BlockWriter(settings.node_id, layout, store, self.snic_write, faults, self.counters, self._cond)
+        # In-flight sharing's hot tier of fresh prompt blocks (hot_blocks.py); None = off.
+        self.hot = HotBlocks(settings.hot_blocks) if settings.hot_blocks else None
 
     @property
     def store(self) -> BlockStore:
@@ -265,7 +268,8 @@ class ReaderCore:
         if path is not ReadPath.DE:
             enqueue()
 
-        turn = ReadTurn(self.snic_read.turns if keys else None, len(keys))
+        turn = ReadTurn(None, 0)  # the SNIC turn of the blocks the hot tier does not serve, below
+        cold = list(range(len(keys)))  # the blocks read from the store
 
         def on_failed(index: int, error: BaseException) -> None:
             # Every bad block the read found, not only the one it raises for: the store reads
@@ -274,11 +278,12 @@ class ReaderCore:
             if kind is not None:
                 self._note_bad_block(kind, keys[index])
 
-        def on_verified(_: int) -> None:
+        def on_verified(_: int, snic: bool = True) -> None:
             nonlocal pending, verified
-            verified += 1
+            verified += snic  # store reads only: the first bad block is the one after them
             with self._cond:
-                self.counters.snic_read[path] += block_bytes
+                if snic:
+                    self.counters.snic_read[path] += block_bytes
                 self._read_q_tokens -= block_tokens
                 pending -= block_tokens
                 self.on_read_q()
@@ -304,10 +309,18 @@ class ReaderCore:
             try:
                 if keys:
                     outs = [self.pool.full_block(slot) for slot in extent.slots[first_block:end]]
+                    if self.hot is not None:  # blocks a producer's prompt left on this node
+                        cold = self.hot.serve(keys, outs)
+                        for _ in range(len(keys) - len(cold)):
+                            on_verified(0, snic=False)
+                    # Indices below are into the blocks read from the store, in key order.
+                    turn = ReadTurn(self.snic_read.turns if cold else None, len(cold))
                     turn.begin()
                     with self.read_time.reading():
                         self.store.get_many_into(
-                            list(keys), outs, before_read=before_read, on_verified=on_verified, on_failed=on_failed
+                            [keys[i] for i in cold], [outs[i] for i in cold],
+                            before_read=lambda i: before_read(cold[i]), on_verified=on_verified,
+                            on_failed=lambda i, error: on_failed(cold[i], error),
                         )
                 hit_digests = self._digests(extent, start, end) if wants_digests else None
             except (BlockNotFoundError, BlockCorruptedError, IncompatibleBlockError, OSError) as exc:
@@ -321,7 +334,7 @@ class ReaderCore:
                 self.free(extent.extent_id)
                 if kind is None:
                     raise
-                raise BadBlockError(kind, keys[verified], str(exc)) from None
+                raise BadBlockError(kind, keys[cold[verified]], str(exc)) from None
             except BaseException:
                 if not self.extents.end_transfer(extent.extent_id):
                     self.free(extent.extent_id)
@@ -396,11 +409,24 @@ class ReaderCore:
         whose bytes fail their engine's digest, ends the chain there without raising)."""
         return self.writer.write_blocks(blocks)
 
-    def write_extent(self, extent_id: int, blocks: Sequence[tuple[int, PersistedBlock]]) -> int:
-        """write_blocks of (index in the extent, key) pairs from an extent, then free it in any case."""
+    def write_extent(
+        self, extent_id: int, blocks: Sequence[tuple[int, PersistedBlock]], on_hot: Callable[[str], None] | None = None,
+    ) -> int:
+        """write_blocks of (index in the extent, key) pairs from an extent, then free it in any case.
+        With the hot tier, the blocks are held in memory first and `on_hot(owner)` is told before
+        they are written (in-flight sharing publishes them then: hot_blocks.py)."""
         extent = self.begin_write(extent_id)
+        keys = [block.key for _, block in blocks]
+        stored = 0
         try:
-            return self.write_blocks([(self.pool.full_block(extent.slots[index]), block) for index, block in blocks])
+            data = [(self.pool.full_block(extent.slots[index]), block) for index, block in blocks]
+            if self.hot is not None and on_hot is not None and data and self.hot.hold(data):
+                on_hot(extent.owner)
+            stored = self.write_blocks(data)
+            return stored
         finally:
+            if self.hot is not None:
+                self.hot.written(keys[:stored])
+                self.hot.dropped(keys[stored:])
             self.end_write(extent_id)
 

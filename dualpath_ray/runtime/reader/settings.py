@@ -35,6 +35,9 @@ class ReaderSettings:
     # How many keys of damaged, corrupt and unreadable blocks the reader remembers, each (the
     # oldest dropped first: runtime/reader/recent_keys.py).
     bad_key_cap: int = DEFAULT_KEY_CAP
+    # scheduler.share_buffer_blocks when scheduler.share_in_flight is on, else 0: the hot tier of
+    # freshly computed prompt blocks (runtime/reader/hot_blocks.py); 0 = none.
+    hot_blocks: int = 0
 
     @property
     def stage_cap_blocks(self) -> int:

@@ -8,7 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dualpath_ray.scheduling.compute_path import ComputePathModel
-from dualpath_ray.scheduling.share_rule import ShareInputs, end_if_computed, end_if_waiting, should_wait
+from dualpath_ray.scheduling.share_rule import (
+    ShareInputs, ShareSource, end_if_computed, end_if_waiting, should_wait, wait_source,
+)
 
 READ_RATE, COMPUTE_RATE = 2048.0, 1024.0  # powers of two: every figure below is exact in binary
 
@@ -18,6 +20,8 @@ def prefill_s(cached: int, new: int) -> float:
 
 
 MODEL = ComputePathModel(READ_RATE, COMPUTE_RATE, prefill_s)
+BUFFER_RATE = 16384.0  # one CNIC, 8x the SNIC
+BUFFERED = ComputePathModel(READ_RATE, COMPUTE_RATE, prefill_s, buffer_read_tokens_per_s=BUFFER_RATE)
 
 
 def reference_should_wait(hit: int, promised: int, miss: int, ready_in: float, read_q: int, engine_q: int) -> bool:
@@ -81,3 +85,61 @@ def test_bad_inputs_name_themselves() -> None:
         ShareInputs(0, 16, 0, 0.0, 0, 0)
     with pytest.raises(ValueError, match="share inputs"):
         ShareInputs(0, 16, 1, -1.0, 0, 0)
+
+
+def reference_wait_source(
+    hit: int, promised: int, miss: int, ready_in: float, read_q: int, engine_q: int, same_node: bool,
+) -> str | None:
+    """The source choice, literally: each way of waiting ends at the later of the read's end and
+    the engines' being free, plus the prefill of what is left; the store's read waits behind the
+    SNIC's queue, the producer's decode-node buffer (only for a request on that node) behind
+    nothing, at the CNIC's rate. The soonest wait (the buffer on a tie) if it beats computing."""
+    if promised == 0:
+        return None
+    engines_free_in = engine_q / COMPUTE_RATE
+    computing_ends = engines_free_in + prefill_s(hit, promised + miss)
+    after_read = prefill_s(hit + promised, miss)
+    store_read_in = ready_in + read_q / READ_RATE + promised / READ_RATE
+    store_ends = max(store_read_in, engines_free_in) + after_read
+    best, best_ends = "store", store_ends
+    if same_node:
+        buffer_read_in = ready_in + promised / BUFFER_RATE
+        buffer_ends = max(buffer_read_in, engines_free_in) + after_read
+        if buffer_ends <= store_ends:
+            best, best_ends = "buffer", buffer_ends
+    return best if best_ends < computing_ends else None
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    hit=st.integers(0, 64).map(lambda b: b * 16),
+    promised=st.integers(0, 256).map(lambda b: b * 16),
+    miss=st.integers(1, 4096),
+    ready_in=st.integers(0, 4096).map(lambda t: t / 64),
+    read_q=st.integers(0, 1 << 16),
+    engine_q=st.integers(0, 1 << 16),
+    same_node=st.booleans(),
+)
+def test_the_source_choice_matches_its_literal_reference(
+    hit: int, promised: int, miss: int, ready_in: float, read_q: int, engine_q: int, same_node: bool,
+) -> None:
+    inputs = ShareInputs(hit, promised, miss, ready_in, read_q, engine_q, same_decode_node=same_node)
+    got = wait_source(inputs, BUFFERED)
+    expected = reference_wait_source(hit, promised, miss, ready_in, read_q, engine_q, same_node)
+    assert (got.value if got else None) == expected, f"the source choice differs from its literal reference at {inputs}"
+    assert wait_source(inputs, MODEL) in (None, ShareSource.STORE), "without a buffer rate only the store is a source"
+
+
+def test_behind_a_slow_snic_the_producers_decode_buffer_beats_computing_where_the_store_does_not() -> None:
+    """bench-1p1d's case, scaled: the SNIC reads 2,048 tokens/s, the CNIC 16,384; 1,984 shared
+    tokens computed at idle engines take 1,985 / 256 = 7.75 s. Read through the store, after the
+    producer's 0.5 s: 0.5 + 1,984 / 2,048 + the rest, and behind a 16,384-token SNIC queue 8 s
+    more: computing wins. From the producer's decode-node buffer the queue does not apply:
+    0.5 + 1,984 / 16,384 s, then 1,984 / 4,096 + 1 / 256 s of prefill."""
+    inputs = ShareInputs(0, 1984, 1, 0.5, 16384, 0, same_decode_node=True)
+    assert end_if_computed(inputs, BUFFERED) == 1985 / 256
+    assert end_if_waiting(inputs, BUFFERED, ShareSource.STORE) > end_if_computed(inputs, BUFFERED), "the store loses"
+    assert end_if_waiting(inputs, BUFFERED, ShareSource.BUFFER) == 0.5 + 1984 / 16384 + 1984 / 4096 + 1 / 256
+    assert wait_source(inputs, BUFFERED) is ShareSource.BUFFER, "it waits and reads the producer's buffer"
+    other_node = ShareInputs(0, 1984, 1, 0.5, 16384, 0, same_decode_node=False)
+    assert wait_source(other_node, BUFFERED) is None, "on another decode node only the store is a source: it computes"

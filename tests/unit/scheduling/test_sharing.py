@@ -5,6 +5,7 @@ when its turn ends, and compute at once when it fails or is abandoned."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from dualpath_ray.kv.index import PrefixIndex, block_keys
 from dualpath_ray.kv.promised import PromisedBlocks
@@ -34,9 +35,10 @@ class Clock:
         return self.now
 
 
-def core(share: bool = True) -> tuple[SchedulerCore, Clock]:
+def core(share: bool = True, early_publish: bool = False, model: ComputePathModel = MODEL) -> tuple[SchedulerCore, Clock]:
     clock = Clock()
-    settings = CoreSettings(Mode.DUALPATH, BLOCK, Constants(10_000, 100_000), share_in_flight=MODEL if share else None)
+    settings = CoreSettings(Mode.DUALPATH, BLOCK, Constants(10_000, 100_000), share_in_flight=model if share else None,
+                            early_prompt_publish=early_publish)
     return SchedulerCore(settings, PrefixIndex(BLOCK), clock=clock), clock
 
 
@@ -134,7 +136,7 @@ def test_a_promise_is_a_run_of_blocks_no_one_else_promised() -> None:
 def test_prompt_blocks_stored_before_the_turn_ends_release_the_waiters_then() -> None:
     """Where the driver reports a producer's prompt blocks stored (the simulator), they are
     published then, and its waiters read them while it still decodes."""
-    c, clock = core()
+    c, clock = core(early_publish=True)
     three_samples(c)
     c.handed_off("s0")
     clock.now = 0.1
@@ -145,3 +147,68 @@ def test_prompt_blocks_stored_before_the_turn_ends_release_the_waiters_then() ->
     c.finish(result(spec("s0")))  # its turn's result publishes the same blocks again: nothing changes
     assert len(c.index) == 8
     c.dispatcher.check_integrity()
+
+
+# A slow SNIC (100 tokens/s: reading the 128 shared tokens takes 1.28 s, computing them again
+# 0.13 s) and a fast CNIC (100,000 tokens/s) from the producer's decode-node buffer.
+SLOW_SNIC = ComputePathModel(100.0, 1_000.0, lambda cached, new: new / 1_000, buffer_read_tokens_per_s=100_000.0)
+
+
+def test_behind_a_slow_snic_samples_wait_for_the_producers_decode_buffer_and_read_it_there() -> None:
+    """With a decode-buffer source (the runtime's readers keep a producer's fresh prompt in
+    memory), samples decoding on the producer's node wait for it where the store alone would make
+    them compute; they are released when its prompt reaches that node (prompt_persisted) and read
+    it on that node's DE path, whatever the read queues say, until its turn ends."""
+    c, clock = core(early_publish=True, model=SLOW_SNIC)
+    sharing = c.dispatcher.sharing
+    assert sharing is not None
+    assert three_samples(c) == ["s0"], "s1 and s2 wait: 0.14 s from the buffer against 0.27 s computing"
+    assert sharing.counts()["buffer_waits"] == 2, "both chose the producer's decode-node buffer as their source"
+    promise = sharing.promises.get("s0")
+    assert promise is not None and promise.node == "d0", "the promise names the producer's decode node"
+    clock.now = 0.14
+    assert c.prompt_persisted("s0") == 8, "s0's 8 prompt blocks are published once they are on its decode node"
+    tasks = c.fetch_prefill(prefill())
+    assert [(t.request_id, t.hit_tokens, t.path) for t in tasks] == [("s1", 128, ReadPath.DE), ("s2", 128, ReadPath.DE)], (
+        "both read the buffered blocks on d0's DE path (s2's read queues alone would have picked PE)"
+    )
+    assert all(t.pe_hit_blocks == 0 for t in tasks), "the prefill node's reader reads none of them"
+    c.finish(result(spec("s0")))
+    assert not sharing.in_buffer(c.requests["s1"]), "once the producer's turn ended its blocks are stored: any path"
+    c.dispatcher.check_integrity()
+
+
+def test_without_a_decode_buffer_source_the_same_samples_compute_behind_a_slow_snic() -> None:
+    slow_store = ComputePathModel(100.0, 1_000.0, lambda cached, new: new / 1_000)
+    c, _ = core(early_publish=True, model=slow_store)
+    assert three_samples(c) == ["s0", "s1", "s2"], "reading through a 100 tokens/s SNIC loses: all three compute"
+
+
+def test_without_early_publish_a_prompt_on_its_decode_node_publishes_nothing() -> None:
+    """Basic mode, or no hot tier: the runtime's readers may still report a prompt in memory,
+    but its blocks are published only with the turn's result (no reader but that node's has them)."""
+    c, _ = core(early_publish=False, model=SLOW_SNIC)
+    three_samples(c)
+    assert c.prompt_persisted("s0") == 0 and len(c.index) == 0, "nothing published before the turn ends"
+
+
+def test_the_decode_buffer_source_is_one_cnic_and_only_in_dualpath_mode() -> None:
+    """The buffer's rate is alpha's SNIC rate scaled by cnic_gbps / snic_gbps (both are the NIC's
+    bytes per second over the KV bytes per token): bench-1p1d's 8 Gbit/s CNIC against its
+    16 Mbit/s SNIC is 500x. Basic mode reads only on the prefill side: no buffer source there."""
+    from dualpath_ray.config import parse_config
+
+    data = {"cluster": {"snic_gbps": 0.016, "cnic_gbps": 8.0}, "scheduler": {"share_in_flight": True}}
+    cfg = parse_config(data, source="<tests>")
+    constants = Constants(3_000, 100_000)
+    dual = CoreSettings.of(cfg, "dualpath", constants, prefill_s=lambda cached, new: new / 1_000)
+    assert dual.share_in_flight is not None and dual.early_prompt_publish, "dualpath: published from the buffer"
+    read_rate = 3_000 / cfg.scheduler.alpha_seconds
+    assert dual.share_in_flight.buffer_read_tokens_per_s == pytest.approx(read_rate * 500), "one CNIC, 500x the SNIC"
+    basic = CoreSettings.of(cfg, "basic", constants, prefill_s=lambda cached, new: new / 1_000)
+    assert basic.share_in_flight is not None and basic.share_in_flight.buffer_read_tokens_per_s == 0
+    assert not basic.early_prompt_publish, "basic mode publishes with the turn's result"
+    data["scheduler"]["share_buffer_blocks"] = 0
+    off = CoreSettings.of(parse_config(data, source="<tests>"), "dualpath", constants, prefill_s=lambda c, n: n / 1_000)
+    assert off.share_in_flight is not None and off.share_in_flight.buffer_read_tokens_per_s == 0, "0 blocks: off"
+    assert not off.early_prompt_publish
