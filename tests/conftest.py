@@ -44,21 +44,21 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Within each test directory, the modules that share the embedded cluster run first, in
-    their collected order, then the rest: a module that starts a cluster of its own stops the
-    shared one (a driver holds one Ray connection), so interleaved they would start it again
-    after each. Trylast: after pytest grouped the items of module-scoped parameters, an order
-    this stable sort keeps within each module."""
-    directories: dict[Any, int] = {}
+    """Within each run of consecutive items from one test directory, the modules that share the
+    embedded cluster run first, in their collected order, then the rest: a module that starts a
+    cluster of its own stops the shared one (a driver holds one Ray connection), so interleaved
+    they would start it again after each. Nothing moves across directories. Trylast: after
+    pytest grouped the items of module-scoped parameters, an order this stable sort keeps
+    within each module."""
     sharing = {item.module for item in items
                if isinstance(item, pytest.Function) and "shared_cluster" in item.fixturenames}
-
-    def rank(indexed: tuple[int, pytest.Item]) -> tuple[int, int, int]:
-        index, item = indexed
-        directory = directories.setdefault(item.path.parent, len(directories))
-        return directory, 0 if getattr(item, "module", None) in sharing else 1, index
-
-    items[:] = [item for _, item in sorted(enumerate(items), key=rank)]
+    keys: list[tuple[int, int, int]] = []
+    run = 0
+    for index, item in enumerate(items):
+        if index and item.path.parent != items[index - 1].path.parent:
+            run += 1
+        keys.append((run, 0 if getattr(item, "module", None) in sharing else 1, index))
+    items[:] = [item for _, item in sorted(zip(keys, items), key=lambda keyed: keyed[0])]
 
 
 @pytest.fixture(scope="session")
