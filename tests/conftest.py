@@ -42,6 +42,25 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     os._exit(status)
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Within each run of consecutive items from one test directory, the modules that share the
+    embedded cluster run first, in their collected order, then the rest: a module that starts a
+    cluster of its own stops the shared one (a driver holds one Ray connection), so interleaved
+    they would start it again after each. Nothing moves across directories. Trylast: after
+    pytest grouped the items of module-scoped parameters, an order this stable sort keeps
+    within each module."""
+    sharing = {item.module for item in items
+               if isinstance(item, pytest.Function) and "shared_cluster" in item.fixturenames}
+    keys: list[tuple[int, int, int]] = []
+    run = 0
+    for index, item in enumerate(items):
+        if index and item.path.parent != items[index - 1].path.parent:
+            run += 1
+        keys.append((run, 0 if getattr(item, "module", None) in sharing else 1, index))
+    items[:] = [item for _, item in sorted(zip(keys, items), key=lambda keyed: keyed[0])]
+
+
 @pytest.fixture(scope="session")
 def shared_cluster() -> Iterator[SharedCluster]:
     from tests.shared_cluster import SharedCluster
@@ -55,9 +74,11 @@ def shared_cluster() -> Iterator[SharedCluster]:
 
 @pytest.fixture
 def cluster_for(shared_cluster: SharedCluster) -> Iterator[Callable[..., Any]]:
-    """`cluster_for(cfg, mode=None)`: the session's shared embedded 1P1D cluster with `cfg`
-    deployed (runtime_config()'s cluster section; started at first use), its deployment torn down
-    after the test. For a test that only needs a deployment, not a Ray cluster of its own."""
+    """`cluster_for(cfg, mode=None)`: the session's shared embedded cluster with `cfg` deployed
+    (started at first use, and again for another cluster section), its deployment torn down
+    after the test. For a test that only needs a deployment, not a Ray cluster of its own; a
+    module whose tests share one deployment uses `shared_cluster.deployed(cfg, mode)` in a
+    module-scoped fixture instead."""
     try:
         yield shared_cluster.deploy
     finally:
@@ -67,12 +88,13 @@ def cluster_for(shared_cluster: SharedCluster) -> Iterator[Callable[..., Any]]:
 @pytest.fixture(scope="module", autouse=True)
 def _one_embedded_cluster_at_a_time(request: pytest.FixtureRequest) -> None:
     """A driver holds one Ray connection: before an integration or chaos module none of whose
-    tests share the cluster (it starts its own, or a `ray start` one), the shared cluster, if up,
-    is stopped. (Unit modules never touch it: they import no Ray.)"""
+    tests share the cluster (through `cluster_for`, or a module fixture of its own on
+    `shared_cluster`), the shared cluster, if up, is stopped: the module starts its own, or a
+    `ray start` one. (Unit modules never touch it: they import no Ray.)"""
     module = request.module
     if not module.__name__.startswith(("tests.integration.", "tests.chaos.")):
         return
-    if any("cluster_for" in getattr(item, "fixturenames", ()) for item in request.session.items
+    if any("shared_cluster" in getattr(item, "fixturenames", ()) for item in request.session.items
            if getattr(item, "module", None) is module):
         return
     request.getfixturevalue("shared_cluster").close()

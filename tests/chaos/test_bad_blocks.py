@@ -5,18 +5,14 @@ outputs equal the fault-free recompute, and nothing is left leased."""
 from __future__ import annotations
 
 import pytest
+import ray
 
-from tests.helpers import ray_test_env, recompute_outputs, runtime_config, trajectories, verify_mismatches
-
-ray_test_env()
-
-import ray  # noqa: E402
-
-from dualpath_ray.cluster import DualPathCluster  # noqa: E402
-from dualpath_ray.kv.index import block_keys  # noqa: E402
-from dualpath_ray.kv.layout import KVLayout  # noqa: E402
-from dualpath_ray.kv.store import open_store  # noqa: E402
-from dualpath_ray.workload.trace import Trajectory  # noqa: E402
+from dualpath_ray.kv.index import block_keys
+from dualpath_ray.kv.layout import KVLayout
+from dualpath_ray.kv.store import open_store
+from dualpath_ray.workload.trace import Trajectory
+from tests.helpers import recompute_outputs, runtime_config, trajectories, verify_mismatches
+from tests.shared_cluster import SharedCluster
 
 pytestmark = [pytest.mark.integration, pytest.mark.chaos]
 
@@ -45,12 +41,11 @@ def damage(cfg, root: str, trajs: list[Trajectory]) -> dict[str, str]:
     return injected
 
 
-def test_bad_hit_blocks_are_detected_repaired_and_outputs_unchanged():
+def test_bad_hit_blocks_are_detected_repaired_and_outputs_unchanged(shared_cluster: SharedCluster):
     cfg = runtime_config(verify_kv=True)
     trajs = trajectories(count=6, turns=3, first=300)
-    cluster = DualPathCluster.start(cfg)
-    try:
-        deployment = cluster.deploy("dualpath")
+    with shared_cluster.deployed(cfg, "dualpath") as cluster:
+        deployment = cluster.deployment
         warm = cluster.rollout(first_turns(trajs), progress=False)
         injected = damage(cfg, deployment.store_root, trajs)
         result = cluster.rollout(trajs, resume=warm, progress=False)
@@ -70,16 +65,13 @@ def test_bad_hit_blocks_are_detected_repaired_and_outputs_unchanged():
             "every buffer pool is fully free after the run"
         )
         assert cluster.health() == {}, "no engine thread failed"
-    finally:
-        cluster.shutdown()
 
 
-def test_policy_fail_ends_the_turn_with_its_kind_and_keeps_the_others():
+def test_policy_fail_ends_the_turn_with_its_kind_and_keeps_the_others(shared_cluster: SharedCluster):
     cfg = runtime_config(kv_failure_policy="fail")
     trajs = trajectories(count=2, turns=2, first=300)
-    cluster = DualPathCluster.start(cfg)
-    try:
-        deployment = cluster.deploy("basic")
+    with shared_cluster.deployed(cfg, "basic") as cluster:
+        deployment = cluster.deployment
         warm = cluster.rollout(first_turns(trajs), progress=False)
         damage(cfg, deployment.store_root, trajs[:1])
         result = cluster.rollout(trajs, resume=warm, progress=False)
@@ -88,5 +80,3 @@ def test_policy_fail_ends_the_turn_with_its_kind_and_keeps_the_others():
         assert all(free == capacity for free, _, _, capacity in cluster.pool_integrity().values()), (
             "a failed turn's extents are freed"
         )
-    finally:
-        cluster.shutdown()

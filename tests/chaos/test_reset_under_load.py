@@ -11,26 +11,21 @@ import threading
 import time
 
 import pytest
+import ray
 
-from tests.helpers import ray_test_env, recompute_outputs, runtime_config, trajectories
-
-ray_test_env()
-
-import ray  # noqa: E402
-
-from dualpath_ray.cluster import DualPathCluster  # noqa: E402
+from tests.helpers import recompute_outputs, runtime_config, trajectories
+from tests.shared_cluster import SharedCluster
 
 pytestmark = [pytest.mark.integration, pytest.mark.chaos]
 
 
-def test_resets_and_an_abort_while_turns_run_lose_no_other_turn() -> None:
+def test_resets_and_an_abort_while_turns_run_lose_no_other_turn(shared_cluster: SharedCluster) -> None:
     cfg = runtime_config(request_timeout_s=90.0)
     trajs = trajectories(count=8, turns=5, gen=12)
     victim = trajs[0].trajectory_id
     expected = recompute_outputs(cfg, trajs)
-    cluster = DualPathCluster.start(cfg)
-    try:
-        deployment = cluster.deploy("dualpath")
+    with shared_cluster.deployed(cfg, "dualpath") as cluster:
+        deployment = cluster.deployment
         scheduler = deployment.scheduler
         box: dict = {}
         worker = threading.Thread(target=lambda: box.setdefault("result", cluster.rollout(trajs, progress=False)))
@@ -67,5 +62,3 @@ def test_resets_and_an_abort_while_turns_run_lose_no_other_turn() -> None:
                 f"{traj.trajectory_id}: the real model's outputs equal the single-process recompute"
             )
         assert ray.get(scheduler.check_integrity.remote()) == 0, "the scheduler holds no request afterwards"
-    finally:
-        cluster.shutdown()

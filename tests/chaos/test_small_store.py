@@ -7,17 +7,13 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import ray
 
-from tests.helpers import ray_test_env, recompute_outputs, runtime_config, trajectories, verify_mismatches
-
-ray_test_env()
-
-import ray  # noqa: E402
-
-from dualpath_ray.cluster import DualPathCluster  # noqa: E402
-from dualpath_ray.kv.janitor import JanitorStats  # noqa: E402
-from dualpath_ray.kv.layout import KVLayout  # noqa: E402
-from dualpath_ray.kv.store import open_store  # noqa: E402
+from dualpath_ray.kv.janitor import JanitorStats
+from dualpath_ray.kv.layout import KVLayout
+from dualpath_ray.kv.store import open_store
+from tests.helpers import recompute_outputs, runtime_config, trajectories, verify_mismatches
+from tests.shared_cluster import SharedCluster
 
 pytestmark = [pytest.mark.integration, pytest.mark.chaos]
 
@@ -34,7 +30,7 @@ def settle_store(scheduler: ray.actor.ActorHandle) -> JanitorStats:
     return ray.get(scheduler.__ray_call__.remote(settled))
 
 
-def test_a_store_at_half_the_working_set_completes_with_identical_outputs():
+def test_a_store_at_half_the_working_set_completes_with_identical_outputs(shared_cluster: SharedCluster):
     base = runtime_config()
     layout = KVLayout.from_model(base.model, base.store.block_size)
     trajs = trajectories(count=8, turns=4)
@@ -43,9 +39,8 @@ def test_a_store_at_half_the_working_set_completes_with_identical_outputs():
     )
     capacity_blocks = working_set // 2
     cfg = base.with_overrides(store={"capacity_bytes": capacity_blocks * layout.full_block_bytes})
-    cluster = DualPathCluster.start(cfg)
-    try:
-        deployment = cluster.deploy("dualpath")
+    with shared_cluster.deployed(cfg, "dualpath") as cluster:
+        deployment = cluster.deployment
         result = cluster.rollout(trajs, progress=False)
         calls = ray.get(deployment.scheduler.call_counts.remote()).to_json()
         summary = result.summary()
@@ -71,5 +66,3 @@ def test_a_store_at_half_the_working_set_completes_with_identical_outputs():
         janitor = settle_store(deployment.scheduler)
         left = [key for key in indexed if store.contains(key)]
         assert indexed and not left, f"reset_prefix_cache deletes every block the index held ({janitor})"
-    finally:
-        cluster.shutdown()

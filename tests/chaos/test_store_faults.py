@@ -14,16 +14,12 @@ from contextlib import contextmanager
 from typing import Any
 
 import pytest
+import ray
 
-from tests.helpers import ray_test_env, recompute_outputs, runtime_config, trajectories, verify_mismatches
-
-ray_test_env()
-
-import ray  # noqa: E402
-
-from dualpath_ray.cluster import DualPathCluster  # noqa: E402
-from dualpath_ray.kv.block_format import HEADER_SIZE  # noqa: E402
-from dualpath_ray.kv.layout import KVLayout  # noqa: E402
+from dualpath_ray.kv.block_format import HEADER_SIZE
+from dualpath_ray.kv.layout import KVLayout
+from tests.helpers import recompute_outputs, runtime_config, trajectories, verify_mismatches
+from tests.shared_cluster import SharedCluster
 
 pytestmark = [pytest.mark.integration, pytest.mark.chaos]
 
@@ -39,7 +35,7 @@ def store_faults(deployment) -> tuple[set[str], int]:  # type: ignore[no-untyped
 
 
 @contextmanager
-def eio_rollout(actors: str) -> Iterator[tuple[Any, Any, dict[str, int], int]]:
+def eio_rollout(shared_cluster: SharedCluster, actors: str) -> Iterator[tuple[Any, Any, dict[str, int], int]]:
     """A dualpath rollout (4 trajectories x 2 turns) whose readers matching `actors` each fail
     their second hit-block read with OSError(EIO) inside the store's read of that block (the
     fault plan's store_read fail). Yields (cluster, deployment, the scheduler's call counts,
@@ -50,9 +46,8 @@ def eio_rollout(actors: str) -> Iterator[tuple[Any, Any, dict[str, int], int]]:
         faults={"seed": 5, "faults": [{"site": "store_read", "mode": "fail", "nth": 2, "actors": actors}]}
     )
     trajs = trajectories(count=4, turns=2, first=300)
-    cluster = DualPathCluster.start(cfg)
-    try:
-        deployment = cluster.deploy("dualpath")
+    with shared_cluster.deployed(cfg, "dualpath") as cluster:
+        deployment = cluster.deployment
         result = cluster.rollout(trajs, progress=False)
         calls = ray.get(deployment.scheduler.call_counts.remote()).to_json()
         injected = cluster.fault_counts()["store_read:fail"].injected
@@ -66,15 +61,13 @@ def eio_rollout(actors: str) -> Iterator[tuple[Any, Any, dict[str, int], int]]:
         assert all(free == capacity for free, _, _, capacity in cluster.pool_integrity().values()), (
             "every buffer pool is fully free after the run"
         )
-    finally:
-        cluster.shutdown()
 
 
-def test_hit_blocks_the_disk_cannot_read_are_named_read_elsewhere_or_recomputed():
+def test_hit_blocks_the_disk_cannot_read_are_named_read_elsewhere_or_recomputed(shared_cluster: SharedCluster):
     # Both readers fail (a bad sector, or a node's failing storage client). The retry reads
     # through the other side's reader; where that one fails too, the block is repaired
     # (unindexed, deleted) and the next retry recomputes it.
-    with eio_rollout("reader/*") as (_, deployment, calls, injected):
+    with eio_rollout(shared_cluster, "reader/*") as (_, deployment, calls, injected):
         elsewhere = calls.get("reread_elsewhere_kv_unreadable", 0)
         assert elsewhere >= 1, "a failed read is retried through the other side's reader first"
         assert elsewhere == injected or calls["unindexed_blocks"] >= 1, (
@@ -85,11 +78,13 @@ def test_hit_blocks_the_disk_cannot_read_are_named_read_elsewhere_or_recomputed(
         assert calls["retries"] == injected, "each costs its turn one retry, not one per later read"
 
 
-def test_an_io_error_on_the_prefill_nodes_reader_is_read_again_through_the_decode_nodes():
+def test_an_io_error_on_the_prefill_nodes_reader_is_read_again_through_the_decode_nodes(
+    shared_cluster: SharedCluster,
+):
     # Only the prefill node's reader fails: that node's storage client, not the block (the
     # decode node's reader reads it fine). The retry reads the turn's hits through the decode
     # node's reader (DE path): nothing is unindexed or recomputed.
-    with eio_rollout("reader/p0") as (_, _, calls, injected):
+    with eio_rollout(shared_cluster, "reader/p0") as (_, _, calls, injected):
         assert calls.get("reread_elsewhere_kv_unreadable", 0) == injected == calls["retries"], (
             "each failed read is retried once, through the other side's reader"
         )
@@ -118,7 +113,7 @@ def fill(root: str, room_bytes: int) -> None:
         filler.write(b"\0" * max(0, stats.f_bavail * stats.f_frsize - room_bytes))
 
 
-def test_a_store_whose_file_system_fills_up_fails_no_turn():
+def test_a_store_whose_file_system_fills_up_fails_no_turn(shared_cluster: SharedCluster):
     cfg = runtime_config()
     layout = KVLayout.from_model(cfg.model, cfg.store.block_size)
     block_file = -(-(HEADER_SIZE + layout.full_block_bytes) // 4096) * 4096
@@ -129,9 +124,8 @@ def test_a_store_whose_file_system_fills_up_fails_no_turn():
             # OSError(EIO) from the store's write of the block (store_publish fail).
             cfg = cfg.with_overrides(faults={"seed": 5, "faults": [
                 {"site": "store_publish", "mode": "fail", "probability": 0.5, "min_count": 1, "actors": "reader/*"}]})
-        cluster = DualPathCluster.start(cfg)
-        try:
-            deployment = cluster.deploy("dualpath", store_root=root)
+        with shared_cluster.deployed(cfg, "dualpath", store_root=root) as cluster:
+            deployment = cluster.deployment
             if root is not None:
                 fill(root, 4 * block_file)  # filled by someone else after the scheduler sized the store
             result = cluster.rollout(trajs, progress=False)
@@ -149,5 +143,3 @@ def test_a_store_whose_file_system_fills_up_fails_no_turn():
                 "nothing is left leased in any buffer pool"
             )
             assert cluster.health() == {}, "no engine thread failed"
-        finally:
-            cluster.shutdown()

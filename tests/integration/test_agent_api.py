@@ -6,30 +6,23 @@ from __future__ import annotations
 import asyncio
 import re
 
+import numpy as np
 import pytest
 
-from tests.helpers import ray_test_env, runtime_config, trajectories
-
-ray_test_env()
-
-import numpy as np  # noqa: E402
-
-from dualpath_ray.api import RequestError  # noqa: E402
-from dualpath_ray.cluster import DualPathCluster  # noqa: E402
-from dualpath_ray.model.llama import DecoderModel  # noqa: E402
-from dualpath_ray.workload.trace import Trajectory, Turn  # noqa: E402
+from dualpath_ray.api import RequestError
+from dualpath_ray.model.llama import DecoderModel
+from dualpath_ray.workload.trace import Trajectory, Turn
+from tests.helpers import runtime_config, trajectories
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
-def cluster():
+def cluster(shared_cluster):
     cfg = runtime_config(transport="gloo", verify_kv=False)
     cfg = cfg.with_overrides(cluster={"snic_gbps": 1.0})
-    c = DualPathCluster.start(cfg)
-    c.deploy("dualpath")
-    yield c
-    c.shutdown()
+    with shared_cluster.deployed(cfg, "dualpath") as c:
+        yield c
 
 
 async def agent_loop(server, agent: int, turns: int, rng: np.random.Generator, version_change_at: int | None):
@@ -129,7 +122,10 @@ def test_rollout_reports_a_failed_trajectory_and_finishes_the_others(cluster):
 
 def test_an_unsatisfiable_topology_is_a_clear_error_not_a_hang(cluster):
     # Not a hang: a wait that never ends is failed by the test's timeout (tests/integration/conftest.py).
-    from dualpath_ray.runtime.placement.topology import TopologyError, create_role_groups
+    from dualpath_ray.runtime.placement.topology import (
+        TopologyError,
+        create_role_groups,
+    )
 
     cfg = cluster.cfg.with_overrides(cluster={"prefill_nodes": 2}, runtime={"namespace": "dualpath-probe"})
     with pytest.raises(TopologyError, match=r"2 prefill node\(s\).*has 1 alive node"):

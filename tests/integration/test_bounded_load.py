@@ -14,9 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.helpers import ray_test_env, runtime_config, trajectories, wait_until
-
-ray_test_env()
+from tests.helpers import runtime_config, trajectories, wait_until
 
 pytest.importorskip("starlette")
 pytest.importorskip("tokenizers")
@@ -39,15 +37,13 @@ LONG_PROMPT = 1000  # two decode engines' 4096-token HBM hold 8 such turns: the 
 
 
 @pytest.fixture(scope="module")
-def cluster():
+def cluster(shared_cluster):
     cfg = runtime_config(mode="oracle", verify_kv=False, session_ttl_s=TTL_S).with_overrides(
         scheduler={"max_queued_turns": LIMIT}
     )
-    cluster = DualPathCluster.start(cfg)
-    cluster.deploy()
-    cluster.server()
-    yield cluster
-    cluster.shutdown()
+    with shared_cluster.deployed(cfg) as cluster:
+        cluster.server()
+        yield cluster
 
 
 def tables(cluster: DualPathCluster) -> dict[str, int]:

@@ -7,26 +7,19 @@ from __future__ import annotations
 import math
 
 import pytest
+import ray
 
-from tests.helpers import ray_test_env, runtime_config
-
-ray_test_env()
-
-import ray  # noqa: E402
-
-from dualpath_ray.cluster import DualPathCluster  # noqa: E402
-from dualpath_ray.model.weights import weights_fingerprint  # noqa: E402
-from dualpath_ray.rl.loop import GRPORun, GRPOSettings  # noqa: E402
+from dualpath_ray.model.weights import weights_fingerprint
+from dualpath_ray.rl.loop import GRPORun, GRPOSettings
+from tests.helpers import runtime_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    c = DualPathCluster.start(runtime_config(transport="gloo", verify_kv=False))
-    c.deploy("dualpath")
-    yield c
-    c.shutdown()
+def cluster(shared_cluster):
+    with shared_cluster.deployed(runtime_config(transport="gloo", verify_kv=False), "dualpath") as c:
+        yield c
 
 
 def test_two_steps_train_sync_every_engine_and_move_the_namespace(cluster) -> None:

@@ -11,9 +11,7 @@ import urllib.request
 
 import pytest
 
-from tests.helpers import ray_test_env, runtime_config
-
-ray_test_env()
+from tests.helpers import runtime_config
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("starlette")
@@ -25,7 +23,6 @@ import ray  # noqa: E402
 from dualpath_ray.api.api_keys import ApiKeys  # noqa: E402
 from dualpath_ray.api.openai_server import OpenAIServer, start_openai_server, tokenizer_dir  # noqa: E402
 from dualpath_ray.api.tokenizer import HFTokenizer  # noqa: E402
-from dualpath_ray.cluster import DualPathCluster  # noqa: E402
 from tests.tokenizer_factory import SENTENCES, model_dir_with_tokenizer  # noqa: E402
 
 pytestmark = pytest.mark.integration
@@ -37,18 +34,16 @@ OTHER_KEY = "sk-dualpath-other-tenant"
 
 
 @pytest.fixture(scope="module")
-def endpoint(tmp_path_factory):
+def endpoint(tmp_path_factory, shared_cluster):
     base = runtime_config(transport="gloo", verify_kv=False)
     model_dir = model_dir_with_tokenizer(base, tmp_path_factory.mktemp("model"))
     cfg = base.with_overrides(model={"weights_dir": str(model_dir)})
-    cluster = DualPathCluster.start(cfg)
-    cluster.deploy("dualpath")
-    cluster.server()
-    actor, url = start_openai_server(cfg, "127.0.0.1", 0)
-    client = openai.OpenAI(base_url=url, api_key="not-checked", max_retries=0, timeout=120)
-    yield cluster, client, HFTokenizer.from_dir(model_dir, cfg.model.vocab_size)
-    ray.kill(actor, no_restart=True)
-    cluster.shutdown()
+    with shared_cluster.deployed(cfg, "dualpath") as cluster:
+        cluster.server()
+        actor, url = start_openai_server(cfg, "127.0.0.1", 0)
+        client = openai.OpenAI(base_url=url, api_key="not-checked", max_retries=0, timeout=120)
+        yield cluster, client, HFTokenizer.from_dir(model_dir, cfg.model.vocab_size)
+        ray.kill(actor, no_restart=True)
 
 
 @pytest.fixture(scope="module")

@@ -6,31 +6,24 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
+import ray
 
-from tests.helpers import ray_test_env, recompute_outputs, runtime_config
-
-ray_test_env()
-
-import numpy as np  # noqa: E402
-import ray  # noqa: E402
-
-from dualpath_ray.api.openrlhf_adapter import create_openrlhf_engine  # noqa: E402
-from dualpath_ray.api.validation import RequestError  # noqa: E402
-from dualpath_ray.cluster import DualPathCluster  # noqa: E402
-from dualpath_ray.model.llama import DecoderModel  # noqa: E402
-from dualpath_ray.runtime.weights.sync import WeightSender, manifest_of  # noqa: E402
-from dualpath_ray.workload.trace import Trajectory, Turn  # noqa: E402
+from dualpath_ray.api.openrlhf_adapter import create_openrlhf_engine
+from dualpath_ray.api.validation import RequestError
+from dualpath_ray.model.llama import DecoderModel
+from dualpath_ray.runtime.weights.sync import WeightSender, manifest_of
+from dualpath_ray.workload.trace import Trajectory, Turn
+from tests.helpers import recompute_outputs, runtime_config
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
-def setup():
-    cluster = DualPathCluster.start(runtime_config(transport="gloo", verify_kv=False))
-    cluster.deploy("dualpath")
-    yield cluster, create_openrlhf_engine(cluster)
-    cluster.shutdown()
+def setup(shared_cluster):
+    with shared_cluster.deployed(runtime_config(transport="gloo", verify_kv=False), "dualpath") as cluster:
+        yield cluster, create_openrlhf_engine(cluster)
 
 
 def prompts(count: int, seed: int = 3, tokens: int = 100) -> list[list[int]]:

@@ -7,29 +7,23 @@ from __future__ import annotations
 import asyncio
 import time
 
+import numpy as np
 import pytest
+import ray
 
-from tests.helpers import ray_test_env, runtime_config
-
-ray_test_env()
-
-import numpy as np  # noqa: E402
-import ray  # noqa: E402
-
-from dualpath_ray.api.validation import make_spec  # noqa: E402
-from dualpath_ray.cluster import DualPathCluster  # noqa: E402
-from dualpath_ray.protocol.messages import SamplingParams, StreamDelta, TurnResult  # noqa: E402
-from dualpath_ray.protocol.types import StopReason  # noqa: E402
+from dualpath_ray.api.validation import make_spec
+from dualpath_ray.cluster import DualPathCluster
+from dualpath_ray.protocol.messages import SamplingParams, StreamDelta, TurnResult
+from dualpath_ray.protocol.types import StopReason
+from tests.helpers import runtime_config
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    c = DualPathCluster.start(runtime_config(transport="gloo", verify_kv=False))
-    c.deploy("dualpath")
-    yield c
-    c.shutdown()
+def cluster(shared_cluster):
+    with shared_cluster.deployed(runtime_config(transport="gloo", verify_kv=False), "dualpath") as c:
+        yield c
 
 
 def spec_of(cluster: DualPathCluster, request_id: str, tokens: int, new: int, seed: int = 0):

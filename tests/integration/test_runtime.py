@@ -9,16 +9,13 @@ import math
 import time
 
 import pytest
+import ray
 
-from tests.helpers import ray_test_env, recompute_outputs, runtime_config, trajectories
-
-ray_test_env()
-
-import ray  # noqa: E402
-
-from dualpath_ray.kv.layout import KVLayout  # noqa: E402
-from dualpath_ray.cluster import DualPathCluster  # noqa: E402
-from dualpath_ray.runtime.engine.base import IDLE_S  # noqa: E402
+from dualpath_ray.cluster import DualPathCluster
+from dualpath_ray.kv.layout import KVLayout
+from dualpath_ray.runtime.engine.base import IDLE_S
+from tests.helpers import recompute_outputs, runtime_config, trajectories
+from tests.shared_cluster import SharedCluster
 
 pytestmark = pytest.mark.integration
 
@@ -33,15 +30,15 @@ TRANSPORTS = [
 
 
 @pytest.fixture(scope="module", params=TRANSPORTS)
-def runs(request: pytest.FixtureRequest):
-    """Run the same trajectories in every mode on one embedded cluster; keep what tests check."""
+def runs(request: pytest.FixtureRequest, shared_cluster: SharedCluster):
+    """Run the same trajectories in every mode on the shared embedded cluster; keep what tests check."""
     cfg = runtime_config(transport=request.param)
     trajs = trajectories()
-    cluster = DualPathCluster.start(cfg)
     observed = {}
-    try:
+    with shared_cluster.deployed(cfg, "basic") as cluster:
         for mode in ("basic", "dualpath", "oracle"):
-            deployment = cluster.deploy(mode)
+            deployment = cluster.deployment if mode == "basic" else cluster.deploy(mode)
+            assert deployment is not None and deployment.mode == mode, f"{mode} is deployed"
             results = cluster.run_trajectories(trajs)
             observed[mode] = {
                 "results": results,
@@ -65,8 +62,6 @@ def runs(request: pytest.FixtureRequest):
             a for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == cfg.runtime.namespace
         ]
         yield cfg, trajs, observed
-    finally:
-        cluster.shutdown()
 
 
 def idle_activity(cluster: DualPathCluster, deployment, seconds: float) -> dict[str, object]:

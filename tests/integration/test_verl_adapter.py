@@ -15,19 +15,14 @@ from __future__ import annotations
 import asyncio
 import inspect
 
+import numpy as np
 import pytest
+import ray
 
-from tests.helpers import ray_test_env, recompute_outputs, runtime_config
-
-ray_test_env()
-
-import numpy as np  # noqa: E402
-import ray  # noqa: E402
-
-from dualpath_ray.api.server import RolloutServer, TokenOutput  # noqa: E402
-from dualpath_ray.cluster import DualPathCluster  # noqa: E402
-from dualpath_ray.model.llama import DecoderModel  # noqa: E402
-from dualpath_ray.workload.trace import Trajectory, Turn  # noqa: E402
+from dualpath_ray.api.server import RolloutServer, TokenOutput
+from dualpath_ray.model.llama import DecoderModel
+from dualpath_ray.workload.trace import Trajectory, Turn
+from tests.helpers import recompute_outputs, runtime_config
 
 pytestmark = pytest.mark.integration
 
@@ -111,12 +106,10 @@ def test_the_transcription_matches_installed_verl() -> None:
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    c = DualPathCluster.start(runtime_config(transport="gloo", verify_kv=False))
-    c.deploy("dualpath")
-    c.server()
-    yield c
-    c.shutdown()
+def cluster(shared_cluster):
+    with shared_cluster.deployed(runtime_config(transport="gloo", verify_kv=False), "dualpath") as c:
+        c.server()
+        yield c
 
 
 def prompt(seed: int, tokens: int = 150) -> list[int]:
