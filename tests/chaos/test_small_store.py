@@ -18,6 +18,7 @@ from dualpath_ray.cluster import DualPathCluster  # noqa: E402
 from dualpath_ray.kv.janitor import JanitorStats  # noqa: E402
 from dualpath_ray.kv.layout import KVLayout  # noqa: E402
 from dualpath_ray.kv.store import open_store  # noqa: E402
+from dualpath_ray.runtime.telemetry.status_views import StatusQuery  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.chaos]
 
@@ -47,7 +48,7 @@ def test_a_store_at_half_the_working_set_completes_with_identical_outputs():
     try:
         deployment = cluster.deploy("dualpath")
         result = cluster.rollout(trajs, progress=False)
-        calls = ray.get(deployment.scheduler.call_counts.remote()).to_json()
+        calls = ray.get(deployment.scheduler.status.remote(StatusQuery.CALLS)).to_json()
         summary = result.summary()
         deleted = settle_store(deployment.scheduler)  # evicted files go on the janitor's thread
         store = open_store(cfg.store, layout, root=deployment.store_root)

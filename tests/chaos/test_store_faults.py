@@ -24,6 +24,7 @@ import ray  # noqa: E402
 from dualpath_ray.cluster import DualPathCluster  # noqa: E402
 from dualpath_ray.kv.block_format import HEADER_SIZE  # noqa: E402
 from dualpath_ray.kv.layout import KVLayout  # noqa: E402
+from dualpath_ray.runtime.telemetry.status_views import StatusQuery  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.chaos]
 
@@ -54,7 +55,7 @@ def eio_rollout(actors: str) -> Iterator[tuple[Any, Any, dict[str, int], int]]:
     try:
         deployment = cluster.deploy("dualpath")
         result = cluster.rollout(trajs, progress=False)
-        calls = ray.get(deployment.scheduler.call_counts.remote()).to_json()
+        calls = ray.get(deployment.scheduler.status.remote(StatusQuery.CALLS)).to_json()
         injected = cluster.fault_counts()["store_read:fail"].injected
         print(f"EIO on {injected} hit-block reads ({actors}): retries {calls['retries']}, read elsewhere "
               f"{calls.get('reread_elsewhere_kv_unreadable', 0)}, unindexed {calls['unindexed_blocks']}")
@@ -135,7 +136,7 @@ def test_a_store_whose_file_system_fills_up_fails_no_turn():
             if root is not None:
                 fill(root, 4 * block_file)  # filled by someone else after the scheduler sized the store
             result = cluster.rollout(trajs, progress=False)
-            calls = ray.get(deployment.scheduler.call_counts.remote()).to_json()
+            calls = ray.get(deployment.scheduler.status.remote(StatusQuery.CALLS)).to_json()
             print(f"{'a full tmpfs' if root else 'store_publish fail 50%'}: failed {sorted(result.failures)}, "
                   f"retries {calls['retries']}, indexed {calls['indexed_blocks']}")
             assert not result.failures, f"a refused write fails no trajectory: {result.failures}"

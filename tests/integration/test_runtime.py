@@ -19,6 +19,7 @@ import ray  # noqa: E402
 from dualpath_ray.kv.layout import KVLayout  # noqa: E402
 from dualpath_ray.cluster import DualPathCluster  # noqa: E402
 from dualpath_ray.runtime.engine.base import IDLE_S  # noqa: E402
+from dualpath_ray.runtime.telemetry.status_views import StatusQuery  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -78,7 +79,7 @@ def idle_activity(cluster: DualPathCluster, deployment, seconds: float) -> dict[
 
     def snapshot() -> tuple[dict[str, int], dict[str, int], list[int]]:
         loops = {name: stats["worker_loops"] for name, stats in cluster.engine_stats().items()}
-        calls = ray.get(deployment.scheduler.call_counts.remote()).to_json()
+        calls = ray.get(deployment.scheduler.status.remote(StatusQuery.CALLS)).to_json()
         reports = ray.get([reader.reports_sent.remote() for reader in deployment.readers.values()])
         return loops, calls, reports
 

@@ -27,6 +27,7 @@ import ray  # noqa: E402
 from dualpath_ray.api.server import RolloutServer, TokenOutput  # noqa: E402
 from dualpath_ray.cluster import DualPathCluster  # noqa: E402
 from dualpath_ray.model.llama import DecoderModel  # noqa: E402
+from dualpath_ray.runtime.telemetry.status_views import StatusQuery  # noqa: E402
 from dualpath_ray.workload.trace import Trajectory, Turn  # noqa: E402
 
 pytestmark = pytest.mark.integration
@@ -173,7 +174,7 @@ async def decoding(cluster, count: int, timeout_s: float = 60.0) -> None:
         if len(handed) >= count:
             return
         await asyncio.sleep(0.02)
-    states = await cluster.deployment.scheduler.in_flight.remote()
+    states = (await cluster.deployment.scheduler.status.remote(StatusQuery.IN_FLIGHT)).requests
     raise TimeoutError(f"{count} requests were not decoding within {timeout_s} s; decoding: {sorted(handed)}; "
                        f"the scheduler's in flight: {states}")
 
