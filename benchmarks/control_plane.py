@@ -104,7 +104,7 @@ def calls_sent(cluster: DualPathCluster, client_calls: Counter[str]) -> Counter[
     assert deployment is not None
     sent: Counter[str] = Counter(client_calls)
     for stats in cluster.engine_stats().values():
-        sent.update(stats["sent"])
+        sent.update(stats.sent)
     for reader in deployment.readers.values():
         sent["reader_report"] += ray.get(reader.reports_sent.remote())
     counts = ray.get(deployment.scheduler.status.remote(StatusQuery.CALLS))

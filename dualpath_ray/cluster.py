@@ -28,6 +28,7 @@ from dualpath_ray.runtime.placement.topology import (
     HEAD_RESOURCE, ROLE_LABEL, NodeSpec, front_end_options, plan_nodes, slot_resource,
 )
 from dualpath_ray.runtime.weights.sync import WeightSender, manifest_of
+from dualpath_ray.runtime.telemetry.engine_stats import EngineStats
 from dualpath_ray.runtime.telemetry.status_views import StatusQuery
 from dualpath_ray.runtime.emulation.choice import EmulationChoice, resolve_emulation
 from dualpath_ray.workload.trace import Trajectory
@@ -214,7 +215,7 @@ class DualPathCluster:
         decode = {n: e for n, e in self.deployment.engines.items() if n.startswith("decode/")}
         return dict(zip(decode, ray.get([e.page_integrity.remote() for e in decode.values()])))
 
-    def engine_stats(self) -> dict[str, dict[str, Any]]:
+    def engine_stats(self) -> dict[str, EngineStats[Any]]:
         """Each live engine's core and transport figures (batches, transfers, bytes in flight,
         ...); a dead engine is left out."""
         assert self.deployment is not None
@@ -249,14 +250,14 @@ class DualPathCluster:
                                   "decode_reloads": 0, "verify_mismatches": 0, "damaged_keys": set(),
                                   "corrupt_keys": set()}
         for name, stats in self.engine_stats().items():
-            core = stats["core"]
+            core = stats.core  # PrefillStats or DecodeStats (runtime/telemetry/engine_stats.py)
             if name.startswith("prefill/"):
-                report["prefill_mismatches"] += core["pipeline"]["digest_mismatches"]
-                report["prefill_rereads"] += core["pipeline"]["digest_rereads"]
+                report["prefill_mismatches"] += core.pipeline.digest_mismatches
+                report["prefill_rereads"] += core.pipeline.digest_rereads
             else:
-                report["decode_mismatches"] += core["digest_mismatches"]
-                report["decode_reloads"] += core["digest_reloads"]
-                report["verify_mismatches"] += core["verify_mismatches"]
+                report["decode_mismatches"] += core.digest_mismatches
+                report["decode_reloads"] += core.digest_reloads
+                report["verify_mismatches"] += core.verify_mismatches
         for reader in self.deployment.readers.values():
             damaged, corrupt = ray.get(reader.integrity_keys.remote())
             report["damaged_keys"].update(damaged)

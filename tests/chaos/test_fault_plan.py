@@ -338,8 +338,8 @@ def test_a_killed_engine_or_reader_is_restarted_and_loses_nothing(reference, vic
         "the rollout after the restart serves what a single-process recompute gives"
     )
     if role == "engines":
-        stats = figures["engines"][victim]["core"]
-        worked = stats.get("finished", 0) + stats.get("handoffs", 0)
+        stats = figures["engines"][victim].core  # PrefillStats or DecodeStats
+        worked = stats.handoffs if victim.startswith("prefill/") else stats.finished
         assert worked > 0, f"the new incarnation of {victim} served turns after its restart: {stats}"
         assert_all_in_service(figures["service"])
     else:

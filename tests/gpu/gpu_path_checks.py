@@ -85,7 +85,7 @@ def check_sleep_wake(cluster: Any, config_for: ConfigFor, layers: int) -> list[s
         failures.append(f"sleep freed {free_asleep - free_awake} bytes of HBM, under {HBM_SHARE} of the {freed} it reported")
     if free_asleep - free_woken < HBM_SHARE * freed:
         failures.append("wake did not allocate the engines' HBM again")
-    pinned = {n: s["hbm_moves"]["mirrors_pinned"] for n, s in cluster.engine_stats().items()}
+    pinned = {n: s.hbm_moves.mirrors_pinned for n, s in cluster.engine_stats().items()}
     if not all(m and all(m.values()) for m in pinned.values()):
         failures.append(f"after wake not every engine's host mirror is pinned: {pinned}")
     return failures + run_exact(cluster, "after wake", trajectories)[1]

@@ -78,7 +78,7 @@ def idle_activity(cluster: DualPathCluster, deployment, seconds: float) -> dict[
     time.sleep(2.0)  # the last heartbeat and read-queue report of the run go out
 
     def snapshot() -> tuple[dict[str, int], dict[str, int], list[int]]:
-        loops = {name: stats["worker_loops"] for name, stats in cluster.engine_stats().items()}
+        loops = {name: stats.worker_loops for name, stats in cluster.engine_stats().items()}
         calls = ray.get(deployment.scheduler.status.remote(StatusQuery.CALLS)).to_json()
         reports = ray.get([reader.reports_sent.remote() for reader in deployment.readers.values()])
         return loops, calls, reports
