@@ -182,10 +182,11 @@ def _reader(name: str, calls: _Calls) -> ReaderView:
     counters = calls.get(name, "counters")
     _, leased, in_flight, capacity = calls.get(name, "pool_integrity")
     labels = calls.get(name, "node_labels") or {}
-    setup = calls.get(name, "node_setup") or {}
+    setup = calls.get(name, "node_setup")  # a NodeSetup (runtime/telemetry/node_setup.py), None unanswered
     return ReaderView(node, True, int(calls.get(name, "read_q")), dict(counters.snic_read), int(counters.snic_write),
-                      leased + in_flight, capacity, labels.get("ray.io/node-id", ""), setup.get("buffer_pinned"),
-                      str(setup.get("pinning", "")), setup.get("emulation"))
+                      leased + in_flight, capacity, labels.get("ray.io/node-id", ""),
+                      setup.buffer_pinned if setup is not None else None, setup.pinning if setup is not None else "",
+                      setup.emulation if setup is not None else None)
 
 
 def emulation_state(readers: list[ReaderView]) -> str:

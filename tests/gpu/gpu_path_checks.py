@@ -54,10 +54,10 @@ def check_readers(cluster: Any) -> list[str]:
     failures = []
     for name, reader in cluster.deployment.readers.items():
         setup = ray.get(reader.node_setup.remote())
-        print(f"{name}: buffer {setup['pinning']}; emulation {'on' if setup['emulation'] else 'off'}")
-        if not setup["buffer_pinned"]:
-            failures.append(f"{name}: its staging buffer is not pinned on a GPU node ({setup['pinning']})")
-        if setup["emulation"]:
+        print(f"{name}: buffer {setup.pinning}; emulation {'on' if setup.emulation else 'off'}")
+        if not setup.buffer_pinned:
+            failures.append(f"{name}: its staging buffer is not pinned on a GPU node ({setup.pinning})")
+        if setup.emulation:
             failures.append(f"{name}: its SNIC is emulated although the config says emulation.enabled: false")
     return failures
 
