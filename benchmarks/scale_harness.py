@@ -106,7 +106,7 @@ def paper_config(args: argparse.Namespace, case: str = "default") -> DualPathCon
 def seed_index(actor: Any, blocks: int) -> int:
     """Runs in the Scheduler actor: index `blocks` blocks in chains of SEED_DEPTH, as a store full
     of earlier trajectories' contexts (keys from a counter: valid, never a real prompt's)."""
-    index = actor.core.index
+    index = actor.plane.core.index
     for first in range(0, blocks, SEED_DEPTH):
         parent = None
         for i in range(first, min(blocks, first + SEED_DEPTH)):

@@ -28,7 +28,7 @@ def settle_store(scheduler: ray.actor.ActorHandle) -> JanitorStats:
     was handed; what it did. (It blocks the actor's event loop meanwhile: the deployment is idle.)"""
 
     def settled(actor: Any) -> JanitorStats:  # the Scheduler actor's instance
-        janitor = actor.core.eviction.deleter
+        janitor = actor.plane.core.eviction.deleter  # its ControlPlane (runtime/control/plane.py)
         assert janitor.wait_idle(60), "the store's janitor finishes its work"
         return janitor.stats
 
@@ -67,7 +67,7 @@ def test_a_store_at_half_the_working_set_completes_with_identical_outputs():
         assert stored <= capacity_blocks + deleted.kept_fresh, "evicted blocks are deleted from the store too"
         assert deleted.dropped_batches == deleted.failed == 0, "every eviction's deletes were done"
         assert 0 < summary["hit_rate"], "the blocks that fit are still hit"
-        indexed = ray.get(deployment.scheduler.__ray_call__.remote(lambda actor: actor.core.index.keys()))
+        indexed = ray.get(deployment.scheduler.__ray_call__.remote(lambda actor: actor.plane.core.index.keys()))
         ray.get(deployment.scheduler.reset_prefix_cache.remote())
         janitor = settle_store(deployment.scheduler)
         left = [key for key in indexed if store.contains(key)]

@@ -94,10 +94,14 @@ class Watchdog:
 
     async def heed(self, accepted: asyncio.Queue[tuple[str, str]]) -> None:
         """The incarnation that took each task push (Decisions.accepted), as it comes: an answer
-        like any other, which may prove a restart."""
+        like any other, which may prove a restart. One that raises (a bug) is logged and never
+        stops the answers after it."""
         while True:
             engine, incarnation = await accepted.get()
-            self.observe(engine, incarnation)
+            try:
+                self.observe(engine, incarnation)
+            except Exception:  # noqa: BLE001 - see the docstring
+                LOG.exception("the answer of %s to a push (incarnation %s) could not be handled", engine, incarnation)
 
     def _watching(self) -> bool:
         return bool(self.core.requests or self.adoptions.holders or self.core.presumed_dead
