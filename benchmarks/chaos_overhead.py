@@ -30,6 +30,7 @@ import ray
 from dualpath_ray.cluster import DualPathCluster
 from dualpath_ray.config import DualPathConfig, parse_config
 from dualpath_ray.demos.demo import demo_trajectories
+from dualpath_ray.runtime.telemetry.status_views import StatusQuery
 
 
 def config(transport: str, faults: list[dict[str, Any]] | None = None) -> DualPathConfig:
@@ -89,7 +90,7 @@ def run_once(cfg: DualPathConfig, trajectories: list, monkey: Any, fault_free_s:
         jct = time.monotonic() - started
         if thread is not None:
             thread.join(timeout=120)
-        calls = ray.get(deployment.scheduler.call_counts.remote()).to_json()
+        calls = ray.get(deployment.scheduler.status.remote(StatusQuery.CALLS)).to_json()
         return {"jct_s": jct, "failures": len(result.failures), "turns": result.table.num_rows,
                 "retries": calls["retries"], "restarts": restarts(calls, monkey), "outputs": result.outputs()}
     finally:

@@ -39,6 +39,7 @@ import ray  # noqa: E402
 from dualpath_ray.cluster import DualPathCluster  # noqa: E402
 from dualpath_ray.runtime.deploy.deployment import Deployment  # noqa: E402
 from dualpath_ray.demos.demo import demo_config, demo_trajectories  # noqa: E402
+from dualpath_ray.runtime.telemetry.status_views import StatusQuery  # noqa: E402
 
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -103,10 +104,10 @@ def calls_sent(cluster: DualPathCluster, client_calls: Counter[str]) -> Counter[
     assert deployment is not None
     sent: Counter[str] = Counter(client_calls)
     for stats in cluster.engine_stats().values():
-        sent.update(stats["sent"])
+        sent.update(stats.sent)
     for reader in deployment.readers.values():
         sent["reader_report"] += ray.get(reader.reports_sent.remote())
-    counts = ray.get(deployment.scheduler.call_counts.remote())
+    counts = ray.get(deployment.scheduler.status.remote(StatusQuery.CALLS))
     sent["accept"] += counts.received.pushes
     sent["heartbeat"] += counts.received.heartbeats
     for method in ("cancel", "abort", "reclaim"):

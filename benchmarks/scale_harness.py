@@ -72,6 +72,7 @@ from dualpath_ray.runtime.reporting.client import ReportClient  # noqa: E402
 from dualpath_ray.runtime.control.scheduler import Scheduler  # noqa: E402
 from dualpath_ray.runtime.placement.topology import plan_nodes  # noqa: E402
 from dualpath_ray.protocol.types import ReadPath, StopReason  # noqa: E402
+from dualpath_ray.runtime.telemetry.status_views import StatusQuery  # noqa: E402
 
 NAMESPACE = "dualpath-scale"
 SIM = "sim-nodes"
@@ -105,7 +106,7 @@ def paper_config(args: argparse.Namespace, case: str = "default") -> DualPathCon
 def seed_index(actor: Any, blocks: int) -> int:
     """Runs in the Scheduler actor: index `blocks` blocks in chains of SEED_DEPTH, as a store full
     of earlier trajectories' contexts (keys from a counter: valid, never a real prompt's)."""
-    index = actor.core.index
+    index = actor.plane.core.index
     for first in range(0, blocks, SEED_DEPTH):
         parent = None
         for i in range(first, min(blocks, first + SEED_DEPTH)):
@@ -334,14 +335,14 @@ async def drive(args: argparse.Namespace, cfg: DualPathConfig, scheduler: Any, p
     agents = [asyncio.create_task(agent(i, client, cfg, args, tally, stop)) for i in range(args.agents)]
     await asyncio.sleep(args.warmup_s)
     cpu0 = {name: cpu_seconds(pid) for name, pid in pids.items()}
-    calls0 = (await scheduler.call_counts.remote()).to_json()
+    calls0 = (await scheduler.status.remote(StatusQuery.CALLS)).to_json()
     sim0 = await sim.call_counts.remote()
     turns0, t0 = tally.finished, time.monotonic()
     await asyncio.sleep(args.measure_s)
     elapsed = time.monotonic() - t0
     turns = tally.finished - turns0
     cpu = {name: cpu_seconds(pid) - cpu0[name] for name, pid in pids.items()}
-    calls1 = (await scheduler.call_counts.remote()).to_json()
+    calls1 = (await scheduler.status.remote(StatusQuery.CALLS)).to_json()
     sim1 = await sim.call_counts.remote()
     stop.set()
     await asyncio.gather(*agents, return_exceptions=True)

@@ -50,6 +50,7 @@ def run_once(cluster: Any, cfg: Any, staging: bool, trajs: list[Any]) -> tuple[d
     """One rollout on a fresh store: its figures, and its outputs."""
     import ray
 
+    from dualpath_ray.runtime.telemetry.status_views import StatusQuery
     from tests.helpers import settled_pools
 
     run_cfg = cfg.with_overrides(scheduler={"stage_tool_time": staging})
@@ -63,7 +64,7 @@ def run_once(cluster: Any, cfg: Any, staging: bool, trajs: list[Any]) -> tuple[d
                 raise RuntimeError(f"trajectories failed: {result.failures}")
             hinted = [r.ttft_s for turns in result.turn_results.values() for r in turns[1:]]
             staged = {name: ray.get(actor.staging_counts.remote()) for name, actor in deployment.readers.items()}
-            calls = ray.get(deployment.scheduler.call_counts.remote()).to_json()
+            calls = ray.get(deployment.scheduler.status.remote(StatusQuery.CALLS)).to_json()
             pools = settled_pools(cluster, 3 * cfg.scheduler.stage_margin_s + 10.0)
         finally:
             cluster.teardown()

@@ -18,6 +18,7 @@ import ray
 
 from dualpath_ray.config import DualPathConfig
 from dualpath_ray.faults.injector import FaultCount, merge_counts
+from dualpath_ray.protocol.aborts import AbortTarget
 from dualpath_ray.observability.job_metadata import driver_job_config
 from dualpath_ray.protocol.counters import NodeCounters
 from dualpath_ray.protocol.messages import TurnResult
@@ -27,6 +28,8 @@ from dualpath_ray.runtime.placement.topology import (
     HEAD_RESOURCE, ROLE_LABEL, NodeSpec, front_end_options, plan_nodes, slot_resource,
 )
 from dualpath_ray.runtime.weights.sync import WeightSender, manifest_of
+from dualpath_ray.runtime.telemetry.engine_stats import EngineStats
+from dualpath_ray.runtime.telemetry.status_views import StatusQuery
 from dualpath_ray.runtime.emulation.choice import EmulationChoice, resolve_emulation
 from dualpath_ray.workload.trace import Trajectory
 
@@ -148,7 +151,7 @@ class DualPathCluster:
     def abort(self, request_id: str) -> bool:
         """Abort one request in flight (its caller gets stop reason `aborted`; its extents and
         pages are freed); False when none of that id is in flight."""
-        return bool(ray.get(self._scheduler().abort.remote(request_id)))
+        return bool(ray.get(self._scheduler().abort.remote(AbortTarget.request(request_id))))
 
     def abort_trajectory(self, trajectory_id: str) -> int:
         """Abort a trajectory of a running rollout: its turn in flight now and every later one
@@ -156,11 +159,11 @@ class DualPathCluster:
         that were in flight."""
         from dualpath_ray.api.rollout import trajectory_prefix
 
-        return int(ray.get(self._scheduler().abort_prefix.remote(trajectory_prefix(trajectory_id))))
+        return int(ray.get(self._scheduler().abort.remote(AbortTarget.trajectory(trajectory_prefix(trajectory_id)))))
 
     def abort_all(self) -> int:
         """Abort every request in flight; returns how many."""
-        return int(ray.get(self._scheduler().abort_all.remote()))
+        return int(ray.get(self._scheduler().abort.remote(AbortTarget.everything())))
 
     def _scheduler(self) -> Any:
         if self.deployment is None:
@@ -212,7 +215,7 @@ class DualPathCluster:
         decode = {n: e for n, e in self.deployment.engines.items() if n.startswith("decode/")}
         return dict(zip(decode, ray.get([e.page_integrity.remote() for e in decode.values()])))
 
-    def engine_stats(self) -> dict[str, dict[str, Any]]:
+    def engine_stats(self) -> dict[str, EngineStats[Any]]:
         """Each live engine's core and transport figures (batches, transfers, bytes in flight,
         ...); a dead engine is left out."""
         assert self.deployment is not None
@@ -247,14 +250,14 @@ class DualPathCluster:
                                   "decode_reloads": 0, "verify_mismatches": 0, "damaged_keys": set(),
                                   "corrupt_keys": set()}
         for name, stats in self.engine_stats().items():
-            core = stats["core"]
+            core = stats.core  # PrefillStats or DecodeStats (runtime/telemetry/engine_stats.py)
             if name.startswith("prefill/"):
-                report["prefill_mismatches"] += core["pipeline"]["digest_mismatches"]
-                report["prefill_rereads"] += core["pipeline"]["digest_rereads"]
+                report["prefill_mismatches"] += core.pipeline.digest_mismatches
+                report["prefill_rereads"] += core.pipeline.digest_rereads
             else:
-                report["decode_mismatches"] += core["digest_mismatches"]
-                report["decode_reloads"] += core["digest_reloads"]
-                report["verify_mismatches"] += core["verify_mismatches"]
+                report["decode_mismatches"] += core.digest_mismatches
+                report["decode_reloads"] += core.digest_reloads
+                report["verify_mismatches"] += core.verify_mismatches
         for reader in self.deployment.readers.values():
             damaged, corrupt = ray.get(reader.integrity_keys.remote())
             report["damaged_keys"].update(damaged)
@@ -294,7 +297,7 @@ class DualPathCluster:
         process's GPU where it has one; the backend is the one the trainer and the engines agree
         on from their devices (runtime/weights/sync.py: NCCL when each has a GPU of its
         own, else gloo), `sender.backend` once this returns."""
-        engines = len(ray.get(self._scheduler().engine_names.remote()))
+        engines = len(ray.get(self._scheduler().status.remote(StatusQuery.DEPLOYMENT)).engines)
         sender = WeightSender.listen(engines + 1, host=ray.util.get_node_ip_address(), group_name=group_name,
                                      timeout_s=timeout_s)
         joined = self._scheduler().join_weight_group.remote(sender.host, sender.port, group_name, timeout_s)

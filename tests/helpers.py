@@ -113,7 +113,7 @@ def verify_mismatches(cluster: Any) -> int:
     """Attempts whose assembled KV runtime.verify_kv found different from the store and a
     recompute, over every live decode engine. Each is retried, and a clean retry leaves the
     outputs right, so only this count shows that wrong KV got as far as a decode engine."""
-    return sum(stats["core"].get("verify_mismatches", 0) for name, stats in cluster.engine_stats().items()
+    return sum(stats.core.verify_mismatches for name, stats in cluster.engine_stats().items()
                if name.startswith("decode/"))
 
 

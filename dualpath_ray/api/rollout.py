@@ -27,6 +27,7 @@ from dualpath_ray.config import DualPathConfig
 from dualpath_ray.metrics import TRAJECTORY_JCT_SECONDS, MetricSink, RayMetrics
 from dualpath_ray.protocol.messages import SamplingParams, TurnResult
 from dualpath_ray.protocol.types import ReadPath, StopReason
+from dualpath_ray.runtime.telemetry.status_views import StatusQuery
 from dualpath_ray.workload.trace import Trajectory
 
 ROLLOUT_SCHEMA = pa.schema(
@@ -198,7 +199,7 @@ async def rollout_async(
     gen_len); greedy where absent. `weight_version` None: the version the engines hold now
     (the scheduler's published weights), however they were last updated."""
     if weight_version is None:
-        published = await scheduler.weights.remote()
+        published = (await scheduler.status.remote(StatusQuery.DEPLOYMENT)).weights
         weight_version = cfg.model.weight_version if published is None else published.weights.version
     version = weight_version
     namespace = cfg.kv_namespace(version)

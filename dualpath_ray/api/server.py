@@ -37,12 +37,14 @@ from dualpath_ray.api.validation import (
 )
 from dualpath_ray.api.verl_server import VerlServerControl
 from dualpath_ray.config import DualPathConfig
+from dualpath_ray.protocol.aborts import AbortTarget
 from dualpath_ray.protocol.messages import RequestSpec, StreamDelta, TurnResult, aborted_result
 from dualpath_ray.protocol.names import ROLLOUT_SERVER, SCHEDULER
 from dualpath_ray.protocol.weights import WeightSource
 from dualpath_ray.runtime.restarts.kept_state import KeptState
 from dualpath_ray.runtime.weights.ledger import WeightLedger
 from dualpath_ray.runtime.restarts.incarnations import was_restarted
+from dualpath_ray.runtime.telemetry.status_views import StatusQuery
 from dualpath_ray.protocol.types import StopReason
 
 SERVER_NAME = ROLLOUT_SERVER
@@ -248,12 +250,12 @@ class RolloutServer:
     async def abort(self, request_id: str) -> bool:
         """Abort one request in flight (by the id its caller gave); its caller gets stop reason
         "aborted", its extents and pages are freed. False when it is not in flight."""
-        return bool(await self.scheduler.abort.remote(self.in_flight.get(request_id, request_id)))
+        return bool(await self.scheduler.abort.remote(AbortTarget.request(self.in_flight.get(request_id, request_id))))
 
     async def abort_session(self, session_id: str) -> int:
         """Abort a conversation: its turn in flight and every later one, until
         `resume_session`. Returns how many turns were in flight."""
-        return int(await self.scheduler.abort_prefix.remote(session_prefix(check_session_id(session_id))))
+        return int(await self.scheduler.abort.remote(AbortTarget.trajectory(session_prefix(check_session_id(session_id)))))
 
     async def resume_session(self, session_id: str) -> None:
         """Let an aborted conversation take turns again."""
@@ -261,7 +263,7 @@ class RolloutServer:
 
     async def abort_all(self) -> int:
         """Abort every request in flight in the cluster; returns how many."""
-        return int(await self.scheduler.abort_all.remote())
+        return int(await self.scheduler.abort.remote(AbortTarget.everything()))
 
     # --- sleep and weights ---------------------------------------------------------------
 
@@ -296,7 +298,7 @@ class RolloutServer:
 
     async def weight_group_world_size(self) -> int:
         """The world size of a trainer's weight group: the trainer (rank 0) plus every engine."""
-        return len(await self.scheduler.engine_names.remote()) + 1
+        return len((await self.scheduler.status.remote(StatusQuery.DEPLOYMENT)).engines) + 1
 
     async def join_weight_group(self, host: str, port: int, group_name: str = "policy", timeout_s: float = 300.0) -> int:
         """Every engine joins the trainer's broadcast group as ranks 1..N (the trainer joins as

@@ -19,6 +19,7 @@ import numpy as np
 from dualpath_ray.protocol.counters import PATHS
 from dualpath_ray.protocol.names import ENGINE_PREFIXES, SCHEDULER, is_reader, reader_node
 from dualpath_ray.runtime.placement.topology import HEAD_RESOURCE, ROLE_LABEL
+from dualpath_ray.runtime.telemetry.status_views import StatusQuery
 
 # Scheduler call counts worth showing an operator (the rest are for tests and benchmarks).
 SHOWN_CALLS = ("generate", "retries", "timeouts", "unindexed_blocks", "dead_engines", "dead_readers",
@@ -106,24 +107,27 @@ def collect(namespace: str, window_s: float = 60.0, timeout_s: float = 5.0) -> C
                       pool_integrity=lambda h: h.pool_integrity.remote(), node_labels=lambda h: h.node_labels.remote(),
                       node_setup=lambda h: h.node_setup.remote())
     if SCHEDULER in names:
-        calls.ask(SCHEDULER, mode=lambda h: h.mode.remote(), in_flight=lambda h: h.in_flight.remote(),
-                  call_counts=lambda h: h.call_counts.remote(), recent_turns=lambda h: h.recent_turns.remote())
+        calls.ask(SCHEDULER, deployment=lambda h: h.status.remote(StatusQuery.DEPLOYMENT),
+                  in_flight=lambda h: h.status.remote(StatusQuery.IN_FLIGHT),
+                  call_counts=lambda h: h.status.remote(StatusQuery.CALLS),
+                  recent_turns=lambda h: h.status.remote(StatusQuery.RECENT_TURNS))
     readers = [_reader(name, calls) for name in names if is_reader(name)]
     engines = [_engine(name, calls) for name in names if name.startswith(ENGINE_PREFIXES)]
-    status = ClusterStatus(namespace, time.time(), _ray_nodes(readers), deployed=calls.answered(SCHEDULER, "mode"))
+    status = ClusterStatus(namespace, time.time(), _ray_nodes(readers), deployed=calls.answered(SCHEDULER, "deployment"))
     status.readers, status.engines = readers, engines
     status.emulation = emulation_state(readers)
     status.snic_read_by_path = {p: sum(r.snic_read.get(p, 0) for r in readers) for p in PATHS}
     status.cnic_by_path = {p: sum(e.cnic_in.get(p, 0) + e.cnic_out.get(p, 0) for e in engines) for p in PATHS}
     if status.deployed:
-        status.mode = calls.get(SCHEDULER, "mode")
-        status.in_flight = len(calls.get(SCHEDULER, "in_flight") or {})
+        status.mode = calls.get(SCHEDULER, "deployment").mode  # a DeploymentView (runtime/telemetry/status_views.py)
+        live = calls.get(SCHEDULER, "in_flight")
+        status.in_flight = len(live.requests) if live is not None else 0
         answered = calls.get(SCHEDULER, "call_counts")  # a CallCounts (runtime/telemetry/status_views.py)
         counts = answered.to_json() if answered is not None else {}
         status.scheduler_calls = {k: int(counts[k]) for k in SHOWN_CALLS if k in counts}
         recent = calls.get(SCHEDULER, "recent_turns")
         if recent is not None:
-            status.latency = latency(recent, status.collected_at, window_s)
+            status.latency = latency(list(recent.turns), status.collected_at, window_s)
     return status
 
 
@@ -178,10 +182,11 @@ def _reader(name: str, calls: _Calls) -> ReaderView:
     counters = calls.get(name, "counters")
     _, leased, in_flight, capacity = calls.get(name, "pool_integrity")
     labels = calls.get(name, "node_labels") or {}
-    setup = calls.get(name, "node_setup") or {}
+    setup = calls.get(name, "node_setup")  # a NodeSetup (runtime/telemetry/node_setup.py), None unanswered
     return ReaderView(node, True, int(calls.get(name, "read_q")), dict(counters.snic_read), int(counters.snic_write),
-                      leased + in_flight, capacity, labels.get("ray.io/node-id", ""), setup.get("buffer_pinned"),
-                      str(setup.get("pinning", "")), setup.get("emulation"))
+                      leased + in_flight, capacity, labels.get("ray.io/node-id", ""),
+                      setup.buffer_pinned if setup is not None else None, setup.pinning if setup is not None else "",
+                      setup.emulation if setup is not None else None)
 
 
 def emulation_state(readers: list[ReaderView]) -> str:

@@ -21,6 +21,7 @@ ray_test_env()
 import ray  # noqa: E402
 
 from dualpath_ray.cluster import DualPathCluster  # noqa: E402
+from dualpath_ray.runtime.telemetry.status_views import StatusQuery  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.chaos]
 
@@ -43,16 +44,16 @@ def test_aborting_half_the_trajectories_mid_turn_frees_everything_and_changes_no
         worker = threading.Thread(target=lambda: box.setdefault("result", cluster.rollout(trajs, progress=False)))
         worker.start()
         deadline = time.monotonic() + 120
-        while ray.get(scheduler.call_counts.remote()).received.complete < 100 and time.monotonic() < deadline:
+        while ray.get(scheduler.status.remote(StatusQuery.CALLS)).received.complete < 100 and time.monotonic() < deadline:
             time.sleep(0.05)
         in_flight = sum(cluster.abort_trajectory(victim) for victim in victims)
         worker.join(timeout=300)
         assert not worker.is_alive(), "the rollout ends (aborted trajectories stop, the others finish)"
         result = box["result"]
-        calls = ray.get(scheduler.call_counts.remote()).to_json()
+        calls = ray.get(scheduler.status.remote(StatusQuery.CALLS)).to_json()
         pools = settled_pools(cluster, cfg.runtime.transfer_timeout_s)
         pages = cluster.page_integrity()
-        queued = ray.get(scheduler.check_integrity.remote())
+        queued = ray.get(scheduler.status.remote(StatusQuery.INTEGRITY)).requests
         print(f"aborted {len(victims)} trajectories after {calls['complete'] - in_flight}+ turns, {in_flight} turns "
               f"in flight at the abort; aborted results {calls.get('aborted', 0)}; pools {pools}; pages {pages}")
         assert not result.failures, f"an abort is not a failure: {result.failures}"

@@ -11,6 +11,7 @@ from dualpath_ray.kv.index import block_keys
 from dualpath_ray.kv.layout import KVLayout
 from dualpath_ray.kv.store import open_store
 from dualpath_ray.workload.trace import Trajectory
+from dualpath_ray.runtime.telemetry.status_views import StatusQuery
 from tests.helpers import recompute_outputs, runtime_config, trajectories, verify_mismatches
 from tests.shared_cluster import SharedCluster
 
@@ -49,7 +50,7 @@ def test_bad_hit_blocks_are_detected_repaired_and_outputs_unchanged(shared_clust
         warm = cluster.rollout(first_turns(trajs), progress=False)
         injected = damage(cfg, deployment.store_root, trajs)
         result = cluster.rollout(trajs, resume=warm, progress=False)
-        calls = ray.get(deployment.scheduler.call_counts.remote()).to_json()
+        calls = ray.get(deployment.scheduler.status.remote(StatusQuery.CALLS)).to_json()
         print(f"injected {len(injected)} bad blocks; retries {calls['retries']}, unindexed {calls['unindexed_blocks']}")
         assert not result.failures, f"every trajectory completes: {result.failures}"
         assert calls["retries"] == len(injected), "each bad block is detected exactly once (detected == injected)"

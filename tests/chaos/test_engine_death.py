@@ -16,6 +16,7 @@ ray_test_env()
 import ray  # noqa: E402
 
 from dualpath_ray.cluster import DualPathCluster  # noqa: E402
+from dualpath_ray.runtime.telemetry.status_views import StatusQuery  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.chaos]
 
@@ -32,10 +33,10 @@ def rollout_killing_actor(cluster: DualPathCluster, trajs, actor, after_turns: i
     scheduler = cluster.deployment.scheduler
     worker.start()
     deadline = time.monotonic() + 120
-    while ray.get(scheduler.call_counts.remote()).received.complete < after_turns and time.monotonic() < deadline:
+    while ray.get(scheduler.status.remote(StatusQuery.CALLS)).received.complete < after_turns and time.monotonic() < deadline:
         time.sleep(0.05)
     ray.kill(actor, no_restart=True)
-    killed_at = ray.get(scheduler.call_counts.remote()).received.complete
+    killed_at = ray.get(scheduler.status.remote(StatusQuery.CALLS)).received.complete
     worker.join(timeout=300)
     assert not worker.is_alive(), f"the rollout finishes (never hangs on a dead engine); {hang_report(scheduler)}"
     return box["result"], killed_at
@@ -44,8 +45,8 @@ def rollout_killing_actor(cluster: DualPathCluster, trajs, actor, after_turns: i
 def hang_report(scheduler) -> str:
     """What the scheduler holds when a rollout did not finish: each live request's state and
     engines, who is out of service, its tables' sizes (what a hang's diagnosis starts from)."""
-    views = {"in_flight": scheduler.in_flight.remote(), "service_view": scheduler.service_view.remote(),
-             "tracked": scheduler.tracked.remote(), "call_counts": scheduler.call_counts.remote()}
+    views = {query.value: scheduler.status.remote(query) for query in (
+        StatusQuery.IN_FLIGHT, StatusQuery.SERVICE, StatusQuery.TRACKED, StatusQuery.CALLS)}
     return "; ".join(f"{name}: {ray.get(ref, timeout=30)}" for name, ref in views.items())
 
 
@@ -60,7 +61,7 @@ def test_a_killed_engine_loses_no_trajectory_and_changes_no_output(victim: str):
         started = time.monotonic()
         result, killed_at = rollout_killing(cluster, trajs, victim, after_turns=6)
         elapsed = time.monotonic() - started
-        calls = ray.get(deployment.scheduler.call_counts.remote()).to_json()
+        calls = ray.get(deployment.scheduler.status.remote(StatusQuery.CALLS)).to_json()
         turns = sum(len(t) for t in result.turn_results.values())
         print(f"{victim} killed after {killed_at} turns; {turns} turns in {elapsed:.1f} s; "
               f"retries {calls['retries']}, dead engines seen {calls['dead_engines']}, stale results {calls['stale_results']}")

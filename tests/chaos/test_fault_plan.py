@@ -30,6 +30,7 @@ import ray  # noqa: E402
 from dualpath_ray.cluster import DualPathCluster  # noqa: E402
 from dualpath_ray.config import DualPathConfig, parse_config  # noqa: E402
 from dualpath_ray.workload.trace import Trajectory  # noqa: E402
+from dualpath_ray.runtime.telemetry.status_views import StatusQuery  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.chaos]
 
@@ -71,9 +72,9 @@ def run(cfg: DualPathConfig, trajs, mode: str = "dualpath", during: Callable[[An
             "engines": cluster.engine_stats(),
             "counters": cluster.counters(),
             "failures": result.failures,
-            "calls": ray.get(deployment.scheduler.call_counts.remote()).to_json(),
-            "service": ray.get(deployment.scheduler.service_view.remote()).to_json(),
-            "in_flight": ray.get(deployment.scheduler.check_integrity.remote()),
+            "calls": ray.get(deployment.scheduler.status.remote(StatusQuery.CALLS)).to_json(),
+            "service": ray.get(deployment.scheduler.status.remote(StatusQuery.SERVICE)).to_json(),
+            "in_flight": ray.get(deployment.scheduler.status.remote(StatusQuery.INTEGRITY)).requests,
             "faults": cluster.fault_counts(),
             "integrity": cluster.integrity_report(),
             "pools": settled_pools(cluster, cfg.runtime.transfer_timeout_s),
@@ -155,7 +156,7 @@ def wait_until_restarted(deployment: Any, role: str, timeout_s: float = RESTART_
     came back as a first sighting, never counted; the deployment now waits for every first
     report, runtime/deploy/deployment.py.)"""
     deadline = time.monotonic() + timeout_s
-    while ray.get(deployment.scheduler.call_counts.remote()).to_json()[f"restarted_{role}"] < 1:
+    while ray.get(deployment.scheduler.status.remote(StatusQuery.CALLS)).to_json()[f"restarted_{role}"] < 1:
         if time.monotonic() > deadline:
             raise AssertionError(f"the scheduler saw no restarted {role} within {timeout_s} s")
         time.sleep(0.2)
@@ -337,8 +338,8 @@ def test_a_killed_engine_or_reader_is_restarted_and_loses_nothing(reference, vic
         "the rollout after the restart serves what a single-process recompute gives"
     )
     if role == "engines":
-        stats = figures["engines"][victim]["core"]
-        worked = stats.get("finished", 0) + stats.get("handoffs", 0)
+        stats = figures["engines"][victim].core  # PrefillStats or DecodeStats
+        worked = stats.handoffs if victim.startswith("prefill/") else stats.finished
         assert worked > 0, f"the new incarnation of {victim} served turns after its restart: {stats}"
         assert_all_in_service(figures["service"])
     else:

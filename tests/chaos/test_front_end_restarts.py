@@ -31,6 +31,7 @@ from dualpath_ray.api.tokenizer import HFTokenizer  # noqa: E402
 from dualpath_ray.cluster import DualPathCluster  # noqa: E402
 from dualpath_ray.protocol.names import OPENAI_SERVER  # noqa: E402
 from dualpath_ray.workload.trace import Trajectory, Turn  # noqa: E402
+from dualpath_ray.runtime.telemetry.status_views import StatusQuery  # noqa: E402
 from tests.tokenizer_factory import SENTENCES, model_dir_with_tokenizer  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.chaos]
@@ -72,7 +73,7 @@ def wait_in_flight(cluster: DualPathCluster, count: int, timeout_s: float = 60.0
     """Until the scheduler serves at least `count` turns: the front end handed them on, so a
     death now leaves them in flight behind it."""
     deadline = time.monotonic() + timeout_s
-    while len(ray.get(cluster.deployment.scheduler.in_flight.remote())) < count:
+    while len(ray.get(cluster.deployment.scheduler.status.remote(StatusQuery.IN_FLIGHT)).requests) < count:
         assert time.monotonic() < deadline, f"{count} turns reached the scheduler within {timeout_s} s"
         time.sleep(0.05)
 

@@ -20,6 +20,7 @@ import ray  # noqa: E402
 
 from dualpath_ray.cluster import DualPathCluster  # noqa: E402
 from dualpath_ray.config import DualPathConfig  # noqa: E402
+from dualpath_ray.runtime.telemetry.status_views import StatusQuery  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.chaos]
 
@@ -42,7 +43,7 @@ def rollout_killing_reader(cfg: DualPathConfig, trajs, reader: str) -> Iterator[
     try:
         deployment = cluster.deploy("dualpath")
         result, killed_at = rollout_killing_actor(cluster, trajs, deployment.readers[reader], after_turns=8)
-        calls = ray.get(deployment.scheduler.call_counts.remote()).to_json()
+        calls = ray.get(deployment.scheduler.status.remote(StatusQuery.CALLS)).to_json()
         yield deployment, result, killed_at, {**calls, "verify_mismatches": verify_mismatches(cluster)}
     finally:
         cluster.deployment.readers.pop(reader, None)

@@ -32,6 +32,7 @@ from dualpath_ray.kv.store import open_store  # noqa: E402
 from dualpath_ray.runtime.decode.verify import RTOL, ATOL, TOLERANCES  # noqa: E402
 from dualpath_ray.runtime.engine.compute_choice import make_compute  # noqa: E402
 from dualpath_ray.workload.trace import Trajectory  # noqa: E402
+from dualpath_ray.runtime.telemetry.status_views import StatusQuery  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.chaos]
 
@@ -54,7 +55,7 @@ def kill_a_prefill_engine_mid_read(cluster: DualPathCluster, timeout_s: float = 
     while time.monotonic() < deadline:
         if any(ray.get(r.read_q.remote()) > 0 for r in deployment.readers.values()):
             engines = sorted({
-                e.prefill_engine for e in ray.get(deployment.scheduler.in_flight.remote()).values()
+                e.prefill_engine for e in ray.get(deployment.scheduler.status.remote(StatusQuery.IN_FLIGHT)).requests.values()
                 if e.prefill_engine
             })
             if engines:

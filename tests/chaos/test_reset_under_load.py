@@ -13,6 +13,7 @@ import time
 import pytest
 import ray
 
+from dualpath_ray.runtime.telemetry.status_views import StatusQuery
 from tests.helpers import recompute_outputs, runtime_config, trajectories
 from tests.shared_cluster import SharedCluster
 
@@ -31,7 +32,7 @@ def test_resets_and_an_abort_while_turns_run_lose_no_other_turn(shared_cluster: 
         worker = threading.Thread(target=lambda: box.setdefault("result", cluster.rollout(trajs, progress=False)))
         started = time.monotonic()
         worker.start()
-        while ray.get(scheduler.call_counts.remote()).received.complete < 8 and worker.is_alive():
+        while ray.get(scheduler.status.remote(StatusQuery.CALLS)).received.complete < 8 and worker.is_alive():
             time.sleep(0.05)
         cluster.abort_trajectory(victim)
         resets = 0
@@ -42,7 +43,7 @@ def test_resets_and_an_abort_while_turns_run_lose_no_other_turn(shared_cluster: 
         worker.join(timeout=240)
         assert not worker.is_alive(), "the rollout ends"
         result = box["result"]
-        calls = ray.get(scheduler.call_counts.remote()).to_json()
+        calls = ray.get(scheduler.status.remote(StatusQuery.CALLS)).to_json()
         print(f"{resets} resets; rollout {time.monotonic() - started:.1f} s; report errors {calls.get('report_errors')}, "
               f"timeouts {calls['timeouts']}, retries {calls['retries']}, orphaned blocks {calls.get('unpublished_blocks')}")
         assert not result.failures, f"no turn lost to a reset of the index: {result.failures}"
@@ -61,4 +62,4 @@ def test_resets_and_an_abort_while_turns_run_lose_no_other_turn(shared_cluster: 
             assert outputs[traj.trajectory_id] == expected[traj.trajectory_id], (
                 f"{traj.trajectory_id}: the real model's outputs equal the single-process recompute"
             )
-        assert ray.get(scheduler.check_integrity.remote()) == 0, "the scheduler holds no request afterwards"
+        assert ray.get(scheduler.status.remote(StatusQuery.INTEGRITY)).requests == 0, "the scheduler holds no request afterwards"

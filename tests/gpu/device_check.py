@@ -114,8 +114,8 @@ def run(args: argparse.Namespace) -> int:
             mismatched = sum(r.kv_mismatches for r in turns)
             verified = sum(r.kv_bytes_verified for r in turns)
             stats = cluster.engine_stats()
-            devices = sorted({s["device"] for s in stats.values()})
-            copied = sum(s["hbm_moves"]["h2d_bytes"] + s["hbm_moves"]["d2h_bytes"] for s in stats.values())
+            devices = sorted({s.device for s in stats.values()})
+            copied = sum(s.hbm_moves.h2d_bytes + s.hbm_moves.d2h_bytes for s in stats.values())
             print(f"{label}: {len(turns)} turns in {elapsed:.2f} s on {devices}; CUDA-copied {copied / 1e6:.1f} MB; prefill "
                   f"{computed / elapsed:.0f} computed tokens/s, decode {generated / elapsed:.0f} tokens/s; "
                   f"KV verified {verified / 1e6:.1f} MB, mismatches {mismatched}")

@@ -54,10 +54,10 @@ def check_readers(cluster: Any) -> list[str]:
     failures = []
     for name, reader in cluster.deployment.readers.items():
         setup = ray.get(reader.node_setup.remote())
-        print(f"{name}: buffer {setup['pinning']}; emulation {'on' if setup['emulation'] else 'off'}")
-        if not setup["buffer_pinned"]:
-            failures.append(f"{name}: its staging buffer is not pinned on a GPU node ({setup['pinning']})")
-        if setup["emulation"]:
+        print(f"{name}: buffer {setup.pinning}; emulation {'on' if setup.emulation else 'off'}")
+        if not setup.buffer_pinned:
+            failures.append(f"{name}: its staging buffer is not pinned on a GPU node ({setup.pinning})")
+        if setup.emulation:
             failures.append(f"{name}: its SNIC is emulated although the config says emulation.enabled: false")
     return failures
 
@@ -85,7 +85,7 @@ def check_sleep_wake(cluster: Any, config_for: ConfigFor, layers: int) -> list[s
         failures.append(f"sleep freed {free_asleep - free_awake} bytes of HBM, under {HBM_SHARE} of the {freed} it reported")
     if free_asleep - free_woken < HBM_SHARE * freed:
         failures.append("wake did not allocate the engines' HBM again")
-    pinned = {n: s["hbm_moves"]["mirrors_pinned"] for n, s in cluster.engine_stats().items()}
+    pinned = {n: s.hbm_moves.mirrors_pinned for n, s in cluster.engine_stats().items()}
     if not all(m and all(m.values()) for m in pinned.values()):
         failures.append(f"after wake not every engine's host mirror is pinned: {pinned}")
     return failures + run_exact(cluster, "after wake", trajectories)[1]

@@ -25,6 +25,7 @@ import ray  # noqa: E402
 from dualpath_ray.api.openai_app import RETRY_AFTER_S, OpenAIEndpoint, build_app  # noqa: E402
 from dualpath_ray.api.tokenizer import HFTokenizer  # noqa: E402
 from dualpath_ray.cluster import DualPathCluster  # noqa: E402
+from dualpath_ray.runtime.telemetry.status_views import StatusQuery  # noqa: E402
 from tests.tokenizer_factory import train_tokenizer  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -48,7 +49,7 @@ def cluster(shared_cluster):
 
 def tables(cluster: DualPathCluster) -> dict[str, int]:
     assert cluster.deployment is not None
-    scheduler = ray.get(cluster.deployment.scheduler.tracked.remote()).to_json()
+    scheduler = ray.get(cluster.deployment.scheduler.status.remote(StatusQuery.TRACKED)).to_json()
     server = ray.get(cluster.server().tracked.remote())
     return {**scheduler, **{f"server_{name}": size for name, size in server.items()}}
 
@@ -93,7 +94,7 @@ def test_a_burst_through_the_openai_app_is_429_with_retry_after_beyond_the_queue
     train_tokenizer(cfg.model.vocab_size).save(str(tmp_path / "tokenizer.json"))  # type: ignore[attr-defined]
     app = build_app(OpenAIEndpoint(cluster.server(), HFTokenizer.from_dir(tmp_path, cfg.model.vocab_size), cfg))
     assert cluster.deployment is not None
-    refused_before = ray.get(cluster.deployment.scheduler.call_counts.remote()).queue_full
+    refused_before = ray.get(cluster.deployment.scheduler.status.remote(StatusQuery.CALLS)).queue_full
 
     async def burst() -> list[Any]:
         transport = httpx.ASGITransport(app=app)
@@ -112,15 +113,15 @@ def test_a_burst_through_the_openai_app_is_429_with_retry_after_beyond_the_queue
     for response in refused:
         assert response.headers.get("retry-after") == str(RETRY_AFTER_S), "a 429 says when to retry"
         assert response.json()["error"]["code"] == "queue_full", "the error names why: the queue is full"
-    refused_after = ray.get(cluster.deployment.scheduler.call_counts.remote()).queue_full
+    refused_after = ray.get(cluster.deployment.scheduler.status.remote(StatusQuery.CALLS)).queue_full
     assert refused_after - refused_before == len(refused), "each 429 is one turn the scheduler refused"
 
 
 def test_a_rollout_overflowing_the_queue_resubmits_and_finishes_every_trajectory(cluster) -> None:
     assert cluster.deployment is not None
-    refused_before = ray.get(cluster.deployment.scheduler.call_counts.remote()).queue_full
+    refused_before = ray.get(cluster.deployment.scheduler.status.remote(StatusQuery.CALLS)).queue_full
     result = cluster.rollout(trajectories(count=16, turns=2, first=600, appended=20, gen=4), progress=False)
-    refused = ray.get(cluster.deployment.scheduler.call_counts.remote()).queue_full - refused_before
+    refused = ray.get(cluster.deployment.scheduler.status.remote(StatusQuery.CALLS)).queue_full - refused_before
     assert result.failures == {}, f"a full queue delays a trajectory, it does not fail it: {result.failures}"
     assert result.table.num_rows == 32, "every turn of every trajectory was served"
     assert refused > 0, "the 16 first turns overflowed the queue of 4, so some were refused and resubmitted"

@@ -18,7 +18,8 @@ ray_test_env()
 import ray  # noqa: E402
 
 from dualpath_ray.config import DualPathConfig  # noqa: E402
-from dualpath_ray.runtime.control.scheduler import EPOCH_SERVING_BITS, Scheduler  # noqa: E402
+from dualpath_ray.runtime.control.plane import EPOCH_SERVING_BITS  # noqa: E402
+from dualpath_ray.runtime.control.scheduler import Scheduler  # noqa: E402
 from dualpath_ray.runtime.placement.topology import front_end_options, scheduler_options  # noqa: E402
 
 pytestmark = pytest.mark.integration

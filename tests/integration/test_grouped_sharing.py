@@ -22,6 +22,7 @@ from dualpath_ray.cluster import DualPathCluster  # noqa: E402
 from dualpath_ray.config import DualPathConfig, parse_config  # noqa: E402
 from dualpath_ray.model.latency import LayerModel  # noqa: E402
 from dualpath_ray.model.profile import HardwareProfile, describe_model  # noqa: E402
+from dualpath_ray.runtime.telemetry.status_views import StatusQuery  # noqa: E402
 from dualpath_ray.workload.grouped import grouped_trajectories  # noqa: E402
 
 pytestmark = pytest.mark.integration
@@ -62,7 +63,7 @@ def test_grouped_samples_compute_their_prompt_once_per_group_and_read_it_from_th
         deployment = cluster.deploy("dualpath")
         result = cluster.rollout(trajs, progress=False)
         assert not result.failures, f"every sample finishes: {result.failures}"
-        calls = ray.get(deployment.scheduler.call_counts.remote()).to_json()
+        calls = ray.get(deployment.scheduler.status.remote(StatusQuery.CALLS)).to_json()
         hot = {node: ray.get(reader.hot_counts.remote()) for node, reader in deployment.readers.items()}
         firsts = {tid: turns[0] for tid, turns in result.turn_results.items()}
         computed = {p: sum(r.prompt_tokens - r.hit_tokens for tid, r in firsts.items() if tid.startswith(f"p{p}-"))
@@ -89,6 +90,6 @@ def test_grouped_samples_compute_their_prompt_once_per_group_and_read_it_from_th
             )
         assert result.outputs() == expected, "outputs equal the single-process recompute (sharing off's outputs)"
         assert verify_mismatches(cluster) == 0, "no assembled KV differed from the store (or the recompute)"
-        assert ray.get(deployment.scheduler.check_integrity.remote()) == 0, "nothing is left held or queued"
+        assert ray.get(deployment.scheduler.status.remote(StatusQuery.INTEGRITY)).requests == 0, "nothing is left held or queued"
     finally:
         cluster.shutdown()

@@ -14,6 +14,7 @@ import pytest
 import ray
 
 from dualpath_ray.workload.trace import Trajectory, Turn
+from dualpath_ray.runtime.telemetry.status_views import StatusQuery
 from tests.helpers import runtime_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -31,18 +32,18 @@ def test_the_scheduler_sees_a_turn_decoding_before_any_heartbeat(cluster_for) ->
     deployment = cluster.deployment
     outcome: dict[str, object] = {}
     rolling = threading.Thread(target=lambda: outcome.update(result=cluster.rollout([trajectory], progress=False)))
-    heartbeats = ray.get(deployment.scheduler.call_counts.remote()).received.heartbeats
+    heartbeats = ray.get(deployment.scheduler.status.remote(StatusQuery.CALLS)).received.heartbeats
     rolling.start()
     states: list[str] = []
     while rolling.is_alive():
-        entry = ray.get(deployment.scheduler.in_flight.remote()).get("note/t0")
+        entry = ray.get(deployment.scheduler.status.remote(StatusQuery.IN_FLIGHT)).requests.get("note/t0")
         if entry is not None and (not states or states[-1] != entry.state):
             states.append(entry.state)
         time.sleep(0.02)
     rolling.join()
     result = outcome["result"]
     assert result.failures == {}, f"the turn succeeded: {result.failures}"  # type: ignore[attr-defined]
-    assert ray.get(deployment.scheduler.call_counts.remote()).received.heartbeats == heartbeats, (
+    assert ray.get(deployment.scheduler.status.remote(StatusQuery.CALLS)).received.heartbeats == heartbeats, (
         "the scheduler asked no engine for a heartbeat during the turn, as this test needs"
     )
     assert "decoding" in states, f"the scheduler saw the turn decoding while it decoded; states seen: {states}"

@@ -15,6 +15,8 @@ from dualpath_ray.api.validation import make_spec
 from dualpath_ray.cluster import DualPathCluster
 from dualpath_ray.protocol.messages import SamplingParams, StreamDelta, TurnResult
 from dualpath_ray.protocol.types import StopReason
+from dualpath_ray.protocol.aborts import AbortTarget
+from dualpath_ray.runtime.telemetry.status_views import StatusQuery
 from tests.helpers import runtime_config
 
 pytestmark = pytest.mark.integration
@@ -75,7 +77,7 @@ def test_an_abort_mid_decode_answers_the_caller_and_frees_everything(cluster: Du
             if isinstance(item, StreamDelta):
                 got.append(item)
                 if len(got) == 1:
-                    aborted = await scheduler.abort.remote("abort-1")
+                    aborted = await scheduler.abort.remote(AbortTarget.request("abort-1"))
             else:
                 result = item
         return result, aborted, got
@@ -84,7 +86,7 @@ def test_an_abort_mid_decode_answers_the_caller_and_frees_everything(cluster: Du
     assert aborted, "the request was in flight, so the abort took it"
     assert result.stop_reason is StopReason.ABORTED and result.error is None, "the caller gets 'aborted', not an error"
     assert sum(len(d.tokens) for d in got) < longest, "decoding stopped before max_new_tokens"
-    assert not ray.get(scheduler.abort.remote("abort-1")), "aborting a request that is no longer in flight is a no-op"
+    assert not ray.get(scheduler.abort.remote(AbortTarget.request("abort-1"))), "aborting a request that is no longer in flight is a no-op"
     while True:  # until everything is free: the test's timeout ends a wait for a leak
         pools, pages = cluster.pool_integrity(), cluster.page_integrity()
         if all(f == c for f, _, _, c in pools.values()) and all(f == c and r == 0 for f, _, r, c in pages.values()):
@@ -92,7 +94,7 @@ def test_an_abort_mid_decode_answers_the_caller_and_frees_everything(cluster: Du
         time.sleep(0.1)
     assert all(f == c for f, _, _, c in pools.values()), f"every buffer extent of the aborted request is free: {pools}"
     assert all(f == c and r == 0 for f, _, r, c in pages.values()), f"its decode pages are free: {pages}"
-    assert ray.get(scheduler.check_integrity.remote()) == 0, "the scheduler holds nothing of it"
+    assert ray.get(scheduler.status.remote(StatusQuery.INTEGRITY)).requests == 0, "the scheduler holds nothing of it"
 
 
 def test_sleep_frees_engine_memory_and_wake_restores_it_with_the_store_kept(cluster: DualPathCluster) -> None:

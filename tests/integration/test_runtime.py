@@ -14,6 +14,7 @@ import ray
 from dualpath_ray.cluster import DualPathCluster
 from dualpath_ray.kv.layout import KVLayout
 from dualpath_ray.runtime.engine.base import IDLE_S
+from dualpath_ray.runtime.telemetry.status_views import StatusQuery
 from tests.helpers import recompute_outputs, runtime_config, trajectories
 from tests.shared_cluster import SharedCluster
 
@@ -72,8 +73,8 @@ def idle_activity(cluster: DualPathCluster, deployment, seconds: float) -> dict[
     time.sleep(2.0)  # the last heartbeat and read-queue report of the run go out
 
     def snapshot() -> tuple[dict[str, int], dict[str, int], list[int]]:
-        loops = {name: stats["worker_loops"] for name, stats in cluster.engine_stats().items()}
-        calls = ray.get(deployment.scheduler.call_counts.remote()).to_json()
+        loops = {name: stats.worker_loops for name, stats in cluster.engine_stats().items()}
+        calls = ray.get(deployment.scheduler.status.remote(StatusQuery.CALLS)).to_json()
         reports = ray.get([reader.reports_sent.remote() for reader in deployment.readers.values()])
         return loops, calls, reports
 

@@ -33,7 +33,7 @@ def test_nixl_engines_sleep_and_wake_with_new_addresses(cluster_for) -> None:
     assert cluster.sleep() > 0, "the engines' registered KV memory is freed"
     cluster.wake_up()
     after = ray.get([e.engine_stats.remote() for e in engines])
-    assert all(a["incarnation"] != b["incarnation"] for a, b in zip(after, before)), (
+    assert all(a.incarnation != b.incarnation for a, b in zip(after, before)), (
         "every engine's memory is addressed under a new incarnation after waking"
     )
     again = turn("n-2", 200)

@@ -12,6 +12,7 @@ import ray
 
 from dualpath_ray.cluster import DualPathCluster
 from dualpath_ray.kv.staged import StagingCounts
+from dualpath_ray.runtime.telemetry.status_views import StatusQuery
 from tests.helpers import recompute_outputs, runtime_config, settled_pools, trajectories
 
 pytestmark = [pytest.mark.integration]
@@ -30,7 +31,7 @@ def test_a_rollout_with_tool_time_stages_each_next_turn_and_uses_it(cluster_for)
     cluster = cluster_for(cfg, "dualpath")
     deployment = cluster.deployment
     result = cluster.rollout(trajs, progress=False)
-    calls = ray.get(deployment.scheduler.call_counts.remote()).to_json()
+    calls = ray.get(deployment.scheduler.status.remote(StatusQuery.CALLS)).to_json()
     staging = reader_staging(cluster)
     pools = settled_pools(cluster, 10.0)
     print(f"scheduler: {({k: v for k, v in calls.items() if k.startswith('stage')})}; readers: {staging}")
@@ -44,7 +45,7 @@ def test_a_rollout_with_tool_time_stages_each_next_turn_and_uses_it(cluster_for)
     later = [r for turns in result.turn_results.values() for r in turns[1:]]
     assert all(r.path == "de" for r in later if r.hit_tokens), "staged turns read their hits on the DE path"
     assert all(free == capacity for free, _, _, capacity in pools.values()), f"nothing stays leased: {pools}"
-    assert ray.get(deployment.scheduler.check_integrity.remote()) == 0, "no request is left at the scheduler"
+    assert ray.get(deployment.scheduler.status.remote(StatusQuery.INTEGRITY)).requests == 0, "no request is left at the scheduler"
 
 
 def test_a_session_that_never_returns_costs_one_extent_until_it_expires(cluster_for) -> None:
@@ -59,7 +60,7 @@ def test_a_session_that_never_returns_costs_one_extent_until_it_expires(cluster_
     held = max(capacity - free for free, _, _, capacity in cluster.pool_integrity().values())
     pools = settled_pools(cluster, 10.0)
     staging = reader_staging(cluster)
-    calls = ray.get(cluster.deployment.scheduler.call_counts.remote()).to_json()
+    calls = ray.get(cluster.deployment.scheduler.status.remote(StatusQuery.CALLS)).to_json()
     print(f"blocks held right after the hinted turn: {held}; readers: {staging}")
     assert calls["stage_orders"] == 1, "the hinted turn's context was ordered staged, once"
     expired = sum(counts.expired for counts in staging.values())

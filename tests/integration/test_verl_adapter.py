@@ -22,6 +22,7 @@ import ray
 from dualpath_ray.api.server import RolloutServer, TokenOutput
 from dualpath_ray.model.llama import DecoderModel
 from dualpath_ray.workload.trace import Trajectory, Turn
+from dualpath_ray.runtime.telemetry.status_views import StatusQuery
 from tests.helpers import recompute_outputs, runtime_config
 
 pytestmark = pytest.mark.integration
@@ -166,7 +167,7 @@ async def decoding(cluster, count: int, timeout_s: float = 60.0) -> None:
         if len(handed) >= count:
             return
         await asyncio.sleep(0.02)
-    states = await cluster.deployment.scheduler.in_flight.remote()
+    states = (await cluster.deployment.scheduler.status.remote(StatusQuery.IN_FLIGHT)).requests
     raise TimeoutError(f"{count} requests were not decoding within {timeout_s} s; decoding: {sorted(handed)}; "
                        f"the scheduler's in flight: {states}")
 

@@ -50,7 +50,7 @@ def test_vllm_engines_serve_a_multi_turn_rollout_exactly(reference, mode: str) -
     assert hits > 0, "later turns hit the KV the decode engine persisted through the connector"
     pe, de = counters["p0"].snic_read["pe"], counters["d0"].snic_read["de"]
     assert all(free == capacity for free, _, _, capacity in pools.values()), f"nothing is left leased: {pools}"
-    decode = engines["decode/d0/g0"]["compute"]
+    decode = engines["decode/d0/g0"].compute
     assert decode["prefix_cache_hit_tokens"] > 0, (
         f"vLLM's own prefix cache (on by default) served a trajectory's earlier turns on the decode engine: {decode}"
     )
@@ -78,13 +78,13 @@ def test_prompts_chunked_by_the_compute_quota_stay_exact_on_vllm(reference) -> N
     try:
         cluster.deploy("dualpath")
         result = cluster.rollout(trajs, progress=False)
-        prefill = cluster.engine_stats()["prefill/p0/g0"]["core"]
+        prefill = cluster.engine_stats()["prefill/p0/g0"].core
     finally:
         cluster.shutdown()
     assert not result.failures, f"every trajectory completes: {result.failures}"
     got = {tid: [turn.output_tokens for turn in turns] for tid, turns in result.turn_results.items()}
     assert got == expected, "greedy tokens of chunked prompts equal a plain vLLM engine recomputing every prompt"
-    assert prefill["chunks"] > prefill["handoffs"], f"the quota chunked prompts into several prefill batches: {prefill}"
+    assert prefill.chunks > prefill.handoffs, f"the quota chunked prompts into several prefill batches: {prefill}"
 
 
 def test_rollout_server_sleep_wake_weight_update_and_abort_on_vllm_engines(reference) -> None:
@@ -132,7 +132,7 @@ def test_rollout_server_sleep_wake_weight_update_and_abort_on_vllm_engines(refer
     assert tokens and set(tokens) == {0}, f"the weight update reached vLLM's model: {set(tokens)}"
     assert long[0].trajectory_id in cut.aborted, f"the trajectory was aborted ({elapsed:.1f} s): {cut.aborted}"
     assert not cut.failures, f"aborting one trajectory fails none: {cut.failures}"
-    decode = stats["decode/d0/g0"]["compute"]
+    decode = stats["decode/d0/g0"].compute
     assert decode["unfinished"] == 0 and decode["decode_sequences"] == 0, (
         f"nothing of the aborted turn is left in vLLM: {decode}"
     )

@@ -109,17 +109,20 @@ class BookedGroup:
 
 
 class Decisions:
-    """The runtime's rounds and the pushes of what they decide."""
+    """The runtime's rounds and the pushes of what they decide; the incarnation that took each
+    push goes to `accepted`."""
 
     def __init__(
         self, cfg: DualPathConfig, core: SchedulerCore, control: ClusterControl, liveness: Liveness,
-        readers: ReaderStates, on_accepted: Callable[[str, str], None], faults: FaultInjector,
-        calls: SchedulerCounts, metrics: SchedulerMetrics,
+        readers: ReaderStates, faults: FaultInjector, calls: SchedulerCounts, metrics: SchedulerMetrics,
     ) -> None:
         self.control = control
         self.metrics = metrics
         self.liveness = liveness
-        self.on_accepted = on_accepted
+        # (engine, incarnation) of each push an engine took, for the watchdog (Watchdog.heed): a
+        # queue rather than a call back, so the rounds are built before the watchdog that
+        # re-runs them and neither holds the other.
+        self.accepted: asyncio.Queue[tuple[str, str]] = asyncio.Queue()
         self.faults = faults
         self.calls = calls
         self.loop = asyncio.get_running_loop()
@@ -183,6 +186,6 @@ class Decisions:
             self.calls.failed_pushes += 1
             LOG.warning("pushing %d tasks to %s failed: %r", len(tasks), engine, exc)
         else:
-            self.on_accepted(engine, incarnation)
+            self.accepted.put_nowait((engine, incarnation))
         finally:
             self.liveness.sent(owners)

@@ -17,8 +17,8 @@ from typing import Iterator
 
 from dualpath_ray.protocol.messages import EngineReport, PeerState, ReaderReport, attempt_owner
 from dualpath_ray.runtime.telemetry.scheduler_counts import SchedulerCounts
+from dualpath_ray.runtime.control.attempts import Attempts
 from dualpath_ray.runtime.control.decisions import Decisions, ReaderStates
-from dualpath_ray.runtime.control.serving import Serving
 from dualpath_ray.runtime.control.streaming import TokenStreams
 from dualpath_ray.runtime.control.watchdog import Watchdog
 from dualpath_ray.scheduling.liveness import is_attempt
@@ -29,13 +29,13 @@ LOG = logging.getLogger("dualpath_ray.scheduler")
 
 class ReportIntake:
     def __init__(
-        self, core: SchedulerCore, decisions: Decisions, watchdog: Watchdog, serving: Serving, streams: TokenStreams,
+        self, core: SchedulerCore, decisions: Decisions, watchdog: Watchdog, attempts: Attempts, streams: TokenStreams,
         readers: ReaderStates, calls: SchedulerCounts,
     ) -> None:
         self.core = core
         self.decisions = decisions
         self.watchdog = watchdog
-        self.serving = serving
+        self.attempts = attempts
         self.streams = streams
         self.readers = readers
         self.calls = calls
@@ -65,11 +65,11 @@ class ReportIntake:
                     self.decisions.rounds.handed_off(rid)
         for result in report.results:
             try:
-                self.serving.complete(result)
+                self.attempts.complete(result)
             except Exception as exc:  # noqa: BLE001 - see the docstring
                 self.calls.report_errors += 1
                 LOG.exception("the result of %s from %s could not be handled", result.owner, report.engine)
-                self.serving.answer_failed(result, exc)
+                self.attempts.answer_failed(result, exc)
         with self._isolated(f"the streamed tokens of {report.engine}"):
             self.streams.pass_on(report.chunks, self.core.requests)
 

@@ -20,9 +20,10 @@ heartbeats are saved (48P96D: 1,152 engines).
 - An attempt no live engine holds for the grace is failed the same way (scheduling/liveness.py).
 - A restarted scheduler first learns what the engines hold (runtime/control/adoption.py).
 
-A composed object: the Scheduler actor hands it what it uses and the one action it needs back,
-`fail(spec, by, why)`, which ends an attempt with PEER_DIED; `changed()` tells the rounds that
-every group must be asked again (an engine or reader came or went).
+A composed object (runtime/control/plane.py builds it): it is handed what it uses and the two
+actions it needs back, `fail(spec, by, why)` (Attempts.fail: ends an attempt with PEER_DIED) and
+`changed()` (the rounds' everything_changed: every group must be asked again, an engine or reader
+came or went).
 """
 
 from __future__ import annotations
@@ -90,6 +91,17 @@ class Watchdog:
                 await self.work.wait()  # nothing in flight: sleep until something is submitted
             await asyncio.sleep(runtime.heartbeat_s)
             await self.beat()
+
+    async def heed(self, accepted: asyncio.Queue[tuple[str, str]]) -> None:
+        """The incarnation that took each task push (Decisions.accepted), as it comes: an answer
+        like any other, which may prove a restart. One that raises (a bug) is logged and never
+        stops the answers after it."""
+        while True:
+            engine, incarnation = await accepted.get()
+            try:
+                self.observe(engine, incarnation)
+            except Exception:  # noqa: BLE001 - see the docstring
+                LOG.exception("the answer of %s to a push (incarnation %s) could not be handled", engine, incarnation)
 
     def _watching(self) -> bool:
         return bool(self.core.requests or self.adoptions.holders or self.core.presumed_dead
@@ -255,6 +267,11 @@ class Watchdog:
                 # process's answer reclaims them instead: see observe.)
                 self.unreclaimed.pop(engine, None)
             self.changed()
+
+    def woke(self, engine: str, incarnation: str) -> None:
+        """`engine` woke from sleep as `incarnation` (its addressing renewed): a wake, not a
+        restart, so nothing that depended on it is failed."""
+        self.incarnations.known[engine] = incarnation
 
     def observe(self, name: str, incarnation: str) -> None:
         """A new incarnation of an engine or reader proves its old process gone: fail (and so

@@ -34,6 +34,7 @@ from dualpath_ray.runtime.engine.base import EngineIdentity
 from dualpath_ray.runtime.prefill.actor import PrefillEngine
 from dualpath_ray.runtime.reader.actor import StorageReader
 from dualpath_ray.runtime.transport.gloo_world import setup_gloo_world
+from dualpath_ray.runtime.telemetry.status_views import StatusQuery
 
 
 @dataclass
@@ -92,7 +93,7 @@ def _wait_until_known(scheduler: Any, names: frozenset[str], timeout_s: float) -
     written off as dead stayed out of service."""
     deadline = time.monotonic() + timeout_s
     while True:
-        known = set(ray.get(scheduler.service_view.remote()).incarnations)
+        known = set(ray.get(scheduler.status.remote(StatusQuery.SERVICE)).incarnations)
         missing = sorted(names - known)
         if not missing:
             return

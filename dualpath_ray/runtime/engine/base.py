@@ -28,6 +28,7 @@ from dualpath_ray.kv.layout import KVLayout
 from dualpath_ray.kv.store import open_store
 from dualpath_ray.protocol.counters import NodeCounters
 from dualpath_ray.runtime.telemetry.actor_metrics import EngineMetrics
+from dualpath_ray.runtime.telemetry.engine_stats import EngineStats, HbmMoveCounts
 from dualpath_ray.runtime.emulation import make_link
 from dualpath_ray.runtime.engine.compute_choice import make_compute
 from dualpath_ray.runtime.engine.directory import ActorDirectory
@@ -263,15 +264,14 @@ class EngineBase(TransportEndpoint):
         return self.core.counters
 
     @ray.method(concurrency_group="control")
-    def engine_stats(self) -> dict[str, Any]:
+    def engine_stats(self) -> EngineStats[Any]:
         """The core's figures and the transport's, for benchmarks and `dualpath status`."""
-        from dataclasses import asdict
-
-        return {"core": asdict(self.core.stats), "transport": asdict(self.transport.stats()), "device": str(self.device),
-                "hbm_moves": {"mode": self.hbm.mode, **asdict(self.hbm.stats),
-                              "mirrors_pinned": self.hbm.mirrors_pinned()},
-                "incarnation": self.incarnation, "sent": dict(self.sent), "worker_loops": self.loops,
-                "compute": self.compute.stats()}
+        copies = self.hbm.stats
+        return EngineStats(
+            self.core.stats, self.transport.stats(), str(self.device),
+            HbmMoveCounts(self.hbm.mode, copies.h2d_bytes, copies.d2h_bytes, copies.copies, self.hbm.mirrors_pinned()),
+            self.incarnation, dict(self.sent), self.loops, self.compute.stats(),
+        )
 
     @ray.method(concurrency_group="control")
     def node_labels(self) -> dict[str, str]:

@@ -28,6 +28,7 @@ from dualpath_ray.protocol.counters import NodeCounters
 from dualpath_ray.protocol.names import Pool
 from dualpath_ray.protocol.names import reader_name
 from dualpath_ray.runtime.telemetry.actor_metrics import ReaderMetrics
+from dualpath_ray.runtime.telemetry.node_setup import NodeSetup
 from dualpath_ray.runtime.emulation import make_link
 from dualpath_ray.runtime.engine.directory import ActorDirectory
 from dualpath_ray.protocol.messages import ExtentGrant, PersistedBlock, ReaderReport, StagedRead
@@ -297,9 +298,9 @@ class StorageReader(TransportEndpoint):
         return self.core.pool.holders()
 
     @ray.method(concurrency_group="ctl")
-    def node_setup(self) -> dict[str, bool | str]:
+    def node_setup(self) -> NodeSetup:
         """How this node's hardware is used (`dualpath status`): whether the staging buffer is
         pinned and why (not), and whether its SNIC is emulated (token buckets)."""
         pinning = self.core.pool.pinning
-        return {"buffer_pinned": pinning.pinned, "pinning": pinning.detail, "emulation": self.emulated}
+        return NodeSetup(pinning.pinned, pinning.detail, self.emulated)
 

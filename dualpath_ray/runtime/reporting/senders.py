@@ -14,7 +14,7 @@ starts it again, so of its frames only the ones the server handled but had not a
 the connection broke can be handled a second time; after forget_after_s (an hour by default,
 far beyond the watchdog's runtime.heartbeat_timeout_s) the scheduler has long failed that
 sender's attempts, and a result of an attempt that is no longer current is counted stale and
-dropped (Serving.complete), a reader's queue report is a state. Counting by capacity instead
+dropped (Attempts.complete), a reader's queue report is a state. Counting by capacity instead
 would only forget the longest idle first: with 65,536 entries that takes as many processes
 started and gone within the horizon.
 """

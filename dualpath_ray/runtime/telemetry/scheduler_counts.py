@@ -1,6 +1,6 @@
 """What the Scheduler actor counts: the calls it received, the turns it served, and what its
 decisions and its watchdog did. One typed record (not a dict with keys added where used), so a
-misspelt count is an AttributeError at the line that made it, and `call_counts` always reports
+misspelt count is an AttributeError at the line that made it, and the CALLS status view always reports
 every count (0 until it happens)."""
 
 from __future__ import annotations

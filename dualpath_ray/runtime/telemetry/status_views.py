@@ -1,15 +1,40 @@
-"""What the Scheduler actor's status calls answer (`in_flight`, `service_view`, `tracked`,
-`call_counts`): typed, frozen records built by the actor from its collaborators, so a caller
-reads named fields (a misspelt one is an AttributeError, not a silent 0) and nothing it holds
-changes under it. Each has `to_json()`: the plain dict `dualpath status --json`, the benchmarks'
+"""What the Scheduler actor's one status call answers: `status(query)` with a `StatusQuery`
+returns that query's view (STATUS_VIEWS maps each to its type), a typed, frozen record built
+from the actor's collaborators (runtime/control/status.py), so a caller reads named fields (a
+misspelt one is an AttributeError, not a silent 0) and nothing it holds changes under it. The
+counting views have `to_json()`: the plain dict `dualpath status --json`, the benchmarks'
 results and the tests' diffs have always read, with the same keys."""
 
 from __future__ import annotations
 
+import enum
 from dataclasses import asdict, dataclass, field
-from typing import Mapping
+from typing import Mapping, NamedTuple
 
 from dualpath_ray.runtime.telemetry.scheduler_counts import SchedulerCounts
+from dualpath_ray.runtime.weights.ledger import Publication
+
+
+class StatusQuery(enum.Enum):
+    """What `Scheduler.status` is asked for; each answers with the view STATUS_VIEWS names."""
+
+    DEPLOYMENT = "deployment"  # DeploymentView: the read-path mode, the engines, the published weights
+    IN_FLIGHT = "in_flight"  # InFlightView: each live request
+    INTEGRITY = "integrity"  # IntegrityView: the dispatcher's invariants checked (raises if broken)
+    SERVICE = "service"  # ServiceView: who is out of service and why
+    CALLS = "calls"  # CallCounts: how often each entry point ran and what came of it
+    TRACKED = "tracked"  # TrackedTables: the per-request tables' sizes
+    RECENT_TURNS = "recent_turns"  # RecentTurns: the latest served turns' latencies
+
+
+@dataclass(frozen=True)
+class DeploymentView:
+    """What the scheduler was deployed with: its read-path mode, every engine's name, and the
+    weights every engine holds now (the ledger's current publication; None before any)."""
+
+    mode: str
+    engines: tuple[str, ...]
+    weights: Publication | None
 
 
 @dataclass(frozen=True)
@@ -24,6 +49,40 @@ class RequestView:
 
     def to_json(self) -> dict[str, str | int]:
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class InFlightView:
+    """Each live request at the scheduler, by request id (empty once every caller has its answer)."""
+
+    requests: Mapping[str, RequestView]
+
+    def to_json(self) -> dict[str, dict[str, str | int]]:
+        return {rid: view.to_json() for rid, view in self.requests.items()}
+
+
+@dataclass(frozen=True)
+class IntegrityView:
+    """The dispatcher's queue and book invariants held (a broken one raises, naming it, instead
+    of answering), and how many requests it still holds: 0 once every caller has its answer."""
+
+    requests: int
+
+
+class TurnTiming(NamedTuple):
+    """One served turn: when it finished (wall clock), its TTFT and TPOT, and its read path."""
+
+    finished_at: float
+    ttft_s: float
+    tpot_s: float
+    path: str
+
+
+@dataclass(frozen=True)
+class RecentTurns:
+    """The latest served turns, oldest first (for `dualpath status`'s latency percentiles)."""
+
+    turns: tuple[TurnTiming, ...]
 
 
 @dataclass(frozen=True)
@@ -125,7 +184,7 @@ class CallCounts:
     sharing: Mapping[str, int] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, int]:
-        """Every count under one flat key, as `call_counts` always answered: the received counts
+        """Every count under one flat key, as the call counts always answered: the received counts
         by name, `sent_<method>`, `reread_elsewhere_<cause>`, `stage_<count>`, `channel_<count>`."""
         staging, channel = self.staging, self.channel
         flat = {
@@ -147,3 +206,12 @@ class CallCounts:
             flat.update(channel_rejected=channel.rejected, channel_timed_out=channel.timed_out,
                         channel_refused=channel.refused, channel_undecodable=channel.undecodable)
         return flat
+
+
+StatusView = DeploymentView | InFlightView | IntegrityView | ServiceView | CallCounts | TrackedTables | RecentTurns
+# The view each query answers with (a test holds Scheduler.status to it).
+STATUS_VIEWS: Mapping[StatusQuery, type] = {
+    StatusQuery.DEPLOYMENT: DeploymentView, StatusQuery.IN_FLIGHT: InFlightView,
+    StatusQuery.INTEGRITY: IntegrityView, StatusQuery.SERVICE: ServiceView, StatusQuery.CALLS: CallCounts,
+    StatusQuery.TRACKED: TrackedTables, StatusQuery.RECENT_TURNS: RecentTurns,
+}

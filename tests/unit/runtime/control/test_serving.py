@@ -1,5 +1,6 @@
-"""The serving of turns (runtime/control/serving.py) on a real scheduler core, without Ray: the
-decision rounds only queue and finish (nothing is placed), the engines are a recorder."""
+"""The serving of turns (runtime/control/serving.py, its attempts' ends at
+runtime/control/attempts.py) on a real scheduler core, without Ray: the decision rounds only
+queue and finish (nothing is placed), the engines are a recorder."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from dualpath_ray.protocol.messages import (
 from dualpath_ray.runtime.telemetry.scheduler_counts import SchedulerCounts
 from dualpath_ray.runtime.control.aborts import Aborts
 from dualpath_ray.runtime.control.adoption import Adoptions
+from dualpath_ray.runtime.control.attempts import Attempts
 from dualpath_ray.runtime.control.scheduler_core import build_core
 from dualpath_ray.runtime.control.serving import Serving
 from dualpath_ray.scheduling.liveness import Liveness
@@ -87,9 +89,9 @@ def serving_of(tmp_path: Path, scheduler: dict[str, object] | None = None, **run
     cfg = DualPathConfig().with_overrides(store={"root": str(tmp_path)}, runtime=dict(runtime), scheduler=scheduler or {})
     core = build_core(cfg, str(tmp_path), "dualpath", epoch=1_000)
     liveness = Liveness(cfg.runtime.heartbeat_timeout_s, time.monotonic, cfg.runtime.heartbeat_s)
-    serving = Serving(cfg, core, Control(), liveness, Aborts(), Adoptions(), SchedulerCounts(), Metrics())  # type: ignore[arg-type]
-    decisions = Decisions(core)
-    serving.bind(decisions, Watchdog())  # type: ignore[arg-type]
+    decisions, aborts, adoptions, calls = Decisions(core), Aborts(), Adoptions(), SchedulerCounts()
+    attempts = Attempts(core, decisions, Control(), liveness, aborts, adoptions, calls, Metrics())  # type: ignore[arg-type]
+    serving = Serving(cfg, core, attempts, decisions, Watchdog(), liveness, aborts, adoptions, calls)  # type: ignore[arg-type]
     return serving, decisions.rounds
 
 
@@ -120,13 +122,13 @@ def test_a_turn_is_answered_by_its_current_attempt_only(tmp_path: Path) -> None:
         served = asyncio.ensure_future(serving.generate(spec_of()))
         attempt = await placed(rounds, 1, served)
         assert attempt.epoch == serving.core.epoch + 1, "each serving gets its own epoch (RequestSpec.epoch)"
-        serving.complete(final(dataclasses.replace(attempt, epoch=attempt.epoch - 1)))
+        serving.attempts.complete(final(dataclasses.replace(attempt, epoch=attempt.epoch - 1)))
         assert serving.calls.stale_results == 1 and not served.done(), "another serving's result is dropped"
-        serving.complete(final(attempt))
+        serving.attempts.complete(final(attempt))
         result = await served
         assert result.error_kind is ErrorKind.INTERNAL and result.epoch == attempt.epoch
         assert serving.calls.retries == 0, "a bug is answered, not retried"
-        assert not serving.pending and not serving.aborts.running, "nothing of the turn is left behind"
+        assert not serving.attempts.pending and not serving.aborts.running, "nothing of the turn is left behind"
 
     asyncio.run(scenario())
 
@@ -136,12 +138,12 @@ def test_a_peer_death_is_retried_as_the_next_attempt(tmp_path: Path) -> None:
         serving, rounds = serving_of(tmp_path)
         served = asyncio.ensure_future(serving.generate(spec_of()))
         first = await placed(rounds, 1, served)
-        serving.fail(first, "reader/d0", "died")
+        serving.attempts.fail(first, "reader/d0", "died")
         second = await placed(rounds, 2, served)
         assert (second.attempt, second.epoch) == (1, first.epoch), "the retry is the same serving's next attempt"
-        serving.complete(final(second))
+        serving.attempts.complete(final(second))
         assert (await served).attempt == 1
-        assert serving.calls.retries == 1 and not serving.suspects
+        assert serving.calls.retries == 1 and not serving.attempts.suspects
 
     asyncio.run(scenario())
 
@@ -151,7 +153,7 @@ def test_an_abort_answers_at_once_and_is_not_retried(tmp_path: Path) -> None:
         serving, rounds = serving_of(tmp_path)
         served = asyncio.ensure_future(serving.generate(spec_of()))
         await placed(rounds, 1, served)
-        assert serving.abort("traj0/0") and not serving.abort("traj0/1"), "only a request in flight is aborted"
+        assert serving.attempts.abort("traj0/0") and not serving.attempts.abort("traj0/1"), "only a request in flight is aborted"
         result = await served
         assert result.stop_reason is StopReason.ABORTED and result.error_kind is None
         assert len(rounds.submitted) == 1 and rounds.changes == 1, "not retried; what it held is offered again"
@@ -165,6 +167,6 @@ def test_a_turn_without_a_result_times_out_and_is_abandoned(tmp_path: Path) -> N
         serving, rounds = serving_of(tmp_path, request_timeout_s=0.05)
         result = await serving.generate(spec_of())
         assert result.error_kind is ErrorKind.TIMEOUT and serving.calls.timeouts == 1
-        assert not serving.core.requests and not serving.pending, "the core forgot the abandoned attempt"
+        assert not serving.core.requests and not serving.attempts.pending, "the core forgot the abandoned attempt"
 
     asyncio.run(scenario())

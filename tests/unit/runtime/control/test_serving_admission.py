@@ -33,14 +33,14 @@ def test_a_burst_beyond_the_limit_is_answered_queue_full_and_not_retried(tmp_pat
         )
         assert serving.refused == 2 and len(serving.core.requests) == LIMIT, "only the admitted turns are queued"
         for attempt in rounds.submitted[:LIMIT]:
-            serving.complete(final(attempt))
+            serving.attempts.complete(final(attempt))
         admitted = [await turn for turn in burst[:LIMIT]]
         assert all(r.error_kind is ErrorKind.INTERNAL for r in admitted), "each admitted turn ends with its result"
-        assert not serving.pending and not serving.aborts.running and not serving.core.requests, "nothing is left"
+        assert not serving.attempts.pending and not serving.aborts.running and not serving.core.requests, "nothing is left"
         again = asyncio.ensure_future(serving.generate(spec_of("traj3/t0")))
         await placed(rounds, LIMIT + 3)
         assert not again.done() and serving.core.dispatcher.queued == 1, "once room is free, a resubmitted turn is admitted"
-        serving.complete(final(rounds.submitted[-1]))
+        serving.attempts.complete(final(rounds.submitted[-1]))
         await again
 
     asyncio.run(scenario())

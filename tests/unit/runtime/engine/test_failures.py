@@ -15,7 +15,7 @@ from dualpath_ray.kv.index import block_keys
 from dualpath_ray.kv.layout import KVLayout
 from dualpath_ray.runtime.engine.failures import KVMismatchError, classify
 from dualpath_ray.protocol.messages import ErrorKind, GroupReport, Holding, RequestSpec, SamplingParams, failed_result
-from dualpath_ray.runtime.control.scheduler import build_core
+from dualpath_ray.runtime.control.scheduler_core import build_core
 from dualpath_ray.scheduling.scheduler import SchedulerCore
 from dualpath_ray.runtime.transport.moves import PeerDiedError, TransportError
 from dualpath_ray.scheduling import EngineLoad

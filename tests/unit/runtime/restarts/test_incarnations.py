@@ -15,7 +15,7 @@ from dualpath_ray.faults.plan import FaultPlan, FaultSite
 from dualpath_ray.protocol.messages import GroupReport, PeerState
 from dualpath_ray.runtime.reader.actor import build_core as build_reader_core
 from dualpath_ray.runtime.restarts.incarnations import IncarnationTracker, TransportKeeper, peer_state_of, rejoin_transport
-from dualpath_ray.runtime.control.scheduler import build_core
+from dualpath_ray.runtime.control.scheduler_core import build_core
 from dualpath_ray.scheduling.scheduler import SchedulerCore
 from dualpath_ray.runtime.transport.moves import PeerDiedError, TransportState
 from dualpath_ray.scheduling import EngineLoad
