@@ -1,4 +1,4 @@
-"""The dispatcher's invariants, checked on demand (tests, `Scheduler.check_integrity`): every
+"""The dispatcher's invariants, checked on demand (tests, `Scheduler.status(StatusQuery.INTEGRITY)`): every
 queued id is a live request in the state its queue holds, queued once; every waiting request is
 in exactly one queue, or held by in-flight sharing as one producer's waiter; the engine books
 equal what the live requests add up to."""

@@ -299,7 +299,7 @@ class SchedulerCore:
         return published
 
     def sharing_counts(self) -> dict[str, int]:
-        """Late binding's and in-flight sharing's totals (`Scheduler.call_counts`, tests)."""
+        """Late binding's and in-flight sharing's totals (`Scheduler.status(StatusQuery.CALLS)`, tests)."""
         sharing = self.dispatcher.sharing
         return {"late_hit_tokens": self.binder.late_hit_tokens, **(sharing.counts() if sharing is not None else {})}
 
