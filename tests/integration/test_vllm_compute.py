@@ -174,10 +174,14 @@ def _load_and_decode(cfg: DualPathConfig) -> dict[str, object]:
     )
     from dualpath_ray.runtime.compute.engine_compute import DecodeSeq
 
+    # A recompute into pages (KV verification) runs the live sequence in its steps too: the
+    # token vLLM samples for it there waits for the core's decode step.
+    compute.fill_pages(np.asarray(prompt), 0, len(prompt), torch.zeros_like(pages), table)
+    ahead = len(state.ahead)
     stepped = compute.decode_step([DecodeSeq(first, len(prompt), (), state)], torch.empty(0), [greedy])
     compute.release(state)
     held_run = {"polls": polls, "landed": landing.done(), "blocks_equal": blocks_equal, "token": stepped[0].token,
-                "live_after_release": compute.stats()["decode_sequences"]}
+                "ahead": ahead, "live_after_release": compute.stats()["decode_sequences"]}
     transport.close()
 
     # New weights through vLLM's own loading (HF names): an all-zero lm_head makes every logit 0,
@@ -241,7 +245,10 @@ def test_loaded_kv_is_the_earlier_turns_kv_byte_for_byte_and_decodes_like_a_reco
     held = got["held"]
     assert held["landed"] and held["polls"] <= 3, f"a decode prompt lands in vLLM's pages within a few of its steps: {held}"
     assert held["blocks_equal"], "the landed prompt reads back from vLLM's pages, token-major, byte for byte as it was sent"
-    assert held["token"] == got["recomputed"], f"the decode step on the landed prompt samples the recompute's token: {held}"
+    assert held["ahead"] == 1 and held["token"] == got["recomputed"], (
+        f"the token sampled on the landed prompt during a recompute's step is the recompute's, and the decode step "
+        f"takes it: {held}"
+    )
     assert held["live_after_release"] == 0, f"a released decode sequence leaves vLLM: {held}"
     assert got["first"] != 0 and got["after_update"] == 0, (
         "load_weights goes through vLLM's own loading: a zeroed lm_head makes greedy sampling pick token 0"
