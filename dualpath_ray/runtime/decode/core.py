@@ -71,6 +71,11 @@ class DecodeCore:
     ) -> None:
         """`filled`: where the reader pulls filled blocks from (runtime/decode/filled_blocks.py);
         the pages themselves unless the compute keeps the KV (HeldKV)."""
+        if compute.held_kv is not None and filled is None:
+            raise ValueError(
+                "the compute keeps the decode KV in its own pages: pass `filled`, the staging the reader pulls "
+                "filled blocks from (runtime/decode/actor.py builds a StagedPulls)"
+            )
         self.settings = settings
         self.layout = layout
         self.compute = compute
