@@ -29,6 +29,7 @@ from dualpath_ray.protocol.names import Pool
 from dualpath_ray.runtime.compute.engine_compute import EngineCompute
 from dualpath_ray.runtime.engine.held_weights import HeldWeights
 from dualpath_ray.runtime.decode.core import DecodeCore
+from dualpath_ray.runtime.decode.filled_blocks import FilledBlocks, PagePulls, StagedPulls
 from dualpath_ray.runtime.decode.job import DecodePorts, DecodeSettings
 from dualpath_ray.runtime.emulation import make_link
 from dualpath_ray.runtime.engine.compute_choice import make_compute
@@ -58,7 +59,7 @@ class EngineHarness:
         self.cfg = cfg
         self.layout = KVLayout.from_model(cfg.model, cfg.store.block_size)
         self.store = open_store(cfg.store, self.layout, root=root)
-        self.namespace = cfg.model.kv_namespace(block_size=cfg.store.block_size)
+        self.namespace = cfg.kv_namespace()  # the engine backend marks it (HeldWeights.of_config holds the same)
         self.index = PrefixIndex(cfg.store.block_size)
         self.fabric = Fabric()
         cores = {node: build_reader_core(cfg, node, str(root)) for node in ("p0", "d0")}
@@ -80,14 +81,25 @@ class EngineHarness:
             PrefillPorts(self.readers, self.pe_transport, self.collector, self.handoff, self.clock, self.weights),
             self.store, self._links("pe"),
         )
-        self.pages = PagedKVPool(cfg.cluster.hbm_tokens_per_engine // self.layout.block_size, self.layout, self.device)
-        self.fabric.register(DE, Pool.HBM, self.pages.tensor)
+        held = self.compute.held_kv
+        n_pages = cfg.cluster.hbm_tokens_per_engine // self.layout.block_size
+        self.pages = PagedKVPool(n_pages, self.layout, self.device, storage=held is None)
+        filled: FilledBlocks = PagePulls(self.pages)
+        if held is None:
+            self.fabric.register(DE, Pool.HBM, self.pages.tensor)
+        else:
+            # As the decode actor wires a compute that keeps the KV (vLLM's pages).
+            staging = torch.empty((cfg.runtime.max_persists_in_flight, *self.layout.full_block_shape), dtype=torch.uint8)
+            self.fabric.register(DE, Pool.HBM, staging)
+            self.fabric.register(DE, Pool.COMPUTE_KV, held.kv_buffer)
+            held.bind(self.de_transport, Pool.COMPUTE_KV)
+            filled = StagedPulls(held, staging)
         self.decode = DecodeCore(
             DecodeSettings(DE, "d0", cfg.model.max_context, cfg.runtime.max_persists_in_flight,
                            cfg.runtime.transfer_timeout_s, cfg.runtime.verify_kv, cfg.runtime.kv_digests),
             self.layout, self.compute, self.pages,
             DecodePorts(self.readers, self.de_transport, self.collector, self.clock, self.weights), self.store,
-            self._links("de"),
+            self._links("de"), filled,
         )
         self.handoff.cores[DE] = self.decode
 

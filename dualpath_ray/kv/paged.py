@@ -84,12 +84,17 @@ class _Owner:
 class PagedKVPool:
     """Pages of Full Block layout, reserved and allocated per request."""
 
-    def __init__(self, n_pages: int, layout: KVLayout, device: str | torch.device = "cpu") -> None:
+    def __init__(self, n_pages: int, layout: KVLayout, device: str | torch.device = "cpu", storage: bool = True) -> None:
+        """`storage` False: the books only (reservations, tables), no page memory; the KV lives
+        in a compute's own pages (runtime/compute/held_kv.py: vLLM's), whose count the books
+        mirror for admission."""
         if isinstance(n_pages, bool) or not isinstance(n_pages, int) or n_pages < 1:
             raise ValueError(f"n_pages must be an int >= 1, got {n_pages!r}")
         self.layout = layout
         self.capacity = n_pages
-        self.tensor = torch.empty((n_pages, *layout.full_block_shape), dtype=torch.uint8, device=device)
+        self.tensor = torch.empty(
+            (n_pages if storage else 0, *layout.full_block_shape), dtype=torch.uint8, device=device
+        )
         self._lock = threading.Lock()
         self._free: list[int] = list(reversed(range(n_pages)))
         self._owners: dict[str, _Owner] = {}
@@ -162,6 +167,8 @@ class PagedKVPool:
 
     def page(self, page: int) -> torch.Tensor:
         """Page `page` as a Full Block [n_layer, block_size, bytes] view."""
+        if not len(self.tensor):
+            raise RuntimeError("this page pool keeps books only: its KV lives in the compute's pages (HeldKV)")
         return self.tensor[page]
 
     def check_integrity(self) -> PageCounts:

@@ -45,3 +45,4 @@ class Pool:
     BUFFER: Final = "buffer"  # a reader's host buffer (kv/pool.py): staged hit KV and outgoing blocks
     HBM: Final = "hbm"  # a decode engine's KV pages (kv/paged.py)
     WINDOW: Final = "window"  # a prefill engine's layer window (kv/window.py)
+    COMPUTE_KV: Final = "compute_kv"  # a compute's own KV pages (vLLM's backing buffer, runtime/compute/held_kv.py)

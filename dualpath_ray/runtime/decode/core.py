@@ -36,6 +36,7 @@ from dualpath_ray.runtime.decode.job import (
     transition,
 )
 from dualpath_ray.runtime.emulation.links import Link
+from dualpath_ray.runtime.decode.filled_blocks import FilledBlocks, PagePulls
 from dualpath_ray.runtime.decode.intake import DecodeIntake, IntakeHooks
 from dualpath_ray.runtime.decode.persistence import DecodePersistence
 from dualpath_ray.runtime.engine.failures import failure_of, log_failure
@@ -66,7 +67,15 @@ class DecodeCore:
         ports: DecodePorts,
         store: BlockStore | None,
         links: tuple[Link, Link],
+        filled: FilledBlocks | None = None,
     ) -> None:
+        """`filled`: where the reader pulls filled blocks from (runtime/decode/filled_blocks.py);
+        the pages themselves unless the compute keeps the KV (HeldKV)."""
+        if compute.held_kv is not None and filled is None:
+            raise ValueError(
+                "the compute keeps the decode KV in its own pages: pass `filled`, the staging the reader pulls "
+                "filled blocks from (runtime/decode/actor.py builds a StagedPulls)"
+            )
         self.settings = settings
         self.layout = layout
         self.compute = compute
@@ -93,7 +102,7 @@ class DecodeCore:
             (self.cnic_in, self.counters, self.stats),
         )
         self.persistence = DecodePersistence(
-            settings, layout, pages, ports.readers, store, (self.cnic_out, self.counters, self.stats)
+            settings, layout, filled or PagePulls(pages), ports.readers, store, (self.cnic_out, self.counters, self.stats)
         )
         # This step's report (sent at its end, when not empty): turns ended, tokens sampled by
         # streamed requests.
@@ -361,6 +370,7 @@ class DecodeCore:
                 self._pulled[job.owner] = list(pulls)
             else:
                 self.pages.release(job.owner)
+                self.persistence.release(job.owner)
         self.compute.release(job.compute_state)
 
     def _release_pulled(self) -> bool:
@@ -375,6 +385,7 @@ class DecodeCore:
             for owner in ended:
                 del self._pulled[owner]
                 self.pages.release(owner)
+                self.persistence.release(owner)
         return True
 
     def _report(self, result: TurnResult) -> None:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
+import torch
 
 from dualpath_ray.kv.block_store import BlockStore
 from dualpath_ray.kv.layout import KVLayout
@@ -214,8 +215,12 @@ class DecodeIntake:
         job.kv_len = len(prompt)
         job.parent_key = task.stored_keys[-1] if task.stored_keys else None
         table = self.pages.ensure(job.owner, len(prompt))
+        if self.compute.held_kv is not None:
+            # The compute keeps the KV: the load or the oracle's compute goes into its pages.
+            job.compute_state = self.compute.decode_state(job.tokens, task.request.namespace)
         if task.oracle:
-            self._read_hits(job, table)
+            if self.compute.held_kv is None:
+                self._read_hits(job, table)
             self._filling.append((job, PageFill(prompt, task.hit_tokens, len(prompt), table)))
             return
         self._post_load(job, table, len(prompt))
@@ -225,11 +230,20 @@ class DecodeIntake:
         assert job.handoff is not None
         extent = job.handoff.extent
         assert extent is not None, f"request {job.request_id}: a non-oracle handoff names an extent"
-        moves = self._prompt_moves(table, extent.slots, tokens)
-        nbytes = sum(m[0].nbytes for m in moves)
+        held = self.compute.held_kv
+        if held is None:
+            moves = self._prompt_moves(table, extent.slots, tokens)
+            nbytes = sum(m[0].nbytes for m in moves)
+        else:
+            # Whole Full Blocks, the partial last one too, straight into the compute's pages.
+            offsets = [slot * self.layout.full_block_bytes for slot in extent.slots[: self.layout.blocks_for(tokens)]]
+            nbytes = len(offsets) * self.layout.full_block_bytes
         self.cnic_in.take(nbytes)
         self.counters.cnic_in[ReadPath(job.handoff.task.path).side.value] += nbytes
-        job.load = self.ports.transport.read(extent.reader, moves)
+        if held is None:
+            job.load = self.ports.transport.read(extent.reader, moves)
+            return
+        job.load = held.load_prompt(job.compute_state, job.handoff.task.request.sampling, extent.reader, Pool.BUFFER, offsets)
 
     def _prompt_moves(self, table: Sequence[int], slots: Sequence[int], tokens: int) -> list[Move]:
         """Whole Full Blocks page <- slot, and the partial last block layer by layer."""
@@ -261,8 +275,15 @@ class DecodeIntake:
         filling, self._filling = self._filling, []
         if not filling:
             return
+        held = self.compute.held_kv
         try:
-            self.compute.fill_pages_many([fill for _, fill in filling], self.pages.tensor)
+            if held is None:
+                self.compute.fill_pages_many([fill for _, fill in filling], self.pages.tensor)
+            else:
+                held.compute_prompts(
+                    [job.compute_state for job, _ in filling],
+                    [job.handoff.task.request.sampling for job, _ in filling],  # type: ignore[union-attr]
+                )
         except Exception as exc:  # noqa: BLE001 - fail these requests, keep serving the others
             for job, _ in filling:
                 self.hooks.fail(job, exc)
@@ -312,7 +333,7 @@ class DecodeIntake:
         digests = job.handoff.digests
         if not self.settings.kv_digests or digests is None:
             return False
-        bad = landed_mismatches(self.pages.tensor, self.pages.table(job.owner), digests)
+        bad = landed_mismatches(*self._prompt_kv(job, digests.shape[1]), digests)
         seen = job.bad_tokens if job.bad_tokens is not None else np.zeros(0, dtype=np.int64)
         self.stats.digest_mismatches += len(np.setdiff1d(bad, seen))
         if not len(bad):
@@ -324,6 +345,10 @@ class DecodeIntake:
                 f"digests at {len(bad)} (layer, token)s after a second load"
             )
         job.bad_tokens = bad
+        if self.compute.held_kv is not None:
+            # The landing goes into a fresh sequence of the compute (vLLM reads a source once).
+            self.compute.release(job.compute_state)
+            job.compute_state = self.compute.decode_state(job.tokens, job.handoff.task.request.namespace)
         self._post_load(job, self.pages.table(job.owner), digests.shape[1])
         return True
 
@@ -332,7 +357,7 @@ class DecodeIntake:
         task = job.handoff.task
         if self.settings.verify_kv:
             assert self.store is not None
-            job.check = verify_prompt_kv(self.compute, self.store, task, self.pages.tensor, self.pages.table(job.owner))
+            job.check = verify_prompt_kv(self.compute, self.store, task, *self._prompt_kv(job, job.prompt_len))
             if job.check.mismatches:
                 # Never decode on KV that differs from what the store and a recompute say. Counted:
                 # the retry that follows may well succeed, and the chaos tests must still see it.
@@ -341,6 +366,16 @@ class DecodeIntake:
                     f"{job.request_id}: assembled prompt KV differs from the store / a recompute "
                     f"({job.check.mismatches} of hit and computed parts)"
                 )
-        job.compute_state = self.compute.decode_state(job.tokens, job.handoff.task.request.namespace)
+        if job.compute_state is None:
+            job.compute_state = self.compute.decode_state(job.tokens, job.handoff.task.request.namespace)
         self.hooks.run(job)
+
+    def _prompt_kv(self, job: DecodeJob, tokens: int) -> tuple[torch.Tensor, Sequence[int]]:
+        """Full Blocks holding the job's first `tokens` tokens' KV, and their table: its pages,
+        or a copy read back from the compute's (HeldKV)."""
+        held = self.compute.held_kv
+        if held is None:
+            return self.pages.tensor, self.pages.table(job.owner)
+        blocks = list(range(self.layout.blocks_for(tokens)))
+        return held.read_blocks(job.compute_state, blocks), blocks
 

@@ -8,7 +8,9 @@ the reader (D2H) and written. At most `max_persists_in_flight` pulled blocks are
 once; more wait in the request's queue (back-pressure, never a failure). The core reports a turn
 only after every one of its blocks is settled (`pending`), so the next turn never misses a
 block this one produced. Keys extend the chain block by block (`next_block_key`), O(n) per
-request. Oracle mode writes each block from its page into the store in place.
+request. Oracle mode writes each block from its page into the store in place. Where a filled
+block is pulled from is the engine's `FilledBlocks` (runtime/decode/filled_blocks.py): its page,
+or, when the compute keeps the KV (vLLM's pages), a staging slot it is copied into when posted.
 
 Each block carries the digest of the KV this engine holds for it (runtime.kv_digests: the prefill
 engine's digests for a computed prompt block, the page's for one filled while decoding); the
@@ -28,13 +30,15 @@ from __future__ import annotations
 from collections import deque
 from typing import Sequence
 
+import torch
+
 from dualpath_ray.kv.block_store import BlockStore
 from dualpath_ray.kv.digest import full_block_digest, persist_digest
 from dualpath_ray.kv.index import next_block_key
 from dualpath_ray.kv.layout import KVLayout
-from dualpath_ray.kv.paged import PagedKVPool
 from dualpath_ray.protocol.counters import NodeCounters
 from dualpath_ray.protocol.messages import PersistedBlock
+from dualpath_ray.runtime.decode.filled_blocks import FilledBlocks
 from dualpath_ray.runtime.decode.job import DecodeJob, DecodeSettings, DecodeStats
 from dualpath_ray.runtime.emulation.links import Link
 from dualpath_ray.runtime.engine.ports import ReaderPort
@@ -51,14 +55,14 @@ class DecodePersistence:
         self,
         settings: DecodeSettings,
         layout: KVLayout,
-        pages: PagedKVPool,
+        filled: FilledBlocks,
         readers: ReaderPort,
         store: BlockStore | None,
         metering: tuple[Link, NodeCounters, DecodeStats],
     ) -> None:
         self.settings = settings
         self.layout = layout
-        self.pages = pages
+        self.filled = filled
         self.readers = readers
         self.store = store
         self.cnic_out, self.counters, self.stats = metering
@@ -76,7 +80,7 @@ class DecodePersistence:
             blocks.append((block, self._next_key(job, block, self._prompt_digest(job, block))))
         if task.oracle:
             for block, persisted in blocks:
-                self._oracle_write(job, block, persisted)
+                self._oracle_write(job, self.filled.capture(job, block)[1], persisted)
             return
         extent = job.handoff.extent
         assert extent is not None
@@ -93,19 +97,18 @@ class DecodePersistence:
         written at once in oracle mode or queued for the reader to pull from its page."""
         assert job.handoff is not None
         oracle = job.handoff.task.oracle
-        page = self.pages.table(job.owner)[block]
-        # The page as this engine computed it: the reader publishes the block only if what it
-        # pulled and the store wrote is this (the pull may come much later).
-        digest = None
-        if self.settings.kv_digests and not oracle and not job.refused:
-            digest = full_block_digest(self.pages.page(page))
-        persisted = self._next_key(job, block, digest)
         if job.refused:
+            self._next_key(job, block)
             return  # a block after a refused one could never be hit: not written at all
+        captured, data = self.filled.capture(job, block)
+        # The block as this engine computed it: the reader publishes it only if what it pulled
+        # and the store wrote is this (the pull may come much later).
+        digest = full_block_digest(data) if self.settings.kv_digests and not oracle else None
+        persisted = self._next_key(job, block, digest)
         if oracle:
-            self._oracle_write(job, block, persisted)
+            self._oracle_write(job, data, persisted)
         else:
-            job.queued.append((page, persisted))
+            job.queued.append((captured, persisted))
 
     def pending(self, job: DecodeJob) -> bool:
         """Whether a block of the job is still queued or on its way (its turn cannot end yet)."""
@@ -124,7 +127,13 @@ class DecodePersistence:
             if room <= 0:
                 self.stats.persist_waits += 1
                 break
-            blocks = [job.queued.popleft() for _ in range(min(room, len(job.queued)))]
+            staged = self.filled.stage(job.owner, list(job.queued)[:room])
+            if staged is None:
+                self.stats.persist_waits += 1
+                break
+            blocks = staged
+            for _ in blocks:
+                job.queued.popleft()
             nbytes = len(blocks) * self.layout.full_block_bytes
             self.cnic_out.take(nbytes)
             self.counters.cnic_out[ReadPath(job.handoff.task.path).side.value] += nbytes  # type: ignore[union-attr]
@@ -157,6 +166,7 @@ class DecodePersistence:
                 continue
             if done:
                 self._in_flight -= len(blocks)
+                self.filled.settled(job.owner, blocks)
                 self._stored(job, blocks, stored)
                 settled = True
             else:
@@ -179,6 +189,10 @@ class DecodePersistence:
         self.stats.persisted_blocks += stored
         if stored < len(blocks):
             job.refused = True
+
+    def release(self, owner: str) -> None:
+        """`owner` left and no pull of its blocks is running: what holds them for pulls is free."""
+        self.filled.release(owner)
 
     def abandon(self, job: DecodeJob) -> None:
         """The job failed and its transfers ended (the caller waited for them): its blocks in
@@ -206,11 +220,10 @@ class DecodePersistence:
         job.chain.append(persisted)
         return persisted
 
-    def _oracle_write(self, job: DecodeJob, block: int, persisted: PersistedBlock) -> None:
+    def _oracle_write(self, job: DecodeJob, page: torch.Tensor, persisted: PersistedBlock) -> None:
         assert self.store is not None
         if job.refused:
             return
-        page = self.pages.page(self.pages.table(job.owner)[block])
         try:
             self.store.put(persisted.key, page.cpu() if page.device.type != "cpu" else page, parent=persisted.parent)
         except OSError as exc:  # refused as a reader's write is: the turn goes on unpublished from here

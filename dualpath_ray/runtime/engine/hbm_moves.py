@@ -99,12 +99,17 @@ class HbmMoves:
         # Which device types get a host mirror; tests stage "cpu" pools to check the logic.
         self.staged = _STAGED_DEVICES[mode] if staged_devices is None else staged_devices
         self._mirrors: dict[str, _Mirror] = {}
+        self._unowned: set[str] = set()
         self._pinning = pinning or HostPinning()
         self._lock = threading.Lock()
         self.stats = HbmCopyStats()
 
-    def register(self, name: str, pool: torch.Tensor) -> None:
-        """Register an engine pool with the transport, itself or through its host mirror."""
+    def register(self, name: str, pool: torch.Tensor, owned: bool = True) -> None:
+        """Register an engine pool with the transport, itself or through its host mirror. A pool
+        not `owned` (a compute's own KV pages: vLLM's, which its own sleep mode frees) is never
+        freed or reallocated by sleep and wake, only deregistered and registered again."""
+        if not owned:
+            self._unowned.add(name)
         if pool.device.type not in self.staged:
             if pool.device.type == "cuda" and self.transport.kind == "gloo":
                 raise TransportError(
@@ -137,6 +142,8 @@ class HbmMoves:
         self.transport.restore_memory(self._allocate)
 
     def _free(self, name: str, registered: torch.Tensor) -> int:
+        if name in self._unowned:
+            return 0
         mirror = self._mirrors.get(name)
         if mirror is None:
             return free_storage(registered)
@@ -145,6 +152,8 @@ class HbmMoves:
         return free_storage(mirror.host) + free_storage(mirror.device)
 
     def _allocate(self, name: str, registered: torch.Tensor, nbytes: int) -> None:
+        if name in self._unowned:
+            return
         mirror = self._mirrors.get(name)
         allocate_storage(registered, nbytes)
         if mirror is not None:

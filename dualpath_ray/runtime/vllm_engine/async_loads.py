@@ -79,6 +79,10 @@ class AsyncLoads:
     _receiving: dict[str, _Receiving] = field(default_factory=dict)
     _load_errors: set[int] = field(default_factory=set)
     _released: set[str] = field(default_factory=set)  # held requests whose pages were read
+    # our key of the request -> (its vLLM blocks, the error that failed its load or None), for
+    # whoever waits on one load (VllmCompute.load_prompt) rather than on vLLM's scheduling of it.
+    _outcomes: dict[str, tuple[tuple[int, ...], BaseException | None]] = field(default_factory=dict)
+    _unwanted: set[str] = field(default_factory=set)  # keys that left while loading: no outcome is kept
     block_layers_posted: int = 0
     failed: int = 0
 
@@ -138,8 +142,26 @@ class AsyncLoads:
                 self.failed += 1
                 self._load_errors.update(receiving.blocks)
             del self._receiving[request_id]
+            key = receiving.load.key
+            if key in self._unwanted:
+                self._unwanted.discard(key)
+            else:
+                self._outcomes[key] = (receiving.load.block_ids, receiving.error)
             done.add(request_id)
         return done
+
+    def outcome(self, key: str) -> tuple[tuple[int, ...], BaseException | None] | None:
+        """Once the load of the request we call `key` ended (reported by `finished`): its vLLM
+        blocks and the error that failed it (None: landed and settled); None while it is in
+        flight or after it was asked for once."""
+        return self._outcomes.pop(key, None)
+
+    def forget(self, key: str) -> None:
+        """The request we call `key` left (aborted): an outcome nobody will ask for is dropped,
+        now or when its load ends."""
+        loading = any(receiving.load.key == key for receiving in self._receiving.values())
+        if self._outcomes.pop(key, None) is None and loading:
+            self._unwanted.add(key)
 
     def load_errors(self) -> set[int]:
         """vLLM blocks whose load failed since the last call."""

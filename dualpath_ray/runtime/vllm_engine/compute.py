@@ -10,16 +10,24 @@ metrics and emulation decide and move exactly what they do for the native engine
   a thread of its own while the core's LayerPipeline moves the layers: runtime/vllm_engine/steps.py
   PrefillStep hands each layer's past KV from the window slot into vLLM's pages and the layer's
   new KV back into the slot, which the pipeline then sends to the decode node.
-- A decode sequence is one vLLM request from its first step to its end: its prompt's KV is
-  loaded from the decode engine's pages (where the transport put it) on its first step, and each
-  block it fills is copied back into those pages (PagesStep), which the persistence sends to the
-  store as it does the native model's.
-- Oracle mode and KV verification recompute into pages (`fill_pages`) the same way.
+- A decode sequence's KV lives in vLLM's pages only (this compute is the decode engine's HeldKV,
+  runtime/compute/held_kv.py: the engine keeps no pages of its own). It is one vLLM request from
+  its handoff to its end: added with its prompt's KV as an asynchronous load from the decode
+  node's buffer extent (`load_prompt`, async_loads.py: one block-layer per block per layer,
+  straight into the pages vLLM allocated), or computed by vLLM (oracle handoffs,
+  `compute_prompts`). vLLM steps whenever one of those needs it, so it may sample a sequence's
+  token before the core's decode step asks: the token waits, ahead of the core, and the core's
+  step takes it (`decode_step` steps vLLM only while a sequence it asks for has none). The
+  persistence and the KV checks read full blocks back token-major (`read_blocks`).
+- KV verification recomputes into pages of its own (`fill_pages`) in steps that run the live
+  decode sequences too (their tokens wait as above).
 """
 
 from __future__ import annotations
 
 import threading
+import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -32,7 +40,8 @@ from dualpath_ray.protocol.messages import SamplingParams
 from dualpath_ray.runtime.compute.engine_compute import ChunkSpec, DecodeSeq, EngineCompute, PageFill, PrefillBatch, Sampled
 from dualpath_ray.protocol.types import Role
 from dualpath_ray.runtime.vllm_engine.host import VllmHost
-from dualpath_ray.runtime.vllm_engine.steps import PagesStep, PrefillStep
+from dualpath_ray.runtime.vllm_engine.step_kv import KVSource
+from dualpath_ray.runtime.vllm_engine.steps import PagesStep, PrefillStep, RecordingStep
 
 GREEDY = SamplingParams(max_new_tokens=1)
 
@@ -48,13 +57,60 @@ class _PrefillRun:
 
 @dataclass
 class _DecodeState:
-    """One decode sequence's vLLM request: its key, every token so far, and whether it was added."""
+    """One decode sequence's vLLM request: every token vLLM holds for it (the core's, then those
+    it sampled ahead of the core), the sampled ones the core has not taken, and its vLLM pages
+    (as of the last step that scheduled it, or its prompt's landing)."""
 
     key: str
     tokens: list[int]
     cache_domain: str
+    ahead: deque[tuple[int, float]] = field(default_factory=deque)
+    blocks: tuple[int, ...] = ()
     added: bool = False
-    suspended: bool = False  # taken out of vLLM once (fill_pages): its pages hold only its full blocks
+    stepped: bool = False  # the core stepped it: a step without it means it stopped
+
+
+class _PromptLoad:
+    """A sequence's prompt landing in vLLM's pages (a PromptLanding). vLLM polls the transfer
+    in its steps (get_finished): a look that finds no step ran since the last runs one."""
+
+    def __init__(self, compute: VllmCompute, state: _DecodeState) -> None:
+        self.compute = compute
+        self.state = state
+        self._seen = -1
+        self._ended = False
+        self._error: BaseException | None = None
+        self.nbytes = 0
+
+    def done(self) -> bool:
+        if not self._ended:
+            host = self.compute.host
+            loads = host.connector.loads
+            assert loads is not None
+            outcome = loads.outcome(self.state.key)
+            if outcome is None and self._seen == host.steps:
+                self.compute._step()
+                outcome = loads.outcome(self.state.key)
+            self._seen = host.steps
+            if outcome is not None:
+                blocks, self._error = outcome
+                self._ended = True
+                if len(blocks) > len(self.state.blocks):
+                    self.state.blocks = blocks
+                block_map = host.connector.block_map
+                assert block_map is not None
+                self.nbytes = len(blocks) * self.compute.layout.n_layer * block_map.block_layer_bytes
+        if self._error is not None:
+            raise RuntimeError(f"the prompt's KV of {self.state.key} did not land in vLLM's pages: {self._error!r}") from self._error
+        return self._ended
+
+    def wait(self, timeout_s: float | None = None) -> int:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while not self.done():
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"the prompt's KV of {self.state.key} did not land in vLLM's pages in {timeout_s}s")
+            time.sleep(0.001)
+        return self.nbytes
 
 
 class VllmCompute(EngineCompute):
@@ -64,6 +120,8 @@ class VllmCompute(EngineCompute):
         self.timeout_s = cfg.runtime.request_timeout_s
         self.max_context = cfg.model.max_context
         self.host = VllmHost(cfg, layout, role)
+        # A decode engine's KV lives in vLLM's pages (runtime/compute/held_kv.py): it keeps none.
+        self.held_kv = self if role is Role.DECODE else None
         self._live: dict[str, _DecodeState] = {}  # decode sequences added to vLLM and not yet released
         self._loaded: dict[str, torch.Tensor] | None = None  # the last state dict loaded (export_weights)
 
@@ -112,59 +170,129 @@ class VllmCompute(EngineCompute):
         run.thread.join(self.timeout_s)
         self.host.abort(list(run.keys))
 
-    # --- decode -------------------------------------------------------------------------
+    # --- decode (the sequences' KV lives in vLLM's pages: HeldKV) ------------------------
+
+    @property
+    def kv_buffer(self) -> torch.Tensor:
+        buffer = self.host.connector.kv_buffer
+        assert buffer is not None, "vLLM registers its KV caches while the engine starts"
+        return buffer
+
+    def bind(self, transport: Any, pool: str) -> None:
+        self.host.connector.bind_transport(transport, pool)
 
     def decode_state(self, tokens: Sequence[int], cache_domain: str = "") -> Any:
         return _DecodeState(self.host.new_key("d"), [int(t) for t in tokens], cache_domain)
 
-    def decode_step(self, seqs: Sequence[DecodeSeq], pages: torch.Tensor, params: Sequence[SamplingParams]) -> list[Sampled]:
-        states: list[_DecodeState] = [seq.state for seq in seqs]
-        # The core steps every running sequence: one of vLLM's that is not here stopped running
-        # (it reached its stop rule or failed), so vLLM must not compute it again.
-        stepping = {state.key for state in states}
-        self.host.abort([key for key in self._live if key not in stepping])
-        self._live = {key: state for key, state in self._live.items() if key in stepping}
-        for seq, state, sampling in zip(seqs, states, params):
-            if state.tokens[-1] != seq.token or len(state.tokens) != seq.position + 1:
-                raise RuntimeError(f"decode sequence {state.key} is at token {seq.position} ({seq.token}), vLLM's at "
-                                   f"{len(state.tokens) - 1} ({state.tokens[-1]})")
-            if not state.added:
-                budget = max(1, self.max_context - len(state.tokens))
-                # A sequence added again after a suspension loads only its full blocks: the pages
-                # hold a block's KV once it fills (PagesStep), and vLLM recomputes the tail.
-                external = seq.position // self.layout.block_size * self.layout.block_size if state.suspended else seq.position
-                self.host.add(state.key, state.tokens, external, sampling, max_tokens=budget, cache_domain=state.cache_domain)
-                state.added = True
-                self._live[state.key] = state
-        sampled = self.host.run(PagesStep(self.layout, pages, {s.key: seq.table for s, seq in zip(states, seqs)}))
-        missing = [s.key for s in states if s.key not in sampled]
+    def load_prompt(
+        self, state: Any, sampling: SamplingParams, peer: str, pool: str, offsets: Sequence[int],
+    ) -> _PromptLoad:
+        """vLLM allocates the sequence's pages and holds it until its prompt's KV landed in them
+        (async_loads.py, vLLM's WAITING_FOR_REMOTE_KVS): the buffer extent's Full Blocks, one
+        block-layer per block per layer, the partial last block too; then vLLM computes only
+        the last token. The landing moves along while vLLM steps (`_PromptLoad.done`)."""
+        self._add(state, sampling, len(state.tokens) - 1, KVSource(peer, pool, tuple(int(o) for o in offsets)))
+        return _PromptLoad(self, state)
+
+    def compute_prompts(self, states: Sequence[Any], sampling: Sequence[SamplingParams]) -> None:
+        """vLLM computes each prompt whole (its prefix cache serves what it holds) and samples
+        the next token, which waits for the core's first decode step."""
+        for state, params in zip(states, sampling):
+            self._add(state, params, 0, None)
+        self._step_until(list(states))
+
+    def read_blocks(self, state: Any, blocks: Sequence[int]) -> torch.Tensor:
+        """Each layer of the blocks read back token-major from vLLM's page layout
+        (BlockLayerMap.unsettle): one copy, vLLM's pages untouched."""
+        seq: _DecodeState = state
+        missing = [b for b in blocks if not 0 <= b < len(seq.blocks)]
         if missing:
-            raise RuntimeError(
-                f"vLLM left {len(missing)} of {len(states)} decode sequences out of a step (too few pages or "
-                "engine.vllm_max_num_seqs)"
-            )
-        out = []
-        for state in states:
-            token, log_prob = sampled[state.key]
-            state.tokens.append(token)
-            out.append(Sampled(token, log_prob))
-        return out
+            raise RuntimeError(f"decode sequence {seq.key} has {len(seq.blocks)} vLLM pages; asked for blocks {missing}")
+        block_map = self.host.connector.block_map
+        assert block_map is not None, "vLLM registers its KV caches while the engine starts"
+        pages = [seq.blocks[b] for b in blocks]
+        layers = [block_map.unsettle(self.kv_buffer, layer, pages) for layer in range(self.layout.n_layer)]
+        return torch.stack(layers, dim=1).reshape(len(pages), *self.layout.full_block_shape)
+
+    def decode_step(self, seqs: Sequence[DecodeSeq], pages: torch.Tensor, params: Sequence[SamplingParams]) -> list[Sampled]:
+        """The next token of every sequence: vLLM steps until each has one it sampled and the
+        core has not taken (a step it ran for a recompute or a prompt landing may have sampled
+        ahead). `pages` are unused: the KV is vLLM's."""
+        states: list[_DecodeState] = [seq.state for seq in seqs]
+        # A sequence the core stepped before and steps no more stopped (its stop rule, a
+        # failure): vLLM must not compute it again.
+        stepping = {state.key for state in states}
+        self._drop([key for key, state in self._live.items() if state.stepped and key not in stepping])
+        for seq, state, sampling in zip(seqs, states, params):
+            if not state.added:
+                self._add(state, sampling, 0, None)
+            taken = len(state.tokens) - len(state.ahead) - 1
+            if taken != seq.position or state.tokens[taken] != seq.token:
+                raise RuntimeError(f"decode sequence {state.key} is at token {seq.position} ({seq.token}), vLLM's "
+                                   f"at {taken} ({state.tokens[taken]})")
+            state.stepped = True
+        self._step_until(states)
+        return [Sampled(*state.ahead.popleft()) for state in states]
 
     def release(self, state: Any) -> None:
         """The decode job ended (finished, failed, aborted): its vLLM request goes too."""
-        if isinstance(state, _DecodeState) and self._live.pop(state.key, None) is not None:
-            self.host.abort([state.key])
+        if isinstance(state, _DecodeState):
+            self._drop([state.key])
+
+    def _add(self, state: _DecodeState, sampling: SamplingParams, external: int, source: KVSource | None) -> None:
+        budget = max(1, self.max_context - len(state.tokens))
+        self.host.add(state.key, state.tokens, external, sampling, max_tokens=budget, cache_domain=state.cache_domain,
+                      source=source)
+        state.added = True
+        self._live[state.key] = state
+
+    def _drop(self, keys: list[str]) -> None:
+        keys = [key for key in keys if self._live.pop(key, None) is not None]
+        self.host.abort(keys)
+        loads = self.host.connector.loads
+        for key in keys if loads is not None else ():
+            loads.forget(key)
+
+    def _step(self, fills: PagesStep | None = None) -> tuple[dict[str, tuple[int, float]], set[str]]:
+        """One vLLM step: (what it sampled, the requests it scheduled). What it sampled for a
+        live decode sequence joins the tokens that sequence holds ahead of the core, and the
+        pages vLLM scheduled it in are recorded."""
+        step = RecordingStep(fills)
+        sampled = self.host.run(step)
+        for key, blocks in step.blocks.items():
+            if key in self._live:
+                self._live[key].blocks = blocks
+        for key, (token, log_prob) in sampled.items():
+            state = self._live.get(key)
+            if state is not None:
+                state.tokens.append(token)
+                state.ahead.append((token, log_prob))
+        return sampled, set(step.blocks)
+
+    def _step_until(self, states: list[_DecodeState]) -> None:
+        """Step until every one of `states` holds a token ahead (a prompt vLLM chunks takes
+        several steps). A sequence whose prompt just landed is scheduled by vLLM's next step;
+        steps that schedule none of them mean vLLM has too few pages or sequences for the
+        core's batch."""
+        idle = 0
+        while any(not state.ahead for state in states):
+            _, scheduled = self._step()
+            idle = 0 if any(state.key in scheduled for state in states if not state.ahead) else idle + 1
+            if idle > 2:
+                waiting = sum(1 for state in states if not state.ahead)
+                raise RuntimeError(
+                    f"vLLM left {waiting} of {len(states)} decode sequences out of {idle} steps (too few pages or "
+                    "engine.vllm_max_num_seqs)"
+                )
 
     def fill_pages_many(self, fills: Sequence[PageFill], pages: torch.Tensor) -> None:
         """Recompute tokens [start, end) of each fill into pages (oracle handoffs, KV
         verification), in as few vLLM steps as its token budget allows (a fill longer than the
-        budget is chunked by vLLM across steps; each step saves what it computed). vLLM would run
-        every live decode sequence in those steps too and sample for it outside the core's decode
-        step, so they leave vLLM first; each is added again at its next decode step, loading the
-        full blocks the engine's pages hold and recomputing its tail."""
+        budget is chunked by vLLM across steps; each step saves what it computed). vLLM runs
+        every live decode sequence in those steps too: what it samples for them waits, ahead
+        of the core, for the core's next decode steps."""
         if not fills:
             return
-        self._suspend_decode_sequences()
         tables = {}
         for fill in fills:
             key = self.host.new_key("f")
@@ -172,7 +300,7 @@ class VllmCompute(EngineCompute):
             tables[key] = fill.table
         left = set(tables)
         while left:
-            sampled = self.host.run(PagesStep(self.layout, pages, tables, whole_spans=True))
+            sampled, _ = self._step(PagesStep(self.layout, pages, tables, whole_spans=True))
             if not sampled and not self.host.unfinished():
                 raise RuntimeError(f"vLLM dropped {len(left)} recomputes into pages")
             left -= set(sampled)
@@ -181,18 +309,15 @@ class VllmCompute(EngineCompute):
         self.fill_pages_many([PageFill(prompt, start, end, table)], pages)
 
     def stats(self) -> dict[str, Any]:
-        """vLLM's own figures: steps run, requests it holds and its free KV pages (its scheduler's count)."""
+        """vLLM's own figures: steps run, requests it holds and its free KV pages (its scheduler's
+        count), and the block-layers prompt landings moved into its pages."""
+        loads, block_map = self.host.connector.loads, self.host.connector.block_map
         return {"backend": "vllm", "steps": self.host.steps, "unfinished": self.host.unfinished(),
                 "free_pages": self.host.free_pages(), "decode_sequences": len(self._live),
-                "prefix_cache_hit_tokens": self.host.connector.local_hit_tokens}
-
-    def _suspend_decode_sequences(self) -> None:
-        self.host.abort(list(self._live))
-        for state in self._live.values():
-            state.key = self.host.new_key("d")  # a fresh vLLM request when it is added again
-            state.added = False
-            state.suspended = True
-        self._live = {}
+                "prefix_cache_hit_tokens": self.host.connector.local_hit_tokens,
+                "landed_block_layers": loads.block_layers_posted if loads is not None else 0,
+                "block_layer_bytes": block_map.block_layer_bytes if block_map is not None else 0,
+                "failed_landings": loads.failed if loads is not None else 0}
 
     # --- weights ------------------------------------------------------------------------
 

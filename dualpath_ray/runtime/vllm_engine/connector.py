@@ -139,6 +139,7 @@ class DualPathConnector(KVConnectorBase_V1):
         self._begun = False
         # Tokens vLLM's own prefix cache served to the requests it scheduled (no load moved them).
         self.local_hit_tokens = 0
+        self._loaded_async: dict[str, int] = {}  # worker side: our key -> tokens its asynchronous load moved
 
     # --- scheduler side -------------------------------------------------------------------
 
@@ -246,10 +247,15 @@ class DualPathConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, StepMeta)
         self._begun = True
-        self.local_hit_tokens += sum(r.load_from for r in meta.requests if r.first)
+        # A request that loaded asynchronously counts its loaded tokens as computed when it is
+        # first scheduled: only what vLLM's cache held before its load is a hit.
+        self.local_hit_tokens += sum(
+            max(0, r.load_from - self._loaded_async.pop(r.key, 0)) for r in meta.requests if r.first
+        )
         self.step.begin(meta.requests, self.layers, self.codec)
         if meta.loads:
             assert self.loads is not None
+            self._loaded_async.update({load.key: load.hi - load.lo for load in meta.loads})
             self.loads.start(meta.loads)
         return self.step
 

@@ -7,10 +7,12 @@
   (`before_layer`) and, after it, the KV the layer computed back into the slot (`after_layer`);
   only then does `offer` return and the pipeline send the slot on. So each layer's transfers
   overlap the other layers' compute exactly as with the native model.
-- `PagesStep`: a decode step (or a recompute into pages): the past KV comes from the engine's
-  own pages (runtime/decode: where the transport put the prompt's KV) and every token vLLM
-  computes goes back to them, so the decode core's persistence and verification read them as
-  they read the native model's.
+- `PagesStep`: a step over pages of ours [n_pages, n_layer, block_size, bytes]: the past KV
+  comes from them and what vLLM computes goes back to them (a recompute into pages: KV
+  verification's expected KV, with `whole_spans`).
+- `RecordingStep`: a decode engine's step. Its sequences' KV stays in vLLM's pages (compute.py:
+  the engine keeps none), so it moves nothing but records each request's vLLM pages, which
+  full blocks are read back from; a PagesStep of a recompute may ride along.
 
 Both speak token-major KV ([tokens, 2, n_kv_head, head_dim], kv/layout.py) on their side and
 vLLM's pages on the other, through the PageCodec.
@@ -195,6 +197,33 @@ class PagesStep:
         (pages, slots), (vpages, vslots) = self._save
         kv = self._codec.gather(self._layers[layer], vpages, vslots)
         self.pages[pages, layer, slots] = self.layout.kv_as_bytes(kv)
+
+    def end(self) -> None:
+        return None
+
+
+class RecordingStep:
+    """A decode engine's step (its sequences' KV stays in vLLM's pages, compute.py): it moves
+    nothing itself but records every scheduled request's vLLM pages (`blocks`: key -> page
+    list), which the persistence and the KV checks read full blocks from; the requests of
+    `fills` (a recompute into pages run in the same step) go to it."""
+
+    def __init__(self, fills: PagesStep | None = None) -> None:
+        self.fills = fills
+        self.blocks: dict[str, tuple[int, ...]] = {}
+
+    def begin(self, requests: list[ScheduledKV], layers: list[torch.Tensor], codec: PageCodec) -> None:
+        self.blocks = {r.key: r.block_ids for r in requests}
+        if self.fills is not None:
+            self.fills.begin([r for r in requests if r.key in self.fills.tables], layers, codec)
+
+    def before_layer(self, layer: int) -> None:
+        if self.fills is not None:
+            self.fills.before_layer(layer)
+
+    def after_layer(self, layer: int) -> None:
+        if self.fills is not None:
+            self.fills.after_layer(layer)
 
     def end(self) -> None:
         return None

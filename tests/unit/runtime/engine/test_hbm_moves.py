@@ -138,6 +138,23 @@ def test_sleep_in_transport_mode_frees_the_registered_pool_itself() -> None:
     assert pool.untyped_storage().nbytes() == 64 and not bool(pool.any()), "wake restores it zeroed"
 
 
+def test_sleep_keeps_a_pool_the_engine_does_not_own() -> None:
+    """A compute's own KV pages (vLLM's, registered so prompts land in them) are the compute's to
+    free: sleep deregisters them but keeps their bytes (vLLM's prefix cache still names them)."""
+    transport = make_transport("gloo", ME, namespace="dualpath")
+    moves = HbmMoves("transport", transport)
+    ours, vllms = torch.ones(64, dtype=torch.uint8), torch.full((32,), 7, dtype=torch.uint8)
+    moves.register("hbm", ours)
+    moves.register("compute_kv", vllms, owned=False)
+    transport.seal()
+    assert moves.release_memory() == 64, "only the engine's own pool is freed"
+    assert vllms.untyped_storage().nbytes() == 32 and bool((vllms == 7).all()), "the compute's pages keep their bytes"
+    moves.restore_memory()
+    assert bool((vllms == 7).all()) and transport.view(Region("compute_kv", 0, 32)).numel() == 32, (
+        "after wake the compute's pages are registered again, unchanged"
+    )
+
+
 def test_merged_ranges_union_overlapping_and_adjacent_regions_per_pool() -> None:
     regions = [Region("a", 10, 5), Region("a", 0, 10), Region("b", 0, 4), Region("a", 12, 10), Region("a", 40, 1)]
     assert merged_ranges(regions) == {"a": [(0, 22), (40, 41)], "b": [(0, 4)]}, "sorted unions per pool"
