@@ -73,13 +73,13 @@ def test_vllm_engines_serve_a_multi_turn_rollout_exactly(reference, mode: str) -
     else:
         assert de == 0, f"basic mode reads on the prefill side only: {counters}"
     assert counters["d0"].snic_write > 0, "the decode node persisted the turns' blocks"
-    landed, moved = decode["landed_block_layers"], engines["decode/d0/g0"]["transport"]["bytes_read"]
+    landed, moved = decode["landed_block_layers"], engines["decode/d0/g0"].transport.bytes_read
     assert landed > 0 and moved == landed * decode["block_layer_bytes"], (
         f"every prompt landed straight in the decode engine's vLLM pages, one block-layer moved per block per layer "
         f"({landed} block-layers, {moved} bytes read): {decode}"
     )
-    prefill = engines["prefill/p0/g0"]["core"]
-    assert prefill["handoffs"] > 0 and prefill["pipeline"]["reads"] > 0, (
+    prefill = engines["prefill/p0/g0"].core
+    assert prefill.handoffs > 0 and prefill.pipeline.reads > 0, (
         f"the prefill engine's layer pipeline moved the hit KV into vLLM's batches: {prefill}"
     )
 
