@@ -25,12 +25,14 @@ from tests.shared_cluster import SharedCluster
 pytestmark = [pytest.mark.integration, pytest.mark.chaos]
 
 
-def store_faults(deployment) -> tuple[set[str], int]:  # type: ignore[no-untyped-def]
-    """(keys the readers could not read, block writes the store refused), over every reader."""
+def store_faults(deployment) -> tuple[set[tuple[str, str]], int]:  # type: ignore[no-untyped-def]
+    """((reader, key) of each block a reader could not read, block writes the store refused), over
+    every reader. By reader: a block both readers failed (its read elsewhere failed too) is named
+    by each of them."""
     unreadable, refused = set(), 0
-    for reader in deployment.readers.values():
+    for name, reader in deployment.readers.items():
         keys, count = ray.get(reader.store_faults.remote())
-        unreadable.update(keys)
+        unreadable.update((name, key) for key in keys)
         refused += count
     return unreadable, refused
 
@@ -75,7 +77,9 @@ def test_hit_blocks_the_disk_cannot_read_are_named_read_elsewhere_or_recomputed(
             "a block that failed on both sides left the index (with its successors) and was recomputed"
         )
         unreadable, _ = store_faults(deployment)
-        assert len(unreadable) == injected, "each unreadable block is named by the reader that read it"
+        assert len(unreadable) == injected, (
+            f"each unreadable block is named by the reader that read it, once per reader: {unreadable}"
+        )
         assert calls["retries"] == injected, "each costs its turn one retry, not one per later read"
 
 
