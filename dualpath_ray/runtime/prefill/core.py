@@ -1,6 +1,6 @@
 """The prefill engine's logic, without Ray: staging, compute-quota batches, layerwise prefill.
 
-A request (a `PrefillTask` from the scheduler) goes STAGING -> READY -> BATCHED -> HANDED_OFF, or back
+A request (a `PrefillTask` from the scheduler) goes READING_HITS -> READY -> BATCHED -> HANDED_OFF, or back
 to READY after a chunk that does not end its prompt, or FAILED (`transition`, in runtime/prefill/job.py
 with the job record, the ports and the settings). A task naming other weights than the engine holds is
 refused at `accept` (runtime/engine/refusals.py).
@@ -241,7 +241,7 @@ class PrefillCore:
             owners, self._to_cancel = self._to_cancel, []
             jobs = [self.jobs[o] for o in owners if o in self.jobs]
         for job in jobs:
-            if job.state in (PrefillState.STAGING, PrefillState.READY):
+            if job.state in (PrefillState.READING_HITS, PrefillState.READY):
                 self.stats.cancelled += 1
                 self._fail(job, RuntimeError("cancelled by the scheduler"), report=False)
 
@@ -251,7 +251,7 @@ class PrefillCore:
 
     def _poll_staging(self) -> None:
         with self._lock:
-            staging = [j for j in self.jobs.values() if j.state is PrefillState.STAGING]
+            staging = [j for j in self.jobs.values() if j.state is PrefillState.READING_HITS]
         for job in staging:
             try:
                 nodes = {ReadPath.PE: self.settings.node_id, ReadPath.DE: job.task.decode_node}  # each side's reader

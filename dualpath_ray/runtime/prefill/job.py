@@ -3,7 +3,7 @@ transition function), its ports and settings. runtime/prefill/core.py has the lo
 runtime/prefill/pipeline.py runs a batch of jobs layer by layer; both import the job from here,
 so neither imports the other's caller.
 
-STAGING (the readers lease and fill its extents) -> READY -> BATCHED -> HANDED_OFF, or back to
+READING_HITS (the readers lease and fill its extents) -> READY -> BATCHED -> HANDED_OFF, or back to
 READY after a chunk that does not end its prompt, or FAILED from any state before the handoff.
 """
 
@@ -24,7 +24,7 @@ from dualpath_ray.runtime.engine.ports import (
 
 
 class PrefillState(enum.Enum):
-    STAGING = "staging"
+    READING_HITS = "reading_hits"
     READY = "ready"
     BATCHED = "batched"
     HANDED_OFF = "handed_off"
@@ -37,7 +37,7 @@ class PrefillTransitionError(TransitionError):
 
 PREFILL_LIFECYCLE = Lifecycle.of_targets(
     {
-        PrefillState.STAGING: {PrefillState.READY, PrefillState.FAILED},
+        PrefillState.READING_HITS: {PrefillState.READY, PrefillState.FAILED},
         PrefillState.READY: {PrefillState.BATCHED, PrefillState.FAILED},
         PrefillState.BATCHED: {PrefillState.READY, PrefillState.HANDED_OFF, PrefillState.FAILED},
         PrefillState.HANDED_OFF: set(),
@@ -53,9 +53,9 @@ class PrefillJob:
 
     task: PrefillTask
     prompt: np.ndarray
-    state: PrefillState = PrefillState.STAGING
+    state: PrefillState = PrefillState.READING_HITS
     computed: int = 0
-    # Each side's extent in flight while STAGING: read_hits (or, the DE side of a PE-path
+    # Each side's extent in flight while READING_HITS: read_hits (or, the DE side of a PE-path
     # request, a lease); both become `pe`/`de` once every one is done.
     reads: dict[ReadPath, Pending[ExtentGrant]] = field(default_factory=dict)
     pe: ExtentGrant | None = None
