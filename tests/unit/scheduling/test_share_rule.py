@@ -38,8 +38,8 @@ def reference_should_wait(hit: int, promised: int, miss: int, ready_in: float, r
     return waiting_ends < computing_ends
 
 
-@settings(max_examples=400, deadline=None)
-@given(
+# One request's inputs to the rule, drawn the same way for both literal references.
+RULE_INPUTS = dict(
     hit=st.integers(0, 64).map(lambda b: b * 16),
     promised=st.integers(0, 256).map(lambda b: b * 16),
     miss=st.integers(1, 4096),
@@ -47,6 +47,10 @@ def reference_should_wait(hit: int, promised: int, miss: int, ready_in: float, r
     read_q=st.integers(0, 1 << 16),
     engine_q=st.integers(0, 1 << 16),
 )
+
+
+@settings(max_examples=400, deadline=None)
+@given(**RULE_INPUTS)
 def test_the_rule_matches_its_literal_reference(
     hit: int, promised: int, miss: int, ready_in: float, read_q: int, engine_q: int
 ) -> None:
@@ -111,15 +115,7 @@ def reference_wait_source(
 
 
 @settings(max_examples=400, deadline=None)
-@given(
-    hit=st.integers(0, 64).map(lambda b: b * 16),
-    promised=st.integers(0, 256).map(lambda b: b * 16),
-    miss=st.integers(1, 4096),
-    ready_in=st.integers(0, 4096).map(lambda t: t / 64),
-    read_q=st.integers(0, 1 << 16),
-    engine_q=st.integers(0, 1 << 16),
-    same_node=st.booleans(),
-)
+@given(**RULE_INPUTS, same_node=st.booleans())
 def test_the_source_choice_matches_its_literal_reference(
     hit: int, promised: int, miss: int, ready_in: float, read_q: int, engine_q: int, same_node: bool,
 ) -> None:
