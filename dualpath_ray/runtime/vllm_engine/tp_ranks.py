@@ -166,8 +166,8 @@ class RankHeads:
         ]
 
     def take(self, block_layers: torch.Tensor) -> torch.Tensor:
-        """This rank's token-major block-layers out of store block-layers (uint8 [..., store_bytes]):
-        a copy, [..., local_bytes]."""
+        """This rank's token-major block-layers out of store block-layers (uint8 [..., store_bytes]),
+        [..., local_bytes]: a copy, or a view where the rank holds every head (tp = 1)."""
         return self._heads_view(block_layers)[..., self._slice, :].reshape(*block_layers.shape[:-1], self.local_bytes)
 
     def place(self, local: torch.Tensor, block_layers: torch.Tensor) -> None:
