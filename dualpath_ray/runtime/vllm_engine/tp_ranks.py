@@ -18,7 +18,7 @@ own per-rank views) lands and settles. So a load reads the rank's runs straight 
 source block-layer into the rank's pages (`landing_moves`, no staging, no head bytes another rank
 owns), and a save writes the rank's unsettled block-layer into those runs of the store's
 block-layer. With tp = 1 the runs merge into one. The cost of the strided split: 2 * block_size
-descriptors per rank per block-layer (256 of 256 bytes at block 64, 2 heads of 64 in bf16 at
+descriptors per rank per block-layer (128 of 128 bytes at block 64, 2 heads of 64 in bf16 at
 tp 2) where tp = 1 needs one; moving the whole block-layer to every rank instead would move tp
 times the bytes.
 

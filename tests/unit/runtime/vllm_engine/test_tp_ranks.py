@@ -227,3 +227,14 @@ def test_a_rank_outside_the_group_and_a_foreign_map_are_refused() -> None:
     rank = split.rank(0, B, D, 4)
     with pytest.raises(ValueError, match="the map is not this rank's"):
         rank.landing_moves(block_map, "vllm", 0, 0, Region("store", 0, rank.store_bytes))
+
+
+def test_a_ranks_share_is_one_run_per_token_k_and_v_row() -> None:
+    """The module doc's cost: 2 heads of 64 in bf16 at block 64 over 2 ranks."""
+    rank = TensorParallelHeads(2, 2).rank(1, 64, 64, 2)
+    assert [(run.nbytes, run.store) for run in rank.runs[:2]] == [(128, 128), (128, 384)], (
+        "rank 1's runs are head 1's K row then its V row of token 0, 128 bytes each"
+    )
+    assert len(rank.runs) == 2 * 64 and rank.local_bytes == rank.store_bytes // 2, (
+        "a rank moves half a block-layer in 2 * block_size runs"
+    )
