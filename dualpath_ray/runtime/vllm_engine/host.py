@@ -83,6 +83,7 @@ def engine_kwargs(cfg: DualPathConfig, role: Role) -> dict[str, Any]:
         # draws from (penalties, temperature, min_p, top-k/top-p masks); raw_logprobs is before all of it.
         logprobs_mode=VLLM_LOGPROBS_MODES[cfg.engine.logprobs],
         gpu_memory_utilization=cfg.engine.vllm_gpu_memory_utilization,
+        tensor_parallel_size=cfg.engine.vllm_tensor_parallel_size,
     )
 
 

@@ -1,0 +1,38 @@
+"""The engine section at the YAML boundary: tensor parallelism is refused, by name and with why,
+until the per-rank connector is wired (docs/architecture.md, the vLLM engine backend)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from dualpath_ray.config import ConfigError, load_config, parse_config
+
+
+def test_a_tensor_parallel_vllm_engine_is_refused_at_load_naming_the_field_and_why(tmp_path: Path) -> None:
+    path = tmp_path / "tp2.yaml"
+    path.write_text("engine:\n  backend: vllm\n  vllm_tensor_parallel_size: 2\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    message = str(err.value)
+    assert "engine.vllm_tensor_parallel_size" in message and str(path) in message, (
+        f"the error names the file and the field: {message}"
+    )
+    assert "worker process" in message and "vllm_tensor_parallel_size: 1" in message, (
+        f"the error says why (vLLM's ranks run in worker processes of their own) and the fix: {message}"
+    )
+
+
+def test_one_rank_is_the_default_and_loads() -> None:
+    assert parse_config({"engine": {"backend": "vllm"}}).engine.vllm_tensor_parallel_size == 1, (
+        "a vLLM engine runs one rank unless told otherwise"
+    )
+    assert parse_config({"engine": {"backend": "vllm", "vllm_tensor_parallel_size": 1}}).engine.vllm_tensor_parallel_size == 1, (
+        "an explicit single rank is accepted"
+    )
+
+
+def test_a_tensor_parallel_size_below_one_is_refused() -> None:
+    with pytest.raises(ConfigError, match="engine.vllm_tensor_parallel_size"):
+        parse_config({"engine": {"vllm_tensor_parallel_size": 0}})
