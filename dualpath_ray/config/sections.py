@@ -178,6 +178,15 @@ class SchedulerConfig(Section):
         "answer (scheduling/binding.py); early = at submit only (the behaviour before late binding, kept for "
         "comparison: benchmarks/README.md, \"Late binding\").",
     )
+    partial_block_hits: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="Whether a request's hit may include the stored block that holds its prompt's last token: on = "
+        "it reads that block whole and computes only the last token (its logits), so a prompt of exactly whole blocks "
+        "that another request stored computes 1 token instead of the last block (scheduling/binding.py); off = hits "
+        "stop one block short of that and the request computes the whole block (vLLM's own rule: hits in whole "
+        "blocks, the last one computed). auto = on for the native engine, off for engine.backend vllm, whose "
+        "connector takes block-aligned hits only (on with vllm is refused).",
+    )
     share_in_flight: bool = Field(
         False,
         description="Beyond the paper: a request whose next prompt blocks another request in flight is computing "
