@@ -134,6 +134,14 @@ class SchedulerConfig(Section):
                     )
         return data
 
+    @field_validator("partial_block_hits", mode="before")
+    @classmethod
+    def _yaml_on_off(cls, value: Any) -> Any:
+        """YAML 1.1 reads a bare on / off as a boolean: take it as the word the user wrote."""
+        if isinstance(value, bool):
+            return "on" if value else "off"
+        return value
+
     alpha_seconds: float = Field(3.0, gt=0, description="alpha = tokens the SNIC reads in this many seconds.")
     beta_seconds: float = Field(
         5.0, gt=0,

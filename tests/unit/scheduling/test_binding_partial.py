@@ -147,5 +147,7 @@ def test_the_setting_resolves_per_engine_backend_and_on_with_vllm_is_refused() -
     assert not native_off.partial_block_hits, "off is off"
     vllm = DualPathConfig().with_overrides(engine={"backend": "vllm"})
     assert not vllm.partial_block_hits, "auto: vLLM's connector takes whole-block hits only"
+    yaml_off = DualPathConfig().with_overrides(scheduler={"partial_block_hits": False})  # YAML 1.1 reads `off` so
+    assert yaml_off.scheduler.partial_block_hits == "off" and not yaml_off.partial_block_hits, "a bare YAML off is off"
     with pytest.raises(Exception, match="partial_block_hits"):
         DualPathConfig().with_overrides(engine={"backend": "vllm"}, scheduler={"partial_block_hits": "on"})
