@@ -183,6 +183,12 @@ PREFIX_WAIT_SECONDS = MetricSpec(
     "Seconds those requests waited for their producers, summed, by the prefill engine each was then placed on.",
     ("mode", "engine"), "seconds", only_when="scheduler.share_in_flight: true",
 )
+PREFIX_BUFFER_WAITS = MetricSpec(
+    "dualpath_prefix_buffer_waits", MetricKind.COUNTER,
+    "Waits for a producer's prefix whose rule chose the producer's decode-node buffer as the source (read over "
+    "the CNIC from that node's memory) rather than the store (scheduling/share_rule.py).",
+    ("mode",), "requests", only_when="scheduler.share_in_flight: true, dualpath mode, scheduler.share_buffer_blocks > 0",
+)
 LATE_HIT_TOKENS = MetricSpec(
     "dualpath_late_hit_tokens", MetricKind.COUNTER,
     "Hit tokens a request found when it was placed on a prefill engine beyond what it found at submit "
@@ -228,7 +234,7 @@ ALL_METRICS: tuple[MetricSpec, ...] = (
     ENGINE_REQUESTS, BUFFER_BYTES_USED, BUFFER_BYTES_CAPACITY, HBM_BYTES_USED, HBM_BYTES_CAPACITY,
     TTFT_SECONDS, TPOT_SECONDS, KV_LOAD_SECONDS, DECISION_SECONDS, TRAJECTORY_JCT_SECONDS, RETRIES,
     RECOMPUTED_BLOCKS, RECOMPUTED_HIT_TOKENS, SHARED_PREFIX_TOKENS, PREFIX_WAITS, PREFIX_WAIT_SECONDS,
-    LATE_HIT_TOKENS, ATTEMPT_FAILURES, STORE_CHECKSUM_FAILURES, STORE_WRITE_FAILURES,
+    PREFIX_BUFFER_WAITS, LATE_HIT_TOKENS, ATTEMPT_FAILURES, STORE_CHECKSUM_FAILURES, STORE_WRITE_FAILURES,
     KV_DIGEST_MISMATCHES,
     STAGED_BLOCKS,
 )

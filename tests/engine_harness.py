@@ -4,7 +4,7 @@
 each), both nodes' ReaderCores over one local-directory store, and a FakeTransport per engine
 over a shared Fabric. `serve` schedules requests the way the scheduler would (hit lookup in a
 prefix index that leaves one token to compute, the task; the decode core reserves its pages when
-the handoff arrives) and steps both cores until every result is in; persisted blocks enter the
+the handoff arrives; partial-block hits as the config resolves them) and steps both cores until every result is in; persisted blocks enter the
 index when a result arrives, as in the Scheduler actor.
 """
 
@@ -37,6 +37,7 @@ from dualpath_ray.protocol.messages import PrefillTask, RequestSpec, SamplingPar
 from dualpath_ray.runtime.prefill.core import PrefillCore
 from dualpath_ray.runtime.prefill.job import PrefillPorts, PrefillSettings
 from dualpath_ray.runtime.reader.actor import build_core as build_reader_core
+from dualpath_ray.scheduling.binding import HitBinder
 from tests.fakes import Collector, DirectHandoff, Fabric, FakeClock, FakeReaders, FakeTransport
 
 PE, DE = "prefill/p0/g0", "decode/d0/g0"
@@ -61,6 +62,7 @@ class EngineHarness:
         self.store = open_store(cfg.store, self.layout, root=root)
         self.namespace = cfg.kv_namespace()  # the engine backend marks it (HeldWeights.of_config holds the same)
         self.index = PrefixIndex(cfg.store.block_size)
+        self.binder = HitBinder(self.index, cfg.store.block_size, partial=cfg.partial_block_hits)
         self.fabric = Fabric()
         cores = {node: build_reader_core(cfg, node, str(root)) for node in ("p0", "d0")}
         self.readers = FakeReaders(cores, self.fabric, slow_writes_s)
@@ -118,14 +120,17 @@ class EngineHarness:
     # --- scheduling, as the Scheduler actor does it ---------------------------------------
 
     def task(self, request: Request, oracle: bool = False) -> PrefillTask:
+        """The scheduler's lookup (scheduling/binding.py, partial-block hits as the config
+        resolves them) and the task it hands the prefill engine."""
         prompt = np.asarray(request.prompt, dtype=np.int64)
-        hit = self.index.match(prompt, self.namespace)
-        usable = min(hit.hit_blocks, (len(prompt) - 1) // self.layout.block_size)
         spec = RequestSpec(request.request_id, 0, prompt, SamplingParams(max_new_tokens=request.max_new_tokens),
                            self.namespace, self.clock.now())
+        keys, hit_tokens = self.binder.lookup(spec)
+        usable = len(keys)
         pe_blocks = request.pe_hit_blocks if request.pe_hit_blocks is not None else usable // 2
-        return PrefillTask(spec, tuple(hit.keys[:usable]), usable * self.layout.block_size, request.path,
-                           oracle, PE, "p0", DE, "d0", pe_blocks if request.path == "split" else 0)
+        return PrefillTask(spec, keys, hit_tokens, request.path, oracle, PE, "p0", DE, "d0",
+                           pe_blocks if request.path == "split" else 0,
+                           partial_hit=usable * self.layout.block_size > hit_tokens)
 
     def serve(self, requests: Sequence[Request], oracle: bool = False, timeout_s: float = 60.0) -> list[TurnResult]:
         """Run requests to completion (all submitted at once); results in request order."""

@@ -11,11 +11,13 @@ simulated in basic and dualpath modes with the hits bound early (at submit: the 
 issue 37), late (at placement), and late with in-flight sharing (scheduler.share_in_flight),
 on the small MLA model's 1P1D cluster. The figure is the hit tokens the run read over the
 trace's in-order prefix reuse: what a request could hit if every request before it (in arrival
-order) had been stored when it arrived (in whole blocks, one token left to compute).
+order) had been stored when it arrived (in stored blocks, one token left to compute: with
+partial-block hits, the default, the block holding a prompt's last token counts too).
 
 Grouped sampling (the first turn of GRPO's groups): `--prompts` prompts x `--samples` samples,
-a `--prompt-tokens` shared prompt, all arriving together, the same three bindings: prompt tokens
-the prefill engines computed, JCT and TTFT p50.
+a `--prompt-tokens` shared prompt of whole blocks, all arriving together, the same three bindings
+and sharing with whole-block hits (scheduler.partial_block_hits: off, the rule before: a waiter
+computes the prompt's last block): prompt tokens the prefill engines computed, JCT and TTFT p50.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ BINDINGS = {  # name -> scheduler settings
     "late+share": {"bind_hits": "late", "share_in_flight": True},
 }
 COMPRESSIONS = (1, 10, 100)
+# Grouped sampling also runs sharing with whole-block hits (the rule before partial-block hits).
+GROUPED = {**BINDINGS, "late+share, whole blocks": {**BINDINGS["late+share"], "partial_block_hits": "off"}}
 
 
 def trace(requests: int, groups: int, prefix_blocks: int, gap_s: float, seed: int = 0) -> list[MooncakeRequest]:
@@ -64,12 +68,12 @@ def compressed(requests: list[MooncakeRequest], factor: int) -> list[MooncakeReq
 
 def grouped(prompts: int, samples: int, prompt_blocks: int, gen: int) -> list[MooncakeRequest]:
     """The first turn of grouped sampling: `samples` requests of each of `prompts` prompts of
-    `prompt_blocks` 512-token blocks (the last one cut short by a token), all arriving at 0."""
+    `prompt_blocks` whole 512-token blocks, all arriving at 0."""
     out = []
     for p in range(prompts):
         ids = tuple(range(p * prompt_blocks, (p + 1) * prompt_blocks))
         for _ in range(samples):
-            out.append(MooncakeRequest(len(out) + 1, 0.0, prompt_blocks * MOONCAKE_BLOCK_TOKENS - 1, gen, ids))
+            out.append(MooncakeRequest(len(out) + 1, 0.0, prompt_blocks * MOONCAKE_BLOCK_TOKENS, gen, ids))
     return out
 
 
@@ -78,11 +82,12 @@ def in_order_reuse(workload: Workload, block_size: int) -> int:
     stored: set[int] = set()
     total = 0
     for t in sorted(workload.trajectories, key=lambda t: t.arrival_s):
-        usable = (int(t.appended[0]) - 1) // block_size
+        prompt = int(t.appended[0])
+        usable = prompt // block_size  # partial-block hits: the block of the last token too
         hit = 0
         while hit < usable and t.keys[hit] in stored:
             hit += 1
-        total += hit * block_size
+        total += min(hit * block_size, prompt - 1)
         stored.update(t.keys)
     return total
 
@@ -118,7 +123,7 @@ def main() -> None:
                 print(f"  hit {hit} of {reuse} in-order ({rows[-1]['of_in_order']:.3f})", flush=True)
     groups: list[dict[str, Any]] = []
     for mode in ("basic", "dualpath"):
-        for name, scheduler in BINDINGS.items():
+        for name, scheduler in GROUPED.items():
             cfg = cluster(1, 1, SMALL_MLA, max_context=65536, **scheduler)
             workload = from_mooncake(grouped(args.prompts, args.samples, args.prompt_tokens // MOONCAKE_BLOCK_TOKENS, 64),
                                      cfg.store.block_size, source="grouped sampling")

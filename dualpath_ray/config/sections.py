@@ -134,6 +134,14 @@ class SchedulerConfig(Section):
                     )
         return data
 
+    @field_validator("partial_block_hits", mode="before")
+    @classmethod
+    def _yaml_on_off(cls, value: Any) -> Any:
+        """YAML 1.1 reads a bare on / off as a boolean: take it as the word the user wrote."""
+        if isinstance(value, bool):
+            return "on" if value else "off"
+        return value
+
     alpha_seconds: float = Field(3.0, gt=0, description="alpha = tokens the SNIC reads in this many seconds.")
     beta_seconds: float = Field(
         5.0, gt=0,
@@ -177,6 +185,15 @@ class SchedulerConfig(Section):
         "meanwhile (another request's turn with the same prefix) and its read path and read queues use that "
         "answer (scheduling/binding.py); early = at submit only (the behaviour before late binding, kept for "
         "comparison: benchmarks/README.md, \"Late binding\").",
+    )
+    partial_block_hits: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="Whether a request's hit may include the stored block that holds its prompt's last token: on = "
+        "it reads that block whole and computes only the last token (its logits), so a prompt of exactly whole blocks "
+        "that another request stored computes 1 token instead of the last block (scheduling/binding.py); off = hits "
+        "stop one block short of that and the request computes the whole block (vLLM's own rule: hits in whole "
+        "blocks, the last one computed). auto = on for the native engine, off for engine.backend vllm, whose "
+        "connector takes block-aligned hits only (on with vllm is refused).",
     )
     share_in_flight: bool = Field(
         False,

@@ -56,6 +56,22 @@ class DualPathConfig(Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _vllm_takes_whole_block_hits(self) -> DualPathConfig:
+        if self.engine.backend is EngineBackend.VLLM and self.scheduler.partial_block_hits == "on":
+            raise ValueError(
+                "scheduler.partial_block_hits on: the vllm backend's connector takes hits in whole blocks and computes "
+                "the block holding the prompt's last token; set scheduler.partial_block_hits: auto (off for vllm) or off"
+            )
+        return self
+
+    @property
+    def partial_block_hits(self) -> bool:
+        """scheduler.partial_block_hits resolved for this deployment's engines (auto: the native
+        engine takes them, vLLM's does not)."""
+        setting = self.scheduler.partial_block_hits
+        return setting == "on" or (setting == "auto" and self.engine.backend is not EngineBackend.VLLM)
+
     def kv_namespace(self, weight_version: int | None = None) -> str:
         """The key namespace of the blocks these engines write (ModelConfig.kv_namespace at
         store.block_size, for this engine backend)."""

@@ -192,11 +192,13 @@ FAILURE_ROW = Row(600, "Failures, retries, recomputes", (
     Panel(605, "Prefixes shared in flight (last 5 min)",
           "Prompt tokens requests read after waiting for another request in flight to compute them, instead of "
           "computing them again (scheduler.share_in_flight), the waits and their seconds, per prefill engine; and "
-          "hit tokens found at placement beyond what submit found (late binding).",
+          "hit tokens found at placement beyond what submit found (late binding); waits that read the producer's "
+          "decode-node buffer rather than the store.",
           "short", (Target(increase(m.SHARED_PREFIX_TOKENS, "engine"), "shared tokens ({{engine}})"),
                     Target(increase(m.PREFIX_WAITS, "engine"), "waits ({{engine}})"),
                     Target(increase(m.PREFIX_WAIT_SECONDS, "engine"), "wait seconds ({{engine}})"),
-                    Target(increase(m.LATE_HIT_TOKENS, "mode"), "late hit tokens ({{mode}})"))),
+                    Target(increase(m.LATE_HIT_TOKENS, "mode"), "late hit tokens ({{mode}})"),
+                    Target(increase(m.PREFIX_BUFFER_WAITS, "mode"), "waits on a decode-node buffer ({{mode}})"))),
 ))
 
 ROWS: tuple[Row, ...] = (SNIC_ROW, PATH_ROW, ENGINE_ROW, LATENCY_ROW, MEMORY_ROW, FAILURE_ROW)

@@ -147,6 +147,11 @@ class PrefillTask:
     # scheduling/compute_path.py), and those tokens: stored already, so none is persisted again.
     recomputed_keys: tuple[str, ...] = ()
     recomputed_tokens: int = 0
+    # The last stored block (read or recomputed) holds the prompt's last token, which is computed
+    # anyway (its logits) and counted in neither hit_tokens nor recomputed_tokens: a partial-block
+    # hit (scheduling/binding.py). Read whole, that block's stored KV is what goes on to the
+    # decode engine (runtime/prefill/pipeline.py), and it is not persisted again.
+    partial_hit: bool = False
 
     @property
     def request_id(self) -> str:
@@ -154,8 +159,15 @@ class PrefillTask:
 
     @property
     def stored_tokens(self) -> int:
-        """The prompt's tokens whose blocks the store holds: read (hit_tokens) or recomputed."""
-        return self.hit_tokens + self.recomputed_tokens
+        """The prompt's tokens whose blocks the store holds: read (hit_tokens), recomputed, and
+        with a partial hit the last token (then the whole prompt)."""
+        return self.hit_tokens + self.recomputed_tokens + self.partial_hit
+
+    @property
+    def read_end(self) -> int:
+        """The tokens the read blocks hold, [0, read_end): hit_tokens, and one more when the last
+        read block is a partial hit's (read whole, its last token computed all the same)."""
+        return self.hit_tokens + (self.partial_hit and not self.recomputed_keys)
 
     @property
     def stored_keys(self) -> tuple[str, ...]:
@@ -172,7 +184,7 @@ class PrefillTask:
     @property
     def pe_tokens(self) -> int:
         """Tokens of past KV in the prefill node's extent at the first chunk: [0, pe_tokens)."""
-        return self.hit_tokens * self.pe_blocks // len(self.hit_keys) if self.hit_keys else 0
+        return self.read_end * self.pe_blocks // len(self.hit_keys) if self.hit_keys else 0
 
 
 @dataclass(frozen=True)

@@ -58,7 +58,8 @@ class NamespaceLedger:
         stale = old_hits = unexplained = offered = 0
         for turn in turns:
             stale += turn.weight_version != version
-            hit = self._keys(turn.prompt, turn.weight_version)[: turn.hit_tokens // self.block_size]
+            # A partial-block hit reads the block of its prompt's last token whole: ceil, not floor.
+            hit = self._keys(turn.prompt, turn.weight_version)[: -(-turn.hit_tokens // self.block_size)]
             old_hits += sum(key in older for key in hit)
             unexplained += sum(key not in own for key in hit)
             if previous is not None:

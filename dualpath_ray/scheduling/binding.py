@@ -1,7 +1,11 @@
 """When a request's hits are bound: looked up at submit, and again when it is placed.
 
 A request's hits are the longest prefix of its prompt the index holds, in whole blocks, leaving
-at least one token to compute (it yields the logits). The early answer (at submit) is what a
+at least one token to compute (it yields the logits). With partial-block hits (`partial`,
+scheduler.partial_block_hits) the block that holds the prompt's last token counts too: the
+request reads it whole and computes only that last token (hit_tokens = len(prompt) - 1 while
+its hit blocks hold len(prompt) tokens: Request.partial_hit). Without, that block is left out
+and the request computes all of it (the vLLM engine backend's rule: hits in whole blocks). The early answer (at submit) is what a
 request that is placed at once reads. One that waits in the queues (for a decode engine's HBM,
 for a prefill engine under beta) is looked up again when the dispatcher considers it for a
 prefill engine, and every choice made then (its prefill tokens in the placement, the read
@@ -43,8 +47,12 @@ class HitBinder:
     binding). `eviction`, when the store has a capacity, is told of every hit (LRU order) and
     pins each request's deepest hit while it is in flight."""
 
-    def __init__(self, index: HitIndex, block_size: int, eviction: LRUEviction | None = None, late: bool = True) -> None:
+    def __init__(
+        self, index: HitIndex, block_size: int, eviction: LRUEviction | None = None, late: bool = True,
+        partial: bool = False,
+    ) -> None:
         self.index = index
+        self.partial = partial
         self.block_size = block_size
         self.eviction = eviction
         self.late = late
@@ -52,13 +60,17 @@ class HitBinder:
         self.late_hit_tokens = 0  # hit tokens found at placement beyond what submit found
 
     def lookup(self, spec: RequestSpec) -> tuple[tuple[str, ...], int]:
-        """Hit blocks of a prompt, leaving at least one token to compute; the hits are touched."""
-        size = self.block_size
+        """Hit blocks of a prompt and the hit tokens they give, leaving at least one token to
+        compute; the hits are touched. With partial hits the last block may hold one token more
+        than the hit (the prompt's last, computed for its logits); without, hits are whole blocks."""
+        size, last = self.block_size, len(spec.prompt) - 1
         hit = self.index.match(spec.prompt, spec.namespace)
-        usable = min(hit.hit_blocks, (len(spec.prompt) - 1) // size)
+        # The prompt's full blocks only (the index holds no other): with partial hits all of them,
+        # so the last holds the prompt's last token exactly when the prompt is whole blocks.
+        usable = min(hit.hit_blocks, len(spec.prompt) // size if self.partial else last // size)
         if self.eviction is not None:
             self.eviction.touch(hit.keys[:usable])
-        return tuple(hit.keys[:usable]), usable * size
+        return tuple(hit.keys[:usable]), min(usable * size, last)
 
     def published(self, blocks: int) -> None:
         """A finished turn indexed `blocks` blocks: a request bound before may now hit more."""
@@ -69,6 +81,7 @@ class HitBinder:
         """The request's first answer (at submit). The caller pins its hits once the request is
         queued (SchedulerCore.submit), and unpins them when it leaves (a rebind moves the pin)."""
         request.hit_keys, request.hit_tokens = self.lookup(request.spec)
+        request.partial_hit = len(request.hit_keys) * self.block_size > request.hit_tokens
         request.bound_at = self.generation
 
     def rebind(self, request: Request) -> int:
@@ -86,5 +99,6 @@ class HitBinder:
             self.eviction.pin(keys)
             self.eviction.unpin(request.hit_keys)
         request.hit_keys, request.hit_tokens = keys, tokens
+        request.partial_hit = len(keys) * self.block_size > tokens
         self.late_hit_tokens += gained
         return gained

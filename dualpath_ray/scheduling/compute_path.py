@@ -20,7 +20,10 @@ included: the new tokens attend to the whole prompt). k minimises finish(k); of 
 largest k wins (reading moves no work onto the engine). Both read_done and the engine wait are
 non-decreasing in k and prefill_s, for the cost models here, falls linearly in k (every term is
 linear in the new tokens at a fixed prompt length), so finish is convex in k and the minimiser is
-found by a binary search on its slope: O(log hit) cost-model calls per request.
+found by a binary search on its slope: O(log hit) cost-model calls per request. With a
+partial-block hit (the last hit block holds the prompt's last token, miss = 0) reading every block
+still computes that one token: cached = min(k * B, prompt - 1), so the last step's prefill saving
+is B - 1 tokens, which keeps finish convex.
 `tests/unit/scheduling/test_compute_path.py` checks it against a literal scan of every k.
 
 Every request sees the queues the requests placed before it grew (the dispatcher books each
@@ -69,13 +72,17 @@ class SplitInputs:
 
     hit_blocks: int
     block_tokens: int
-    miss_tokens: int  # tokens to compute with a whole-hit read (prompt - hit, at least one)
+    # The prompt's tokens past its hit blocks: 0 when the last hit block holds the prompt's last
+    # token (a partial-block hit: reading every block, it computes that one token, finish_s).
+    miss_tokens: int
     read_queue_tokens: int  # queued on the reader its hits would go through, before it
     engine_queue_tokens: int  # prefill tokens its engine holds, before it
 
     def __post_init__(self) -> None:
         if min(self.hit_blocks, self.block_tokens, self.miss_tokens, self.read_queue_tokens, self.engine_queue_tokens) < 0:
             raise ValueError(f"split inputs must be >= 0: {self}")
+        if self.hit_blocks * self.block_tokens + self.miss_tokens < 1:
+            raise ValueError(f"split inputs of an empty prompt (no hit blocks and no miss tokens): {self}")
 
 
 def finish_s(inputs: SplitInputs, model: ComputePathModel, k: int) -> float:
@@ -85,8 +92,9 @@ def finish_s(inputs: SplitInputs, model: ComputePathModel, k: int) -> float:
     b = inputs.block_tokens
     read_done = (inputs.read_queue_tokens + k * b) / model.read_tokens_per_s if k else 0.0
     engine_free = inputs.engine_queue_tokens / model.compute_tokens_per_s
-    new = inputs.miss_tokens + (inputs.hit_blocks - k) * b
-    return max(read_done, engine_free) + model.prefill_s(k * b, new)
+    prompt = inputs.hit_blocks * b + inputs.miss_tokens
+    cached = min(k * b, prompt - 1)  # the last token is always computed (its logits)
+    return max(read_done, engine_free) + model.prefill_s(cached, prompt - cached)
 
 
 def blocks_to_read(inputs: SplitInputs, model: ComputePathModel) -> int:

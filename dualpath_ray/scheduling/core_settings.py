@@ -38,6 +38,9 @@ class CoreSettings:
     # simulator does, and the runtime in dualpath mode with scheduler.share_buffer_blocks > 0 (its
     # decode nodes' readers report them held in memory); otherwise they publish with the turn's result.
     early_prompt_publish: bool = False
+    # A hit may end with the block that holds the prompt's last token (scheduler.partial_block_hits,
+    # resolved for the deployment's engines: DualPathConfig.partial_block_hits).
+    partial_block_hits: bool = False
 
     @classmethod
     def of(
@@ -54,7 +57,8 @@ class CoreSettings:
                        read_tokens_per_s=constants.alpha_tokens / cfg.scheduler.alpha_seconds),
                    compute_path_model(cfg, constants, prefill_s), cfg.scheduler.bind_hits,
                    sharing_model(cfg, constants, prefill_s, buffer_source=Mode(mode) is Mode.DUALPATH),
-                   early_prompt_publish=Mode(mode) is Mode.DUALPATH and cfg.scheduler.share_buffer_blocks > 0)
+                   early_prompt_publish=Mode(mode) is Mode.DUALPATH and cfg.scheduler.share_buffer_blocks > 0,
+                   partial_block_hits=cfg.partial_block_hits)
 
 
 def compute_path_model(

@@ -207,8 +207,8 @@ class Dispatcher:
             if not hit_blocks:  # nothing to read: the policy's pick, for the record
                 path = choice or Dispatcher._path(self, pe_node, request.decode_node, request.avoid_reader)
             # Until the readers report again, count this request's hits in the queues they join
-            # (staged blocks are read already).
-            block_tokens = request.read_tokens // hit_blocks if hit_blocks else 0
+            # (staged blocks are read already), whole blocks: a partial last one is read whole.
+            block_tokens = request.hit_block_tokens
             self.read_q[pe_node] = self.read_q.get(pe_node, 0) + pe_blocks * block_tokens
             de_tokens = (hit_blocks - pe_blocks - staged) * block_tokens
             self.read_q[request.decode_node] = self.read_q.get(request.decode_node, 0) + de_tokens
@@ -364,7 +364,7 @@ class Dispatcher:
             return
         reader = pe_node if path is ReadPath.PE else request.decode_node
         inputs = SplitInputs(
-            hit_blocks, request.hit_tokens // hit_blocks, request.prompt_tokens - request.hit_tokens,
+            hit_blocks, request.hit_block_tokens, request.prompt_tokens - hit_blocks * request.hit_block_tokens,
             self.read_q.get(reader, 0), engine_tok,
         )
         request.read_blocks = blocks_to_read(inputs, self.compute_path)

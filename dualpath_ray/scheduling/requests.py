@@ -68,7 +68,10 @@ class Request:
     as the scheduler found it at submit and again when it was considered for a prefill engine
     (late binding, scheduling/binding.py: the latest, longest answer; bound_at: the binder's
     generation at that look); decode_tokens: the HBM its decode engine reserves (prompt +
-    max new tokens, in whole pages). `spec` is what the caller submitted, carried to the
+    max new tokens, in whole pages); partial_hit: its last hit block holds the prompt's last
+    token, which it computes anyway (the logits): hit_tokens = prompt_tokens - 1 while its hit
+    blocks hold prompt_tokens (a partial-block hit, scheduling/binding.py). Every other hit
+    block is whole, so `hit_block_tokens` (the store's block size) is exact either way. `spec` is what the caller submitted, carried to the
     engines unchanged: SchedulerCore.submit always sets it; only a policy test that places
     requests no engine serves leaves it None.
     """
@@ -93,6 +96,7 @@ class Request:
     # compute path, scheduling/compute_path.py). None: all of them (set when it is placed).
     read_blocks: int | None = None
     bound_at: int = 0  # HitBinder.generation when its hits were last looked up
+    partial_hit: bool = False  # see the class doc
     # Whether it may wait for a producer's prefix (scheduling/sharing.py); False once a producer
     # it waited for failed or left: it computes.
     may_wait: bool = True
@@ -105,11 +109,18 @@ class Request:
         return self.hit_keys if self.read_blocks is None else self.hit_keys[: self.read_blocks]
 
     @property
+    def hit_block_tokens(self) -> int:
+        """Tokens one hit block holds (0 without hits): the read queues count these, a partial
+        last block's too, since it is read whole."""
+        return (self.hit_tokens + self.partial_hit) // len(self.hit_keys) if self.hit_keys else 0
+
+    @property
     def read_tokens(self) -> int:
-        """The prompt tokens whose KV it reads; the rest are computed."""
+        """The prompt tokens whose KV it reads and does not compute (a partial last block,
+        read whole, gives all but its last token); the rest are computed."""
         if self.read_blocks is None or not self.hit_keys:
             return self.hit_tokens
-        return self.hit_tokens // len(self.hit_keys) * self.read_blocks
+        return min(self.hit_tokens, self.hit_block_tokens * self.read_blocks)
 
     @property
     def recomputed_hit_tokens(self) -> int:

@@ -61,11 +61,12 @@ class SchedulerCore:
         self.index = index
         self.eviction = eviction
         self.store = store
-        self.binder = HitBinder(index, settings.block_size, eviction, late=settings.bind_hits == "late")
+        self.binder = HitBinder(index, settings.block_size, eviction, late=settings.bind_hits == "late",
+                                partial=settings.partial_block_hits)
         sharing = None
         if settings.share_in_flight is not None and settings.mode is not Mode.ORACLE:
             sharing = InFlightSharing(settings.share_in_flight, index, settings.block_size,  # type: ignore[arg-type]
-                                      settings.early_prompt_publish)
+                                      settings.early_prompt_publish, settings.partial_block_hits)
         self.dispatcher = Dispatcher(
             settings.constants, settings.mode, settings.read_split, settings.decode_groups, settings.compute_path,
             self.binder, sharing,
@@ -138,6 +139,7 @@ class SchedulerCore:
             prefill_node=request.prefill_node, decode_engine=request.decode_engine, decode_node=request.decode_node,
             pe_hit_blocks=request.pe_hit_blocks, staged=request.staged.read() if request.staged else None,
             recomputed_keys=request.hit_keys[len(request.read_keys):], recomputed_tokens=request.recomputed_hit_tokens,
+            partial_hit=request.partial_hit,
         )
 
     def handed_off(self, request_id: str) -> bool:

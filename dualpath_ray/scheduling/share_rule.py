@@ -23,6 +23,12 @@ latency model's time of one request's prefill given (cached, new) tokens (schedu
 compute_path.py: the same estimates as the compute path). The hit is read in every case and
 left out of all of them.
 
+A partial-block hit (scheduler.partial_block_hits): when the promised run reaches the block that
+holds the prompt's last token, miss is 0 and the waiter reads that block whole and computes only
+the last token. Every prefill_s above then takes cached = min(hit + promised, prompt - 1) and
+new = prompt - cached (prompt = hit + promised + miss), and the reads still count every promised
+token (whole blocks).
+
 It waits, through the source that ends it sooner (of equal ends the buffer: it leaves the SNIC
 to others), only if waiting ends strictly sooner than computing: of equal ends computing wins
 (no dependency on another request, nothing to release if that one fails).
@@ -50,7 +56,9 @@ class ShareInputs:
 
     hit_tokens: int  # stored already (its late hit)
     promised_tokens: int  # the producer's run right after the hit
-    miss_tokens: int  # the rest of its prompt (at least one: the token that yields the logits)
+    # The rest of its prompt past the promised blocks: at least one token, or 0 where the last
+    # promised block holds the prompt's last token (a partial-block hit, module doc).
+    miss_tokens: int
     ready_in_s: float  # until the producer publishes the promised blocks (0 if it is late)
     read_queue_tokens: int  # queued on the reader the promised blocks would be read through
     engine_queue_tokens: int  # prefill tokens the engines it may land on hold before it
@@ -59,15 +67,26 @@ class ShareInputs:
 
     def __post_init__(self) -> None:
         if min(self.hit_tokens, self.promised_tokens, self.read_queue_tokens, self.engine_queue_tokens) < 0 or (
-            self.miss_tokens < 1 or self.ready_in_s < 0
+            self.miss_tokens < 0 or self.ready_in_s < 0 or self.prompt_tokens < 1
         ):
-            raise ValueError(f"share inputs must be >= 0 (miss >= 1): {self}")
+            raise ValueError(f"share inputs must be >= 0 (and hit + promised + miss >= 1): {self}")
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.hit_tokens + self.promised_tokens + self.miss_tokens
+
+
+def _prefill_s(inputs: ShareInputs, model: ComputePathModel, cached: int) -> float:
+    """The latency model's prefill of the request with `cached` tokens read: its last token is
+    computed whatever is read (it yields the logits)."""
+    cached = min(cached, inputs.prompt_tokens - 1)
+    return model.prefill_s(cached, inputs.prompt_tokens - cached)
 
 
 def end_if_computed(inputs: ShareInputs, model: ComputePathModel) -> float:
     """Seconds from now to the end of its prefill when it computes the promised blocks itself."""
     engine_wait = inputs.engine_queue_tokens / model.compute_tokens_per_s
-    return engine_wait + model.prefill_s(inputs.hit_tokens, inputs.promised_tokens + inputs.miss_tokens)
+    return engine_wait + _prefill_s(inputs, model, inputs.hit_tokens)
 
 
 def sources(inputs: ShareInputs, model: ComputePathModel) -> tuple[ShareSource, ...]:
@@ -86,7 +105,7 @@ def end_if_waiting(inputs: ShareInputs, model: ComputePathModel, source: ShareSo
     else:
         read_s = (inputs.read_queue_tokens + inputs.promised_tokens) / model.read_tokens_per_s
     read_done = inputs.ready_in_s + read_s
-    return max(read_done, engine_wait) + model.prefill_s(inputs.hit_tokens + inputs.promised_tokens, inputs.miss_tokens)
+    return max(read_done, engine_wait) + _prefill_s(inputs, model, inputs.hit_tokens + inputs.promised_tokens)
 
 
 def wait_source(inputs: ShareInputs, model: ComputePathModel) -> ShareSource | None:

@@ -82,8 +82,12 @@ class InFlightSharing:
 
     def __init__(
         self, model: ComputePathModel, chains: ChainSource, block_size: int, early_publish: bool = False,
+        partial: bool = False,
     ) -> None:
         self.model = model
+        # Whether a waiter may wait for the block holding its prompt's last token too (partial-
+        # block hits, scheduling/binding.py): then it computes only that token.
+        self.partial = partial
         # Whether the driver reports a producer's prompt blocks stored before its turn ends
         # (SchedulerCore.prompt_persisted: the simulator does, and the runtime with a decode-buffer
         # source); if not, a producer publishes them with its turn's result, after its decode.
@@ -118,12 +122,12 @@ class InFlightSharing:
         """Whether `request` waits (then it is held as its producer's waiter) or is placed now."""
         if not request.may_wait or not len(self.promises) or request.request_id in self.promises:
             return False
-        size = self.block_size
-        found = self.promises.run(self._chain(request), len(request.hit_keys), (request.prompt_tokens - 1) // size)
+        size, last = self.block_size, request.prompt_tokens - 1
+        found = self.promises.run(self._chain(request), len(request.hit_keys), request.prompt_tokens // size if self.partial else last // size)
         if found is None:
             return False
         promise, covered = found
-        promised = covered * size
+        promised = covered * size  # whole blocks, read whole; hit + promised <= prompt_tokens
         inputs = ShareInputs(
             request.hit_tokens, promised, request.prompt_tokens - request.hit_tokens - promised,
             max(0.0, promise.ready_at - now), read_q_tokens, engine_q_tokens,

@@ -90,7 +90,7 @@ class Simulation:
                                      decode_groups=self.cfg.cluster.decode_nodes, staging=settings.staging,
                                      compute_path=compute_path, bind_hits=self.cfg.scheduler.bind_hits,
                                      share_in_flight=sharing_model(self.cfg, settings.constants, prefill_s),
-                                     early_prompt_publish=True)
+                                     early_prompt_publish=True, partial_block_hits=self.cfg.partial_block_hits)
         loop = self.loop
         core = SchedulerCore(core_settings, index, clock=lambda: loop.now)  # type: ignore[arg-type]
         if settings.options.path_choice == "round_robin":
@@ -119,10 +119,9 @@ class Simulation:
         self.decode_engines[reservation.decode_engine].accept(reservation)
 
     def _assign(self, tasks: Sequence[PrefillTask], now: float) -> None:
-        size = self.settings.block_size
         for task in tasks:
             pe_blocks = task.pe_blocks  # the dispatcher's: all hits (PE), none (DE) or a share (split)
-            de_blocks = task.hit_tokens // size - pe_blocks
+            de_blocks = len(task.hit_keys) - pe_blocks  # a partial hit's last block is read whole
             decode = self.decode_engines[task.decode_engine]
             job = SimPrefillJob(
                 task, len(task.request.prompt), task.hit_tokens, pe_blocks, de_blocks, decode, decode.node, decode.links,

@@ -27,7 +27,9 @@ from dualpath_ray.workload.grouped import grouped_trajectories  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
-PROMPTS, SAMPLES, FIRST = 2, 4, 641  # 10 full blocks and one token: a waiter computes that token only
+# Exactly 10 blocks: a waiter reads all 10 (the last one whole, a partial-block hit) and computes
+# the prompt's last token only.
+PROMPTS, SAMPLES, FIRST = 2, 4, 640
 GEN = 96  # the producer decodes long after its prefill: its waiters must not wait for that
 
 
@@ -75,8 +77,8 @@ def test_grouped_samples_compute_their_prompt_once_per_group_and_read_it_from_th
             "each group computes its prompt once; each other sample only its last token"
         )
         assert calls["buffer_waits"] == waiters, "every waiter chose its producer's decode-node buffer over the store"
-        assert calls["shared_prefix_tokens"] == waiters * (FIRST - 1), "each read the producer's 640 tokens"
-        assert sum(c.get("served", 0) for c in hot.values()) == waiters * (FIRST - 1) // 64, (
+        assert calls["shared_prefix_tokens"] == waiters * (FIRST - 1), "each read the producer's 639 hit tokens"
+        assert sum(c.get("served", 0) for c in hot.values()) == waiters * FIRST // 64, (
             "every shared block came from the decode node's memory, none through the SNIC"
         )
         for p in range(PROMPTS):

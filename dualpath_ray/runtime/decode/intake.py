@@ -219,9 +219,13 @@ class DecodeIntake:
             # The compute keeps the KV: the load or the oracle's compute goes into its pages.
             job.compute_state = self.compute.decode_state(job.tokens, task.request.namespace)
         if task.oracle:
+            start = task.hit_tokens
             if self.compute.held_kv is None:
                 self._read_hits(job, table)
-            self._filling.append((job, PageFill(prompt, task.hit_tokens, len(prompt), table)))
+                # A partial hit's blocks hold the whole prompt: the stored bytes stay, nothing is
+                # computed into its pages (as on the other paths, runtime/prefill/pipeline.py).
+                start = task.read_end
+            self._filling.append((job, PageFill(prompt, start, len(prompt), table)))
             return
         self._post_load(job, table, len(prompt))
         transition(job, DecodeState.LOADING)
@@ -278,7 +282,7 @@ class DecodeIntake:
         held = self.compute.held_kv
         try:
             if held is None:
-                self.compute.fill_pages_many([fill for _, fill in filling], self.pages.tensor)
+                self.compute.fill_pages_many([fill for _, fill in filling if fill.start < fill.end], self.pages.tensor)
             else:
                 held.compute_prompts(
                     [job.compute_state for job, _ in filling],

@@ -16,6 +16,14 @@ must not read the slot before the layer's kernels have written it.
 
 Oracle requests move nothing: their KV lives in a host tensor of the whole prompt (`oracle_kv`),
 filled from the store at staging; loads and sends are local copies.
+
+A partial-block hit (PrefillTask.partial_hit: the last read block holds the prompt's last token,
+which is computed for its logits) loads the whole read span, [0, read_end), not only the past
+[0, start): the compute writes the computed token's K/V over the loaded one at its position and
+attends to it (so its logits are the recompute's), and after the layer the loaded bytes are put
+back (`_Restore`). The loaded bytes win: every position a stored block covers leaves the window
+holding the stored bytes, in its digests and in what goes to the decode node, so the decode side's
+check against the store (runtime.verify_kv) holds bit for bit and nothing stored is written again.
 """
 
 from __future__ import annotations
@@ -86,11 +94,31 @@ class _Check:
 
 
 @dataclass
+class _Restore:
+    """Loaded KV of tokens [lo, hi) of a chunk's span that its compute writes over (a partial
+    hit's last token): saved after the load, put back after the compute (module doc)."""
+
+    offset: int
+    lo: int
+    hi: int
+    saved: torch.Tensor | None = None
+
+
+def loaded_end(job: PrefillJob, chunk: ChunkSpec) -> int:
+    """The end of the KV loaded into the chunk's span: its past, and on the first chunk of a
+    partial hit the read blocks' last token too (module doc)."""
+    if job.chunks:
+        return chunk.start
+    return max(chunk.start, min(job.task.read_end, chunk.end))
+
+
+@dataclass
 class _Layer:
     reads: list[_Posted] = field(default_factory=list)
     checks: list[_Check] = field(default_factory=list)
     writes: list[_Posted] = field(default_factory=list)
     per_peer: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    restores: list[_Restore] = field(default_factory=list)
 
 
 class LayerPipeline:
@@ -133,8 +161,14 @@ class LayerPipeline:
             self._post_in(jobs, chunks, 1)
         for layer in range(n_layer):
             self._finish_in(layer)
+            restores = self._layers[layer].restores
+            slot = self.window.slot(layer)
+            for restore in restores:
+                restore.saved = slot[restore.offset + restore.lo : restore.offset + restore.hi].clone()
             started = time.perf_counter()
             compute(layer)
+            for restore in restores:  # before the event: the transport must see the loaded bytes
+                slot[restore.offset + restore.lo : restore.offset + restore.hi].copy_(restore.saved)
             ready = self.kv_ready()
             ready.record()
             self.stats.compute_s += time.perf_counter() - started
@@ -169,10 +203,13 @@ class LayerPipeline:
         for job, chunk in zip(jobs, chunks):
             if chunk.start == 0:
                 continue
+            end = loaded_end(job, chunk)
+            if end > chunk.start:
+                self._layers[layer].restores.append(_Restore(chunk.offset, chunk.start, end))
             if job.task.oracle:
-                slot[chunk.offset : chunk.offset + chunk.start].copy_(job.oracle_kv[layer, : chunk.start])
+                slot[chunk.offset : chunk.offset + end].copy_(job.oracle_kv[layer, :end])
                 continue
-            for grant, lo, hi, side in self._past_sources(job, chunk):
+            for grant, lo, hi, side in self._past_sources(job, chunk, end):
                 assert grant is not None, f"request {job.request_id}: no extent holds its past KV [{lo}, {hi})"
                 moves = self._moves(grant.slots, layer, lo, hi, chunk.offset)
                 by_peer[grant.reader].extend(moves)
@@ -192,17 +229,18 @@ class LayerPipeline:
             self.stats.bytes_in += nbytes
 
     @staticmethod
-    def _past_sources(job: PrefillJob, chunk: ChunkSpec) -> list[tuple[Any, int, int, str]]:
-        """(extent, first token, end token, counter side) of each part of a request's past KV.
-        The first chunk reads its first `pe_tokens` hit tokens from the prefill node's extent
-        (all of them on the PE path, none on the DE path, the first blocks of a split read) and
-        the rest from the decode node's, which holds everything once that chunk was sent."""
+    def _past_sources(job: PrefillJob, chunk: ChunkSpec, end: int) -> list[tuple[Any, int, int, str]]:
+        """(extent, first token, end token, counter side) of each part of a request's loaded KV,
+        [0, end) (`loaded_end`). The first chunk reads its first `pe_tokens` hit tokens from the
+        prefill node's extent (all of them on the PE path, none on the DE path, the first blocks
+        of a split read) and the rest from the decode node's, which holds everything once that
+        chunk was sent."""
         task = job.task
         side = ReadPath(task.path).side.value
         if job.chunks:
-            return [(job.de, 0, chunk.start, side)]
-        pe_end = min(task.pe_tokens, chunk.start)
-        parts = [(job.pe, 0, pe_end, ReadPath.PE.value), (job.de, pe_end, chunk.start, side)]
+            return [(job.de, 0, end, side)]
+        pe_end = min(task.pe_tokens, end)
+        parts = [(job.pe, 0, pe_end, ReadPath.PE.value), (job.de, pe_end, end, side)]
         return [part for part in parts if part[2] > part[1]]
 
     def _finish_in(self, layer: int) -> None:

@@ -246,6 +246,7 @@ class SchedulerMetrics:
                                      (m.PREFIX_WAITS, dict(stats.waits)), (m.PREFIX_WAIT_SECONDS, dict(stats.wait_s))):
                     for engine, total in totals.items():
                         self.totals.update(spec, total, {**mode, "engine": engine})
+                self.totals.update(m.PREFIX_BUFFER_WAITS, stats.buffer_waits, mode)
         self.totals.update(m.RETRIES, self.calls.retries, mode)
         self.totals.update(m.RECOMPUTED_BLOCKS, self.calls.unindexed_blocks, mode)
         self.totals.update(m.ATTEMPT_FAILURES, self.calls.timeouts, {**mode, "kind": "timeout"})

@@ -21,7 +21,10 @@ def literal(inputs: SplitInputs, model: ComputePathModel) -> int:
         b = inputs.block_tokens
         read_done = (inputs.read_queue_tokens + k * b) / model.read_tokens_per_s if k else 0.0
         start = max(read_done, inputs.engine_queue_tokens / model.compute_tokens_per_s)
-        end = start + model.prefill_s(k * b, inputs.miss_tokens + (inputs.hit_blocks - k) * b)
+        if k == inputs.hit_blocks and inputs.miss_tokens == 0:  # a partial-block hit read whole: its last token is computed
+            end = start + model.prefill_s(k * b - 1, 1)
+        else:
+            end = start + model.prefill_s(k * b, inputs.miss_tokens + (inputs.hit_blocks - k) * b)
         if best is None or end <= best:
             best_k, best = k, end
     return best_k
@@ -36,7 +39,9 @@ MODELS = [
 
 @pytest.mark.parametrize("model", MODELS)
 def test_the_split_is_the_literal_scans_earliest_finish(model: ComputePathModel) -> None:
-    for hit, miss, read_q, engine_q in itertools.product((0, 1, 2, 7, 40), (1, 64, 900), (0, 5_000, 80_000), (0, 3_000, 60_000)):
+    for hit, miss, read_q, engine_q in itertools.product((0, 1, 2, 7, 40), (0, 1, 64, 900), (0, 5_000, 80_000), (0, 3_000, 60_000)):
+        if hit == miss == 0:
+            continue  # an empty prompt (refused: test below)
         inputs = SplitInputs(hit, 64, miss, read_q, engine_q)
         assert blocks_to_read(inputs, model) == literal(inputs, model), (
             f"the binary search finds the literal scan's latest earliest-finishing k for {inputs}"
@@ -72,3 +77,22 @@ def test_bad_inputs_are_refused() -> None:
         ComputePathModel(0.0, 1.0, linear_prefill(1.0, 0.0))
     with pytest.raises(ValueError, match="outside"):
         finish_s(SplitInputs(2, 64, 1, 0, 0), MODELS[0], 3)
+    with pytest.raises(ValueError, match="empty prompt"):
+        SplitInputs(0, 64, 0, 0, 0)
+
+
+def test_a_partial_block_hit_read_whole_still_computes_its_last_token() -> None:
+    # 32 blocks of 64 hold the whole 2,048-token prompt (miss 0): reading all of them leaves
+    # the last token to compute (cached 2,047, new 1); reading 31 computes the last block (64).
+    calls: list[tuple[int, int]] = []
+
+    def prefill_s(cached: int, new: int) -> float:
+        calls.append((cached, new))
+        return new / 1_000
+
+    model = ComputePathModel(1_000_000.0, 1_000.0, prefill_s)
+    inputs = SplitInputs(hit_blocks=32, block_tokens=64, miss_tokens=0, read_queue_tokens=0, engine_queue_tokens=0)
+    assert finish_s(inputs, model, 32) == pytest.approx(32 * 64 / 1_000_000 + 1 / 1_000), "read every block, compute 1 token"
+    assert calls[-1] == (2047, 1), "the latency model is asked for the one token past the 2,047 read"
+    assert finish_s(inputs, model, 31) == pytest.approx(31 * 64 / 1_000_000 + 64 / 1_000), "31 read, the last block computed"
+    assert calls[-1] == (1984, 64), "the last block's 64 tokens are computed on 1,984 read"

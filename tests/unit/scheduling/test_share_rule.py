@@ -4,7 +4,7 @@ written out literally, step by step, and on hand-worked cases."""
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from dualpath_ray.scheduling.compute_path import ComputePathModel
@@ -34,7 +34,10 @@ def reference_should_wait(hit: int, promised: int, miss: int, ready_in: float, r
     blocks_published_in = ready_in
     blocks_read_in = blocks_published_in + read_q / READ_RATE + promised / READ_RATE
     starts_in = blocks_read_in if blocks_read_in > engines_free_in else engines_free_in
-    waiting_ends = starts_in + prefill_s(hit + promised, miss)
+    if miss == 0:  # the last promised block holds the prompt's last token: read whole, that token is computed
+        waiting_ends = starts_in + prefill_s(hit + promised - 1, 1)
+    else:
+        waiting_ends = starts_in + prefill_s(hit + promised, miss)
     return waiting_ends < computing_ends
 
 
@@ -42,7 +45,7 @@ def reference_should_wait(hit: int, promised: int, miss: int, ready_in: float, r
 RULE_INPUTS = dict(
     hit=st.integers(0, 64).map(lambda b: b * 16),
     promised=st.integers(0, 256).map(lambda b: b * 16),
-    miss=st.integers(1, 4096),
+    miss=st.integers(0, 4096),  # 0: a partial-block hit (the promised run ends with the prompt)
     ready_in=st.integers(0, 4096).map(lambda t: t / 64),
     read_q=st.integers(0, 1 << 16),
     engine_q=st.integers(0, 1 << 16),
@@ -54,6 +57,7 @@ RULE_INPUTS = dict(
 def test_the_rule_matches_its_literal_reference(
     hit: int, promised: int, miss: int, ready_in: float, read_q: int, engine_q: int
 ) -> None:
+    assume(hit + promised + miss >= 1)  # an empty prompt is refused (test_bad_inputs_name_themselves)
     inputs = ShareInputs(hit, promised, miss, ready_in, read_q, engine_q)
     assert should_wait(inputs, MODEL) == reference_should_wait(hit, promised, miss, ready_in, read_q, engine_q), (
         f"the rule differs from its literal reference at {inputs}"
@@ -85,8 +89,18 @@ def test_equal_ends_compute_and_nothing_promised_never_waits() -> None:
 
 
 def test_bad_inputs_name_themselves() -> None:
-    with pytest.raises(ValueError, match="miss >= 1"):
-        ShareInputs(0, 16, 0, 0.0, 0, 0)
+    with pytest.raises(ValueError, match="hit \\+ promised \\+ miss >= 1"):
+        ShareInputs(0, 0, 0, 0.0, 0, 0)
+
+
+def test_a_promise_that_ends_with_the_prompt_leaves_one_token_to_compute() -> None:
+    """G samples of a 2,048-token prompt of exactly 32 blocks, partial-block hits on: the
+    producer promises all 32, so a waiter reads them whole and computes the last token (cached
+    2,047, new 1); computing them itself costs the whole prompt."""
+    inputs = ShareInputs(0, 2048, 0, 3.0, 0, 8192)
+    assert end_if_computed(inputs, MODEL) == 8.0 + 2048 / 256, "computing: every token of the prompt"
+    assert end_if_waiting(inputs, MODEL) == 8.0 + 2047 / 4096 + 1 / 256, "waiting: 2,047 cached, the last token computed"
+    assert should_wait(inputs, MODEL), "waiting saves computing the whole prompt again"
     with pytest.raises(ValueError, match="share inputs"):
         ShareInputs(0, 16, 1, -1.0, 0, 0)
 
@@ -102,7 +116,7 @@ def reference_wait_source(
         return None
     engines_free_in = engine_q / COMPUTE_RATE
     computing_ends = engines_free_in + prefill_s(hit, promised + miss)
-    after_read = prefill_s(hit + promised, miss)
+    after_read = prefill_s(hit + promised - 1, 1) if miss == 0 else prefill_s(hit + promised, miss)  # miss 0: see above
     store_read_in = ready_in + read_q / READ_RATE + promised / READ_RATE
     store_ends = max(store_read_in, engines_free_in) + after_read
     best, best_ends = "store", store_ends
@@ -119,6 +133,7 @@ def reference_wait_source(
 def test_the_source_choice_matches_its_literal_reference(
     hit: int, promised: int, miss: int, ready_in: float, read_q: int, engine_q: int, same_node: bool,
 ) -> None:
+    assume(hit + promised + miss >= 1)  # an empty prompt is refused (test_bad_inputs_name_themselves)
     inputs = ShareInputs(hit, promised, miss, ready_in, read_q, engine_q, same_decode_node=same_node)
     got = wait_source(inputs, BUFFERED)
     expected = reference_wait_source(hit, promised, miss, ready_in, read_q, engine_q, same_node)
