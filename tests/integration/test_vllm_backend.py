@@ -36,6 +36,10 @@ def reference():
 def test_vllm_engines_serve_a_multi_turn_rollout_exactly(reference, mode: str) -> None:
     trajs, expected = reference
     cfg = vllm_config(mode)
+    if mode == "dualpath":
+        # The decode engine checks every loaded KV byte: hits against the store, the rest against
+        # a recompute by its vLLM engine (runtime.verify_kv).
+        cfg = cfg.with_overrides(runtime={"verify_kv": True})
     cluster = DualPathCluster.start(cfg)
     try:
         deployment = cluster.deploy(mode)
@@ -55,6 +59,11 @@ def test_vllm_engines_serve_a_multi_turn_rollout_exactly(reference, mode: str) -
     pe, de = counters["p0"].snic_read["pe"], counters["d0"].snic_read["de"]
     assert all(free == capacity for free, _, _, capacity in pools.values()), f"nothing is left leased: {pools}"
     decode = engines["decode/d0/g0"].compute
+    if cfg.runtime.verify_kv:
+        verified = [(turn.kv_bytes_verified, turn.kv_mismatches) for turns in result.turn_results.values() for turn in turns]
+        assert all(nbytes > 0 and bad == 0 for nbytes, bad in verified), (
+            f"runtime.verify_kv checked the loaded prompt KV of every turn, and none differed: {verified}"
+        )
     assert decode["prefix_cache_hit_tokens"] > 0, (
         f"vLLM's own prefix cache (on by default) served a trajectory's earlier turns on the decode engine: {decode}"
     )
