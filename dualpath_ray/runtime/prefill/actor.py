@@ -37,7 +37,6 @@ class PrefillEngine(EngineBase):
             # The batches' KV lives in the compute's pages (vLLM's): it moves between the
             # readers' extents and them through the transport, paced by this engine's CNIC.
             self.hbm.register(Pool.COMPUTE_KV, held.kv_buffer, owned=False)
-            held.bind(self.hbm.transport_port(), Pool.COMPUTE_KV)
             held.bind_links(self.links[0].take, self.links[1].take)
         settings = PrefillSettings(
             self.id.engine_id, self.id.node_id, self.id.reader, cfg.scheduler.compute_quota_ms,
@@ -50,6 +49,10 @@ class PrefillEngine(EngineBase):
         )
         if self.faults.active:
             ports = with_faults(ports, self.faults, self.hbm.view)
+        if held is not None:
+            # The core's transport port, faults and all: the plan's transfer faults hit the
+            # compute's moves as they hit the layer pipeline's.
+            held.bind(ports.transport, Pool.COMPUTE_KV)
         return PrefillCore(
             settings, self.layout, self.compute, window, attention_predictor(cfg), ports, self.store, self.links
         )
