@@ -300,7 +300,7 @@ def _prefill_in_pages(cfg: DualPathConfig) -> dict[str, object]:
             token = compute.sample_last(batch, [0], [greedy])[0].token
         except RuntimeError as exc:
             compute.abandon_prefill(batch)
-            return {"error": str(exc)}
+            return {"error": str(exc), "kind": type(exc).__name__}
         moved = compute.moved(batch)
         after = transport.stats()
         return {"token": token, "moved": moved, "read": after.bytes_read - before.bytes_read,
@@ -355,7 +355,7 @@ def _prefill_in_pages(cfg: DualPathConfig) -> dict[str, object]:
     failed = run(ChunkSpec(np.asarray(prompt2), 150, 191, 0, greedy, "t3", chunk2.kv))
     buffer[a[0]] = saved
     again = run(ChunkSpec(np.asarray(prompt2), 150, 191, 0, greedy, "t4", chunk2.kv))
-    out.update({"failed": failed.get("error", ""), "again_token": again.get("token")})
+    out.update({"failed": failed.get("error", ""), "failed_kind": failed.get("kind"), "again_token": again.get("token")})
     transport.close()
     return out
 
@@ -382,5 +382,7 @@ def test_a_prefill_batch_moves_its_kv_between_buffer_extents_and_vllms_pages_onl
     assert got["cached_token"] == got["second_ref"] and got["cached_read"] == 0, (
         f"vLLM's prefix cache serves the blocks sent earlier (settled back after the send), nothing lands: {got}"
     )
-    assert "differs from its digests" in got["failed"], f"a damaged landing fails the batch after a second read: {got}"
+    assert "differs from its digests" in got["failed"] and got["failed_kind"] == "TransportError", (
+        f"a damaged landing fails the batch after a second read, as a transfer failure (the scheduler retries it): {got}"
+    )
     assert got["again_token"] == got["second_ref"], f"the engine serves the next batch as before: {got}"

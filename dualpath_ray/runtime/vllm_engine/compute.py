@@ -189,6 +189,11 @@ class VllmCompute(EngineCompute):
         run.thread.join(self.timeout_s)
         if run.thread.is_alive():
             raise TimeoutError(f"vLLM's prefill step did not end in {self.timeout_s}s")
+        if isinstance(run.error, Exception):
+            # Raised as it is, so the engine classifies it (a transfer failure is retried) as
+            # when the layer pipeline's own transfer fails.
+            run.error.add_note("raised in vLLM's prefill step")
+            raise run.error
         if run.error is not None:
             raise RuntimeError(f"vLLM's prefill step failed: {run.error!r}") from run.error
         return run

@@ -12,7 +12,7 @@ layer order of the native LayerPipeline (runtime/prefill/pipeline.py):
   block-layer landing in the bytes of the block vLLM allocated for it (`BlockLayerMap.runs`);
   `before_layer(l)` (`wait_for_layer_load`) waits for layer l's reads only, checks the landed
   tokens against their digests (a mismatch is read once more), and settles them into the page
-  layout in place. Loads are whole blocks (landing.py says why): a chunk's past that ends inside
+  layout in place (a second mismatch fails the step as a TransportError). Loads are whole blocks (landing.py says why): a chunk's past that ends inside
   a block has its full blocks loaded and vLLM computes the rest of that block again.
 - writes: `after_layer(l)` (`save_kv_layer`, once vLLM computed the layer for every request of
   the step, so nothing reads layer l's pages again in it) turns the block-layers holding the
@@ -39,7 +39,7 @@ from dualpath_ray.kv.digest import token_digests
 from dualpath_ray.kv.layout import KVLayout, block_segments
 from dualpath_ray.runtime.compute.engine_compute import ChunkSpec
 from dualpath_ray.runtime.compute.prefill_kv import KVSpan, PrefillMoved
-from dualpath_ray.runtime.transport.moves import Move, Region
+from dualpath_ray.runtime.transport.moves import Move, Region, TransportError
 from dualpath_ray.runtime.vllm_engine.block_layers import BlockLayerMap, backing_buffer
 from dualpath_ray.runtime.vllm_engine.pages import PageCodec
 from dualpath_ray.runtime.vllm_engine.step_kv import ScheduledKV
@@ -260,7 +260,11 @@ class PagedPrefillStep:
         again = self._mismatches(layer)
         if again:
             self.moved.digest_mismatches += again
-            raise RuntimeError(f"layer {layer} past KV landed in vLLM's pages differs from its digests at {again} tokens after a second read")
+            # A transfer failure (retried by the scheduler, ErrorKind.TRANSFER): the bytes that
+            # landed are not what the reader verified.
+            raise TransportError(
+                f"layer {layer} past KV landed in vLLM's pages differs from its digests at {again} tokens after a second read"
+            )
         self.moved.digest_rereads += 1
 
     def _mismatches(self, layer: int) -> int:
