@@ -349,13 +349,15 @@ def _prefill_in_pages(cfg: DualPathConfig) -> dict[str, object]:
     turn2_cached = run(ChunkSpec(np.asarray(prompt2), 150, 191, 0, greedy, "t1", chunk2.kv))
     out.update({"cached_token": turn2_cached["token"], "cached_read": turn2_cached["read"]})
     # A damaged block of the extent: the landing differs from its digests, is read once more,
-    # and the batch fails; the engine then serves the next batch as before.
+    # and the batch fails; the engine then serves the same batch as before: its blocks land
+    # again (the failed step emptied vLLM's prefix cache, which had taken them at allocation).
     saved = buffer[a[0]].clone()
     buffer[a[0], 0, 5] ^= 0xFF
     failed = run(ChunkSpec(np.asarray(prompt2), 150, 191, 0, greedy, "t3", chunk2.kv))
     buffer[a[0]] = saved
-    again = run(ChunkSpec(np.asarray(prompt2), 150, 191, 0, greedy, "t4", chunk2.kv))
-    out.update({"failed": failed.get("error", ""), "failed_kind": failed.get("kind"), "again_token": again.get("token")})
+    again = run(ChunkSpec(np.asarray(prompt2), 150, 191, 0, greedy, "t3", chunk2.kv))
+    out.update({"failed": failed.get("error", ""), "failed_kind": failed.get("kind"), "again_token": again.get("token"),
+                "again_read": again.get("read")})
     transport.close()
     return out
 
@@ -385,4 +387,6 @@ def test_a_prefill_batch_moves_its_kv_between_buffer_extents_and_vllms_pages_onl
     assert "differs from its digests" in got["failed"] and got["failed_kind"] == "TransportError", (
         f"a damaged landing fails the batch after a second read, as a transfer failure (the scheduler retries it): {got}"
     )
-    assert got["again_token"] == got["second_ref"], f"the engine serves the next batch as before: {got}"
+    assert got["again_token"] == got["second_ref"] and got["again_read"] == got["turn2_read"], (
+        f"the engine serves the batch again, its blocks landing anew (not found in vLLM's cache half landed): {got}"
+    )

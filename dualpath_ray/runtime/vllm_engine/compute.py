@@ -200,12 +200,19 @@ class VllmCompute(EngineCompute):
 
     def abandon_prefill(self, batch: PrefillBatch) -> None:
         """The batch failed: let vLLM's step end (it moves only what its own hooks post, and
-        settles its pages back whatever happened), and drop its requests."""
+        settles its pages back whatever happened), and drop its requests. vLLM put their full
+        blocks in its prefix cache when it allocated them, loaded or not: a failed step empties
+        the cache, or a later request of the same prefix would attend over blocks that never
+        landed (a prefill engine holds no other request, so nothing else loses its pages)."""
         run: _PrefillRun | None = batch.state
         if run is None:
             return
         run.thread.join(self.timeout_s)
+        if run.thread.is_alive():
+            raise RuntimeError(f"vLLM's prefill step did not end in {self.timeout_s}s after its batch failed")
         self.host.abort(list(run.keys))
+        if run.error is not None and not self.host.reset_prefix_cache():
+            raise RuntimeError("vLLM could not empty its prefix cache after a failed prefill step: requests still hold pages")
 
     def bind_links(self, take_in: Callable[[int], None], take_out: Callable[[int], None]) -> None:
         self._takes = (take_in, take_out)
