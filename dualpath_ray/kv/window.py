@@ -78,14 +78,17 @@ def span_offsets(lengths: Sequence[int]) -> list[int]:
 class LayerWindow:
     """RING_LAYERS layer slots of one batch's KV, with a checked lifecycle per slot."""
 
-    def __init__(self, capacity_tokens: int, layout: KVLayout, device: str | torch.device = "cpu") -> None:
+    def __init__(
+        self, capacity_tokens: int, layout: KVLayout, device: str | torch.device = "cpu", storage: bool = True,
+    ) -> None:
         if capacity_tokens < 1:
             raise ValueError(f"capacity_tokens must be >= 1, got {capacity_tokens}")
         self.layout = layout
         self.capacity_tokens = capacity_tokens
-        self.tensor = torch.empty(
-            (RING_LAYERS, capacity_tokens, layout.bytes_per_token_per_layer), dtype=torch.uint8, device=device
-        )
+        # Without storage the window only bounds a batch's tokens: a compute that keeps the
+        # batch's KV in pages of its own (runtime/compute/prefill_kv.py: vLLM's) needs no slots.
+        tokens = capacity_tokens if storage else 0
+        self.tensor = torch.empty((RING_LAYERS, tokens, layout.bytes_per_token_per_layer), dtype=torch.uint8, device=device)
         self._states = [SlotState.FREE] * RING_LAYERS
         self._lock = threading.Lock()
         self.max_held = 0

@@ -36,6 +36,10 @@ def reference():
 def test_vllm_engines_serve_a_multi_turn_rollout_exactly(reference, mode: str) -> None:
     trajs, expected = reference
     cfg = vllm_config(mode)
+    if mode == "dualpath":
+        # The decode engine checks every loaded KV byte: hits against the store, the rest against
+        # a recompute by its vLLM engine (runtime.verify_kv).
+        cfg = cfg.with_overrides(runtime={"verify_kv": True})
     cluster = DualPathCluster.start(cfg)
     try:
         deployment = cluster.deploy(mode)
@@ -44,6 +48,7 @@ def test_vllm_engines_serve_a_multi_turn_rollout_exactly(reference, mode: str) -
         pools = cluster.pool_integrity()
         engines = cluster.engine_stats()
         memory = ray.get(deployment.engines["decode/d0/g0"].kv_memory.remote())
+        prefill_memory = ray.get(deployment.engines["prefill/p0/g0"].kv_memory.remote())
     finally:
         cluster.shutdown()
     assert not result.failures, f"every trajectory completes on the vLLM engines: {result.failures}"
@@ -54,12 +59,20 @@ def test_vllm_engines_serve_a_multi_turn_rollout_exactly(reference, mode: str) -
     pe, de = counters["p0"].snic_read["pe"], counters["d0"].snic_read["de"]
     assert all(free == capacity for free, _, _, capacity in pools.values()), f"nothing is left leased: {pools}"
     decode = engines["decode/d0/g0"].compute
+    if cfg.runtime.verify_kv:
+        verified = [(turn.kv_bytes_verified, turn.kv_mismatches) for turns in result.turn_results.values() for turn in turns]
+        assert all(nbytes > 0 and bad == 0 for nbytes, bad in verified), (
+            f"runtime.verify_kv checked the loaded prompt KV of every turn, and none differed: {verified}"
+        )
     assert decode["prefix_cache_hit_tokens"] > 0, (
         f"vLLM's own prefix cache (on by default) served a trajectory's earlier turns on the decode engine: {decode}"
     )
     layout = KVLayout.from_model(cfg.model, cfg.store.block_size)
     assert memory["pages"] == 0 and memory["compute_pages"] > 0, (
         f"the vLLM decode engine keeps no KV pages outside vLLM's own: {memory}"
+    )
+    assert prefill_memory["window"] == 0 and prefill_memory["compute_pages"] > 0, (
+        f"the vLLM prefill engine keeps no layer window: its batches' KV lives in vLLM's pages only: {prefill_memory}"
     )
     assert memory["persist_staging"] == cfg.runtime.max_persists_in_flight * layout.full_block_bytes, (
         f"beside vLLM's pages it holds only the persistence's staging, max_persists_in_flight Full Blocks: {memory}"
@@ -78,18 +91,31 @@ def test_vllm_engines_serve_a_multi_turn_rollout_exactly(reference, mode: str) -
         f"every prompt landed straight in the decode engine's vLLM pages, one block-layer moved per block per layer "
         f"({landed} block-layers, {moved} bytes read): {decode}"
     )
-    prefill = engines["prefill/p0/g0"].core
-    assert prefill.handoffs > 0 and prefill.pipeline.reads > 0, (
-        f"the prefill engine's layer pipeline moved the hit KV into vLLM's batches: {prefill}"
+    prefill, prefill_stats = engines["prefill/p0/g0"].core, engines["prefill/p0/g0"]
+    hit_layers, block_layer = prefill_stats.compute["prefill_landed_block_layers"], prefill_stats.compute["block_layer_bytes"]
+    assert prefill.handoffs > 0 and hit_layers > 0, f"the prefill engine landed hit KV in vLLM's batches: {prefill}"
+    assert prefill_stats.transport.bytes_read == prefill.pipeline.bytes_in == hit_layers * block_layer, (
+        f"the hit KV landed straight in the prefill engine's vLLM pages, one block-layer moved per hit block per "
+        f"layer ({hit_layers} block-layers, {prefill_stats.transport.bytes_read} bytes read): {prefill}"
+    )
+    assert prefill_stats.transport.bytes_written == prefill.pipeline.bytes_out > 0, (
+        f"the prefill engine's KV left vLLM's pages for the decode node's extent through the transport: {prefill}"
+    )
+    assert prefill.pipeline.writes <= prefill.pipeline.layers * 1 and prefill.pipeline.max_transfers_per_layer_peer <= 2, (
+        f"one write per layer and destination reader (1P1D: one reader), one read per layer and source: {prefill}"
     )
 
 
 def test_prompts_chunked_by_the_compute_quota_stay_exact_on_vllm(reference) -> None:
     """The prefill core chunks a prompt whose predicted attention exceeds the compute quota (the
     paper's, scheduler.compute_quota_ms); each chunk is a vLLM request that loads its earlier
-    chunks' KV or finds it in vLLM's own prefix cache, and vLLM computes it in one step."""
+    chunks' KV or finds it in vLLM's own prefix cache, and vLLM computes it in one step. The quota
+    (0.03 ms) is below the predicted time of every turn's prompt alone (0.032 ms for 100 new
+    tokens), so each is chunked whatever the engine's batches hold when it arrives (at 0.05 only
+    a batch of two was); chunk starts fall inside blocks, so the vLLM prefill engine loads the
+    whole blocks and vLLM computes the rest of the last one again."""
     trajs, expected = reference
-    cluster = DualPathCluster.start(vllm_config("dualpath").with_overrides(scheduler={"compute_quota_ms": 0.05}))
+    cluster = DualPathCluster.start(vllm_config("dualpath").with_overrides(scheduler={"compute_quota_ms": 0.03}))
     try:
         cluster.deploy("dualpath")
         result = cluster.rollout(trajs, progress=False)

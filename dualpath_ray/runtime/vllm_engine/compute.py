@@ -5,11 +5,13 @@ native engines' own; only what computes changes, so the scheduler, readers, stor
 metrics and emulation decide and move exactly what they do for the native engines:
 
 - A prefill batch (packed by the core with the paper's compute quota) is one vLLM step: every
-  chunk is a vLLM request for its prompt up to the chunk's end whose first `start` tokens are
-  external, sampling one token (the first output token on the last chunk). vLLM's forward runs on
-  a thread of its own while the core's LayerPipeline moves the layers: runtime/vllm_engine/steps.py
-  PrefillStep hands each layer's past KV from the window slot into vLLM's pages and the layer's
-  new KV back into the slot, which the pipeline then sends to the decode node.
+  chunk is a vLLM request for its prompt up to the chunk's end whose loaded past is external,
+  sampling one token (the first output token on the last chunk). Its KV lives in vLLM's pages
+  only (this compute is the prefill engine's PrefillKV, runtime/compute/prefill_kv.py: the
+  engine keeps no window): vLLM's forward runs on a thread of its own and moves each layer's KV
+  itself (runtime/vllm_engine/prefill_pages.py, PagedPrefillStep): the hit block-layers land from
+  the readers' buffer extents straight in the pages vLLM allocated, and the layer's sent tokens
+  go from those pages to the decode node's extent, one transfer per layer and reader.
 - A decode sequence's KV lives in vLLM's pages only (this compute is the decode engine's HeldKV,
   runtime/compute/held_kv.py: the engine keeps no pages of its own). It is one vLLM request from
   its handoff to its end: added with its prompt's KV as an asynchronous load from the decode
@@ -29,7 +31,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -38,17 +40,23 @@ from dualpath_ray.config import DualPathConfig
 from dualpath_ray.kv.layout import KVLayout
 from dualpath_ray.protocol.messages import SamplingParams
 from dualpath_ray.runtime.compute.engine_compute import ChunkSpec, DecodeSeq, EngineCompute, PageFill, PrefillBatch, Sampled
+from dualpath_ray.runtime.compute.prefill_kv import PrefillMoved
 from dualpath_ray.protocol.types import Role
 from dualpath_ray.runtime.vllm_engine.host import VllmHost
 from dualpath_ray.runtime.vllm_engine.step_kv import KVSource
-from dualpath_ray.runtime.vllm_engine.steps import PagesStep, PrefillStep, RecordingStep
+from dualpath_ray.runtime.vllm_engine.prefill_pages import PagedPrefillStep, loaded_tokens
+from dualpath_ray.runtime.vllm_engine.steps import PagesStep, RecordingStep
 
 GREEDY = SamplingParams(max_new_tokens=1)
 
 
+def _untaken(nbytes: int) -> None:
+    """A NIC direction that paces nothing (until the engine binds its links)."""
+
+
 @dataclass
 class _PrefillRun:
-    step: PrefillStep
+    step: PagedPrefillStep
     keys: list[str]
     thread: threading.Thread
     sampled: dict[str, tuple[int, float]] = field(default_factory=dict)
@@ -122,19 +130,34 @@ class VllmCompute(EngineCompute):
         self.host = VllmHost(cfg, layout, role)
         # A decode engine's KV lives in vLLM's pages (runtime/compute/held_kv.py): it keeps none.
         self.held_kv = self if role is Role.DECODE else None
+        # A prefill engine's batches keep their KV in vLLM's pages (runtime/compute/prefill_kv.py).
+        self.prefill_kv = self if role is Role.PREFILL else None
+        self._transport: Any = None  # what vLLM's backing buffer is registered with (bind), as `_pool`
+        self._pool = ""
+        self._prefill_block_layers = 0  # hit block-layers prefill batches landed in vLLM's pages
+        self._takes: tuple[Callable[[int], None], Callable[[int], None]] = (_untaken, _untaken)
         self._live: dict[str, _DecodeState] = {}  # decode sequences added to vLLM and not yet released
         self._loaded: dict[str, torch.Tensor] | None = None  # the last state dict loaded (export_weights)
 
     # --- prefill ------------------------------------------------------------------------
 
     def begin_prefill(self, chunks: Sequence[ChunkSpec]) -> PrefillBatch:
+        """Every chunk is a vLLM request whose loaded past (`loaded_tokens`) is external; vLLM's
+        step runs on a thread of its own and moves each layer's KV itself (PagedPrefillStep)."""
+        if self._transport is None:
+            raise RuntimeError("a vLLM prefill engine binds its transport (bind) before its first batch")
+        block_map = self.host.connector.block_map
+        assert block_map is not None, "vLLM registers its KV caches while the engine starts"
         keys = [self.host.new_key("p") for _ in chunks]
         for key, chunk in zip(keys, chunks):
             self.host.add(
-                key, chunk.prompt[: chunk.end], chunk.start, chunk.sampling or GREEDY, max_tokens=1,
-                cache_domain=chunk.cache_domain,
+                key, chunk.prompt[: chunk.end], loaded_tokens(chunk, self.layout.block_size), chunk.sampling or GREEDY,
+                max_tokens=1, cache_domain=chunk.cache_domain,
             )
-        run = _PrefillRun(PrefillStep(self.layout, keys, chunks, self.timeout_s), keys, threading.Thread())
+        step = PagedPrefillStep(
+            self.layout, keys, chunks, self._transport, self._pool, self.kv_buffer, block_map, self._takes, self.timeout_s,
+        )
+        run = _PrefillRun(step, keys, threading.Thread())
         run.thread = threading.Thread(target=self._run_prefill, args=(run,), name="vllm-prefill-step", daemon=True)
         run.thread.start()
         return PrefillBatch(tuple(chunks), run)
@@ -142,33 +165,57 @@ class VllmCompute(EngineCompute):
     def _run_prefill(self, run: _PrefillRun) -> None:
         try:
             run.sampled = self.host.run(run.step)
-        except BaseException as exc:  # noqa: BLE001 - handed to the pipeline's thread, which fails the batch
+            self._prefill_block_layers += run.step.moved.block_layers_in
+        except BaseException as exc:  # noqa: BLE001 - handed to the engine's thread, which fails the batch
             run.error = exc
-            run.step.failed(exc)
+            run.step.recover()
 
     def prefill_layer(self, batch: PrefillBatch, layer: int, slot: torch.Tensor) -> None:
-        batch.state.step.offer(layer, slot)
+        raise RuntimeError("a vLLM prefill batch moves its KV in vLLM's own pages (prefill_kv): no window slot computes")
 
     def sample_last(self, batch: PrefillBatch, which: Sequence[int], params: Sequence[SamplingParams]) -> list[Sampled]:
-        run: _PrefillRun = batch.state
-        run.thread.join(self.timeout_s)
-        if run.thread.is_alive():
-            raise TimeoutError(f"vLLM's prefill step did not end in {self.timeout_s}s")
-        if run.error is not None:
-            raise RuntimeError(f"vLLM's prefill step failed: {run.error!r}") from run.error
+        run = self._joined(batch)
         missing = [run.keys[i] for i in which if run.keys[i] not in run.sampled]
         if missing:
             raise RuntimeError(f"vLLM sampled no token for {len(missing)} chunks of the batch")
         return [Sampled(*run.sampled[run.keys[i]]) for i in which]
 
+    def moved(self, batch: PrefillBatch) -> PrefillMoved:
+        """What the batch's step moved (PrefillKV): transfers, bytes, the sent tokens' digests."""
+        return self._joined(batch).step.moved
+
+    def _joined(self, batch: PrefillBatch) -> _PrefillRun:
+        run: _PrefillRun = batch.state
+        run.thread.join(self.timeout_s)
+        if run.thread.is_alive():
+            raise TimeoutError(f"vLLM's prefill step did not end in {self.timeout_s}s")
+        if isinstance(run.error, Exception):
+            # Raised as it is, so the engine classifies it (a transfer failure is retried) as
+            # when the layer pipeline's own transfer fails.
+            run.error.add_note("raised in vLLM's prefill step")
+            raise run.error
+        if run.error is not None:
+            raise RuntimeError(f"vLLM's prefill step failed: {run.error!r}") from run.error
+        return run
+
     def abandon_prefill(self, batch: PrefillBatch) -> None:
-        """The pipeline failed: let vLLM's step end without moving more KV, and drop it."""
+        """The batch failed: let vLLM's step end (it moves only what its own hooks post, and
+        settles its pages back whatever happened), and drop its requests. vLLM put their full
+        blocks in its prefix cache when it allocated them, loaded or not: a failed step empties
+        the cache, or a later request of the same prefix would attend over blocks that never
+        landed (a prefill engine holds no other request, so nothing else loses its pages)."""
         run: _PrefillRun | None = batch.state
         if run is None:
             return
-        run.step.abandon()
         run.thread.join(self.timeout_s)
+        if run.thread.is_alive():
+            raise RuntimeError(f"vLLM's prefill step did not end in {self.timeout_s}s after its batch failed")
         self.host.abort(list(run.keys))
+        if run.error is not None and not self.host.reset_prefix_cache():
+            raise RuntimeError("vLLM could not empty its prefix cache after a failed prefill step: requests still hold pages")
+
+    def bind_links(self, take_in: Callable[[int], None], take_out: Callable[[int], None]) -> None:
+        self._takes = (take_in, take_out)
 
     # --- decode (the sequences' KV lives in vLLM's pages: HeldKV) ------------------------
 
@@ -179,6 +226,7 @@ class VllmCompute(EngineCompute):
         return buffer
 
     def bind(self, transport: Any, pool: str) -> None:
+        self._transport, self._pool = transport, pool
         self.host.connector.bind_transport(transport, pool)
 
     def decode_state(self, tokens: Sequence[int], cache_domain: str = "") -> Any:
@@ -316,6 +364,7 @@ class VllmCompute(EngineCompute):
                 "free_pages": self.host.free_pages(), "decode_sequences": len(self._live),
                 "prefix_cache_hit_tokens": self.host.connector.local_hit_tokens,
                 "landed_block_layers": loads.block_layers_posted if loads is not None else 0,
+                "prefill_landed_block_layers": self._prefill_block_layers,
                 "block_layer_bytes": block_map.block_layer_bytes if block_map is not None else 0,
                 "failed_landings": loads.failed if loads is not None else 0}
 

@@ -201,6 +201,11 @@ class VllmHost:
         with self._lock:
             self.connector.release(request_id)
 
+    def reset_prefix_cache(self) -> bool:
+        """Empty vLLM's prefix cache; False while requests still hold pages (vLLM refuses)."""
+        with self._lock:
+            return bool(self.engine.reset_prefix_cache())
+
     def unfinished(self) -> int:
         with self._lock:
             return self.engine.get_num_unfinished_requests()

@@ -1,12 +1,5 @@
 """What one vLLM step moves through the connector (runtime/vllm_engine/connector.py): `StepKV`s.
 
-- `PrefillStep`: a prefill batch run by the engine's LayerPipeline (runtime/prefill/pipeline.py)
-  while vLLM runs the same batch's forward on another thread. The two meet once per layer, in
-  order: the pipeline offers layer l's window slot once the layer's past KV has landed in it
-  (`offer`), vLLM's forward copies that past KV into its pages before the layer's attention
-  (`before_layer`) and, after it, the KV the layer computed back into the slot (`after_layer`);
-  only then does `offer` return and the pipeline send the slot on. So each layer's transfers
-  overlap the other layers' compute exactly as with the native model.
 - `PagesStep`: a step over pages of ours [n_pages, n_layer, block_size, bytes]: the past KV
   comes from them and what vLLM computes goes back to them (a recompute into pages: KV
   verification's expected KV, with `whole_spans`).
@@ -20,114 +13,13 @@ vLLM's pages on the other, through the PageCodec.
 
 from __future__ import annotations
 
-import threading
 from typing import Sequence
 
 import torch
 
 from dualpath_ray.kv.layout import KVLayout
-from dualpath_ray.runtime.compute.engine_compute import ChunkSpec
 from dualpath_ray.runtime.vllm_engine.pages import PageCodec, token_positions
 from dualpath_ray.runtime.vllm_engine.step_kv import ScheduledKV
-
-
-class PrefillStep:
-    """One prefill batch: chunk `keys[i]` computes `chunks[i]` (see the module doc)."""
-
-    def __init__(self, layout: KVLayout, keys: Sequence[str], chunks: Sequence[ChunkSpec], timeout_s: float) -> None:
-        self.layout = layout
-        self.chunks = dict(zip(keys, chunks))
-        self.timeout_s = timeout_s
-        self._cond = threading.Condition()
-        self._slots: dict[int, torch.Tensor] = {}
-        self._done: set[int] = set()
-        self._load: _Moves | None = None  # window rows -> vLLM (page, slot) of every chunk's past KV
-        self._save: _Moves | None = None  # vLLM (page, slot) -> window rows of every chunk's new KV
-        self._layers: list[torch.Tensor] = []
-        self._codec: PageCodec | None = None
-        self._abandoned = False
-        self.error: BaseException | None = None
-
-    # --- the pipeline's side (the engine's worker thread) -----------------------------------
-
-    def offer(self, layer: int, slot: torch.Tensor) -> None:
-        """Layer `layer`'s past KV is in `slot`: returns once vLLM computed the layer and its KV
-        is in the slot; raises what stopped vLLM's step."""
-        with self._cond:
-            self._slots[layer] = slot
-            self._cond.notify_all()
-            if not self._cond.wait_for(lambda: layer in self._done or self.error is not None, self.timeout_s):
-                raise TimeoutError(f"vLLM did not compute layer {layer} of the prefill batch in {self.timeout_s}s")
-            if self.error is not None:
-                raise RuntimeError(f"vLLM's prefill step failed: {self.error!r}") from self.error
-
-    def abandon(self) -> None:
-        """The pipeline failed: vLLM's forward stops waiting for slots and moves nothing more."""
-        with self._cond:
-            self._abandoned = True
-            self._cond.notify_all()
-
-    def failed(self, error: BaseException) -> None:
-        with self._cond:
-            self.error = error
-            self._cond.notify_all()
-
-    # --- vLLM's side (the step thread) -------------------------------------------------------
-
-    def begin(self, requests: list[ScheduledKV], layers: list[torch.Tensor], codec: PageCodec) -> None:
-        by_key = {r.key: r for r in requests}
-        if set(by_key) != set(self.chunks):
-            raise RuntimeError(
-                f"vLLM scheduled {len(by_key)} of the prefill batch's {len(self.chunks)} chunks in one step; "
-                "raise engine.vllm_max_num_seqs or the vLLM KV pages (cluster.prefill_hbm_tokens)"
-            )
-        for key, chunk in self.chunks.items():
-            got = by_key[key]
-            # vLLM computes the chunk to its end in this one step, from its start or from past it
-            # where its own prefix cache holds more of the prompt than the chunk's past KV.
-            if got.computed + got.scheduled != chunk.end or got.computed < chunk.start or got.load_from > got.computed:
-                raise RuntimeError(
-                    f"vLLM scheduled tokens [{got.computed}, {got.computed + got.scheduled}) of a chunk of "
-                    f"[{chunk.start}, {chunk.end}) (loading from {got.load_from})"
-                )
-        device = layers[0].device
-        # The window holds each chunk's past KV [0, start); what vLLM's prefix cache did not
-        # hold of it goes into its pages. The new KV [start, end) goes back to the window whole,
-        # including tokens vLLM's cache held (computed > start): the decode node needs them all.
-        self._load = _moves(
-            [(by_key[k].block_ids, c.offset, by_key[k].load_from, by_key[k].computed)
-             for k, c in self.chunks.items() if by_key[k].loading], codec, device
-        )
-        self._save = _moves([(by_key[k].block_ids, c.offset, c.start, c.end) for k, c in self.chunks.items()], codec, device)
-        self._layers, self._codec = layers, codec
-
-    def before_layer(self, layer: int) -> None:
-        slot = self._wait_slot(layer)
-        if slot is None or self._load is None:
-            return
-        assert self._codec is not None
-        rows, pages, slots = self._load
-        self._codec.scatter(self._layers[layer], pages, slots, self.layout.bytes_as_kv(slot[rows]))
-
-    def after_layer(self, layer: int) -> None:
-        with self._cond:
-            slot = None if self._abandoned else self._slots.get(layer)
-        if slot is not None and self._save is not None:
-            assert self._codec is not None
-            rows, pages, slots = self._save
-            slot[rows] = self.layout.kv_as_bytes(self._codec.gather(self._layers[layer], pages, slots))
-        with self._cond:
-            self._done.add(layer)
-            self._cond.notify_all()
-
-    def end(self) -> None:
-        return None
-
-    def _wait_slot(self, layer: int) -> torch.Tensor | None:
-        with self._cond:
-            if not self._cond.wait_for(lambda: layer in self._slots or self._abandoned, self.timeout_s):
-                raise TimeoutError(f"the prefill pipeline never offered layer {layer} in {self.timeout_s}s")
-            return None if self._abandoned else self._slots[layer]
 
 
 class PagesStep:
@@ -227,16 +119,3 @@ class RecordingStep:
 
     def end(self) -> None:
         return None
-
-
-_Moves = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # window rows, vLLM pages, vLLM slots
-
-
-def _moves(spans: list[tuple[Sequence[int], int, int, int]], codec: PageCodec, device: torch.device) -> _Moves | None:
-    """Window rows and vLLM (page, slot) of tokens [lo, hi) of each (block_ids, offset, lo, hi):
-    a chunk's token t sits in window row offset + t."""
-    if not spans:
-        return None
-    rows = torch.cat([torch.arange(offset + lo, offset + hi, dtype=torch.int64) for _, offset, lo, hi in spans])
-    pages, slots = codec.positions([(block_ids, lo, hi) for block_ids, _, lo, hi in spans], device)
-    return rows.to(device), pages, slots

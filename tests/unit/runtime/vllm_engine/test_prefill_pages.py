@@ -1,0 +1,134 @@
+"""PagedPrefillStep (a vLLM prefill engine's batch, prefill_pages.py) on the views vLLM 0.32
+registers with a connector, for every K/V attention backend and layout (built by vLLM's own code,
+as in test_gpu_layouts.py), through a real transport: a chunk's whole blocks of past KV land from
+a reader's Full Blocks straight in the pages vLLM allocated, and the tokens it sends leave those
+pages token-major for the extent, exactly those tokens, with vLLM's pages unchanged after."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from vllm.config import VllmConfig
+from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts
+from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1.kv_cache_layout import KVCacheLayout
+
+from dualpath_ray.kv.digest import token_digests
+from dualpath_ray.kv.layout import KVLayout
+from dualpath_ray.runtime.compute.engine_compute import ChunkSpec
+from dualpath_ray.runtime.compute.prefill_kv import ChunkKV, KVSpan
+from dualpath_ray.runtime.transport.factory import make_transport
+from dualpath_ray.runtime.vllm_engine.block_layers import BlockLayerMap, backing_buffer
+from dualpath_ray.runtime.vllm_engine.declared import declared_from
+from dualpath_ray.runtime.vllm_engine.pages import PageCodec
+from dualpath_ray.runtime.vllm_engine.prefill_pages import PagedPrefillStep
+from dualpath_ray.runtime.vllm_engine.step_kv import ScheduledKV
+
+from tests.unit.runtime.vllm_engine.test_gpu_layouts import B, D, H, KV_BACKENDS, LAYERS, backend_class, vllm_views
+
+PEER = "prefill/n0/g0"
+
+
+@pytest.fixture(scope="module")
+def vllm_config() -> VllmConfig:
+    return VllmConfig()
+
+
+@pytest.mark.parametrize("kernel_block_size", [B, B // 2])
+@pytest.mark.parametrize("name", list(KV_BACKENDS))
+def test_a_prefill_chunk_lands_and_sends_token_major_kv_through_vllms_pages(
+    vllm_config: VllmConfig, name: str, kernel_block_size: int
+) -> None:
+    backend = backend_class(name, KV_BACKENDS)
+    layouts = [
+        x for x in get_supported_kv_cache_layouts([backend])
+        if kernel_block_size == B or (x.is_layer_compact and x.is_block_compact)
+    ]
+    for layout in layouts:
+        check_chunk(vllm_config, backend, name, layout, kernel_block_size)
+
+
+def check_chunk(vllm_config: VllmConfig, backend: type, name: str, layout: KVCacheLayout, kernel_block_size: int) -> None:
+    dtype = torch.bfloat16
+    spec, views = vllm_views(
+        vllm_config, backend, FullAttentionSpec(block_size=B, num_kv_heads=H, head_size=D, dtype=dtype), layout, kernel_block_size
+    )
+    case = f"{name} {layout.name} pages of {kernel_block_size}"
+    layers = [views[n] for n in LAYERS]
+    n_layer = len(layers)
+    codec = PageCodec.detect(layers[0], declared_from(backend, layout, spec), H, D, B)
+    block_map = BlockLayerMap.of(layers, codec)
+    kv_layout = KVLayout(n_layer=n_layer, block_size=B, n_kv_head=H, head_dim=D, dtype="bfloat16")
+    bpt = kv_layout.bytes_per_token_per_layer
+
+    # The reader's extent: the request's blocks 0..3 in buffer slots (2, 5, 6, 7); its past KV is
+    # tokens [0, 2B + 5) (the earlier chunk's end inside block 2); this chunk computes to 3B + 3
+    # in vLLM blocks (4, 0, 5, 1). Whole blocks land: [0, 2B); vLLM computes [2B, 3B + 3).
+    slots, table = (2, 5, 6, 7), (4, 0, 5, 1)
+    start, end, loaded = 2 * B + 5, 3 * B + 3, 2 * B
+    store = torch.zeros((8, n_layer, B, bpt), dtype=torch.uint8)
+    past = torch.randn(n_layer, start, 2, H, D, dtype=dtype)
+    for layer in range(n_layer):
+        tokens = torch.cat([store[s, layer] for s in slots])
+        tokens[:start] = past[layer].reshape(start, -1).view(torch.uint8)
+        for i, s in enumerate(slots):
+            store[s, layer] = tokens[i * B : (i + 1) * B]
+    before_send = store.clone()
+    buffer = backing_buffer(layers[0])
+    transport = make_transport("gloo", PEER, namespace="dualpath")
+    transport.register("buffer", store)
+    transport.register("vllm", buffer)
+    transport.seal()
+    offsets = tuple(s * kv_layout.full_block_bytes for s in slots)
+    digests = np.stack([token_digests(past[layer].reshape(start, -1).view(torch.uint8)).numpy() for layer in range(n_layer)])
+    kv = ChunkKV((KVSpan(PEER, "buffer", offsets, 0, start, "de"),), (KVSpan(PEER, "buffer", offsets, start, end, "de"),), digests)
+    chunk = ChunkSpec(np.zeros(end, dtype=np.int64), start, end, 0, None, "", kv)
+    taken: list[int] = []
+    step = PagedPrefillStep(kv_layout, ["r"], [chunk], transport, "vllm", buffer, block_map, (taken.append, taken.append), 10.0)
+
+    step.begin([ScheduledKV("r", table, loaded, end - loaded, 0, True)], layers, codec)
+    computed = torch.randn(n_layer, end - loaded, 2, H, D, dtype=dtype)
+    pages_after_compute = []
+    for layer in range(n_layer):
+        step.before_layer(layer)
+        assert torch.equal(codec.read(layers[layer], table, 0, loaded), past[layer, :loaded]), (
+            f"{case}: layer {layer}'s whole blocks of past KV landed in vLLM's pages before its attention"
+        )
+        codec.write(layers[layer], table, loaded, end, computed[layer])  # what vLLM's forward writes
+        pages_after_compute.append(codec.read(layers[layer], table, 0, end).clone())
+        step.after_layer(layer)
+    step.end()
+
+    moved = step.moved
+    for layer in range(n_layer):
+        sent = torch.cat([store[s, layer] for s in slots])
+        assert torch.equal(sent[start:end], computed[layer, start - loaded :].reshape(end - start, -1).view(torch.uint8)), (
+            f"{case}: layer {layer}'s sent tokens reached the extent token-major, byte for byte"
+        )
+        assert torch.equal(sent[:start], torch.cat([before_send[s, layer] for s in slots])[:start]), (
+            f"{case}: layer {layer}: the tokens before the chunk's start (vLLM computed [2B, start) again) were not sent"
+        )
+        assert torch.equal(codec.read(layers[layer], table, 0, end), pages_after_compute[layer]), (
+            f"{case}: layer {layer}'s pages are vLLM's again after the send (turned token-major and back)"
+        )
+        assert np.array_equal(moved.digests[0][layer, :start], digests[layer]) and np.array_equal(
+            moved.digests[0][layer, start:], token_digests(sent[start:end]).numpy()
+        ), f"{case}: layer {layer}'s digests: the past's as verified, the sent tokens' as they left"
+    row = block_map.block_layer_bytes
+    assert moved.block_layers_in == 2 * n_layer and moved.bytes_in == 2 * n_layer * row, (
+        f"{case}: one block-layer read per landed block per layer: {moved}"
+    )
+    assert moved.writes == n_layer and moved.bytes_out == n_layer * (end - start) * bpt, (
+        f"{case}: one write per layer of exactly the sent tokens: {moved}"
+    )
+    stats = transport.stats()
+    assert stats.bytes_read == moved.bytes_in and stats.bytes_written == moved.bytes_out, (
+        f"{case}: the transport moved what the step counts: {stats}"
+    )
+    assert sum(taken) == moved.bytes_in + moved.bytes_out, f"{case}: every byte was taken from the NIC links"
+    assert moved.digest_mismatches == 0, f"{case}: the landed tokens matched their digests: {moved}"
+    transport.close()
