@@ -35,10 +35,12 @@ computed once per layer from the view's strides, and addressing a block is arith
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import permutations
 from typing import Sequence
 
 import torch
 
+from dualpath_ray.kv.paged_block_layers import DIM, HEAD, KV, PAGE, TOKEN, PagedBlockLayers
 from dualpath_ray.runtime.transport.moves import Move, Region
 from dualpath_ray.runtime.vllm_engine.pages import PageCodec
 
@@ -106,6 +108,25 @@ class BlockLayerMap:
             moves.append((Region(pool, offset, nbytes), Region(source.pool, source.offset + done, nbytes)))
             done += nbytes
         return moves
+
+    def paged(self, pool: str) -> PagedBlockLayers:
+        """This map as a reader pulls from it (kv/paged_block_layers.py): the runs of every
+        layer of a vLLM block, and the axis order of a block-layer's runs read back to back,
+        found among the orders of its outer axes as the one that puts every token-major element
+        where `logical` says it lies (ValueError for a layout no axis order describes)."""
+        codec, size = self.codec, self.element_size
+        sizes = (codec.block_size // codec.page_tokens, codec.n_kv_head, codec.page_tokens, 2, codec.head_dim)
+        # Element i of the runs read back to back is the one at offset order[i]: token-major
+        # element m is there at the rank of logical[m] in order.
+        stored = torch.searchsorted(self.order, self.logical)
+        for outer in permutations((PAGE, HEAD, TOKEN)):
+            paged = PagedBlockLayers(
+                pool, tuple(base * size for base in self.layer_base), self.block_stride * size,
+                tuple((offset * size, length * size) for offset, length in self.pattern), (*outer, KV, DIM), sizes, size,
+            )
+            if torch.equal(paged.token_major_index(), stored):
+                return paged
+        raise ValueError(f"vLLM's block-layers of {self.codec} are in no axis order a reader can make token-major")
 
     def settle(self, buffer: torch.Tensor, layer: int, blocks: Sequence[int]) -> None:
         """The landed token-major block-layers of `blocks` (landed at `runs`) become vLLM's page

@@ -123,6 +123,8 @@ class VllmHost:
         self.steps = 0
         # key -> the pages a request added with `hold` ended holding, and vLLM's id of it.
         self.held: dict[str, tuple[list[int], str]] = {}
+        # Held pages released since the last step: vLLM frees them in its next one.
+        self.releasing = 0
 
     # --- requests -------------------------------------------------------------------------
 
@@ -132,7 +134,7 @@ class VllmHost:
     def add(
         self, key: str, tokens: Iterable[int], external: int, sampling: SamplingParams, max_tokens: int,
         private_cache: bool = False, cache_domain: str = "", source: KVSource | None = None, hold: bool = False,
-    ) -> None:
+    ) -> str:
         """A request named `key` whose first `external` tokens' KV the step's StepKV loads, past
         what vLLM's prefix cache holds. vLLM's cache is shared only between requests of one
         `cache_domain` (the request's key namespace: model, weights, tenant's salt), its cache
@@ -140,7 +142,8 @@ class VllmHost:
         recompute must compute, not find the KV it is checked against). `source`: the external
         tokens' KV lies there and loads asynchronously, before vLLM schedules the request
         (runtime/vllm_engine/async_loads.py), rather than inside its first step. `hold`: its pages
-        outlive it until `release(key)` (named in `held[key]` once it ended)."""
+        outlive it until `release(key)` (named in `held[key]` once it ended) or `free_held`.
+        Returns vLLM's own id of the request."""
         from vllm import SamplingParams as VllmSampling
         from vllm.inputs import TokensPrompt
 
@@ -164,7 +167,7 @@ class VllmHost:
                 prompt["cache_salt"] = f"private:{key}"
             elif cache_domain:
                 prompt["cache_salt"] = f"domain:{cache_domain}"
-            self.engine.add_request(key, prompt, params)
+            return self.engine.add_request(key, prompt, params)
 
     def abort(self, keys: list[str]) -> None:
         if keys:
@@ -180,6 +183,7 @@ class VllmHost:
             finally:
                 self.connector.bind(None)
             self.steps += 1
+            self.releasing = 0
         sampled = {}
         for output in outputs:
             params = getattr(output, "kv_transfer_params", None) or {}
@@ -199,6 +203,20 @@ class VllmHost:
         _, request_id = self.held.pop(key)
         with self._lock:
             self.connector.release(request_id)
+            self.releasing += 1
+
+    def free_held(self, key: str, request_id: str) -> None:
+        """Request `key` (added with `hold`; `request_id` is vLLM's id of it) ends now if it has
+        not, and nothing reads its pages any more: vLLM frees them at its next step. One that
+        ends while its asynchronous load is in flight was never held (vLLM frees its pages
+        itself once the load ended: connector.py request_finished), so it is not released."""
+        with self._lock:
+            self.engine.abort_request([key])
+            self.held.pop(key, None)
+            loads = self.connector.loads
+            if loads is not None and not loads.receiving(request_id):
+                self.connector.release(request_id)
+                self.releasing += 1
 
     def unfinished(self) -> int:
         with self._lock:
