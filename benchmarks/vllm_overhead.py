@@ -78,11 +78,24 @@ def backend_round(batch: int, context: int, steps: int, round_: int) -> float:
         h.decode.step()  # type: ignore[attr-defined]
     first = h.decode.stats.tokens  # type: ignore[attr-defined]
     done_before = len(h.collector.results)  # type: ignore[attr-defined]
+    in_vllm = _in_vllm_s(h)
     start = time.perf_counter()
     while len(h.collector.results) - done_before < batch:  # type: ignore[attr-defined]
         h.decode.step()  # type: ignore[attr-defined]
     elapsed = time.perf_counter() - start
-    return (h.decode.stats.tokens - first) / elapsed  # type: ignore[attr-defined]
+    return _figures((h.decode.stats.tokens - first) / elapsed, elapsed, _in_vllm_s(h) - in_vllm)  # type: ignore[attr-defined]
+
+
+def _in_vllm_s(h) -> float:  # type: ignore[no-untyped-def]
+    """Seconds the harness's vLLM engine spent in its steps so far (NaN for a baseline
+    checkout that does not count them)."""
+    return float(getattr(h.compute.host, "step_s", float("nan")))
+
+
+def _figures(tokens_s: float, elapsed_s: float, in_vllm_s: float) -> dict[str, float]:
+    """A round's figures: tokens/s, and the share of its time outside vLLM's engine.step()
+    (the backend's own work: cores, compute, connector bookkeeping outside the step)."""
+    return {"tokens_s": tokens_s, "outside_vllm": 1.0 - in_vllm_s / elapsed_s}
 
 
 def backend_prefill_round(batch: int, context: int, steps: int, round_: int) -> float:
@@ -93,12 +106,14 @@ def backend_prefill_round(batch: int, context: int, steps: int, round_: int) -> 
     h = _harness()
     requests = [Request(f"p{round_}-{i}", p, "pe", 2) for i, p in enumerate(prompts(batch, context, round_))]
     done_before = len(h.collector.results)  # type: ignore[attr-defined]
+    in_vllm = _in_vllm_s(h)
     start = time.perf_counter()
     h.prefill.accept([h.task(r, oracle=True) for r in requests])  # type: ignore[attr-defined]
     while len(h.collector.results) - done_before < batch:  # type: ignore[attr-defined]
         h.prefill.step()  # type: ignore[attr-defined]
         h.decode.step()  # type: ignore[attr-defined]
-    return batch * context / (time.perf_counter() - start)
+    elapsed = time.perf_counter() - start
+    return _figures(batch * context / elapsed, elapsed, _in_vllm_s(h) - in_vllm)
 
 
 def _harness():  # type: ignore[no-untyped-def]
@@ -144,7 +159,8 @@ def direct_prefill_round(batch: int, context: int, steps: int, round_: int) -> f
                            SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, detokenize=False, logprobs=0))
     while engine.has_unfinished_requests():  # type: ignore[attr-defined]
         engine.step()  # type: ignore[attr-defined]
-    return batch * context / (time.perf_counter() - start)
+    elapsed = time.perf_counter() - start
+    return _figures(batch * context / elapsed, elapsed, elapsed)
 
 
 def direct_round(batch: int, context: int, steps: int, round_: int) -> float:
@@ -164,7 +180,8 @@ def direct_round(batch: int, context: int, steps: int, round_: int) -> float:
     tokens = 0
     while engine.has_unfinished_requests():  # type: ignore[attr-defined]
         tokens += len(engine.step())  # type: ignore[attr-defined]
-    return tokens / (time.perf_counter() - start)
+    elapsed = time.perf_counter() - start
+    return _figures(tokens / elapsed, elapsed, elapsed)
 
 
 def main() -> None:
@@ -184,19 +201,25 @@ def main() -> None:
     if args.baseline is not None:
         pools["baseline"] = ProcessPoolExecutor(1, mp_context=spawn, initializer=_use_checkout, initargs=(str(args.baseline),))
     figures: dict[str, list[float]] = {name: [] for name in pools}
+    outside: dict[str, list[float]] = {name: [] for name in pools if name != "direct"}
     try:
         for round_ in range(args.repeats + 1):  # round 0 builds the engines and warms them, untimed
             for name, pool in pools.items():
                 fn = direct_fn if name == "direct" else backend_fn
                 got = pool.submit(fn, args.batch, args.context, args.steps, round_).result()
                 if round_:
-                    figures[name].append(got)
+                    figures[name].append(got["tokens_s"])
+                    if name in outside:
+                        outside[name].append(got["outside_vllm"])
     finally:
         for pool in pools.values():
             pool.shutdown()
     result: dict[str, object] = {
         "phase": args.phase, "batch": args.batch, "context": args.context, "steps": args.steps, "rounds": figures,
         **{f"{name}_tokens_s": statistics.median(values) for name, values in figures.items()},
+        # The share of a backend round's time outside vLLM's steps: its own overhead, measured
+        # inside one process and so far less moved by the machine's load than the ratio.
+        **{f"{name}_outside_vllm": statistics.median(values) for name, values in outside.items()},
     }
     for name in [n for n in figures if n != "direct"]:
         ratios = [b / d for b, d in zip(figures[name], figures["direct"])]
@@ -214,6 +237,7 @@ def main() -> None:
     for name in [n for n in figures if n != "direct"]:
         ratios = result[f"{name}_ratio_per_round"]
         print(f"  {name} / direct: {result[f'{name}_over_direct']:.3f} (per round: {', '.join(f'{r:.3f}' for r in ratios)})")  # type: ignore[union-attr]
+        print(f"  {name}: {result[f'{name}_outside_vllm']:.3f} of its time outside vLLM's steps")
 
 
 def _use_checkout(root: str) -> None:

@@ -248,7 +248,8 @@ class DecodeCore:
             job.kv_len += 1
             job.tokens.append(token.token)
             job.log_probs.append(token.log_prob)
-            self._stream(job, len(job.tokens) - job.prompt_len - 1)
+            if job.handoff.task.request.stream:  # type: ignore[union-attr]
+                self._stream(job, len(job.tokens) - job.prompt_len - 1)
             if job.kv_len % size == 0:
                 self.persistence.block_filled(job, job.kv_len // size - 1)
         return True

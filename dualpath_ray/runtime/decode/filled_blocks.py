@@ -12,14 +12,14 @@ KV memory (runtime/decode/persistence.py). Two homes of that KV:
   until the request's compute state is released, which the core does only once no pull of the
   request may still read it (runtime/decode/core.py `_forget`).
 
-`read` is the block's Full Block bytes as the engine holds them (digested when it fills, and
-written by oracle mode in place): the page itself for PagePulls, a token-major copy read from
-the compute's page for HeldPulls.
+`read` is blocks' Full Block bytes as the engine holds them (digested when one fills, and
+written by oracle mode in place): the pages themselves for PagePulls, token-major copies read
+from the compute's pages for HeldPulls (one gather per layer for all of them).
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, Sequence
 
 import torch
 
@@ -39,8 +39,8 @@ class FilledBlocks(Protocol):
         """The page the reader pulls the job's full block `block` from."""
         ...
 
-    def read(self, job: DecodeJob, block: int) -> torch.Tensor:
-        """The job's full block `block` as Full Block bytes [n_layer, block_size, bytes]."""
+    def read(self, job: DecodeJob, blocks: Sequence[int]) -> Sequence[torch.Tensor]:
+        """The job's full blocks `blocks`, each as Full Block bytes [n_layer, block_size, bytes]."""
         ...
 
 
@@ -55,8 +55,9 @@ class PagePulls:
     def capture(self, job: DecodeJob, block: int) -> int:
         return int(self.pages.table(job.owner)[block])
 
-    def read(self, job: DecodeJob, block: int) -> torch.Tensor:
-        return self.pages.page(self.pages.table(job.owner)[block])
+    def read(self, job: DecodeJob, blocks: Sequence[int]) -> Sequence[torch.Tensor]:
+        table = self.pages.table(job.owner)
+        return [self.pages.page(table[block]) for block in blocks]
 
 
 class HeldPulls:
@@ -69,5 +70,5 @@ class HeldPulls:
     def capture(self, job: DecodeJob, block: int) -> int:
         return self.held.block_pages(job.compute_state, [block])[0]
 
-    def read(self, job: DecodeJob, block: int) -> torch.Tensor:
-        return self.held.read_blocks(job.compute_state, [block])[0]
+    def read(self, job: DecodeJob, blocks: Sequence[int]) -> Sequence[torch.Tensor]:
+        return self.held.read_blocks(job.compute_state, blocks) if blocks else []

@@ -80,8 +80,8 @@ class DecodePersistence:
         for block in range(first, job.prompt_len // size):
             blocks.append((block, self._next_key(job, block, self._prompt_digest(job, block))))
         if task.oracle:
-            for block, persisted in blocks:
-                self._oracle_write(job, self.filled.read(job, block), persisted)
+            for data, (_, persisted) in zip(self.filled.read(job, [block for block, _ in blocks]), blocks):
+                self._oracle_write(job, data, persisted)
             return
         extent = job.handoff.extent
         assert extent is not None
@@ -102,11 +102,11 @@ class DecodePersistence:
             self._next_key(job, block)
             return  # a block after a refused one could never be hit: not written at all
         if oracle:
-            self._oracle_write(job, self.filled.read(job, block), persisted=self._next_key(job, block))
+            self._oracle_write(job, self.filled.read(job, [block])[0], persisted=self._next_key(job, block))
             return
         # The block as this engine computed it: the reader publishes it only if what it pulled
         # and the store wrote is this (the pull may come much later).
-        digest = full_block_digest(self.filled.read(job, block)) if self.settings.kv_digests else None
+        digest = full_block_digest(self.filled.read(job, [block])[0]) if self.settings.kv_digests else None
         job.queued.append((self.filled.capture(job, block), self._next_key(job, block, digest)))
 
     def pending(self, job: DecodeJob) -> bool:
@@ -141,6 +141,8 @@ class DecodePersistence:
         """Collect the job's finished persists: (whether any settled, the error of a failed one).
         A persist that failed (not one the store refused: that one answers how many blocks it
         stored) fails the request; the caller does that."""
+        if not job.persists and job.extent_persist is None:
+            return False, None  # nothing on its way (every running job, every step: the common case)
         still, settled, error = [], False, None
         if job.extent_persist is not None:
             try:

@@ -340,7 +340,7 @@ class VllmCompute(EngineCompute):
         """vLLM's own figures: steps run, requests it holds and its free KV pages (its scheduler's
         count), and the block-layers prompt landings moved into its pages."""
         loads, block_map = self.host.connector.loads, self.host.connector.block_map
-        return {"backend": "vllm", "steps": self.host.steps, "unfinished": self.host.unfinished(),
+        return {"backend": "vllm", "steps": self.host.steps, "step_s": self.host.step_s, "unfinished": self.host.unfinished(),
                 "free_pages": self.host.free_pages(), "decode_sequences": len(self._live),
                 "prefix_cache_hit_tokens": self.host.connector.local_hit_tokens,
                 "landed_block_layers": loads.block_layers_posted if loads is not None else 0,

@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
@@ -121,6 +122,7 @@ class VllmHost:
         self._ids = itertools.count()
         self._lock = threading.Lock()  # the engine is not thread-safe: one call at a time
         self.steps = 0
+        self.step_s = 0.0  # inside vLLM's engine.step(), over all steps: what the rest of a step costs is ours
         # key -> the pages a request added with `hold` ended holding, and vLLM's id of it.
         self.held: dict[str, tuple[list[int], str]] = {}
         # Held pages released since the last step: vLLM frees them in its next one.
@@ -178,9 +180,11 @@ class VllmHost:
         """One vLLM step with `step` bound to the connector: key -> (token, log prob) sampled."""
         with self._lock:
             self.connector.bind(step)
+            started = time.perf_counter()
             try:
                 outputs = self.engine.step()
             finally:
+                self.step_s += time.perf_counter() - started
                 self.connector.bind(None)
             self.steps += 1
             self.releasing = 0

@@ -65,7 +65,7 @@ def test_a_filled_block_is_pulled_from_the_computes_page_as_the_stores_full_bloc
         buffer.view(-1)[local.offset : local.end].copy_(held.kv_buffer[remote.offset : remote.end])
     settle_pulled([buffer[slot] for slot in slots], pulls.paged)
     for slot, block in zip(slots, [0, 2]):
-        want = pulls.read(job, block).reshape(-1)
+        want = pulls.read(job, [block])[0].reshape(-1)
         assert torch.equal(buffer[slot], want), f"slot {slot} holds block {block} token-major, as the engine reads it"
     token = held.cache[1, 5, :, 3].reshape(LAYOUT.n_kv_head, 2, LAYOUT.head_dim).permute(1, 0, 2)
     last = buffer[0].view(LAYOUT.n_layer, LAYOUT.block_size, -1)[1, 3].view(torch.float32).view(2, LAYOUT.n_kv_head, -1)
