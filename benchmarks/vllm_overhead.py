@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import multiprocessing
 import statistics
 import sys
@@ -78,12 +79,13 @@ def backend_round(batch: int, context: int, steps: int, round_: int) -> float:
         h.decode.step()  # type: ignore[attr-defined]
     first = h.decode.stats.tokens  # type: ignore[attr-defined]
     done_before = len(h.collector.results)  # type: ignore[attr-defined]
-    in_vllm = _in_vllm_s(h)
+    in_vllm, cpu = _in_vllm_s(h), time.process_time()
     start = time.perf_counter()
     while len(h.collector.results) - done_before < batch:  # type: ignore[attr-defined]
         h.decode.step()  # type: ignore[attr-defined]
     elapsed = time.perf_counter() - start
-    return _figures((h.decode.stats.tokens - first) / elapsed, elapsed, _in_vllm_s(h) - in_vllm)  # type: ignore[attr-defined]
+    tokens = h.decode.stats.tokens - first  # type: ignore[attr-defined]
+    return _figures(tokens, elapsed, _in_vllm_s(h) - in_vllm, time.process_time() - cpu)
 
 
 def _in_vllm_s(h) -> float:  # type: ignore[no-untyped-def]
@@ -92,10 +94,12 @@ def _in_vllm_s(h) -> float:  # type: ignore[no-untyped-def]
     return float(getattr(h.compute.host, "step_s", float("nan")))
 
 
-def _figures(tokens_s: float, elapsed_s: float, in_vllm_s: float) -> dict[str, float]:
-    """A round's figures: tokens/s, and the share of its time outside vLLM's engine.step()
-    (the backend's own work: cores, compute, connector bookkeeping outside the step)."""
-    return {"tokens_s": tokens_s, "outside_vllm": 1.0 - in_vllm_s / elapsed_s}
+def _figures(tokens: float, elapsed_s: float, in_vllm_s: float, cpu_s: float) -> dict[str, float]:
+    """A round's figures: tokens/s; tokens per CPU second of the process (its threads' CPU
+    time: what another process's load on the shared cores moves far less than wall time); and
+    the share of its time outside vLLM's engine.step() (the backend's own work: cores, compute,
+    connector bookkeeping outside the step)."""
+    return {"tokens_s": tokens / elapsed_s, "cpu_tokens_s": tokens / cpu_s, "outside_vllm": 1.0 - in_vllm_s / elapsed_s}
 
 
 def backend_prefill_round(batch: int, context: int, steps: int, round_: int) -> float:
@@ -106,14 +110,14 @@ def backend_prefill_round(batch: int, context: int, steps: int, round_: int) -> 
     h = _harness()
     requests = [Request(f"p{round_}-{i}", p, "pe", 2) for i, p in enumerate(prompts(batch, context, round_))]
     done_before = len(h.collector.results)  # type: ignore[attr-defined]
-    in_vllm = _in_vllm_s(h)
+    in_vllm, cpu = _in_vllm_s(h), time.process_time()
     start = time.perf_counter()
     h.prefill.accept([h.task(r, oracle=True) for r in requests])  # type: ignore[attr-defined]
     while len(h.collector.results) - done_before < batch:  # type: ignore[attr-defined]
         h.prefill.step()  # type: ignore[attr-defined]
         h.decode.step()  # type: ignore[attr-defined]
     elapsed = time.perf_counter() - start
-    return _figures(batch * context / elapsed, elapsed, _in_vllm_s(h) - in_vllm)
+    return _figures(batch * context, elapsed, _in_vllm_s(h) - in_vllm, time.process_time() - cpu)
 
 
 def _harness():  # type: ignore[no-untyped-def]
@@ -153,14 +157,14 @@ def direct_prefill_round(batch: int, context: int, steps: int, round_: int) -> f
     from vllm.inputs import TokensPrompt
 
     engine = _engine()
-    start = time.perf_counter()
+    cpu, start = time.process_time(), time.perf_counter()
     for i, p in enumerate(prompts(batch, context, round_)):
         engine.add_request(f"p{round_}-{i}", TokensPrompt(prompt_token_ids=p),  # type: ignore[attr-defined]
                            SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, detokenize=False, logprobs=0))
     while engine.has_unfinished_requests():  # type: ignore[attr-defined]
         engine.step()  # type: ignore[attr-defined]
     elapsed = time.perf_counter() - start
-    return _figures(batch * context / elapsed, elapsed, elapsed)
+    return _figures(batch * context, elapsed, elapsed, time.process_time() - cpu)
 
 
 def direct_round(batch: int, context: int, steps: int, round_: int) -> float:
@@ -176,12 +180,12 @@ def direct_round(batch: int, context: int, steps: int, round_: int) -> float:
     produced = 0
     while produced < batch:  # every request's first token (prefill), untimed
         produced += sum(1 for out in engine.step() if len(out.outputs[0].token_ids) == 1)  # type: ignore[attr-defined]
-    start = time.perf_counter()
+    cpu, start = time.process_time(), time.perf_counter()
     tokens = 0
     while engine.has_unfinished_requests():  # type: ignore[attr-defined]
         tokens += len(engine.step())  # type: ignore[attr-defined]
     elapsed = time.perf_counter() - start
-    return _figures(tokens / elapsed, elapsed, elapsed)
+    return _figures(tokens, elapsed, elapsed, time.process_time() - cpu)
 
 
 def main() -> None:
@@ -201,6 +205,7 @@ def main() -> None:
     if args.baseline is not None:
         pools["baseline"] = ProcessPoolExecutor(1, mp_context=spawn, initializer=_use_checkout, initargs=(str(args.baseline),))
     figures: dict[str, list[float]] = {name: [] for name in pools}
+    cpu: dict[str, list[float]] = {name: [] for name in pools}
     outside: dict[str, list[float]] = {name: [] for name in pools if name != "direct"}
     try:
         for round_ in range(args.repeats + 1):  # round 0 builds the engines and warms them, untimed
@@ -209,22 +214,27 @@ def main() -> None:
                 got = pool.submit(fn, args.batch, args.context, args.steps, round_).result()
                 if round_:
                     figures[name].append(got["tokens_s"])
-                    if name in outside:
+                    cpu[name].append(got["cpu_tokens_s"])
+                    if name in outside and not math.isnan(got["outside_vllm"]):
                         outside[name].append(got["outside_vllm"])
     finally:
         for pool in pools.values():
             pool.shutdown()
     result: dict[str, object] = {
         "phase": args.phase, "batch": args.batch, "context": args.context, "steps": args.steps, "rounds": figures,
+        "cpu_rounds": cpu,
         **{f"{name}_tokens_s": statistics.median(values) for name, values in figures.items()},
         # The share of a backend round's time outside vLLM's steps: its own overhead, measured
         # inside one process and so far less moved by the machine's load than the ratio.
-        **{f"{name}_outside_vllm": statistics.median(values) for name, values in outside.items()},
+        **{f"{name}_outside_vllm": statistics.median(values) for name, values in outside.items() if values},
     }
     for name in [n for n in figures if n != "direct"]:
         ratios = [b / d for b, d in zip(figures[name], figures["direct"])]
         result[f"{name}_ratio_per_round"] = ratios
         result[f"{name}_over_direct"] = statistics.median(ratios)
+        cpu_ratios = [b / d for b, d in zip(cpu[name], cpu["direct"])]
+        result[f"{name}_cpu_ratio_per_round"] = cpu_ratios
+        result[f"{name}_over_direct_cpu"] = statistics.median(cpu_ratios)
     if args.baseline is not None:
         result["baseline"] = str(args.baseline)
     if args.json:
@@ -237,7 +247,11 @@ def main() -> None:
     for name in [n for n in figures if n != "direct"]:
         ratios = result[f"{name}_ratio_per_round"]
         print(f"  {name} / direct: {result[f'{name}_over_direct']:.3f} (per round: {', '.join(f'{r:.3f}' for r in ratios)})")  # type: ignore[union-attr]
-        print(f"  {name}: {result[f'{name}_outside_vllm']:.3f} of its time outside vLLM's steps")
+        cpu_ratios = result[f"{name}_cpu_ratio_per_round"]
+        print(f"  {name} / direct per CPU second: {result[f'{name}_over_direct_cpu']:.3f} "
+              f"(per round: {', '.join(f'{r:.3f}' for r in cpu_ratios)})")  # type: ignore[union-attr]
+        if f"{name}_outside_vllm" in result:
+            print(f"  {name}: {result[f'{name}_outside_vllm']:.3f} of its time outside vLLM's steps")
 
 
 def _use_checkout(root: str) -> None:
