@@ -84,6 +84,7 @@ def backend_round(batch: int, context: int, steps: int, round_: int) -> float:
     while len(h.collector.results) - done_before < batch:  # type: ignore[attr-defined]
         h.decode.step()  # type: ignore[attr-defined]
     elapsed = time.perf_counter() - start
+    _check(h.collector.results[done_before:])  # type: ignore[attr-defined]
     tokens = h.decode.stats.tokens - first  # type: ignore[attr-defined]
     return _figures(tokens, elapsed, _in_vllm_s(h) - in_vllm, time.process_time() - cpu)
 
@@ -113,11 +114,23 @@ def backend_prefill_round(batch: int, context: int, steps: int, round_: int) -> 
     in_vllm, cpu = _in_vllm_s(h), time.process_time()
     start = time.perf_counter()
     h.prefill.accept([h.task(r, oracle=True) for r in requests])  # type: ignore[attr-defined]
-    while len(h.collector.results) - done_before < batch:  # type: ignore[attr-defined]
+    # Every prefill batch before the decode core takes the handoffs: the harness's one vLLM
+    # engine serves both cores, and a decode request added while a prefill batch waits would
+    # join its step (two engines in a deployment never mix them).
+    while h.prefill.jobs:  # type: ignore[attr-defined]
         h.prefill.step()  # type: ignore[attr-defined]
+    while len(h.collector.results) - done_before < batch:  # type: ignore[attr-defined]
         h.decode.step()  # type: ignore[attr-defined]
     elapsed = time.perf_counter() - start
+    _check(h.collector.results[done_before:])  # type: ignore[attr-defined]
     return _figures(batch * context, elapsed, _in_vllm_s(h) - in_vllm, time.process_time() - cpu)
+
+
+def _check(results) -> None:  # type: ignore[no-untyped-def]
+    """A round whose requests failed measures nothing: say why."""
+    failed = [result for result in results if result.error is not None]
+    if failed:
+        raise RuntimeError(f"{len(failed)} of {len(results)} requests failed: {failed[0].error}")
 
 
 def _harness():  # type: ignore[no-untyped-def]
