@@ -1,10 +1,12 @@
-"""The vllm engine backend's decode overhead: dualpath_ray's decode core driving a vLLM engine
+"""The vllm engine backend's overhead (oracle mode): dualpath_ray's cores driving a vLLM engine
 (engine.backend: vllm) against the same vLLM engine driven directly, side by side.
 
     .venv/bin/python benchmarks/vllm_overhead.py [--json] [--repeats 3] [--batch 8] [--context 512] [--steps 32]
+        [--phase decode|prefill] [--baseline DIR]
 
 Two processes, each holding one vLLM engine of the same config (cluster_configs/vllm-cpu-1p1d.yaml's
-model, vLLM's dummy weights), alternate their measurements round by round:
+model, vLLM's dummy weights), alternate their measurements round by round (`--phase decode`,
+decode-heavy):
 - backend: the real prefill and decode cores in one process (tests/engine_harness.py, oracle
   mode: no storage or transport), their compute a VllmCompute; `--batch` requests of `--context`
   prompt tokens are prefilled and take their first decode step untimed, then the decode core's
@@ -13,14 +15,25 @@ model, vLLM's dummy weights), alternate their measurements round by round:
 - direct: vllm's LLMEngine with the same arguments and no connector, the same prompts, each
   token's log-prob returned as the backend returns it (RL callers need them), timed from the step
   after the first token to the last.
-Reported: decode tokens/s of each (median over the rounds) and backend / direct. The machine's
-load moves both; the ratio of interleaved rounds is the figure (benchmarks/README.md).
+`--phase prefill` (prefill-heavy): each round's requests ask for 2 tokens (the prefill's and
+one decode step), and the figure is prompt tokens/s from adding them to every result: the
+backend's whole oracle path (the prefill core, the handoff, the decode engine computing the
+prompt into its vLLM pages, which its prefix cache serves from the prefill's step, the prompt
+blocks written to the store, the first decode step, the result), the direct engine's prefill
+and one decode step.
+`--baseline DIR`: a third process runs the backend from another checkout of the repository at
+DIR (its dualpath_ray and tests/engine_harness.py), in the same rounds: before / after a change,
+side by side.
+Reported: tokens/s of each (median over the rounds) and backend / direct per round (their
+median). The machine's load moves all; the ratio of interleaved rounds is the figure
+(benchmarks/README.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import multiprocessing
 import statistics
 import sys
@@ -52,21 +65,11 @@ def prompts(batch: int, context: int, round_: int) -> list[list[int]]:
 
 def backend_round(batch: int, context: int, steps: int, round_: int) -> float:
     """Decode tokens/s of the decode core over a VllmCompute (oracle mode, in-process ports)."""
-    import torch
+    from tests.engine_harness import Request
 
-    from dualpath_ray.kv.layout import KVLayout
-    from dualpath_ray.runtime.vllm_engine.compute import VllmCompute
-    from dualpath_ray.protocol.types import Role
-    from tests.engine_harness import EngineHarness, Request
-
-    if "harness" not in _STATE:
-        cfg = bench_config()
-        layout = KVLayout.from_model(cfg.model, cfg.store.block_size)
-        # One engine per process: prefill batches and decode steps take turns on it (all
-        # prefills of a round end before its decode starts, so no step mixes the two).
-        compute = VllmCompute(cfg, layout, torch.device("cpu"), Role.DECODE)
-        _STATE["harness"] = EngineHarness(cfg, Path(tempfile.mkdtemp(prefix="dualpath-vllm-bench-")), compute=compute)
-    h = _STATE["harness"]
+    # One engine per process: prefill batches and decode steps take turns on it (all prefills
+    # of a round end before its decode starts, so no step mixes the two).
+    h = _harness()
     requests = [Request(f"r{round_}-{i}", p, "pe", steps + 1) for i, p in enumerate(prompts(batch, context, round_))]
     before = h.decode.stats.tokens  # type: ignore[attr-defined]
     h.prefill.accept([h.task(r, oracle=True) for r in requests])  # type: ignore[attr-defined]
@@ -76,28 +79,113 @@ def backend_round(batch: int, context: int, steps: int, round_: int) -> float:
         h.decode.step()  # type: ignore[attr-defined]
     first = h.decode.stats.tokens  # type: ignore[attr-defined]
     done_before = len(h.collector.results)  # type: ignore[attr-defined]
+    in_vllm, cpu = _in_vllm_s(h), time.process_time()
     start = time.perf_counter()
     while len(h.collector.results) - done_before < batch:  # type: ignore[attr-defined]
         h.decode.step()  # type: ignore[attr-defined]
     elapsed = time.perf_counter() - start
-    return (h.decode.stats.tokens - first) / elapsed  # type: ignore[attr-defined]
+    _check(h.collector.results[done_before:])  # type: ignore[attr-defined]
+    tokens = h.decode.stats.tokens - first  # type: ignore[attr-defined]
+    return _figures(tokens, elapsed, _in_vllm_s(h) - in_vllm, time.process_time() - cpu)
 
 
-def direct_round(batch: int, context: int, steps: int, round_: int) -> float:
-    """Decode tokens/s of a plain vLLM engine on the same prompts."""
-    from dualpath_ray.runtime.vllm_engine.host import configure_vllm_env, engine_kwargs
+def _in_vllm_s(h) -> float:  # type: ignore[no-untyped-def]
+    """Seconds the harness's vLLM engine spent in its steps so far (NaN for a baseline
+    checkout that does not count them)."""
+    return float(getattr(h.compute.host, "step_s", float("nan")))
+
+
+def _figures(tokens: float, elapsed_s: float, in_vllm_s: float, cpu_s: float) -> dict[str, float]:
+    """A round's figures: tokens/s; tokens per CPU second of the process (its threads' CPU
+    time: what another process's load on the shared cores moves far less than wall time); and
+    the share of its time outside vLLM's engine.step() (the backend's own work: cores, compute,
+    connector bookkeeping outside the step)."""
+    return {"tokens_s": tokens / elapsed_s, "cpu_tokens_s": tokens / cpu_s, "outside_vllm": 1.0 - in_vllm_s / elapsed_s}
+
+
+def backend_prefill_round(batch: int, context: int, steps: int, round_: int) -> float:
+    """Prompt tokens/s of the oracle path over a VllmCompute, from the requests' arrival to
+    every result (2 tokens each)."""
+    from tests.engine_harness import Request
+
+    h = _harness()
+    requests = [Request(f"p{round_}-{i}", p, "pe", 2) for i, p in enumerate(prompts(batch, context, round_))]
+    done_before = len(h.collector.results)  # type: ignore[attr-defined]
+    in_vllm, cpu = _in_vllm_s(h), time.process_time()
+    start = time.perf_counter()
+    h.prefill.accept([h.task(r, oracle=True) for r in requests])  # type: ignore[attr-defined]
+    # Every prefill batch before the decode core takes the handoffs: the harness's one vLLM
+    # engine serves both cores, and a decode request added while a prefill batch waits would
+    # join its step (two engines in a deployment never mix them).
+    while h.prefill.jobs:  # type: ignore[attr-defined]
+        h.prefill.step()  # type: ignore[attr-defined]
+    while len(h.collector.results) - done_before < batch:  # type: ignore[attr-defined]
+        h.decode.step()  # type: ignore[attr-defined]
+    elapsed = time.perf_counter() - start
+    _check(h.collector.results[done_before:])  # type: ignore[attr-defined]
+    return _figures(batch * context, elapsed, _in_vllm_s(h) - in_vllm, time.process_time() - cpu)
+
+
+def _check(results) -> None:  # type: ignore[no-untyped-def]
+    """A round whose requests failed measures nothing: say why."""
+    failed = [result for result in results if result.error is not None]
+    if failed:
+        raise RuntimeError(f"{len(failed)} of {len(results)} requests failed: {failed[0].error}")
+
+
+def _harness():  # type: ignore[no-untyped-def]
+    """This process's 1P1D harness over one VllmCompute (built by its first call)."""
+    import torch
+
+    from dualpath_ray.kv.layout import KVLayout
     from dualpath_ray.protocol.types import Role
+    from dualpath_ray.runtime.vllm_engine.compute import VllmCompute
+    from tests.engine_harness import EngineHarness
+
+    if "harness" not in _STATE:
+        cfg = bench_config()
+        layout = KVLayout.from_model(cfg.model, cfg.store.block_size)
+        compute = VllmCompute(cfg, layout, torch.device("cpu"), Role.DECODE)
+        _STATE["harness"] = EngineHarness(cfg, Path(tempfile.mkdtemp(prefix="dualpath-vllm-bench-")), compute=compute)
+    return _STATE["harness"]
+
+
+def _engine():  # type: ignore[no-untyped-def]
+    """This process's plain vLLM engine: the backend's decode engine, built from the same
+    arguments, without the connector."""
+    from dualpath_ray.protocol.types import Role
+    from dualpath_ray.runtime.vllm_engine.host import configure_vllm_env, engine_kwargs
 
     if "engine" not in _STATE:
         configure_vllm_env()
         from vllm import EngineArgs, LLMEngine
 
-        # The backend's decode engine, built from the same arguments, without the connector.
         _STATE["engine"] = LLMEngine.from_engine_args(EngineArgs(**engine_kwargs(bench_config(), Role.DECODE)))
+    return _STATE["engine"]
+
+
+def direct_prefill_round(batch: int, context: int, steps: int, round_: int) -> float:
+    """Prompt tokens/s of a plain vLLM engine on the same prompts, 2 tokens each."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    engine = _STATE["engine"]
+    engine = _engine()
+    cpu, start = time.process_time(), time.perf_counter()
+    for i, p in enumerate(prompts(batch, context, round_)):
+        engine.add_request(f"p{round_}-{i}", TokensPrompt(prompt_token_ids=p),  # type: ignore[attr-defined]
+                           SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, detokenize=False, logprobs=0))
+    while engine.has_unfinished_requests():  # type: ignore[attr-defined]
+        engine.step()  # type: ignore[attr-defined]
+    elapsed = time.perf_counter() - start
+    return _figures(batch * context, elapsed, elapsed, time.process_time() - cpu)
+
+
+def direct_round(batch: int, context: int, steps: int, round_: int) -> float:
+    """Decode tokens/s of a plain vLLM engine on the same prompts."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    engine = _engine()
     for i, p in enumerate(prompts(batch, context, round_)):
         engine.add_request(f"r{round_}-{i}", TokensPrompt(prompt_token_ids=p),  # type: ignore[attr-defined]
                            SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True, detokenize=False,
@@ -105,11 +193,12 @@ def direct_round(batch: int, context: int, steps: int, round_: int) -> float:
     produced = 0
     while produced < batch:  # every request's first token (prefill), untimed
         produced += sum(1 for out in engine.step() if len(out.outputs[0].token_ids) == 1)  # type: ignore[attr-defined]
-    start = time.perf_counter()
+    cpu, start = time.process_time(), time.perf_counter()
     tokens = 0
     while engine.has_unfinished_requests():  # type: ignore[attr-defined]
         tokens += len(engine.step())  # type: ignore[attr-defined]
-    return tokens / (time.perf_counter() - start)
+    elapsed = time.perf_counter() - start
+    return _figures(tokens, elapsed, elapsed, time.process_time() - cpu)
 
 
 def main() -> None:
@@ -118,32 +207,69 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--phase", choices=("decode", "prefill"), default="decode")
+    parser.add_argument("--baseline", type=Path, default=None, help="another checkout's backend, measured alongside")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     spawn = multiprocessing.get_context("spawn")
-    figures: dict[str, list[float]] = {"backend": [], "direct": []}
-    with ProcessPoolExecutor(1, mp_context=spawn) as backend, ProcessPoolExecutor(1, mp_context=spawn) as direct:
-        for round_ in range(args.repeats + 1):  # round 0 builds both engines and warms them, untimed
-            b = backend.submit(backend_round, args.batch, args.context, args.steps, round_).result()
-            d = direct.submit(direct_round, args.batch, args.context, args.steps, round_).result()
-            if round_:
-                figures["backend"].append(b)
-                figures["direct"].append(d)
-    result = {
-        "batch": args.batch, "context": args.context, "steps": args.steps, "rounds": figures,
-        "backend_tokens_s": statistics.median(figures["backend"]),
-        "direct_tokens_s": statistics.median(figures["direct"]),
-        "ratio_per_round": [b / d for b, d in zip(figures["backend"], figures["direct"])],
+    rounds = {"decode": (backend_round, direct_round), "prefill": (backend_prefill_round, direct_prefill_round)}
+    backend_fn, direct_fn = rounds[args.phase]
+    pools = {"backend": ProcessPoolExecutor(1, mp_context=spawn), "direct": ProcessPoolExecutor(1, mp_context=spawn)}
+    if args.baseline is not None:
+        pools["baseline"] = ProcessPoolExecutor(1, mp_context=spawn, initializer=_use_checkout, initargs=(str(args.baseline),))
+    figures: dict[str, list[float]] = {name: [] for name in pools}
+    cpu: dict[str, list[float]] = {name: [] for name in pools}
+    outside: dict[str, list[float]] = {name: [] for name in pools if name != "direct"}
+    try:
+        for round_ in range(args.repeats + 1):  # round 0 builds the engines and warms them, untimed
+            for name, pool in pools.items():
+                fn = direct_fn if name == "direct" else backend_fn
+                got = pool.submit(fn, args.batch, args.context, args.steps, round_).result()
+                if round_:
+                    figures[name].append(got["tokens_s"])
+                    cpu[name].append(got["cpu_tokens_s"])
+                    if name in outside and not math.isnan(got["outside_vllm"]):
+                        outside[name].append(got["outside_vllm"])
+    finally:
+        for pool in pools.values():
+            pool.shutdown()
+    result: dict[str, object] = {
+        "phase": args.phase, "batch": args.batch, "context": args.context, "steps": args.steps, "rounds": figures,
+        "cpu_rounds": cpu,
+        **{f"{name}_tokens_s": statistics.median(values) for name, values in figures.items()},
+        # The share of a backend round's time outside vLLM's steps: its own overhead, measured
+        # inside one process and so far less moved by the machine's load than the ratio.
+        **{f"{name}_outside_vllm": statistics.median(values) for name, values in outside.items() if values},
     }
-    result["backend_over_direct"] = statistics.median(result["ratio_per_round"])
+    for name in [n for n in figures if n != "direct"]:
+        ratios = [b / d for b, d in zip(figures[name], figures["direct"])]
+        result[f"{name}_ratio_per_round"] = ratios
+        result[f"{name}_over_direct"] = statistics.median(ratios)
+        cpu_ratios = [b / d for b, d in zip(cpu[name], cpu["direct"])]
+        result[f"{name}_cpu_ratio_per_round"] = cpu_ratios
+        result[f"{name}_over_direct_cpu"] = statistics.median(cpu_ratios)
+    if args.baseline is not None:
+        result["baseline"] = str(args.baseline)
     if args.json:
         print(json.dumps(result))
         return
-    print(f"decode tokens/s, batch {args.batch}, context {args.context}, {args.steps} steps, median of {args.repeats}:")
-    print(f"  backend (decode core + VllmCompute): {result['backend_tokens_s']:.1f}")
-    print(f"  direct (vLLM LLMEngine):             {result['direct_tokens_s']:.1f}")
-    print(f"  backend / direct: {result['backend_over_direct']:.3f} (per round: "
-          f"{', '.join(f'{r:.3f}' for r in result['ratio_per_round'])})")
+    unit = "decode tokens/s" if args.phase == "decode" else "prompt tokens/s"
+    print(f"{unit}, batch {args.batch}, context {args.context}, {args.steps} steps, median of {args.repeats}:")
+    for name in figures:
+        print(f"  {name}: {result[f'{name}_tokens_s']:.1f}")
+    for name in [n for n in figures if n != "direct"]:
+        ratios = result[f"{name}_ratio_per_round"]
+        print(f"  {name} / direct: {result[f'{name}_over_direct']:.3f} (per round: {', '.join(f'{r:.3f}' for r in ratios)})")  # type: ignore[union-attr]
+        cpu_ratios = result[f"{name}_cpu_ratio_per_round"]
+        print(f"  {name} / direct per CPU second: {result[f'{name}_over_direct_cpu']:.3f} "
+              f"(per round: {', '.join(f'{r:.3f}' for r in cpu_ratios)})")  # type: ignore[union-attr]
+        if f"{name}_outside_vllm" in result:
+            print(f"  {name}: {result[f'{name}_outside_vllm']:.3f} of its time outside vLLM's steps")
+
+
+def _use_checkout(root: str) -> None:
+    """A baseline process imports dualpath_ray and tests from another checkout."""
+    sys.path.insert(0, root)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ from dualpath_ray.protocol.names import Pool
 from dualpath_ray.runtime.compute.engine_compute import EngineCompute
 from dualpath_ray.runtime.engine.held_weights import HeldWeights
 from dualpath_ray.runtime.decode.core import DecodeCore
-from dualpath_ray.runtime.decode.filled_blocks import FilledBlocks, PagePulls, StagedPulls
+from dualpath_ray.runtime.decode.filled_blocks import FilledBlocks, HeldPulls, PagePulls
 from dualpath_ray.runtime.decode.job import DecodePorts, DecodeSettings
 from dualpath_ray.runtime.emulation import make_link
 from dualpath_ray.runtime.engine.compute_choice import make_compute
@@ -90,12 +90,11 @@ class EngineHarness:
         if held is None:
             self.fabric.register(DE, Pool.HBM, self.pages.tensor)
         else:
-            # As the decode actor wires a compute that keeps the KV (vLLM's pages).
-            staging = torch.empty((cfg.runtime.max_persists_in_flight, *self.layout.full_block_shape), dtype=torch.uint8)
-            self.fabric.register(DE, Pool.HBM, staging)
+            # As the decode actor wires a compute that keeps the KV (vLLM's pages): prompts land
+            # in them and the reader pulls filled blocks from them.
             self.fabric.register(DE, Pool.COMPUTE_KV, held.kv_buffer)
             held.bind(self.de_transport, Pool.COMPUTE_KV)
-            filled = StagedPulls(held, staging)
+            filled = HeldPulls(held, Pool.COMPUTE_KV)
         self.decode = DecodeCore(
             DecodeSettings(DE, "d0", cfg.model.max_context, cfg.runtime.max_persists_in_flight,
                            cfg.runtime.transfer_timeout_s, cfg.runtime.verify_kv, cfg.runtime.kv_digests),

@@ -24,6 +24,7 @@ import torch
 
 from dualpath_ray.faults.injector import FaultCount, fault_label
 from dualpath_ray.faults.plan import FaultMode, FaultSite, FaultSpec
+from dualpath_ray.kv.paged_block_layers import PagedBlockLayers
 from dualpath_ray.protocol.types import ReadPath
 from dualpath_ray.protocol.messages import (
     DecodeHandoff, ExtentGrant, Holding, PersistedBlock, StagedRead, TokenChunk, TurnResult,
@@ -31,6 +32,7 @@ from dualpath_ray.protocol.messages import (
 from dualpath_ray.protocol.names import Pool
 from dualpath_ray.runtime.engine.ports import Failed, Ready
 from dualpath_ray.runtime.reader.core import ReaderCore
+from dualpath_ray.runtime.reader.page_pulls import pull_moves, settle_pulled
 from dualpath_ray.runtime.transport.moves import Move, Region, RegionError
 from dualpath_ray.scheduling.staging import StageOrder
 
@@ -193,8 +195,11 @@ class FakeReaders:
         self.calls.append("persist_extent")
         return _FuturePending(self._pool.submit(self._slow, self.cores[grant.node_id].write_extent, grant.extent_id, list(blocks)))
 
-    def persist_pages(self, node_id: str, owner: str, blocks: Sequence[tuple[int, PersistedBlock]]) -> Any:
-        """Like the actor: lease slots, copy the engine's pages in (D2H), write, free."""
+    def persist_pages(
+        self, node_id: str, owner: str, blocks: Sequence[tuple[int, PersistedBlock]], paged: PagedBlockLayers | None = None,
+    ) -> Any:
+        """Like the actor: lease slots, copy the engine's pages in (D2H: the same moves,
+        runtime/reader/page_pulls.py), make them Full Blocks, write, free."""
         self.calls.append("persist_pages")
         core = self.cores[node_id]
         engine = self.engines_by_owner[owner]
@@ -205,11 +210,13 @@ class FakeReaders:
             try:
                 if self.pull_gate is not None:
                     self.pull_gate.wait()
-                size = core.layout.full_block_bytes
-                for slot, (page, _) in zip(extent.slots, blocks):
-                    source = self.fabric.view(engine, Region(Pool.HBM, page * size, size))
-                    core.pool.full_block(slot).view(-1).copy_(source)
-                return core.write_blocks([(core.pool.full_block(slot), b) for slot, (_, b) in zip(extent.slots, blocks)])
+                buffer = core.pool.buffer.view(-1)
+                pages = [page for page, _ in blocks]
+                for local, remote in pull_moves(extent.slots, pages, core.layout.full_block_bytes, paged):
+                    buffer[local.offset : local.end].copy_(self.fabric.view(engine, remote))
+                slots = [core.pool.full_block(slot) for slot in extent.slots]
+                settle_pulled(slots, paged)
+                return core.write_blocks([(data, b) for data, (_, b) in zip(slots, blocks)])
             finally:
                 core.end_write(extent.extent_id)
 

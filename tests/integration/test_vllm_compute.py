@@ -180,9 +180,18 @@ def _load_and_decode(cfg: DualPathConfig) -> dict[str, object]:
     compute.fill_pages(np.asarray(prompt), 0, len(prompt), torch.zeros_like(pages), table)
     ahead = len(state.ahead)
     stepped = compute.decode_step([DecodeSeq(first, len(prompt), (), state)], torch.empty(0), [greedy])
+    # The core stops stepping it (its stop rule): vLLM computes it no more, but its pages stay
+    # (a reader may still pull them) until the core releases it.
+    pages_of = held.block_pages(state, range(len(state.blocks)))
+    free_running = host.free_pages()
+    compute.decode_step([], torch.empty(0), [])
+    host.run(LandingStep(transport, "vllm", host.connector.kv_buffer, host.connector.block_map, {}, 60.0))
+    free_stopped = host.free_pages()
     compute.release(state)
+    host.run(LandingStep(transport, "vllm", host.connector.kv_buffer, host.connector.block_map, {}, 60.0))
     held_run = {"polls": polls, "landed": landing.done(), "blocks_equal": blocks_equal, "token": stepped[0].token,
-                "ahead": ahead, "live_after_release": compute.stats()["decode_sequences"]}
+                "ahead": ahead, "live_after_release": compute.stats()["decode_sequences"], "pages": len(pages_of),
+                "freed_when_stopped": free_stopped - free_running, "freed_when_released": host.free_pages() - free_stopped}
     transport.close()
 
     # New weights through vLLM's own loading (HF names): an all-zero lm_head makes every logit 0,
@@ -251,6 +260,10 @@ def test_loaded_kv_is_the_earlier_turns_kv_byte_for_byte_and_decodes_like_a_reco
         f"takes it: {held}"
     )
     assert held["live_after_release"] == 0, f"a released decode sequence leaves vLLM: {held}"
+    assert held["pages"] == 3 and held["freed_when_stopped"] == 0, (
+        f"a decode sequence the core stopped stepping keeps its vLLM pages (a reader may pull them): {held}"
+    )
+    assert held["freed_when_released"] == held["pages"], f"released, its pages are free after vLLM's next step: {held}"
     assert got["first"] != 0 and got["after_update"] == 0, (
         "load_weights goes through vLLM's own loading: a zeroed lm_head makes greedy sampling pick token 0"
     )

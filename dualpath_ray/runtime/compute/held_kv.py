@@ -4,9 +4,12 @@ vLLM's engine allocates, fills and frees its own KV pages; a decode engine whose
 a HeldKV (`EngineCompute.held_kv`, runtime/vllm_engine/compute.py) keeps no page memory of its
 own (runtime/decode/actor.py): its page pool keeps only the books (reservations, which the
 scheduler's admission counts), the prompt's KV lands straight in the compute's pages from the
-decode node's buffer extent, and the persistence and the KV checks read full blocks back from
-them, token-major (the store's Full Block format, kv/layout.py). The engine never asks which
-compute it has, only whether it offers this.
+decode node's buffer extent, the node's reader pulls filled blocks straight from them
+(`paged_blocks`: how they lie; runtime/decode/filled_blocks.py) and the KV checks read full
+blocks back from them, token-major (the store's Full Block format, kv/layout.py). The compute
+keeps a sequence's pages until `EngineCompute.release` of its state, which the engine calls only
+once no pull of them may still run. The engine never asks which compute it has, only whether
+it offers this.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from typing import Any, Protocol, Sequence
 
 import torch
 
+from dualpath_ray.kv.paged_block_layers import PagedBlockLayers
 from dualpath_ray.protocol.messages import SamplingParams
 
 
@@ -59,4 +63,13 @@ class HeldKV(Protocol):
     def read_blocks(self, state: Any, blocks: Sequence[int]) -> torch.Tensor:
         """A copy of the sequence's full blocks `blocks` as Full Blocks [len(blocks), n_layer,
         block_size, bytes] uint8, token-major: what the store holds for them."""
+        ...
+
+    def block_pages(self, state: Any, blocks: Sequence[int]) -> list[int]:
+        """The compute's pages holding the sequence's full blocks `blocks` (what a reader pulls)."""
+        ...
+
+    def paged_blocks(self, pool: str) -> PagedBlockLayers:
+        """How a page's block-layers lie in `kv_buffer`, registered as `pool`: what the node's
+        reader pulls a filled block by (kv/paged_block_layers.py)."""
         ...

@@ -3,20 +3,19 @@
 It owns the paged KV pool ("HBM", registered with the transport as "hbm" so the node's reader can
 pull filled pages to persist them), the worker thread that runs the core, and the Ray ports. A
 compute that keeps the KV itself (runtime/compute/held_kv.py: vLLM's pages) leaves the pool its
-books only: the compute's KV memory is registered instead (the prompts land in it) and "hbm" is
-a staging pool of max_persists_in_flight Full Blocks the reader pulls filled blocks from.
+books only: the compute's KV memory is registered instead, as "compute_kv": the prompts land in
+it and the reader pulls filled blocks straight from it (runtime/decode/filled_blocks.py).
 """
 
 from __future__ import annotations
 
 import ray
-import torch
 
 from dualpath_ray.protocol.names import Pool
 from dualpath_ray.runtime.engine.faulty_ports import with_faults
 from dualpath_ray.kv.paged import PagedKVPool
 from dualpath_ray.runtime.decode.core import DecodeCore
-from dualpath_ray.runtime.decode.filled_blocks import FilledBlocks, PagePulls, StagedPulls
+from dualpath_ray.runtime.decode.filled_blocks import FilledBlocks, HeldPulls, PagePulls
 from dualpath_ray.runtime.decode.job import DecodePorts, DecodeSettings
 from dualpath_ray.runtime.engine.base import EngineBase
 from dualpath_ray.protocol.messages import DecodeHandoff
@@ -40,14 +39,10 @@ class DecodeEngine(EngineBase):
             filled = PagePulls(pages)
         else:
             # The KV lives in the compute's pages (vLLM's): prompts land there, and the reader
-            # pulls filled blocks from a staging pool of max_persists_in_flight Full Blocks.
-            staging = torch.empty(
-                (cfg.runtime.max_persists_in_flight, *self.layout.full_block_shape), dtype=torch.uint8, device=self.device
-            )
-            self.hbm.register(Pool.HBM, staging)
+            # pulls filled blocks from there.
             self.hbm.register(Pool.COMPUTE_KV, held.kv_buffer, owned=False)
             held.bind(self.hbm.transport_port(), Pool.COMPUTE_KV)
-            filled = StagedPulls(held, staging)
+            filled = HeldPulls(held, Pool.COMPUTE_KV)
         self.filled = filled
         settings = DecodeSettings(
             self.id.engine_id, self.id.node_id, cfg.model.max_context, cfg.runtime.max_persists_in_flight,
@@ -73,13 +68,15 @@ class DecodeEngine(EngineBase):
     @ray.method(concurrency_group="control")
     def kv_memory(self) -> dict[str, int]:
         """Bytes of KV memory this engine allocated, by what holds it: its own pages (none when
-        the compute keeps the KV), the persistence's staging, the compute's pages."""
+        the compute keeps the KV), the compute's pages, and the pools it registered with the
+        transport, which every KV move into or out of the engine goes through (`pool:<name>`,
+        as the transport counts them: a vLLM engine's is its compute's pages alone)."""
         held = self.compute.held_kv
-        staging = self.filled.staging if isinstance(self.filled, StagedPulls) else None
+        registered = {f"pool:{pool.name}": pool.nbytes for pool in self.transport.info().pools}
         return {
             "pages": self.core.pages.tensor.numel(),
-            "persist_staging": staging.numel() if staging is not None else 0,
             "compute_pages": held.kv_buffer.numel() if held is not None else 0,
+            **registered,
         }
 
     @ray.method(concurrency_group="control")

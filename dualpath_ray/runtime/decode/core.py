@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Sequence
+from typing import Any, Sequence
 
 from dualpath_ray.kv.block_store import BlockStore
 from dualpath_ray.kv.layout import KVLayout
@@ -73,8 +73,8 @@ class DecodeCore:
         the pages themselves unless the compute keeps the KV (HeldKV)."""
         if compute.held_kv is not None and filled is None:
             raise ValueError(
-                "the compute keeps the decode KV in its own pages: pass `filled`, the staging the reader pulls "
-                "filled blocks from (runtime/decode/actor.py builds a StagedPulls)"
+                "the compute keeps the decode KV in its own pages: pass `filled`, how the reader pulls filled "
+                "blocks from them (runtime/decode/actor.py builds a HeldPulls)"
             )
         self.settings = settings
         self.layout = layout
@@ -91,11 +91,13 @@ class DecodeCore:
         self._table = DecodeJobTable(self.jobs, self._lock, self._cancelled)
         self._aborting: set[str] = set()
         # Pages of failed jobs that a page pull (persist_pages: the reader's D2H of filled pages)
-        # may still be reading, by owner: kept reserved until every such pull replied, so no
-        # other request's KV lands in a page the reader is copying into a block under this
-        # job's key. Each pull ends on its own (the reader's lease and transfer timeouts, or
-        # its death fails the call).
-        self._pulled: dict[str, list[Pending[int]]] = {}
+        # may still be reading, by owner, with the job's compute state: kept reserved, and the
+        # compute's own pages (vLLM's: a HeldKV) kept by not releasing that state, until every
+        # such pull replied, so no other request's KV lands in a page the reader is copying
+        # into a block under this job's key. Each pull ends on its own (the reader's lease and
+        # transfer timeouts, or its death fails the call). A job that finishes has no pull left
+        # (its turn waits for every persist), so only failed ones wait here.
+        self._pulled: dict[str, tuple[list[Pending[int]], Any]] = {}
         self.intake = DecodeIntake(
             settings, layout, compute, pages, ports, store, self._table,
             IntakeHooks(run=self._run, fail=self._fail, report=self._report),
@@ -246,7 +248,8 @@ class DecodeCore:
             job.kv_len += 1
             job.tokens.append(token.token)
             job.log_probs.append(token.log_prob)
-            self._stream(job, len(job.tokens) - job.prompt_len - 1)
+            if job.handoff.task.request.stream:  # type: ignore[union-attr]
+                self._stream(job, len(job.tokens) - job.prompt_len - 1)
             if job.kv_len % size == 0:
                 self.persistence.block_filled(job, job.kv_len // size - 1)
         return True
@@ -362,15 +365,15 @@ class DecodeCore:
             self._report(failure_of(spec, self.settings.engine_id, error))
 
     def _forget(self, job: DecodeJob, pulls: Sequence[Pending[int]] = ()) -> None:
-        """The job leaves the engine; its pages are released now, or once `pulls` (page pulls
-        that may still read them) ended."""
+        """The job leaves the engine; its pages (the engine's books and the compute's state,
+        which holds the compute's pages) are released now, or once `pulls` (page pulls that may
+        still read them) ended."""
         with self._lock:
             self.jobs.pop(job.owner, None)
             if pulls:
-                self._pulled[job.owner] = list(pulls)
-            else:
-                self.pages.release(job.owner)
-                self.persistence.release(job.owner)
+                self._pulled[job.owner] = (list(pulls), job.compute_state)
+                return
+            self.pages.release(job.owner)
         self.compute.release(job.compute_state)
 
     def _release_pulled(self) -> bool:
@@ -378,14 +381,16 @@ class DecodeCore:
         the worker: RefPending)."""
         with self._lock:
             held = list(self._pulled.items())
-        ended = [owner for owner, pulls in held if all(_ended(p) for p in pulls)]
+        ended = [owner for owner, (pulls, _) in held if all(_ended(p) for p in pulls)]
         if not ended:
             return False
+        states = []
         with self._lock:
             for owner in ended:
-                del self._pulled[owner]
+                states.append(self._pulled.pop(owner)[1])
                 self.pages.release(owner)
-                self.persistence.release(owner)
+        for state in states:
+            self.compute.release(state)
         return True
 
     def _report(self, result: TurnResult) -> None:

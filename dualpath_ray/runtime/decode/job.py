@@ -74,8 +74,8 @@ class DecodeJob:
     persists: list[tuple[Pending[int], tuple[PersistedBlock, ...]]] = field(default_factory=list)
     extent_persist: Pending[int] | None = None
     extent_blocks: tuple[PersistedBlock, ...] = ()
-    # Filled blocks waiting to be posted: (a page, or the block's copy: runtime/decode/filled_blocks.py, key).
-    queued: deque[tuple[Any, PersistedBlock]] = field(default_factory=deque)
+    # Filled blocks waiting to be posted: (the page the reader pulls it from: runtime/decode/filled_blocks.py, key).
+    queued: deque[tuple[int, PersistedBlock]] = field(default_factory=deque)
     parent_key: str | None = None
     chain: list[PersistedBlock] = field(default_factory=list)  # every block keyed so far, in chain order
     stored: set[str] = field(default_factory=set)  # keys of its blocks the store holds (confirmed)

@@ -10,7 +10,8 @@ only after every one of its blocks is settled (`pending`), so the next turn neve
 block this one produced. Keys extend the chain block by block (`next_block_key`), O(n) per
 request. Oracle mode writes each block from its page into the store in place. Where a filled
 block is pulled from is the engine's `FilledBlocks` (runtime/decode/filled_blocks.py): its page,
-or, when the compute keeps the KV (vLLM's pages), a staging slot it is copied into when posted.
+the engine's own or, when the compute keeps the KV, the compute's (vLLM's), straight into the
+reader's buffer; the engine keeps no copy of it.
 
 Each block carries the digest of the KV this engine holds for it (runtime.kv_digests: the prefill
 engine's digests for a computed prompt block, the page's for one filled while decoding); the
@@ -79,16 +80,16 @@ class DecodePersistence:
         for block in range(first, job.prompt_len // size):
             blocks.append((block, self._next_key(job, block, self._prompt_digest(job, block))))
         if task.oracle:
-            for block, persisted in blocks:
-                self._oracle_write(job, self.filled.capture(job, block)[1], persisted)
+            for data, (_, persisted) in zip(self.filled.read(job, [block for block, _ in blocks]), blocks):
+                self._oracle_write(job, data, persisted)
             return
         extent = job.handoff.extent
         assert extent is not None
         if not blocks:
             self.readers.free(extent)
             return
-        # Not counted against max_persists_in_flight: these blocks already sit in a leased extent
-        # and need no staging slot; the budget bounds the D2H staging of filled pages.
+        # Not counted against max_persists_in_flight: these blocks already sit in a leased extent;
+        # the budget bounds the reader's pulls of filled pages.
         job.extent_persist = self.readers.persist_extent(extent, blocks)
         job.extent_blocks = tuple(p for _, p in blocks)
 
@@ -100,15 +101,13 @@ class DecodePersistence:
         if job.refused:
             self._next_key(job, block)
             return  # a block after a refused one could never be hit: not written at all
-        captured, data = self.filled.capture(job, block)
+        if oracle:
+            self._oracle_write(job, self.filled.read(job, [block])[0], persisted=self._next_key(job, block))
+            return
         # The block as this engine computed it: the reader publishes it only if what it pulled
         # and the store wrote is this (the pull may come much later).
-        digest = full_block_digest(data) if self.settings.kv_digests and not oracle else None
-        persisted = self._next_key(job, block, digest)
-        if oracle:
-            self._oracle_write(job, data, persisted)
-        else:
-            job.queued.append((captured, persisted))
+        digest = full_block_digest(self.filled.read(job, [block])[0]) if self.settings.kv_digests else None
+        job.queued.append((self.filled.capture(job, block), self._next_key(job, block, digest)))
 
     def pending(self, job: DecodeJob) -> bool:
         """Whether a block of the job is still queued or on its way (its turn cannot end yet)."""
@@ -127,17 +126,11 @@ class DecodePersistence:
             if room <= 0:
                 self.stats.persist_waits += 1
                 break
-            staged = self.filled.stage(job.owner, list(job.queued)[:room])
-            if staged is None:
-                self.stats.persist_waits += 1
-                break
-            blocks = staged
-            for _ in blocks:
-                job.queued.popleft()
+            blocks = [job.queued.popleft() for _ in range(min(room, len(job.queued)))]
             nbytes = len(blocks) * self.layout.full_block_bytes
             self.cnic_out.take(nbytes)
             self.counters.cnic_out[ReadPath(job.handoff.task.path).side.value] += nbytes  # type: ignore[union-attr]
-            pending = self.readers.persist_pages(self.settings.node_id, job.owner, blocks)
+            pending = self.readers.persist_pages(self.settings.node_id, job.owner, blocks, self.filled.paged)
             job.persists.append((pending, tuple(p for _, p in blocks)))
             self._in_flight += len(blocks)
             self.stats.max_persists_in_flight = max(self.stats.max_persists_in_flight, self._in_flight)
@@ -148,6 +141,8 @@ class DecodePersistence:
         """Collect the job's finished persists: (whether any settled, the error of a failed one).
         A persist that failed (not one the store refused: that one answers how many blocks it
         stored) fails the request; the caller does that."""
+        if not job.persists and job.extent_persist is None:
+            return False, None  # nothing on its way (every running job, every step: the common case)
         still, settled, error = [], False, None
         if job.extent_persist is not None:
             try:
@@ -166,7 +161,6 @@ class DecodePersistence:
                 continue
             if done:
                 self._in_flight -= len(blocks)
-                self.filled.settled(job.owner, blocks)
                 self._stored(job, blocks, stored)
                 settled = True
             else:
@@ -189,10 +183,6 @@ class DecodePersistence:
         self.stats.persisted_blocks += stored
         if stored < len(blocks):
             job.refused = True
-
-    def release(self, owner: str) -> None:
-        """`owner` left and no pull of its blocks is running: what holds them for pulls is free."""
-        self.filled.release(owner)
 
     def abandon(self, job: DecodeJob) -> None:
         """The job failed and its transfers ended (the caller waited for them): its blocks in

@@ -20,6 +20,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from dualpath_ray.kv.paged_block_layers import PagedBlockLayers
 from dualpath_ray.faults.injector import FaultInjector, InjectedFault
 from dualpath_ray.faults.plan import CallPhase, FaultMode, FaultSite
 from dualpath_ray.protocol.types import ReadPath
@@ -93,8 +94,10 @@ class FaultyReaders:
     def persist_extent(self, grant: ExtentGrant, blocks: Sequence[tuple[int, PersistedBlock]]) -> Pending[int]:
         return _call(self.faults, "persist_extent", lambda: self.inner.persist_extent(grant, blocks))
 
-    def persist_pages(self, node_id: str, owner: str, blocks: Sequence[tuple[int, PersistedBlock]]) -> Pending[int]:
-        return _call(self.faults, "persist_pages", lambda: self.inner.persist_pages(node_id, owner, blocks))
+    def persist_pages(
+        self, node_id: str, owner: str, blocks: Sequence[tuple[int, PersistedBlock]], paged: PagedBlockLayers | None = None,
+    ) -> Pending[int]:
+        return _call(self.faults, "persist_pages", lambda: self.inner.persist_pages(node_id, owner, blocks, paged))
 
 
 class FaultySchedulerPort:

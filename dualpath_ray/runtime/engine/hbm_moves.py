@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from dualpath_ray.kv.paged_block_layers import PagedBlockLayers
 from dualpath_ray.kv.host_memory import HostPinning, allocate_host_buffer
 from dualpath_ray.protocol.types import ReadPath
 from dualpath_ray.protocol.messages import ExtentGrant, PersistedBlock, StagedRead
@@ -254,10 +255,17 @@ class _StagingReaders:
         self._page_bytes = page_bytes
         self._pool = pool
 
-    def persist_pages(self, node_id: str, owner: str, blocks: Sequence[tuple[int, PersistedBlock]]) -> Pending[int]:
+    def persist_pages(
+        self, node_id: str, owner: str, blocks: Sequence[tuple[int, PersistedBlock]], paged: PagedBlockLayers | None = None,
+    ) -> Pending[int]:
         size = self._page_bytes
-        self._moves.to_host(Region(self._pool, page * size, size) for page, _ in blocks)
-        return self._inner.persist_pages(node_id, owner, blocks)
+        if paged is None:
+            self._moves.to_host(Region(self._pool, page * size, size) for page, _ in blocks)
+        else:  # a compute's own pages: the runs the reader pulls
+            self._moves.to_host(
+                Region(paged.pool, offset, nbytes) for page, _ in blocks for offset, nbytes in paged.runs(page)
+            )
+        return self._inner.persist_pages(node_id, owner, blocks, paged)
 
     # The other calls touch no engine memory.
     def read_hits(

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Generic, Protocol, Sequence, TypeVar
 
+from dualpath_ray.kv.paged_block_layers import PagedBlockLayers
 from dualpath_ray.protocol.types import ReadPath
 from dualpath_ray.protocol.messages import (
     DecodeHandoff, ExtentGrant, Holding, PersistedBlock, RequestSpec, StagedRead, TokenChunk, TurnResult,
@@ -83,9 +84,11 @@ class ReaderPort(Protocol):
         """Write blocks (index in the extent, key) to the store from the extent, then free it."""
 
     def persist_pages(
-        self, node_id: str, owner: str, blocks: Sequence[tuple[int, PersistedBlock]]
+        self, node_id: str, owner: str, blocks: Sequence[tuple[int, PersistedBlock]], paged: PagedBlockLayers | None = None,
     ) -> Pending[int]:
-        """D2H + write: the node's reader pulls pages of this engine's HBM and stores them."""
+        """D2H + write: the node's reader pulls pages of this engine's HBM and stores them.
+        `paged`: the pages are a compute's own (vLLM's), laid out as it says
+        (kv/paged_block_layers.py); None: Full Block pages of the engine's Pool.HBM."""
 
 
 class TransportPort(Protocol):

@@ -12,6 +12,7 @@ from typing import Any, Callable, Sequence
 
 import ray
 
+from dualpath_ray.kv.paged_block_layers import PagedBlockLayers
 from dualpath_ray.protocol.names import SCHEDULER, reader_name
 from dualpath_ray.runtime.engine.directory import ActorDirectory
 from dualpath_ray.runtime.reporting.channel import ChannelAddress
@@ -97,9 +98,11 @@ class RayReaders:
         reader = self.directory.get(grant.reader)
         return RefPending(reader.persist_extent.remote(grant.extent_id, list(blocks), grant.incarnation), self.wake)
 
-    def persist_pages(self, node_id: str, owner: str, blocks: Sequence[tuple[int, PersistedBlock]]) -> RefPending:
+    def persist_pages(
+        self, node_id: str, owner: str, blocks: Sequence[tuple[int, PersistedBlock]], paged: PagedBlockLayers | None = None,
+    ) -> RefPending:
         self.sent["persist_pages"] += 1
-        return RefPending(self._reader(node_id).persist_pages.remote(owner, self.engine, list(blocks)), self.wake)
+        return RefPending(self._reader(node_id).persist_pages.remote(owner, self.engine, list(blocks), paged), self.wake)
 
 
 class RayScheduler:

@@ -60,11 +60,14 @@ class PrefillEngine(EngineBase):
     @ray.method(concurrency_group="control")
     def kv_memory(self) -> dict[str, int]:
         """Bytes of KV memory this engine allocated, by what holds it: its layer window (none
-        when the compute keeps the batches' KV), the compute's pages."""
+        when the compute keeps the batches' KV), the compute's pages, and the pools it registered
+        with the transport (`pool:<name>`, as the decode actor's kv_memory counts them)."""
         held = self.compute.prefill_kv
+        registered = {f"pool:{pool.name}": pool.nbytes for pool in self.transport.info().pools}
         return {
             "window": self.core.window.tensor.numel(),
             "compute_pages": held.kv_buffer.numel() if held is not None else 0,
+            **registered,
         }
 
     @ray.method(concurrency_group="control")

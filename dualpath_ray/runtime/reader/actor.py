@@ -23,6 +23,7 @@ import torch
 from dualpath_ray.config import DualPathConfig
 from dualpath_ray.faults.injector import FaultCount, FaultInjector
 from dualpath_ray.kv.layout import KVLayout
+from dualpath_ray.kv.paged_block_layers import PagedBlockLayers
 from dualpath_ray.kv.store import open_store
 from dualpath_ray.protocol.counters import NodeCounters
 from dualpath_ray.protocol.names import Pool
@@ -35,6 +36,7 @@ from dualpath_ray.protocol.messages import ExtentGrant, PersistedBlock, ReaderRe
 from dualpath_ray.protocol.types import ReadPath
 from dualpath_ray.runtime.reader.core import ReaderCore, ReaderSettings
 from dualpath_ray.runtime.reader.expiry_timer import ExpiryTimer
+from dualpath_ray.runtime.reader.page_pulls import pull_moves, settle_pulled
 from dualpath_ray.runtime.reader.stage_queue import StageQueue
 from dualpath_ray.kv.staged import StagingCounts
 from dualpath_ray.scheduling.staging import StageOrder
@@ -43,7 +45,7 @@ from dualpath_ray.runtime.engine.ray_ports import scheduler_channel
 from dualpath_ray.runtime.reporting.client import ReportClient
 from dualpath_ray.runtime.placement.qos import kv_transport_knobs
 from dualpath_ray.runtime.restarts.incarnations import TransportKeeper, was_restarted
-from dualpath_ray.runtime.transport.moves import PeerDiedError, Region
+from dualpath_ray.runtime.transport.moves import PeerDiedError
 from dualpath_ray.runtime.transport.endpoint import TransportEndpoint, endpoint_actor_options
 from dualpath_ray.runtime.transport.factory import make_transport
 
@@ -217,22 +219,22 @@ class StorageReader(TransportEndpoint):
         self.reports.send(ReaderReport(self.core.node_id, self.name, self.incarnation, self.core.read_q(), (owner,)))
 
     @ray.method(concurrency_group="io")
-    def persist_pages(self, owner: str, engine: str, blocks: list[tuple[int, PersistedBlock]]) -> int:
-        """D2H: pull whole pages of a decode engine's HBM into a leased extent, then write them;
-        returns how many leading blocks are stored (ReaderCore.write_blocks)."""
+    def persist_pages(
+        self, owner: str, engine: str, blocks: list[tuple[int, PersistedBlock]], paged: PagedBlockLayers | None = None,
+    ) -> int:
+        """D2H: pull whole pages of a decode engine's KV into a leased extent, then write them;
+        returns how many leading blocks are stored (ReaderCore.write_blocks). `paged`: the
+        pages are a compute's own (vLLM's), pulled run by run and made token-major in the
+        slots (page_pulls.py); None: Full Block pages of the engine's Pool.HBM."""
         layout = self.core.layout
         extent = self.core.lease(owner, len(blocks))
         self.core.begin_write(extent.extent_id)  # reclaim must not free it under the D2H
-        moves = [
-            (Region(Pool.BUFFER, slot * layout.full_block_bytes, layout.full_block_bytes),
-             Region(Pool.HBM, page * layout.full_block_bytes, layout.full_block_bytes))
-            for slot, (page, _) in zip(extent.slots, blocks)
-        ]
+        moves = pull_moves(extent.slots, [page for page, _ in blocks], layout.full_block_bytes, paged)
         try:
             self.transport.read(engine, moves).wait(self.timeout_s)
-            return self.core.write_blocks(
-                [(self.core.pool.full_block(slot), block) for slot, (_, block) in zip(extent.slots, blocks)]
-            )
+            slots = [self.core.pool.full_block(slot) for slot in extent.slots]
+            settle_pulled(slots, paged)
+            return self.core.write_blocks([(data, block) for data, (_, block) in zip(slots, blocks)])
         finally:
             self.core.end_write(extent.extent_id)
 

@@ -177,5 +177,10 @@ class AsyncLoads:
         released, self._released = self._released, set()
         return released
 
+    def receiving(self, request_id: str) -> bool:
+        """Whether vLLM request `request_id`'s load was started and not yet reported ended: what
+        the scheduler side knows between steps too (connector.py request_finished)."""
+        return request_id in self._receiving
+
     def in_flight(self) -> int:
         return len(self._receiving)

@@ -35,10 +35,12 @@ computed once per layer from the view's strides, and addressing a block is arith
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import permutations
 from typing import Sequence
 
 import torch
 
+from dualpath_ray.kv.paged_block_layers import DIM, HEAD, KV, PAGE, TOKEN, PagedBlockLayers
 from dualpath_ray.runtime.transport.moves import Move, Region
 from dualpath_ray.runtime.vllm_engine.pages import PageCodec
 
@@ -120,6 +122,25 @@ class BlockLayerMap:
                 offset, nbytes, used = offset + take, nbytes - take, used + take
         return moves
 
+    def paged(self, pool: str) -> PagedBlockLayers:
+        """This map as a reader pulls from it (kv/paged_block_layers.py): the runs of every
+        layer of a vLLM block, and the axis order of a block-layer's runs read back to back,
+        found among the orders of its outer axes as the one that puts every token-major element
+        where `logical` says it lies (ValueError for a layout no axis order describes)."""
+        codec, size = self.codec, self.element_size
+        sizes = (codec.block_size // codec.page_tokens, codec.n_kv_head, codec.page_tokens, 2, codec.head_dim)
+        # Element i of the runs read back to back is the one at offset order[i]: token-major
+        # element m is there at the rank of logical[m] in order.
+        stored = torch.searchsorted(self.order, self.logical)
+        for outer in permutations((PAGE, HEAD, TOKEN)):
+            paged = PagedBlockLayers(
+                pool, tuple(base * size for base in self.layer_base), self.block_stride * size,
+                tuple((offset * size, length * size) for offset, length in self.pattern), (*outer, KV, DIM), sizes, size,
+            )
+            if torch.equal(paged.token_major_index(), stored):
+                return paged
+        raise ValueError(f"vLLM's block-layers of {self.codec} are in no axis order a reader can make token-major")
+
     def settle(self, buffer: torch.Tensor, layer: int, blocks: Sequence[int]) -> None:
         """The landed token-major block-layers of `blocks` (landed at `runs`) become vLLM's page
         layout, in place: one gather and one scatter over the blocks' own memory. `buffer` is
@@ -136,7 +157,10 @@ class BlockLayerMap:
         [len(blocks), block_layer_bytes] uint8): what a block-layer of the store holds."""
         typed = _typed(buffer, self.dtype)
         base = self.layer_base[layer] + torch.as_tensor(list(blocks), dtype=torch.int64, device=typed.device) * self.block_stride
-        return typed[base[:, None] + self.logical.to(typed.device)[None, :]].contiguous().view(torch.uint8)
+        # index_select of the flat index, not a 2-D advanced index: on the CPU the latter ran
+        # 10-30x slower on this VM (an oracle prompt's persistence and every digest read this).
+        index = (base[:, None] + self.logical.to(typed.device)[None, :]).reshape(-1)
+        return typed.index_select(0, index).view(len(base), -1).view(torch.uint8)
 
 
 def _logical_offsets(view: torch.Tensor, codec: PageCodec) -> torch.Tensor:

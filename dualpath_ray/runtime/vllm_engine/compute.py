@@ -20,7 +20,12 @@ metrics and emulation decide and move exactly what they do for the native engine
   `compute_prompts`). vLLM steps whenever one of those needs it, so it may sample a sequence's
   token before the core's decode step asks: the token waits, ahead of the core, and the core's
   step takes it (`decode_step` steps vLLM only while a sequence it asks for has none). The
-  persistence and the KV checks read full blocks back token-major (`read_blocks`).
+  node's reader pulls filled blocks straight from vLLM's pages (`block_pages`, `paged_blocks`);
+  the KV checks read full blocks back token-major (`read_blocks`). A decode request holds its
+  pages past its end in vLLM (`HOLD`: a sequence the core stopped stepping is aborted at once,
+  so vLLM computes it no more) until the core releases its state, which it does only once no
+  pull of its pages may still run (runtime/decode/core.py): vLLM never frees or reuses a page a
+  pull reads.
 - KV verification recomputes into pages of its own (`fill_pages`) in steps that run the live
   decode sequences too (their tokens wait as above).
 """
@@ -38,6 +43,7 @@ import torch
 
 from dualpath_ray.config import DualPathConfig
 from dualpath_ray.kv.layout import KVLayout
+from dualpath_ray.kv.paged_block_layers import PagedBlockLayers
 from dualpath_ray.protocol.messages import SamplingParams
 from dualpath_ray.runtime.compute.engine_compute import ChunkSpec, DecodeSeq, EngineCompute, PageFill, PrefillBatch, Sampled
 from dualpath_ray.runtime.compute.prefill_kv import PrefillMoved
@@ -74,8 +80,9 @@ class _DecodeState:
     cache_domain: str
     ahead: deque[tuple[int, float]] = field(default_factory=deque)
     blocks: tuple[int, ...] = ()
-    added: bool = False
+    added: bool = False  # added to vLLM, and its pages not yet freed (`VllmCompute.release`)
     stepped: bool = False  # the core stepped it: a step without it means it stopped
+    vllm_id: str = ""  # vLLM's own id of its request (what its held pages are released by)
 
 
 class _PromptLoad:
@@ -270,7 +277,7 @@ class VllmCompute(EngineCompute):
         # A sequence the core stepped before and steps no more stopped (its stop rule, a
         # failure): vLLM must not compute it again.
         stepping = {state.key for state in states}
-        self._drop([key for key, state in self._live.items() if state.stepped and key not in stepping])
+        self._stop([key for key, state in self._live.items() if state.stepped and key not in stepping])
         for seq, state, sampling in zip(seqs, states, params):
             if not state.added:
                 self._add(state, sampling, 0, None)
@@ -282,19 +289,40 @@ class VllmCompute(EngineCompute):
         self._step_until(states)
         return [Sampled(*state.ahead.popleft()) for state in states]
 
+    def block_pages(self, state: Any, blocks: Sequence[int]) -> list[int]:
+        """vLLM's pages holding the sequence's full blocks `blocks` (as of the last step that
+        scheduled it: vLLM never moves a running request's full blocks, the core's page books
+        keep it from preempting)."""
+        seq: _DecodeState = state
+        missing = [b for b in blocks if not 0 <= b < len(seq.blocks)]
+        if missing:
+            raise RuntimeError(f"decode sequence {seq.key} has {len(seq.blocks)} vLLM pages; asked for blocks {missing}")
+        return [seq.blocks[b] for b in blocks]
+
+    def paged_blocks(self, pool: str) -> PagedBlockLayers:
+        block_map = self.host.connector.block_map
+        assert block_map is not None, "vLLM registers its KV caches while the engine starts"
+        return block_map.paged(pool)
+
     def release(self, state: Any) -> None:
-        """The decode job ended (finished, failed, aborted): its vLLM request goes too."""
-        if isinstance(state, _DecodeState):
-            self._drop([state.key])
+        """The decode job ended (finished, failed, aborted) and no pull reads its pages: its
+        vLLM request goes, and vLLM frees the pages it held."""
+        if isinstance(state, _DecodeState) and state.added:
+            self._stop([state.key])
+            self.host.free_held(state.key, state.vllm_id)
+            state.added = False
 
     def _add(self, state: _DecodeState, sampling: SamplingParams, external: int, source: KVSource | None) -> None:
         budget = max(1, self.max_context - len(state.tokens))
-        self.host.add(state.key, state.tokens, external, sampling, max_tokens=budget, cache_domain=state.cache_domain,
-                      source=source)
+        state.vllm_id = self.host.add(
+            state.key, state.tokens, external, sampling, max_tokens=budget, cache_domain=state.cache_domain,
+            source=source, hold=True,
+        )
         state.added = True
         self._live[state.key] = state
 
-    def _drop(self, keys: list[str]) -> None:
+    def _stop(self, keys: list[str]) -> None:
+        """vLLM computes these sequences no more; the pages they held stay until `release`."""
         keys = [key for key in keys if self._live.pop(key, None) is not None]
         self.host.abort(keys)
         loads = self.host.connector.loads
@@ -360,7 +388,7 @@ class VllmCompute(EngineCompute):
         """vLLM's own figures: steps run, requests it holds and its free KV pages (its scheduler's
         count), and the block-layers prompt landings moved into its pages."""
         loads, block_map = self.host.connector.loads, self.host.connector.block_map
-        return {"backend": "vllm", "steps": self.host.steps, "unfinished": self.host.unfinished(),
+        return {"backend": "vllm", "steps": self.host.steps, "step_s": self.host.step_s, "unfinished": self.host.unfinished(),
                 "free_pages": self.host.free_pages(), "decode_sequences": len(self._live),
                 "prefix_cache_hit_tokens": self.host.connector.local_hit_tokens,
                 "landed_block_layers": loads.block_layers_posted if loads is not None else 0,
@@ -371,6 +399,10 @@ class VllmCompute(EngineCompute):
     # --- weights ------------------------------------------------------------------------
 
     def load_weights(self, source: Any) -> None:
+        if self.host.releasing:
+            # Decode sequences' held pages were released since vLLM's last step; it frees them
+            # in its next one, and its prefix cache empties only once no request holds a page.
+            self._step()
         self.host.load_weights(source)
         # vLLM keeps its weights in its own (fused, sharded) layout, which no state dict names:
         # what was loaded is kept on the host for a restarted peer to catch up from (one host

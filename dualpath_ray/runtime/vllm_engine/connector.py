@@ -96,6 +96,7 @@ if TYPE_CHECKING:
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 class StepMeta(KVConnectorMetadata):
@@ -128,6 +129,8 @@ class DualPathConnector(KVConnectorBase_V1):
         self._local_hits: dict[str, int] = {}  # scheduler side: vLLM's prefix-cache hit of each request
         self._new_loads: list[AsyncLoad] = []  # scheduler side: asynchronous loads for the next step
         self._sourced: set[str] = set()  # scheduler side: requests whose source was loaded from once
+        # Scheduler side: requests whose asynchronous load was planned and not yet reported ended.
+        self._receiving: set[str] = set()
         # Worker side: the layers in model order, their codec, and the step being run.
         self.layers: list[torch.Tensor] = []
         self._index: dict[str, int] = {}
@@ -164,6 +167,7 @@ class DualPathConnector(KVConnectorBase_V1):
         # Loaded before vLLM schedules the request: no step loads any of it again.
         self.book.allocated(request.request_id, 0)
         self._sourced.add(request.request_id)
+        self._receiving.add(request.request_id)
         lo = self._local_hits.get(request.request_id, 0)
         peer, pool, offsets, pages = source
         self._new_loads.append(AsyncLoad(
@@ -193,11 +197,22 @@ class DualPathConnector(KVConnectorBase_V1):
         self._local_hits.pop(request.request_id, None)
         self._sourced.discard(request.request_id)
         # vLLM itself keeps the pages of a request still waiting for its KV until get_finished
-        # reports the load ended (its WAITING_FOR_REMOTE_KVS contract). A held request's pages
-        # stay until the worker side is told they were read (release), as sent.
-        if (request.kv_transfer_params or {}).get(HOLD):
+        # reports the load ended (its WAITING_FOR_REMOTE_KVS contract), then frees them: such a
+        # request is not held too (a second free would be one too many; nothing of it can be
+        # read yet). A held request's pages stay until the worker side is told they were read
+        # (release), as sent; the worker side tells the two apart the same way between steps
+        # (AsyncLoads.receiving, VllmHost.free_held).
+        receiving = request.request_id in self._receiving
+        self._receiving.discard(request.request_id)
+        if (request.kv_transfer_params or {}).get(HOLD) and not receiving:
             return True, {HELD_BLOCKS: list(block_ids), HELD_ID: request.request_id}
         return False, None
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """Scheduler side: the worker side's report of a step; loads it reports ended are no
+        longer in flight."""
+        super().update_connector_output(connector_output)
+        self._receiving.difference_update(connector_output.finished_recving or ())
 
     # --- worker side ----------------------------------------------------------------------
 

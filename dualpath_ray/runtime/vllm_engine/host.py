@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
@@ -122,8 +123,11 @@ class VllmHost:
         self._ids = itertools.count()
         self._lock = threading.Lock()  # the engine is not thread-safe: one call at a time
         self.steps = 0
+        self.step_s = 0.0  # inside vLLM's engine.step(), over all steps: what the rest of a step costs is ours
         # key -> the pages a request added with `hold` ended holding, and vLLM's id of it.
         self.held: dict[str, tuple[list[int], str]] = {}
+        # Held pages released since the last step: vLLM frees them in its next one.
+        self.releasing = 0
 
     # --- requests -------------------------------------------------------------------------
 
@@ -133,7 +137,7 @@ class VllmHost:
     def add(
         self, key: str, tokens: Iterable[int], external: int, sampling: SamplingParams, max_tokens: int,
         private_cache: bool = False, cache_domain: str = "", source: KVSource | None = None, hold: bool = False,
-    ) -> None:
+    ) -> str:
         """A request named `key` whose first `external` tokens' KV the step's StepKV loads, past
         what vLLM's prefix cache holds. vLLM's cache is shared only between requests of one
         `cache_domain` (the request's key namespace: model, weights, tenant's salt), its cache
@@ -141,7 +145,8 @@ class VllmHost:
         recompute must compute, not find the KV it is checked against). `source`: the external
         tokens' KV lies there and loads asynchronously, before vLLM schedules the request
         (runtime/vllm_engine/async_loads.py), rather than inside its first step. `hold`: its pages
-        outlive it until `release(key)` (named in `held[key]` once it ended)."""
+        outlive it until `release(key)` (named in `held[key]` once it ended) or `free_held`.
+        Returns vLLM's own id of the request."""
         from vllm import SamplingParams as VllmSampling
         from vllm.inputs import TokensPrompt
 
@@ -165,7 +170,7 @@ class VllmHost:
                 prompt["cache_salt"] = f"private:{key}"
             elif cache_domain:
                 prompt["cache_salt"] = f"domain:{cache_domain}"
-            self.engine.add_request(key, prompt, params)
+            return self.engine.add_request(key, prompt, params)
 
     def abort(self, keys: list[str]) -> None:
         if keys:
@@ -176,11 +181,14 @@ class VllmHost:
         """One vLLM step with `step` bound to the connector: key -> (token, log prob) sampled."""
         with self._lock:
             self.connector.bind(step)
+            started = time.perf_counter()
             try:
                 outputs = self.engine.step()
             finally:
+                self.step_s += time.perf_counter() - started
                 self.connector.bind(None)
             self.steps += 1
+            self.releasing = 0
         sampled = {}
         for output in outputs:
             params = getattr(output, "kv_transfer_params", None) or {}
@@ -200,6 +208,20 @@ class VllmHost:
         _, request_id = self.held.pop(key)
         with self._lock:
             self.connector.release(request_id)
+            self.releasing += 1
+
+    def free_held(self, key: str, request_id: str) -> None:
+        """Request `key` (added with `hold`; `request_id` is vLLM's id of it) ends now if it has
+        not, and nothing reads its pages any more: vLLM frees them at its next step. One that
+        ends while its asynchronous load is in flight was never held (vLLM frees its pages
+        itself once the load ended: connector.py request_finished), so it is not released."""
+        with self._lock:
+            self.engine.abort_request([key])
+            self.held.pop(key, None)
+            loads = self.connector.loads
+            if loads is not None and not loads.receiving(request_id):
+                self.connector.release(request_id)
+                self.releasing += 1
 
     def reset_prefix_cache(self) -> bool:
         """Empty vLLM's prefix cache; False while requests still hold pages (vLLM refuses)."""

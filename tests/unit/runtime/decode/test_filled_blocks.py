@@ -1,7 +1,9 @@
 """Where a decode engine's reader pulls filled blocks from when the compute keeps the KV
-(runtime/decode/filled_blocks.py, StagedPulls): a block is read out as it fills, copied into a
-staging slot when its persist is posted, and the slot is free again once that persist settled,
-or once a failed request's pulls ended; with every slot taken a persist waits."""
+(runtime/decode/filled_blocks.py, HeldPulls): straight from the compute's pages, in their own
+layout (here vLLM's CPU layout, [layer, block, head, token, K+V], through the same BlockLayerMap
+a vLLM engine builds), into the reader's buffer slot, where the pull's moves and its settling
+(runtime/reader/page_pulls.py) make it the store's token-major Full Block; the engine keeps no
+copy of it."""
 
 from __future__ import annotations
 
@@ -10,52 +12,61 @@ from typing import Any, Sequence
 import torch
 
 from dualpath_ray.kv.layout import KVLayout
-from dualpath_ray.protocol.messages import PersistedBlock
-from dualpath_ray.runtime.decode.filled_blocks import StagedPulls
+from dualpath_ray.kv.paged_block_layers import PagedBlockLayers
+from dualpath_ray.protocol.names import Pool
+from dualpath_ray.runtime.decode.filled_blocks import HeldPulls
 from dualpath_ray.runtime.decode.job import DecodeJob
+from dualpath_ray.runtime.reader.page_pulls import pull_moves, settle_pulled
+from dualpath_ray.runtime.vllm_engine.block_layers import BlockLayerMap, backing_buffer
+from dualpath_ray.runtime.vllm_engine.pages import PageCodec
 
 LAYOUT = KVLayout(n_layer=2, n_kv_head=2, head_dim=4, block_size=4, dtype="float32")
+N_PAGES = 6
 
 
-class BlocksOfState:
-    """A HeldKV whose sequence state is its Full Blocks (what vLLM's read_blocks returns)."""
+class PagesOfLayers:
+    """A HeldKV over pages laid out as vLLM's CPU backend lays them out; a sequence's state is
+    its page table."""
 
-    kv_buffer = torch.empty(0, dtype=torch.uint8)
+    def __init__(self) -> None:
+        h, d, b = LAYOUT.n_kv_head, LAYOUT.head_dim, LAYOUT.block_size
+        self.cache = torch.randn(LAYOUT.n_layer, N_PAGES, h, b, 2 * d)
+        layers = [self.cache[layer] for layer in range(LAYOUT.n_layer)]
+        self.map = BlockLayerMap.of(layers, PageCodec(h, d, b))
+        self.kv_buffer = backing_buffer(layers[0])
+
+    def block_pages(self, state: Any, blocks: Sequence[int]) -> list[int]:
+        return [state[b] for b in blocks]
 
     def read_blocks(self, state: Any, blocks: Sequence[int]) -> torch.Tensor:
-        return torch.stack([state[b] for b in blocks]).clone()
+        pages = self.block_pages(state, blocks)
+        layers = [self.map.unsettle(self.kv_buffer, layer, pages) for layer in range(LAYOUT.n_layer)]
+        return torch.stack(layers, dim=1).reshape(len(pages), *LAYOUT.full_block_shape)
+
+    def paged_blocks(self, pool: str) -> PagedBlockLayers:
+        return self.map.paged(pool)
 
 
-def job(owner: str, n_blocks: int, fill: int) -> DecodeJob:
-    request_id, attempt = owner.split("#")
-    made = DecodeJob(request_id, int(attempt), n_blocks * LAYOUT.block_size, 0)
-    made.compute_state = [torch.full(LAYOUT.full_block_shape, fill + b, dtype=torch.uint8) for b in range(n_blocks)]
-    return made
+def test_a_filled_block_is_pulled_from_the_computes_page_as_the_stores_full_block() -> None:
+    held = PagesOfLayers()
+    pulls = HeldPulls(held, Pool.COMPUTE_KV)  # type: ignore[arg-type]
+    job = DecodeJob("r", 0, 3 * LAYOUT.block_size, 0)
+    job.compute_state = [4, 1, 5]  # the sequence's pages, out of order
+    assert pulls.paged is not None and pulls.paged.pool == Pool.COMPUTE_KV, "pulls address the compute's pool"
+    assert [pulls.capture(job, block) for block in range(3)] == [4, 1, 5], "a block is pulled from its own page"
 
-
-def test_filled_blocks_are_staged_for_their_pulls_and_their_slots_come_back() -> None:
-    staging = torch.zeros((2, *LAYOUT.full_block_shape), dtype=torch.uint8)
-    pulls = StagedPulls(BlocksOfState(), staging)  # type: ignore[arg-type]
-    a, b = job("a#0", 3, 10), job("b#0", 1, 50)
-    captured = [pulls.capture(a, block) for block in range(3)]
-    assert all(torch.equal(data, a.compute_state[i]) for i, (_, data) in enumerate(captured)), (
-        "a filled block is read out as the compute holds it (its bytes are digested then)"
-    )
-    keys = [PersistedBlock(f"k{i}", None, None) for i in range(3)]
-    staged = pulls.stage("a#0", [(captured[i][0], keys[i]) for i in range(2)])
-    assert staged is not None and sorted(slot for slot, _ in staged) == [0, 1], "two blocks take the two slots"
-    assert all(torch.equal(staging[slot], a.compute_state[i]) for i, (slot, _) in enumerate(staged)), (
-        "each staged slot holds its block's bytes, which the reader pulls"
-    )
-    assert pulls.stage("a#0", [(captured[2][0], keys[2])]) is None, "with every slot pulled from, a persist waits"
-    pulls.settled("a#0", [keys[0]])
-    third = pulls.stage("a#0", [(captured[2][0], keys[2])])
-    assert third is not None and torch.equal(staging[third[0][0]], a.compute_state[2]), (
-        "a settled persist's slot takes the next block"
-    )
-    b_block, _ = pulls.capture(b, 0)
-    assert pulls.stage("b#0", [(b_block, PersistedBlock("kb", None, None))]) is None, (
-        "no slot is free while a's pulls run"
-    )
-    pulls.release("a#0")
-    assert pulls.free_slots == 2, "a failed request's slots are free once its pulls ended (release)"
+    # The reader's side: the pull's moves from the registered pool into buffer slots 2 and 0.
+    slots, full = [2, 0], LAYOUT.full_block_bytes
+    buffer = torch.zeros(3, full, dtype=torch.uint8)
+    moves = pull_moves(slots, [pulls.capture(job, 0), pulls.capture(job, 2)], full, pulls.paged)
+    assert len(moves) == 2 * LAYOUT.n_layer, "one run per block-layer under vLLM's CPU layout"
+    for local, remote in moves:
+        assert local.pool == Pool.BUFFER and remote.pool == Pool.COMPUTE_KV, "compute pages into the reader's buffer"
+        buffer.view(-1)[local.offset : local.end].copy_(held.kv_buffer[remote.offset : remote.end])
+    settle_pulled([buffer[slot] for slot in slots], pulls.paged)
+    for slot, block in zip(slots, [0, 2]):
+        want = pulls.read(job, [block])[0].reshape(-1)
+        assert torch.equal(buffer[slot], want), f"slot {slot} holds block {block} token-major, as the engine reads it"
+    token = held.cache[1, 5, :, 3].reshape(LAYOUT.n_kv_head, 2, LAYOUT.head_dim).permute(1, 0, 2)
+    last = buffer[0].view(LAYOUT.n_layer, LAYOUT.block_size, -1)[1, 3].view(torch.float32).view(2, LAYOUT.n_kv_head, -1)
+    assert torch.equal(last, token), "layer 1's last token of block 2 is its K and V of every head, token-major"

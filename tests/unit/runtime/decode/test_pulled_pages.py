@@ -43,11 +43,11 @@ def test_pages_a_timed_out_pull_may_still_read_stay_reserved_until_it_ends(tmp_p
         pulls: list[Any] = []
         post = h.readers.persist_pages
 
-        def recording(node_id: str, owner: str, blocks: Sequence[tuple[int, PersistedBlock]]) -> Any:
+        def recording(node_id: str, owner: str, blocks: Sequence[tuple[int, PersistedBlock]], paged: Any = None) -> Any:
             size = h.layout.full_block_bytes
             for page, block in blocks:
                 pulled.append((block, h.fabric.view(DE, Region(Pool.HBM, page * size, size)).clone()))
-            pulls.append(post(node_id, owner, blocks))
+            pulls.append(post(node_id, owner, blocks, paged))
             return pulls[-1]
 
         h.readers.persist_pages = recording  # type: ignore[method-assign]

@@ -70,7 +70,7 @@ class _Readers:
         self.moves = moves
         self.seen: list[bytes] = []
 
-    def persist_pages(self, node_id: str, owner: str, blocks: Sequence[tuple[int, Any]]) -> Ready[int]:
+    def persist_pages(self, node_id: str, owner: str, blocks: Sequence[tuple[int, Any]], paged: Any = None) -> Ready[int]:
         mirror = self.moves.transport.view(Region("hbm", 64, 64))
         self.seen.append(mirror.numpy().tobytes())
         return Ready(len(blocks))

@@ -16,6 +16,8 @@ from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
+from dualpath_ray.protocol.names import Pool
+from dualpath_ray.runtime.reader.page_pulls import pull_moves, settle_pulled
 from dualpath_ray.runtime.transport.factory import make_transport
 from dualpath_ray.runtime.transport.moves import Region
 from dualpath_ray.runtime.vllm_engine.block_layers import BlockLayerMap
@@ -79,15 +81,18 @@ def check_landing(
     buffer = raw_of(views)
     before = buffer.clone()
     transport = make_transport("gloo", "prefill/n0/g0", namespace="dualpath")
-    transport.register("buffer", store)
+    transport.register("store", store)
     transport.register("vllm", buffer)
+    # A reader's buffer slots the blocks are pulled back into (persistence), one Full Block each.
+    pulled = torch.zeros(len(table), len(LAYERS) * store.shape[2] * store.element_size(), dtype=torch.uint8)
+    transport.register(Pool.BUFFER, pulled)
     transport.seal()
     row = blocks.block_layer_bytes
     moves = [
         move
         for layer in range(len(LAYERS))
         for i, block in enumerate(table)
-        for move in blocks.landing_moves("vllm", layer, block, Region("buffer", (layer * len(table) + i) * row, row))
+        for move in blocks.landing_moves("vllm", layer, block, Region("store", (layer * len(table) + i) * row, row))
     ]
     transport.read("prefill/n0/g0", moves).wait(10.0)
     for layer in range(len(LAYERS)):
@@ -107,6 +112,24 @@ def check_landing(
                 )
         assert torch.equal(blocks.unsettle(buffer, layer, table).view(dtype), store[layer]), (
             f"{case}: layer {layer}'s blocks read back token-major are the store's block-layers"
+        )
+    # The reader's pull of the blocks (persistence): run by run straight from the pages into
+    # its slots, then token-major in place: each slot is the block's Full Block of the store.
+    paged = blocks.paged("vllm")
+    before_pull = transport.stats()
+    moves = pull_moves(range(len(table)), table, pulled.shape[1], paged)
+    transport.read("prefill/n0/g0", moves).wait(10.0)
+    settle_pulled(list(pulled), paged)
+    after_pull = transport.stats()
+    assert after_pull.bytes_read - before_pull.bytes_read == pulled.numel(), (
+        f"{case}: a pull moves each block's block-layers once"
+    )
+    assert after_pull.descriptors - before_pull.descriptors <= len(LAYERS) * len(table) * runs, (
+        f"{case}: a pull posts one descriptor per run of each block-layer"
+    )
+    for i in range(len(table)):
+        assert torch.equal(pulled[i], store[:, i].contiguous().view(torch.uint8).reshape(-1)), (
+            f"{case}: block {table[i]} pulled from vLLM's pages is the store's token-major Full Block"
         )
     # Nothing outside the landed block-layers changed (other blocks, padding).
     touched = torch.zeros(buffer.numel(), dtype=torch.bool)
