@@ -418,15 +418,17 @@ class ReaderCore:
         extent = self.begin_write(extent_id)
         keys = [block.key for _, block in blocks]
         stored = 0
+        fresh: list[str] = []  # keys this write stored with its bytes (hot_blocks.py: whose copy stays)
         try:
             data = [(self.pool.full_block(extent.slots[index]), block) for index, block in blocks]
-            if self.hot is not None and on_hot is not None and data and self.hot.hold(data):
+            if self.hot is not None and on_hot is not None and data and self.hot.hold(data, holder=extent_id):
                 on_hot(extent.owner)
-            stored = self.write_blocks(data)
+            stored = self.writer.write_blocks(data, fresh)
             return stored
         finally:
             if self.hot is not None:
-                self.hot.written(keys[:stored])
+                self.hot.written(fresh, holder=extent_id)
+                self.hot.stored_already([key for key in keys[:stored] if key not in fresh])
                 self.hot.dropped(keys[stored:])
             self.end_write(extent_id)
 
