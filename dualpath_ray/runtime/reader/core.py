@@ -421,7 +421,11 @@ class ReaderCore:
         fresh: list[str] = []  # keys this write stored with its bytes (hot_blocks.py: whose copy stays)
         try:
             data = [(self.pool.full_block(extent.slots[index]), block) for index, block in blocks]
-            if self.hot is not None and on_hot is not None and data and self.hot.hold(data, holder=extent_id):
+            # A key the store has already is served by the store (its bytes may not be this copy's:
+            # hot_blocks.py); the rest are held, and dropped again if another write beats this one.
+            if self.hot is not None and on_hot is not None and data and self.hot.hold(
+                [(block_data, block) for block_data, block in data if not self.store.contains(block.key)], holder=extent_id,
+            ):
                 on_hot(extent.owner)
             stored = self.writer.write_blocks(data, fresh)
             return stored

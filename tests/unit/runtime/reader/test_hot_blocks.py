@@ -171,6 +171,7 @@ def test_a_copy_of_a_key_the_store_had_already_is_not_served_in_place_of_the_sto
     for data, block in first:
         core.store.put(block.key, data, parent=block.parent)
     assert persist(core, "waiter#1", again) == 2, "already stored counts as stored"
+    assert core.hot.counts()["held"] == 0, "a copy of a key the store has is not even held"
     for got, key in zip(read_back(core, keys), keys):
         assert torch.equal(got, stored(core, key)), "a DE read of a stored key gets the store's bytes"
 
