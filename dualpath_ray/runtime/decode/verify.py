@@ -71,21 +71,6 @@ def verify_prompt_kv(
             got_kv, want_kv = layout.bytes_as_kv(got), layout.bytes_as_kv(want)
             rtol, atol = TOLERANCES.get(got_kv.dtype, (RTOL, ATOL))
             close &= torch.allclose(got_kv.float(), want_kv.float(), rtol=rtol, atol=atol)
-    if not (exact and close):
-        import sys
-        bs = layout.block_size
-        bad = []
-        for b in range(layout.blocks_for(n)):
-            s0, e0 = b * bs, min(n, (b + 1) * bs)
-            for layer in range(layout.n_layer):
-                g, w = _layer_tokens(pages, layer, table, s0, e0), _layer_tokens(expected, layer, own, s0, e0)
-                if not torch.equal(g, w):
-                    gk, wk = layout.bytes_as_kv(g).float(), layout.bytes_as_kv(w).float()
-                    bad.append((b, layer, float((gk - wk).abs().max()), bool(torch.allclose(gk, wk, rtol=RTOL, atol=ATOL))))
-        print(f"DIAGMM {task.request_id} path={task.path} n={n} hit_tokens={task.hit_tokens} read_end={task.read_end} "
-              f"hitcheck={hit} nkeys={len(task.hit_keys)} pe_hit_blocks={task.pe_hit_blocks} staged={task.staged is not None} "
-              f"recomputed={task.recomputed_tokens} partial={task.partial_hit} pe={task.prefill_engine} de={task.decode_engine} "
-              f"table={list(table)[:12]} bad={bad}", file=sys.stderr, flush=True)
     return KVCheck(bytes_verified=n * layout.bytes_per_token, mismatches=int(not exact) + int(not close))
 
 
