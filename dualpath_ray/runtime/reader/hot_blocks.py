@@ -91,7 +91,7 @@ class HotBlocks:
                     continue
                 if entry[2] == holder:
                     self._written[key] = None
-                elif key not in self._written:
+                else:  # the store holds `holder`'s bytes now (even if it had dropped an earlier copy's)
                     self._drop(key)
 
     def stored_already(self, keys: Sequence[str]) -> None:
