@@ -409,6 +409,15 @@ class ReaderCore:
         whose bytes fail their engine's digest, ends the chain there without raising)."""
         return self.writer.write_blocks(blocks)
 
+    def _as_held(self, data: torch.Tensor, block: PersistedBlock) -> tuple[torch.Tensor, PersistedBlock]:
+        """A block to write as the hot tier holds it, if it does (another persist's copy: its
+        bytes may have been served already, so they are the ones the store must get)."""
+        assert self.hot is not None
+        held = self.hot.held_copy(block.key)
+        if held is None:
+            return data, block
+        return held[0], PersistedBlock(block.key, block.parent, held[1])
+
     def write_extent(
         self, extent_id: int, blocks: Sequence[tuple[int, PersistedBlock]], on_hot: Callable[[str], None] | None = None,
     ) -> int:
@@ -427,6 +436,8 @@ class ReaderCore:
                 [(block_data, block) for block_data, block in data if not self.store.contains(block.key)], holder=extent_id,
             ):
                 on_hot(extent.owner)
+            if self.hot is not None:
+                data = [self._as_held(block_data, block) for block_data, block in data]
             stored = self.writer.write_blocks(data, fresh)
             return stored
         finally:

@@ -17,10 +17,14 @@ any missing block and is repaired: docs/reliability.md), so every published bloc
 here or in the store. A held block's bytes are the store's bytes under its key, or the store has
 none yet: two attempts that compute the same prompt (a retried producer and its released
 waiters) compute its blocks in different batches, whose kernels may round differently, and the
-store keeps the first write of a key (a later put answers "already stored"). So each copy is
-held for the persist that holds it (`holder`), and a write that did not store that copy's bytes
-(another persist's put stored the key, or the store had it already) drops it: the store serves
-the key from then on, and every reader of it gets the same bytes. Room is made by dropping written blocks, oldest write first; a persist
+store keeps the first write of a key (a later put answers "already stored"). So a key the store
+has is not held; a persist of a key held already writes the held copy, not its own (a waiter
+may have been served it while both writes raced: runtime/reader/core.py write_extent); each
+copy is held for the persist that holds it (`holder`), and a write that did not store that
+copy's bytes (another persist's put stored the key, or the store had it already) drops it: the
+store serves the key from then on, and every reader of it gets the same bytes.
+
+Room is made by dropping written blocks, oldest write first; a persist
 whose blocks do not all fit is not held (`hold` answers False) and its producer's waiters read
 the store after its turn, as without this tier.
 """
@@ -101,6 +105,13 @@ class HotBlocks:
             for key in keys:
                 if key in self._blocks and key not in self._written:
                     self._drop(key)
+
+    def held_copy(self, key: str) -> tuple[torch.Tensor, int | None] | None:
+        """The held copy of `key` and its digest, if any: what any persist of the key writes,
+        so the store gets the bytes readers may have been served already (module doc)."""
+        with self._lock:
+            entry = self._blocks.get(key)
+        return None if entry is None else (entry[0], entry[1])
 
     def _drop(self, key: str) -> None:
         self._blocks.pop(key, None)
