@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import secrets
 import sys
@@ -130,7 +131,14 @@ class LocalDirStore(BlockStore):
         `verify` runs on the buffer after it was written to the temporary, before the rename
         (a raise deletes the temporary): the header's checksum was taken before the write, so a
         buffer that changed under the write either fails that checksum at every read or fails
-        `verify`; what is published is what `verify` accepted."""
+        `verify`; what is published is what `verify` accepted.
+
+        The first put of a key wins, also against a concurrent one: the temporary is published
+        with a hard link, which fails if the key appeared since the check above, and then this
+        put is "already stored" unless what appeared is not a valid block. A key's bytes never
+        change once published: two attempts that compute one prompt in different batches store
+        KV that differs in the last bits, and a reader (or the decode node's hot tier,
+        runtime/reader/hot_blocks.py) that got the first bytes must not find others later."""
         path = self.path_of(key)
         if parent is not None:
             validate_key(parent)
@@ -145,13 +153,18 @@ class LocalDirStore(BlockStore):
             self._io.write(temp, header, block, payload, self.fsync)
             if verify is not None:
                 verify(block)
-            os.replace(temp, path)
-        except BaseException:
+            if _publish(temp, path):
+                published = True
+            elif self._holds_valid_block(key, str(path)) and _refreshed(path):
+                published = False  # a concurrent put of the key published first
+            else:
+                os.replace(temp, path)  # what is there is no valid block of this layout, or left
+                published = True
+        finally:
             temp.unlink(missing_ok=True)
-            raise
         if self.fsync:
             _fsync_directory(path.parent)
-        return True
+        return published
 
     def _holds_valid_block(self, key: str, path: str) -> bool:
         """Whether `path` holds a whole version 2 block of this layout naming `key`: one open,
@@ -340,6 +353,20 @@ def _fan_out_directories(directory: Path) -> list[Path]:
             return [Path(e.path) for e in entries if len(e.name) == 2 and e.is_dir(follow_symlinks=False)]
     except FileNotFoundError:
         return []
+
+
+def _publish(temp: Path, path: Path) -> bool:
+    """Publish the temporary under `path` unless something is there already (False): a hard
+    link, atomic and exclusive. A file system without hard links falls back to the rename."""
+    try:
+        os.link(temp, path)
+    except FileExistsError:
+        return False
+    except OSError as exc:
+        if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK):
+            raise
+        os.replace(temp, path)
+    return True
 
 
 def _refreshed(path: Path) -> bool:

@@ -1,10 +1,15 @@
 """In-flight sharing on a real 1P1D cluster (scheduler.share_in_flight; the tiny model computing
 for real, every assembled KV byte verified): G samples of a prompt arrive together, one computes
 the prompt and the others wait for it. The prefill engine computing a producer is killed while
-its waiters hold (its decode engine, once it decodes, if the waiters still hold: with the
-decode-node buffer the runtime publishes a producer's prompt as soon as it is there): they are
-released at once and compute, the producer is retried, and every sample
-finishes with exactly the outputs of a single-process recompute."""
+its waiters hold: they are released at once and compute, the producer is retried, and every
+sample finishes with exactly the outputs of a single-process recompute.
+
+The kill must land before the producer publishes its prompt (with the decode-node buffer, as soon
+as its KV is on its decode node), or its waiters are released by the publish and the death tests
+nothing. A status poll and a kill on a loaded host can take longer than a whole prefill, so the
+victim's first layer transfer (its first task's: a producer's, the samples arrive together and
+one of each prompt is placed on each idle engine) is held back by a delay fault far longer than
+any poll: the producer is still prefilling, unpublished, when the kill lands, in every run."""
 
 from __future__ import annotations
 
@@ -29,6 +34,9 @@ from dualpath_ray.runtime.telemetry.status_views import StatusQuery  # noqa: E40
 
 pytestmark = [pytest.mark.integration, pytest.mark.chaos]
 
+VICTIM = "prefill/p0/g0"
+STALL_S = 20.0  # far longer than a status poll and a kill take on a loaded host
+
 
 def sharing_config(profile: Path) -> DualPathConfig:
     """1P1D, 2 GPUs per node, the tiny model; the latency profile of an accelerator on which a
@@ -42,6 +50,9 @@ def sharing_config(profile: Path) -> DualPathConfig:
         "emulation": {"enabled": True, "compute": "model"},
         "runtime": {"transport": "gloo", "verify_kv": True, "heartbeat_s": 0.2, "heartbeat_timeout_s": 2.0,
                     "max_attempts": 8},
+        # The victim's first layer transfer waits (module doc): its producer cannot publish first.
+        "faults": {"faults": [{"site": "layer_transfer", "mode": "delay", "actors": VICTIM, "nth": 1,
+                               "delay_s": STALL_S}]},
     }
     cfg = parse_config(data, source="<tests>")
     HardwareProfile(LayerModel(0.1, 1.0, 0.0), cfg.model.n_layer, describe_model(cfg.model),
@@ -65,13 +76,11 @@ def test_a_killed_producer_releases_its_waiters_and_every_sample_finishes_identi
         while victim is None and time.monotonic() < deadline:
             live = ray.get(scheduler.status.remote(StatusQuery.IN_FLIGHT)).requests
             waiting = {rid.split("-s")[0] for rid, r in live.items() if r.state == "waiting_prefix"}
-            # The producer's engine: its prefill engine while it prefills, then its decode engine.
-            producers = [r.prefill_engine if r.state == "prefilling" else r.decode_engine
-                         for rid, r in live.items()
-                         if r.state in ("prefilling", "decoding") and rid.split("-s")[0] in waiting]
+            producers = [r.prefill_engine for rid, r in live.items()
+                         if r.state == "prefilling" and r.prefill_engine == VICTIM and rid.split("-s")[0] in waiting]
             victim = producers[0] if producers else None
             time.sleep(0.01)
-        assert victim is not None, "samples waited for a producer computing their prompt"
+        assert victim is not None, f"samples waited for a producer prefilling on {VICTIM}"
         ray.kill(deployment.engines[victim], no_restart=True)
         worker.join(timeout=300)
         assert not worker.is_alive(), "the rollout finishes (no waiter is left waiting for a dead producer)"

@@ -409,6 +409,15 @@ class ReaderCore:
         whose bytes fail their engine's digest, ends the chain there without raising)."""
         return self.writer.write_blocks(blocks)
 
+    def _as_held(self, data: torch.Tensor, block: PersistedBlock) -> tuple[torch.Tensor, PersistedBlock]:
+        """A block to write as the hot tier holds it, if it does (another persist's copy: its
+        bytes may have been served already, so they are the ones the store must get)."""
+        assert self.hot is not None
+        held = self.hot.held_copy(block.key)
+        if held is None:
+            return data, block
+        return held[0], PersistedBlock(block.key, block.parent, held[1])
+
     def write_extent(
         self, extent_id: int, blocks: Sequence[tuple[int, PersistedBlock]], on_hot: Callable[[str], None] | None = None,
     ) -> int:
@@ -418,15 +427,23 @@ class ReaderCore:
         extent = self.begin_write(extent_id)
         keys = [block.key for _, block in blocks]
         stored = 0
+        fresh: list[str] = []  # keys this write stored with its bytes (hot_blocks.py: whose copy stays)
         try:
             data = [(self.pool.full_block(extent.slots[index]), block) for index, block in blocks]
-            if self.hot is not None and on_hot is not None and data and self.hot.hold(data):
+            # A key the store has already is served by the store (its bytes may not be this copy's:
+            # hot_blocks.py); the rest are held, and dropped again if another write beats this one.
+            if self.hot is not None and on_hot is not None and data and self.hot.hold(
+                [(block_data, block) for block_data, block in data if not self.store.contains(block.key)], holder=extent_id,
+            ):
                 on_hot(extent.owner)
-            stored = self.write_blocks(data)
+            if self.hot is not None:
+                data = [self._as_held(block_data, block) for block_data, block in data]
+            stored = self.writer.write_blocks(data, fresh)
             return stored
         finally:
             if self.hot is not None:
-                self.hot.written(keys[:stored])
+                self.hot.written(fresh, holder=extent_id)
+                self.hot.stored_already([key for key in keys[:stored] if key not in fresh])
                 self.hot.dropped(keys[stored:])
             self.end_write(extent_id)
 

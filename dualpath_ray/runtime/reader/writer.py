@@ -71,8 +71,9 @@ class BlockWriter:
             self.counters.snic_write += self.layout.full_block_bytes
         return written
 
-    def write_blocks(self, blocks: Sequence[tuple[torch.Tensor, PersistedBlock]]) -> int:
-        """Persist (data, block) pairs in chain order; returns how many leading ones are stored.
+    def write_blocks(self, blocks: Sequence[tuple[torch.Tensor, PersistedBlock]], fresh: list[str] | None = None) -> int:
+        """Persist (data, block) pairs in chain order; returns how many leading ones are stored,
+        and appends to `fresh` the keys whose bytes this call stored (not those stored already).
 
         A write the store refuses (any OSError: a full disk, an I/O error, a read-only file
         system) ends the call without raising: the turn that filled these blocks has its tokens
@@ -85,7 +86,8 @@ class BlockWriter:
         counted and logged, each one: it means KV went wrong in this node's buffer."""
         for stored, (data, block) in enumerate(blocks):
             try:
-                self.write_block(block, data)
+                if self.write_block(block, data) and fresh is not None:
+                    fresh.append(block.key)
             except OSError as exc:
                 self.refusals.refused(block.key, exc)
                 return stored

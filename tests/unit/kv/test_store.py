@@ -229,9 +229,9 @@ def test_files_live_under_fan_out_directories_inside_the_root(local: LocalDirSto
 
 def test_put_interrupted_before_publish_leaves_a_miss(local: LocalDirStore, monkeypatch: pytest.MonkeyPatch) -> None:
     def crash_on_publish(src: object, dst: object) -> None:
-        raise OSError("simulated crash before rename")
+        raise OSError("simulated crash before publish")
 
-    monkeypatch.setattr(os, "replace", crash_on_publish)
+    monkeypatch.setattr(os, "link", crash_on_publish)  # the publish: a hard link (LocalDirStore.put)
     with pytest.raises(OSError, match="simulated crash"):
         local.put(KEYS[0], random_block(27))
     monkeypatch.undo()
@@ -250,7 +250,7 @@ def test_process_killed_before_publish_leaves_a_miss(local: LocalDirStore) -> No
         from dualpath_ray.kv.layout import KVLayout
         from dualpath_ray.kv.store import LocalDirStore
         store = LocalDirStore({str(local.root)!r}, KVLayout(2, 4, 1, 2))
-        os.replace = lambda src, dst: os._exit(17)
+        os.link = lambda src, dst: os._exit(17)
         store.put({KEYS[0]!r}, torch.ones(store.layout.full_block_shape, dtype=torch.uint8))
         """
     )

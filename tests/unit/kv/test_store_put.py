@@ -95,3 +95,19 @@ def test_store_fsync_reaches_the_opened_store(tmp_path: Path, monkeypatch: pytes
 
 def test_store_fsync_is_off_by_default() -> None:
     assert StoreConfig().fsync is False, "durable puts cost a flush each: opt in with store.fsync"
+
+
+def test_the_first_of_two_concurrent_puts_of_a_key_wins_and_its_bytes_never_change(tmp_path: Path) -> None:
+    """Two attempts that compute one prompt in different batches put one key with bytes that
+    differ in the last bits, both having found it absent: the later publish must not replace
+    the bytes a reader may have read already (runtime.verify_kv found a hit's bytes changed)."""
+    store = LocalDirStore(tmp_path, FLOAT32)
+    answers: list[bool] = []
+
+    def racing_put(_block: torch.Tensor) -> None:  # runs between this put's check and its publish
+        answers.append(store.put(KEY, block_of(FLOAT32, 2)))
+
+    assert not store.put(KEY, block_of(FLOAT32, 1), verify=racing_put), "the later publish is 'already stored'"
+    assert answers == [True], "the concurrent put published first"
+    assert torch.equal(store.get(KEY), block_of(FLOAT32, 2)), "the key keeps the first published bytes"
+    assert not [p for p in tmp_path.rglob("*") if p.is_file() and p.name.startswith(".")], "no temporary is left"
