@@ -18,7 +18,7 @@ from dualpath_ray.protocol.names import Pool
 from dualpath_ray.runtime.compute.engine_compute import ChunkSpec
 from dualpath_ray.runtime.compute.prefill_kv import ChunkKV, KVSpan, PrefillMoved
 from dualpath_ray.runtime.prefill.job import PrefillJob
-from dualpath_ray.runtime.prefill.pipeline import LayerPipeline, PipelineStats
+from dualpath_ray.runtime.prefill.pipeline import LayerPipeline, PipelineStats, loaded_end
 
 
 def with_kv(job: PrefillJob, chunk: ChunkSpec, full_block_bytes: int) -> ChunkSpec:
@@ -28,8 +28,12 @@ def with_kv(job: PrefillJob, chunk: ChunkSpec, full_block_bytes: int) -> ChunkSp
         return replace(chunk, kv=ChunkKV(oracle=job.oracle_kv))
     de = job.de
     assert de is not None, f"request {job.request_id}: no decode-side extent to send to"
+    # A compute that keeps the KV lands whole blocks before the chunk's first token only: no
+    # partial-block hit reaches it (scheduler.partial_block_hits resolves to off for vLLM).
+    end = loaded_end(job, chunk)
+    assert end == chunk.start, f"request {job.request_id}: a partial-block hit [{chunk.start}, {end}) on a compute that keeps its KV"
     past = []
-    for grant, lo, hi, side in LayerPipeline._past_sources(job, chunk):
+    for grant, lo, hi, side in LayerPipeline._past_sources(job, chunk, end):
         assert grant is not None, f"request {job.request_id}: no extent holds its past KV [{lo}, {hi})"
         past.append(KVSpan(grant.reader, Pool.BUFFER, _offsets(grant.slots, full_block_bytes), lo, hi, side))
     sent = [
