@@ -109,14 +109,16 @@ def test_evicted_blocks_are_deleted_off_the_event_loop(tmp_path: Path, monkeypat
     settle(core)  # its first sweep (of an empty store) is done
     turns = Turns(core, tmp_path)
     unlinked_on: list[int] = []
-    unlink = os.unlink
+    discard = LocalDirStore.discard
 
-    def recording_unlink(path: object, *args: object, **kwargs: object) -> None:
-        if str(path).endswith((".kvb", ".tmp")):
-            unlinked_on.append(threading.get_ident())
-        unlink(path, *args, **kwargs)  # type: ignore[arg-type]
+    # What deletes a block file is the store's discard (a rename to a temporary, then its unlink);
+    # a put's own unlinks (its temporary's name once the hard link published it) are the putting
+    # thread's work, a reader's in the runtime, and not recorded.
+    def recording_discard(store: LocalDirStore, key: str, published_before: float) -> bool:
+        unlinked_on.append(threading.get_ident())
+        return discard(store, key, published_before)
 
-    monkeypatch.setattr(os, "unlink", recording_unlink)
+    monkeypatch.setattr(LocalDirStore, "discard", recording_discard)
     for seed in range(4):
         turns.serve(prompt(seed, 3))
         time.sleep(PAST_ONE_TICK_S)  # the next turn's eviction decides after these blocks' times
