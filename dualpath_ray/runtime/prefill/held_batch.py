@@ -3,7 +3,7 @@ runtime/compute/prefill_kv.py: vLLM's): what each chunk tells the compute, and w
 counts from what it moved.
 
 The chunk's KV comes from and goes to the same extents, in the same token ranges, as the layer
-pipeline's (runtime/prefill/pipeline.py `_past_sources`, `_sent_parts`): the first chunk's past
+pipeline's (runtime/prefill/pipeline.py `past_sources`, `sent_parts`): the first chunk's past
 from the side(s) its hits were read on, a later chunk's from the decode node's extent; the new
 tokens, and on the PE path's first chunk the hits, to the decode node's extent. So the scheduler,
 the readers and the decode engine see exactly what they see with the native model.
@@ -33,12 +33,12 @@ def with_kv(job: PrefillJob, chunk: ChunkSpec, full_block_bytes: int) -> ChunkSp
     end = loaded_end(job, chunk)
     assert end == chunk.start, f"request {job.request_id}: a partial-block hit [{chunk.start}, {end}) on a compute that keeps its KV"
     past = []
-    for grant, lo, hi, side in LayerPipeline._past_sources(job, chunk, end):
+    for grant, lo, hi, side in LayerPipeline.past_sources(job, chunk, end):
         assert grant is not None, f"request {job.request_id}: no extent holds its past KV [{lo}, {hi})"
         past.append(KVSpan(grant.reader, Pool.BUFFER, _offsets(grant.slots, full_block_bytes), lo, hi, side))
     sent = [
         KVSpan(de.reader, Pool.BUFFER, _offsets(de.slots, full_block_bytes), lo, hi, side)
-        for lo, hi, side in LayerPipeline._sent_parts(job, chunk)
+        for lo, hi, side in LayerPipeline.sent_parts(job, chunk)
     ]
     return replace(chunk, kv=ChunkKV(tuple(past), tuple(sent), job.digests))
 

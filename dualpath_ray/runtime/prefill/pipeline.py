@@ -47,7 +47,7 @@ from dualpath_ray.runtime.engine.failures import KVMismatchError
 from dualpath_ray.runtime.engine.ports import Pending, TransportPort
 from dualpath_ray.runtime.prefill.job import PrefillJob
 from dualpath_ray.runtime.prefill.kv_ready import KVReady, kv_ready_for
-from dualpath_ray.runtime.transport.moves import Move, Region
+from dualpath_ray.runtime.transport.moves import Move, Region, end_all
 from dualpath_ray.protocol.types import ReadPath
 
 
@@ -187,12 +187,7 @@ class LayerPipeline:
 
     def drain(self) -> None:
         """After a failure: let every posted transfer end (either way) before the window is reused."""
-        for layer in self._layers.values():
-            for posted in layer.reads + layer.writes:
-                try:
-                    posted.pending.wait(self.timeout_s)
-                except Exception:  # noqa: BLE001 - the batch has failed already; only the ending matters
-                    pass
+        end_all((posted.pending for layer in self._layers.values() for posted in layer.reads + layer.writes), self.timeout_s)
         self._layers.clear()
 
     # --- incoming: past KV into the window ----------------------------------------------
@@ -209,7 +204,7 @@ class LayerPipeline:
             if job.task.oracle:
                 slot[chunk.offset : chunk.offset + end].copy_(job.oracle_kv[layer, :end])
                 continue
-            for grant, lo, hi, side in self._past_sources(job, chunk, end):
+            for grant, lo, hi, side in self.past_sources(job, chunk, end):
                 assert grant is not None, f"request {job.request_id}: no extent holds its past KV [{lo}, {hi})"
                 moves = self._moves(grant.slots, layer, lo, hi, chunk.offset)
                 by_peer[grant.reader].extend(moves)
@@ -229,7 +224,7 @@ class LayerPipeline:
             self.stats.bytes_in += nbytes
 
     @staticmethod
-    def _past_sources(job: PrefillJob, chunk: ChunkSpec, end: int) -> list[tuple[Any, int, int, str]]:
+    def past_sources(job: PrefillJob, chunk: ChunkSpec, end: int) -> list[tuple[Any, int, int, str]]:
         """(extent, first token, end token, counter side) of each part of a request's loaded KV,
         [0, end) (`loaded_end`). The first chunk reads its first `pe_tokens` hit tokens from the
         prefill node's extent (all of them on the PE path, none on the DE path, the first blocks
@@ -295,7 +290,7 @@ class LayerPipeline:
                 job.oracle_kv[layer, chunk.start : chunk.end].copy_(slot[chunk.offset + chunk.start : chunk.offset + chunk.end])
                 continue
             assert job.de is not None, f"request {job.request_id}: no decode-side extent to send to"
-            for lo, hi, side in self._sent_parts(job, chunk):
+            for lo, hi, side in self.sent_parts(job, chunk):
                 moves = self._moves(job.de.slots, layer, lo, hi, chunk.offset)
                 by_peer[job.de.reader].extend(moves)
                 self.counters.cnic_out[side] += sum(m[0].nbytes for m in moves)
@@ -313,7 +308,7 @@ class LayerPipeline:
             self.stats.bytes_out += nbytes
 
     @staticmethod
-    def _sent_parts(job: PrefillJob, chunk: ChunkSpec) -> list[tuple[int, int, str]]:
+    def sent_parts(job: PrefillJob, chunk: ChunkSpec) -> list[tuple[int, int, str]]:
         """(first token, end token, counter side) of what goes to the decode node's extent: the
         new tokens, and on the first chunk the hits the prefill node's reader read (the decode
         node has the others already)."""

@@ -10,7 +10,8 @@ import enum
 import math
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Protocol
 from dataclasses import dataclass, fields
 
 _SPIN_S = 0.001  # wait() polls without sleeping this long: NIXL moves of <= 4 MiB finish inside it
@@ -249,3 +250,20 @@ class Transfer:
     def _abort(self, reason: str) -> TransportError:
         """Give up: after this returns no byte of this transfer may land; the error to raise."""
         return TransportError(f"{self.op} with {self.peer}: {reason}")
+
+
+class Waitable(Protocol):
+    """What `end_all` waits on: a Transfer, or an engine port's Pending."""
+
+    def wait(self, timeout_s: float | None = None) -> object: ...
+
+
+def end_all(posted: Iterable[Waitable], timeout_s: float) -> None:
+    """After a failure: let every posted transfer end, either way, before the memory it reads or
+    writes is reused (a window slot, pages vLLM hands to another request). Their own errors are
+    dropped: what failed has failed already; only the ending matters."""
+    for transfer in posted:
+        try:
+            transfer.wait(timeout_s)
+        except Exception:  # noqa: BLE001 - see the docstring
+            pass

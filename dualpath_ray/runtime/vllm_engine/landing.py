@@ -30,7 +30,7 @@ from typing import Sequence
 import torch
 
 from dualpath_ray.runtime.transport.base import Transport
-from dualpath_ray.runtime.transport.moves import Move, Region, Transfer
+from dualpath_ray.runtime.transport.moves import Move, Region, Transfer, end_all
 from dualpath_ray.runtime.vllm_engine.block_layers import BlockLayerMap
 from dualpath_ray.runtime.vllm_engine.pages import PageCodec
 from dualpath_ray.runtime.vllm_engine.step_kv import KVSource, ScheduledKV
@@ -93,12 +93,7 @@ class LandingStep:
     def _drain(self) -> None:
         """After a failed transfer: every other layer's transfers end (either way) before the
         step fails, so none lands in pages vLLM frees and hands to another request."""
-        for transfers in self._posted.values():
-            for transfer in transfers:
-                try:
-                    transfer.wait(self.timeout_s)
-                except Exception:  # noqa: BLE001 - the step fails already; only the ending matters
-                    pass
+        end_all((transfer for transfers in self._posted.values() for transfer in transfers), self.timeout_s)
         self._posted.clear()
 
     def after_layer(self, layer: int) -> None:

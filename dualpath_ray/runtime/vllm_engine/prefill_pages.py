@@ -39,7 +39,7 @@ from dualpath_ray.kv.digest import token_digests
 from dualpath_ray.kv.layout import KVLayout, block_segments
 from dualpath_ray.runtime.compute.engine_compute import ChunkSpec
 from dualpath_ray.runtime.compute.prefill_kv import KVSpan, PrefillMoved
-from dualpath_ray.runtime.transport.moves import Move, Region, TransportError
+from dualpath_ray.runtime.transport.moves import Move, Region, TransportError, end_all
 from dualpath_ray.runtime.vllm_engine.block_layers import BlockLayerMap, backing_buffer
 from dualpath_ray.runtime.vllm_engine.pages import PageCodec
 from dualpath_ray.runtime.vllm_engine.step_kv import ScheduledKV
@@ -200,12 +200,10 @@ class PagedPrefillStep:
     def recover(self) -> None:
         """The step failed: every posted transfer ends (either way) and every block-layer turned
         token-major for sending is pages again, before vLLM hands its pages to anyone else."""
-        for pending in (*self._pending_reads.values(), *self._pending_writes.values()):
-            for transfer in pending:
-                try:
-                    transfer.wait(self.timeout_s)
-                except Exception:  # noqa: BLE001 - the step failed already; only the ending matters
-                    pass
+        end_all(
+            (transfer for pending in (*self._pending_reads.values(), *self._pending_writes.values()) for transfer in pending),
+            self.timeout_s,
+        )
         self._pending_reads.clear()
         self._pending_writes.clear()
         self._settle_back()
