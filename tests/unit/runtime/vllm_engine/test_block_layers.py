@@ -12,7 +12,6 @@ import torch
 pytest.importorskip("vllm")
 
 from vllm.config import VllmConfig
-from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
@@ -33,6 +32,7 @@ from tests.unit.runtime.vllm_engine.test_gpu_layouts import (
     backend_class,
     literal_kv,
     raw_of,
+    splittable_layouts,
     vllm_views,
 )
 
@@ -51,11 +51,7 @@ def test_store_block_layers_land_in_vllms_pages_through_the_transport(
     vllm_config: VllmConfig, name: str, kernel_block_size: int
 ) -> None:
     backend = backend_class(name, KV_BACKENDS)
-    layouts = [
-        x for x in get_supported_kv_cache_layouts([backend])
-        if kernel_block_size == B or (x.is_layer_compact and x.is_block_compact)
-    ]
-    for layout in layouts:
+    for layout in splittable_layouts(backend, kernel_block_size):
         check_landing(vllm_config, backend, name, layout, kernel_block_size, torch.bfloat16)
 
 

@@ -121,9 +121,18 @@ def test_codec_reads_and_writes_the_views_vllm_registers(
     `prepare_kernel_block_sizes`) and LHBNC cannot be split (v1/kv_cache_interface.py
     `create_kv_cache_views` refuses it)."""
     backend = backend_class(name, KV_BACKENDS)
-    layouts = [x for x in get_supported_kv_cache_layouts([backend]) if kernel_block_size == B or (x.is_layer_compact and x.is_block_compact)]
-    for layout in layouts:
+    for layout in splittable_layouts(backend, kernel_block_size):
         check_layout(vllm_config, backend, name, layout, kernel_block_size, dtype)
+
+
+def splittable_layouts(backend: type, kernel_block_size: int) -> list[KVCacheLayout]:
+    """The layouts the backend declares that vLLM can build with pages of `kernel_block_size`
+    tokens: all of them for whole blocks (B), only the layer- and block-compact ones for half a
+    block (see the test above)."""
+    return [
+        x for x in get_supported_kv_cache_layouts([backend])
+        if kernel_block_size == B or (x.is_layer_compact and x.is_block_compact)
+    ]
 
 
 def check_layout(

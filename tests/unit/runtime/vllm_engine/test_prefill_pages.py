@@ -13,7 +13,6 @@ import torch
 pytest.importorskip("vllm")
 
 from vllm.config import VllmConfig
-from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
@@ -28,7 +27,7 @@ from dualpath_ray.runtime.vllm_engine.pages import PageCodec
 from dualpath_ray.runtime.vllm_engine.prefill_pages import PagedPrefillStep
 from dualpath_ray.runtime.vllm_engine.step_kv import ScheduledKV
 
-from tests.unit.runtime.vllm_engine.test_gpu_layouts import B, D, H, KV_BACKENDS, LAYERS, backend_class, vllm_views
+from tests.unit.runtime.vllm_engine.test_gpu_layouts import B, D, H, KV_BACKENDS, LAYERS, backend_class, splittable_layouts, vllm_views
 
 PEER = "prefill/n0/g0"
 
@@ -44,11 +43,7 @@ def test_a_prefill_chunk_lands_and_sends_token_major_kv_through_vllms_pages(
     vllm_config: VllmConfig, name: str, kernel_block_size: int
 ) -> None:
     backend = backend_class(name, KV_BACKENDS)
-    layouts = [
-        x for x in get_supported_kv_cache_layouts([backend])
-        if kernel_block_size == B or (x.is_layer_compact and x.is_block_compact)
-    ]
-    for layout in layouts:
+    for layout in splittable_layouts(backend, kernel_block_size):
         check_chunk(vllm_config, backend, name, layout, kernel_block_size)
 
 
