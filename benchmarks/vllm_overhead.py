@@ -146,6 +146,9 @@ def _harness():  # type: ignore[no-untyped-def]
         cfg = bench_config()
         layout = KVLayout.from_model(cfg.model, cfg.store.block_size)
         compute = VllmCompute(cfg, layout, torch.device("cpu"), Role.DECODE)
+        # One engine serves both cores, so it keeps both cores' KV in its pages: the prefill
+        # core's batches too (PrefillKV: a vLLM prefill batch names where its KV lies and goes).
+        compute.prefill_kv = compute
         _STATE["harness"] = EngineHarness(cfg, Path(tempfile.mkdtemp(prefix="dualpath-vllm-bench-")), compute=compute)
     return _STATE["harness"]
 
