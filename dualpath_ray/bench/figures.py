@@ -4,6 +4,7 @@ Definitions (benchmarks/README.md repeats them):
 
 - TTFT / TPOT percentiles: numpy's linear-interpolation percentile of the timed turns' values.
 - High-load window and SNIC balance: dualpath_ray/analysis/snic_window.py.
+- Attention-time balance over that window: dualpath_ray/bench/compute_balance.py.
 - I/O bound: the timed phase's hit bytes / the aggregate SNIC read rate the mode can use
   (basic: the prefill nodes' SNICs; dualpath: every node's; oracle reads nothing: 0 s).
 """

@@ -21,6 +21,7 @@ from dualpath_ray.bench.figures import (
     median_optional,
 )
 from dualpath_ray.analysis.snic_window import SnicSeries
+from dualpath_ray.bench.compute_balance import ComputeSeries
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,13 @@ class ModeRun:
     computed_prompt_tokens: int = 0
     first_turn_computed_tokens: int = 0
     first_turn_ttft_s: Percentiles | None = None
+    # Attention-time balance (dualpath_ray/bench/compute_balance.py): max / mean over the prefill
+    # engines of prefill_compute_s, each engine's compute seconds over `attention_span` (the SNIC
+    # high-load window, or the timed phase where there is none); None where no engine computed.
+    attention_balance: float | None = None
+    prefill_compute_s: dict[str, float] = field(default_factory=dict)
+    attention_span: str | None = None
+    compute_series: ComputeSeries = field(default_factory=lambda: ComputeSeries([], {}))
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -70,7 +78,9 @@ class ModeRun:
             "snic_write_bytes": self.snic_write_bytes, "store_read_gbps": self.store_read_gbps,
             "requests_by_path": self.requests_by_path, "snic_balance": self.snic_balance,
             "high_load_window_s": list(self.high_load_window_s) if self.high_load_window_s else None,
-            "snic_series": self.series.to_json(), "outputs": self.outputs,
+            "snic_series": self.series.to_json(), "attention_balance": self.attention_balance,
+            "prefill_compute_s": self.prefill_compute_s, "attention_span": self.attention_span,
+            "compute_series": self.compute_series.to_json(), "outputs": self.outputs,
         }
 
 
@@ -93,6 +103,7 @@ class ModeSummary:
     snic_balance: float | None
     jct_over_io_bound: float | None
     recomputed_hit_bytes: int = 0
+    attention_balance: float | None = None  # the median over the rounds that have one
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -102,7 +113,8 @@ class ModeSummary:
             "snic_read_bytes": self.snic_read_bytes, "snic_read_bytes_by_path": self.snic_read_bytes_by_path,
             "snic_write_bytes": self.snic_write_bytes, "store_read_gbps": self.store_read_gbps,
             "requests_by_path": self.requests_by_path,
-            "snic_balance": self.snic_balance, "jct_over_io_bound": self.jct_over_io_bound,
+            "snic_balance": self.snic_balance, "attention_balance": self.attention_balance,
+            "jct_over_io_bound": self.jct_over_io_bound,
         }
 
 
@@ -155,6 +167,7 @@ def summarise_mode(runs: Sequence[ModeRun], io_s: float) -> ModeSummary:
         store_read_gbps={n: median_optional([r.store_read_gbps.get(n) for r in runs]) for n in runs[0].store_read_gbps},
         requests_by_path=median_by_key([r.requests_by_path for r in runs]),
         snic_balance=median_optional([r.snic_balance for r in runs]),
+        attention_balance=median_optional([r.attention_balance for r in runs]),
         jct_over_io_bound=jct / io_s if io_s > 0 else None,
     )
 
@@ -175,6 +188,13 @@ def summarise(report: BenchReport, topology: Topology) -> BenchReport:
     return report
 
 
+ATTENTION_BALANCE_DEFINITION = (
+    "attention balance: max / mean over the prefill engines of each one's compute seconds (native: its layers' "
+    "compute; vLLM: inside engine.step()) in the SNIC high-load window, or the timed phase without one "
+    "(paper: Max/Avg attention time 1.06)"
+)
+
+
 def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value * 1e3:.0f}"
 
@@ -192,11 +212,12 @@ def format_text(report: BenchReport) -> str:
     for mode, s in report.modes.items():
         bounds = report.bounds[mode]
         balance = "-" if s.snic_balance is None else f"{s.snic_balance:.2f}"
+        attention = "-" if s.attention_balance is None else f"{s.attention_balance:.3f}"
         compute = "-" if bounds.compute_s is None else f"{bounds.compute_s:.2f}"
         lines.append(
             f"{mode:>9}: JCT {s.jct_s:7.2f} s | TTFT p50/p99 {_ms(s.ttft_s.p50)}/{_ms(s.ttft_s.p99)} ms | "
             f"TPOT p50/p99 {_ms(s.tpot_s.p50)}/{_ms(s.tpot_s.p99)} ms | SNIC read MB {_mb(s.snic_read_bytes)} | "
-            f"balance {balance} | requests by path {s.requests_by_path} | bounds: I/O {bounds.io_s:.2f} s, "
+            f"balance {balance} | attention balance {attention} | requests by path {s.requests_by_path} | bounds: I/O {bounds.io_s:.2f} s, "
             f"compute {compute} s"
         )
     if report.speedup is not None:
@@ -205,4 +226,5 @@ def format_text(report: BenchReport) -> str:
     if dual is not None and dual.jct_over_io_bound is not None:
         lines.append(f"DualPath JCT / its I/O bound = {dual.jct_over_io_bound:.3f}")
     lines.append(f"outputs identical across modes and rounds: {report.outputs_match}")
+    lines.append(ATTENTION_BALANCE_DEFINITION)
     return "\n".join(lines)

@@ -14,10 +14,12 @@ turns' own (TurnResult: TTFT from the driver's submit to the prefill engine samp
 token, TPOT the decode time per later token); byte figures are the runtime's exact counters
 (DualPathCluster.counters()) after the timed phase minus before it.
 
-SNIC traffic over time: while the timed phase runs, a driver thread samples every reader's
-exact SNIC read counter every `sample_interval_s` (a cheap call on the readers' control
-concurrency group, never queued behind I/O), giving per-node cumulative bytes over time for the
-high-load window, the balance and the plot (definitions in dualpath_ray.bench.figures).
+SNIC traffic and prefill compute over time: while the timed phase runs, driver threads sample
+every reader's exact SNIC read counter and every prefill engine's cumulative compute seconds
+every `sample_interval_s` (dualpath_ray.bench.sampler), giving per-node bytes over time for the
+high-load window, the SNIC balance and the plot, and per-engine compute time for the
+attention-time balance over the same window (definitions in dualpath_ray.bench.figures and
+dualpath_ray.bench.compute_balance).
 """
 
 from __future__ import annotations
@@ -25,28 +27,26 @@ from __future__ import annotations
 import dataclasses
 import os
 import tempfile
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
-
-import ray
 
 from dualpath_ray.analysis.snic_window import SnicSeries, high_load_window, snic_balance, window_bytes
+from dualpath_ray.bench.compute_balance import ComputeSeries, attention_balance
 from dualpath_ray.bench.figures import percentiles, run_order
 from dualpath_ray.bench.report import BenchReport, ModeRun, Topology, summarise
+from dualpath_ray.bench.sampler import CounterSampler, prefill_compute_reads, snic_reads
 from dualpath_ray.cluster import DualPathCluster
 from dualpath_ray.config import DualPathConfig
 from dualpath_ray.demos.demo import describe_workload
 from dualpath_ray.kv.layout import KVLayout
 from dualpath_ray.protocol.counters import PATHS, NodeCounters
 from dualpath_ray.protocol.messages import TurnResult
+from dualpath_ray.protocol.types import Role
 from dualpath_ray.workload.trace import Trajectory
 
 SAMPLE_INTERVAL_S = 0.25
-SAMPLE_TIMEOUT_S = 30.0
 
 Outputs = dict[str, list[tuple[int, ...]]]
 
@@ -68,49 +68,6 @@ class BenchWorkload:
                 "ran untimed on the same fresh store")
 
 
-class SnicSampler:
-    """Samples each node's exact SNIC read counter from the driver on a thread, every
-    interval_s, from `with` entry (t = 0 at `started`) to exit (one sample each)."""
-
-    def __init__(self, readers: Mapping[str, Any], interval_s: float, started: float) -> None:
-        self.readers = dict(readers)
-        self.interval_s = interval_s
-        self.started = started
-        self.t_s: list[float] = []
-        self.read_bytes: dict[str, list[int]] = {node: [] for node in self.readers}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="snic-sampler", daemon=True)
-
-    def sample(self) -> None:
-        refs = [reader.counters.remote() for reader in self.readers.values()]
-        before = time.monotonic()
-        try:
-            counters: list[NodeCounters] = ray.get(refs, timeout=SAMPLE_TIMEOUT_S)
-        except ray.exceptions.GetTimeoutError:
-            return  # a reader too busy to answer: this sample is skipped, the next is exact again
-        # The counters were read somewhere between the call and the answer: stamp the middle.
-        self.t_s.append((before + time.monotonic()) / 2 - self.started)
-        for node, counter in zip(self.readers, counters):
-            self.read_bytes[node].append(sum(counter.snic_read.values()))
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self.sample()
-
-    def __enter__(self) -> SnicSampler:
-        self.sample()
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.sample()
-
-    def series(self) -> SnicSeries:
-        return SnicSeries(list(self.t_s), {node: list(v) for node, v in self.read_bytes.items()})
-
-
 def counter_delta(before: Mapping[str, NodeCounters], after: Mapping[str, NodeCounters]) -> dict[str, NodeCounters]:
     """Per node, what the counters gained between two snapshots."""
     delta = {}
@@ -129,11 +86,13 @@ def counter_delta(before: Mapping[str, NodeCounters], after: Mapping[str, NodeCo
 def measure_run(
     round_index: int, mode: str, jct_s: float, results: Mapping[str, Sequence[TurnResult]],
     delta: Mapping[str, NodeCounters], series: SnicSeries, bytes_per_token: int,
+    compute: ComputeSeries,
 ) -> ModeRun:
     """One run's figures from its timed turns, counter deltas and sampled series."""
     turns = [r for rs in results.values() for r in rs]
     firsts = [rs[0] for rs in results.values() if rs]
     window = high_load_window(series)
+    balance = attention_balance(compute, (window.start_s, window.end_s) if window else None)
     return ModeRun(
         round=round_index, mode=mode, jct_s=jct_s, turns=len(turns),
         hit_bytes=sum(r.hit_tokens for r in turns) * bytes_per_token,
@@ -151,6 +110,8 @@ def measure_run(
         computed_prompt_tokens=sum(r.prompt_tokens - r.hit_tokens for r in turns),
         first_turn_computed_tokens=sum(r.prompt_tokens - r.hit_tokens for r in firsts),
         first_turn_ttft_s=percentiles([r.ttft_s for r in firsts]),
+        attention_balance=balance.balance, prefill_compute_s=balance.engine_compute_s,
+        attention_span=balance.over, compute_series=compute,
     )
 
 
@@ -182,8 +143,12 @@ def run_mode(
                 _check(cluster, mode, warm.failures)
             before = cluster.counters()
             readers = {spec.node_id: deployment.readers[spec.reader_name] for spec in cluster.nodes}
+            prefill = {name: deployment.engines[name] for spec in cluster.nodes if spec.role is Role.PREFILL
+                       for name in spec.engine_names()}
             started = time.monotonic()
-            with SnicSampler(readers, interval_s, started) as sampler:
+            # Two threads: a vLLM engine answers between its steps, which must not delay the SNIC samples.
+            with CounterSampler("snic", list(readers), snic_reads(readers), interval_s, started) as sampler, \
+                    CounterSampler("compute", list(prefill), prefill_compute_reads(prefill), interval_s, started) as computes:
                 result = cluster.rollout(workload.trajectories, resume=warm, progress=False)
                 jct_s = time.monotonic() - started
             _check(cluster, mode, result.failures)
@@ -191,7 +156,9 @@ def run_mode(
         finally:
             cluster.teardown()  # the actors let go of the store before its folder goes
     outputs = result.outputs()
-    run = measure_run(round_index, mode, jct_s, result.turn_results, delta, sampler.series(), layout.bytes_per_token)
+    series = SnicSeries(sampler.t_s, sampler.values)
+    compute = ComputeSeries(computes.t_s, computes.values)
+    run = measure_run(round_index, mode, jct_s, result.turn_results, delta, series, layout.bytes_per_token, compute)
     run = dataclasses.replace(run, outputs={t: [list(o) for o in turns] for t, turns in outputs.items()})
     return run, outputs
 

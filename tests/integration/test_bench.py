@@ -115,6 +115,19 @@ def test_bytes_agree_with_the_runtime_accounting(bench: tuple[dict[str, Any], Pa
     assert runs["basic"]["snic_balance"] == pytest.approx(2.0), "basic's idle decode SNIC makes max / mean 2"
 
 
+def test_attention_balance_from_the_prefill_engines_compute(bench: tuple[dict[str, Any], Path, str]) -> None:
+    report, _, _ = bench
+    for run in report["runs"]:
+        mode, series = run["mode"], run["compute_series"]
+        assert list(series["compute_s"]) == ["prefill/p0/g0"], f"{mode}: the one prefill engine's compute is sampled"
+        values = series["compute_s"]["prefill/p0/g0"]
+        assert values == sorted(values) and values[-1] > values[0], f"{mode}: cumulative, and it computed while timed"
+        assert run["attention_span"] == ("timed phase" if mode == "oracle" else "high-load window"), (
+            f"{mode}: summed over the SNIC high-load window where there is one, else the timed phase"
+        )
+        assert run["attention_balance"] == pytest.approx(1.0), f"{mode}: one prefill engine is balanced with itself"
+
+
 def test_plot_is_a_png(bench: tuple[dict[str, Any], Path, str]) -> None:
     _, plot, _ = bench
     data = plot.read_bytes()

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from dualpath_ray.analysis.snic_window import SnicSeries
+from dualpath_ray.bench.compute_balance import ComputeSeries, attention_balance
 from dualpath_ray.bench.figures import Percentiles
 from dualpath_ray.bench.plot import median_run, plot_report
 from dualpath_ray.bench.report import BenchReport, ModeRun, Topology, format_text, summarise
@@ -30,7 +31,17 @@ def mode_run(round_index: int, mode: str, jct_s: float) -> ModeRun:
         requests_by_path={"pe": 64, "de": 0},
         snic_balance=None if mode == "oracle" else 2.0 / (1 + share[1] / share[0]),
         high_load_window_s=None if mode == "oracle" else (0.0, t[-1]), series=SnicSeries(t, read),
+        **attention(round_index, t),
     )
+
+
+def attention(round_index: int, t: list[float]) -> dict[str, object]:
+    """Two prefill engines; the second computes at 0.6, 0.8, 1.0 of the first's rate in rounds 1-3."""
+    rate = {1: 0.6, 2: 0.8, 3: 1.0}[round_index]
+    series = ComputeSeries(t, {"prefill/p0/g0": [0.5 * s for s in t], "prefill/p0/g1": [0.5 * rate * s for s in t]})
+    figure = attention_balance(series, None)
+    return {"attention_balance": figure.balance, "prefill_compute_s": figure.engine_compute_s,
+            "attention_span": figure.over, "compute_series": series}
 
 
 def report() -> BenchReport:
@@ -51,6 +62,10 @@ def test_medians_bounds_and_speedup() -> None:
     assert r.modes["dualpath"].jct_over_io_bound == pytest.approx(2.1), "JCT over the mode's own I/O bound"
     assert r.modes["oracle"].jct_over_io_bound is None, "no ratio to a zero bound"
     assert r.modes["basic"].ttft_s.p50 == pytest.approx(4.1), "each percentile is the median of the rounds' values"
+    assert [run.attention_balance for run in r.runs[::3]] == pytest.approx([1 / 0.8, 1 / 0.9, 1.0]), (
+        "each round's attention balance is max / mean of its engines' compute seconds"
+    )
+    assert r.modes["basic"].attention_balance == pytest.approx(1 / 0.9), "the attention balance is the median round's"
 
 
 def test_json_keys_are_the_documented_contract() -> None:
@@ -58,7 +73,8 @@ def test_json_keys_are_the_documented_contract() -> None:
     assert {"modes", "bounds", "speedup", "runs", "outputs_match", "machine"} <= set(data), "top-level keys"
     assert set(data["modes"]) == {"basic", "dualpath", "oracle"}, "every mode run is summarised"
     for mode, figures in data["modes"].items():
-        assert {"jct_s", "ttft_s", "tpot_s", "snic_read_bytes", "snic_balance", "requests_by_path"} <= set(figures), (
+        assert {"jct_s", "ttft_s", "tpot_s", "snic_read_bytes", "snic_balance", "attention_balance",
+                "requests_by_path"} <= set(figures), (
             f"{mode}: the per-mode figures"
         )
         assert set(figures["ttft_s"]) == {"p50", "p99"}, f"{mode}: TTFT p50 and p99"
@@ -67,12 +83,17 @@ def test_json_keys_are_the_documented_contract() -> None:
         "each round's runs are kept, in run order"
     )
     assert set(data["runs"][0]["snic_series"]) == {"t_s", "read_bytes"}, "each run keeps its sampled SNIC series"
+    first = data["runs"][0]
+    assert set(first["compute_series"]) == {"t_s", "compute_s"}, "each run keeps its sampled compute series"
+    assert set(first["prefill_compute_s"]) == {"prefill/p0/g0", "prefill/p0/g1"}, "the seconds the balance compares"
+    assert first["attention_span"] == "timed phase", "which span the compute seconds were summed over"
 
 
 def test_text_names_every_mode_and_the_ratios() -> None:
     text = format_text(report())
     for needle in ("basic: JCT", "dualpath: JCT", "oracle: JCT", "Basic JCT / DualPath JCT = 1.95x",
-                   "DualPath JCT / its I/O bound = 2.100"):
+                   "DualPath JCT / its I/O bound = 2.100", "attention balance 1.111",
+                   "attention balance: max / mean over the prefill engines"):
         assert needle in text, f"the text report shows {needle!r}"
 
 
