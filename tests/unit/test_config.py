@@ -12,7 +12,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_shipped_configs_load():
-    for name in ("local-1p1d.yaml", "bench-1p1d.yaml", "chaos-1p1d.yaml"):
+    for name in ("local-1p1d.yaml", "bench-1p1d.yaml", "chaos-1p1d.yaml", "bench-2p1d.yaml", "bench-vllm-2p1d.yaml"):
         cfg = load_config(REPO / "cluster_configs" / name)
         assert isinstance(cfg, DualPathConfig), f"{name} must load into the one config tree"
 
