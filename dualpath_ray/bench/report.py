@@ -217,8 +217,8 @@ def format_text(report: BenchReport) -> str:
         lines.append(
             f"{mode:>9}: JCT {s.jct_s:7.2f} s | TTFT p50/p99 {_ms(s.ttft_s.p50)}/{_ms(s.ttft_s.p99)} ms | "
             f"TPOT p50/p99 {_ms(s.tpot_s.p50)}/{_ms(s.tpot_s.p99)} ms | SNIC read MB {_mb(s.snic_read_bytes)} | "
-            f"balance {balance} | attention balance {attention} | requests by path {s.requests_by_path} | bounds: I/O {bounds.io_s:.2f} s, "
-            f"compute {compute} s"
+            f"balance {balance} | attention balance {attention} | requests by path {s.requests_by_path} | "
+            f"bounds: I/O {bounds.io_s:.2f} s, compute {compute} s"
         )
     if report.speedup is not None:
         lines.append(f"Basic JCT / DualPath JCT = {report.speedup:.2f}x")
