@@ -49,12 +49,12 @@ class EngineConfig(Section):
     )
     vllm_max_num_batched_tokens: int | None = Field(
         None, ge=1,
-        description="vLLM's max_num_batched_tokens on every engine: the most tokens one vLLM step computes (its "
-        "per-step token budget). None = the prefill window's tokens (cluster.prefill_hbm_tokens, at least "
+        description="vLLM's max_num_batched_tokens on the prefill engines: the most tokens one vLLM step computes "
+        "(its per-step token budget). None = the prefill window's tokens (cluster.prefill_hbm_tokens, at least "
         "vllm_max_num_seqs), so a prefill batch the core packed is one vLLM step. Smaller, vLLM chunks a batch over "
-        "several steps with its own chunked prefill (and a decode engine's recomputes too); the batches and their KV "
-        "moves stay the core's (docs/architecture.md, the vLLM engine backend, Batching). At least "
-        "vllm_max_num_seqs (vLLM's own rule: a decode step runs one token of every sequence).",
+        "several steps with its own chunked prefill; which requests form a batch and where their KV comes from and "
+        "goes stay the core's (docs/architecture.md, the vLLM engine backend, Batching). Decode engines keep the "
+        "window's budget. At least vllm_max_num_seqs (vLLM's own rule).",
     )
     vllm_gpu_memory_utilization: float = Field(
         0.5, gt=0, le=1.0,

@@ -76,9 +76,11 @@ def engine_kwargs(cfg: DualPathConfig, role: Role) -> dict[str, Any]:
         enable_prefix_caching=cfg.engine.vllm_prefix_caching,
         num_gpu_blocks_override=-(-tokens // cfg.store.block_size) + max_seqs, max_num_seqs=max_seqs,
         # By default a prefill batch is one step whatever its size (the window bounds it); a smaller
-        # budget (engine.vllm_max_num_batched_tokens) has vLLM chunk it over steps. A decode step
-        # runs every sequence either way (the budget is at least max_seqs).
-        max_num_batched_tokens=budget if budget is not None else max(cfg.cluster.prefill_hbm_tokens, max_seqs),
+        # budget (engine.vllm_max_num_batched_tokens, prefill engines) has vLLM chunk it over
+        # steps. A decode step runs every sequence, and its recomputes into pages stay one step.
+        max_num_batched_tokens=(
+            budget if budget is not None and role is Role.PREFILL else max(cfg.cluster.prefill_hbm_tokens, max_seqs)
+        ),
         async_scheduling=False, enforce_eager=cfg.engine.vllm_enforce_eager,
         enable_sleep_mode=torch.cuda.is_available(),  # sleep between rollouts frees the GPU (not on the CPU)
         # The log-prob of each sampled token: engine.logprobs, the same number the native sampler

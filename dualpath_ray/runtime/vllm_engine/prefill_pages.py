@@ -10,9 +10,11 @@ no window or page pool of ours in between.
 
 Each step's `begin` gets only the requests vLLM scheduled in it, tokens [computed, computed +
 scheduled) each. A request's past lands at its first scheduling (`ScheduledKV.loading`); a sent
-token goes in the step by whose end it is in vLLM's pages (computed then, or landed or cached
-before: a first PE-path chunk's hits go with its first step), exactly once (`_sent_to`); each
-chunk's digests accumulate over the steps. A request vLLM preempts (pages short) and resumes has
+token goes in the step that completes its block in vLLM's pages (or computes the chunk's last
+token), exactly once (`_sent_to`): vLLM's CPU attention lays a block's tokens out in an order of
+its own, so a block's bytes, read token-major, change until its last token is computed (a first
+PE-path chunk's whole hit blocks go with its first step); each chunk's digests accumulate over
+the steps. A request vLLM preempts (pages short) and resumes has
 new pages: its past lands again, and it sends only the tokens it had not sent, so the decode
 node keeps the bytes and digests that first left (the recomputed ones are the same tokens' KV).
 Per layer l of a step, in the layer order of the native LayerPipeline (runtime/prefill/pipeline.py):
@@ -175,24 +177,29 @@ class PagedPrefillStep:
                     f"vLLM scheduled tokens [{got.computed}, {upto}) of a chunk of [{chunk.start}, {chunk.end}) that "
                     f"loads [0, {loaded}) (loading from {got.load_from}, first step: {got.first})"
                 )
-            done, self._sent_to[index] = self._sent_to[index], max(self._sent_to[index], upto)
+            # A token's KV, as the codec reads it, is final only once vLLM wrote its whole block
+            # (vLLM's CPU kernel lays a block's tokens out in its own order, so a block's bytes
+            # change until its last token is computed), or the chunk's end in its last block:
+            # a block goes once, at the step that completes it.
+            ready = upto if upto == chunk.end else upto // size * size
+            done, self._sent_to[index] = self._sent_to[index], max(self._sent_to[index], ready)
             if kv.oracle is not None:
                 device = layers[0].device
-                save_lo = max(chunk.start, done)
+                save_lo, save_hi = max(chunk.start, done), max(chunk.start, done, ready)
                 load = codec.positions([(got.block_ids, got.load_from, got.computed)], device)
-                save = codec.positions([(got.block_ids, save_lo, max(save_lo, upto))], device)
-                self._oracle.append(_OracleCopies(kv.oracle, load, got.load_from, got.computed, save, save_lo, max(save_lo, upto)))
+                save = codec.positions([(got.block_ids, save_lo, save_hi)], device)
+                self._oracle.append(_OracleCopies(kv.oracle, load, got.load_from, got.computed, save, save_lo, save_hi))
                 continue
             if got.loading:
                 if got.load_from % size or got.computed % size:
                     raise RuntimeError(f"{got.key} loads tokens [{got.load_from}, {got.computed}), not whole blocks of {size}")
                 self._landings.append(_Landing(index, got.block_ids, got.load_from, got.computed))
-            # Tokens [0, upto) are in vLLM's pages by the end of this step's layer: what of the
-            # sent spans among them has not left yet goes now.
+            # Tokens [0, ready) are final in vLLM's pages by the end of this step's layer: what of
+            # the sent spans among them has not left yet goes now.
             self._sends += [
-                _Send(index, got.block_ids, replace(span, lo=max(span.lo, done), hi=min(span.hi, upto)))
+                _Send(index, got.block_ids, replace(span, lo=max(span.lo, done), hi=min(span.hi, ready)))
                 for span in kv.sent
-                if max(span.lo, done) < min(span.hi, upto)
+                if max(span.lo, done) < min(span.hi, ready)
             ]
         for layer in range(min(2, self.n_layer)):
             self._post_reads(layer)

@@ -63,9 +63,11 @@ def test_the_vllm_token_budget_reaches_vllms_engine_arguments() -> None:
             "unset, a prefill batch is one vLLM step: the budget is the prefill window's tokens"
         )
     chunked = parse_config({**base, "engine": {**base["engine"], "vllm_max_num_batched_tokens": 40}})
-    for role in (Role.PREFILL, Role.DECODE):
-        assert engine_kwargs(chunked, role)["max_num_batched_tokens"] == 40, (
-            "set, it is vLLM's per-step token budget on every engine"
-        )
+    assert engine_kwargs(chunked, Role.PREFILL)["max_num_batched_tokens"] == 40, (
+        "set, it is the prefill engines' vLLM per-step token budget"
+    )
+    assert engine_kwargs(chunked, Role.DECODE)["max_num_batched_tokens"] == window, (
+        "a decode engine keeps the window's budget (its recomputes into pages stay one step)"
+    )
     with pytest.raises(ConfigError, match="engine.vllm_max_num_batched_tokens"):
         parse_config({**base, "engine": {**base["engine"], "vllm_max_num_batched_tokens": 0}})

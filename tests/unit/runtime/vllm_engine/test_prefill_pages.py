@@ -137,7 +137,9 @@ def test_a_chunk_vllm_computes_over_several_steps_and_resumes_after_a_preemption
     each. A first PE-path chunk (past [0, 2B + 5) from the PE extent, its hits and new tokens to
     the decode extent) computes [2B, 2B + 10) in step 1, [2B + 10, 3B + 10) in step 2, is
     preempted (its pages freed) and resumed in new pages in step 3, which loads its past again
-    and computes [2B, 4B - 3) again."""
+    and computes [2B, 4B - 3) again. A block's tokens go at the step that completes the block
+    (vLLM's CPU kernel orders a block's tokens its own way: its bytes change until then) or
+    computes the chunk's end: [0, 2B), [2B, 3B), [3B, 4B - 3)."""
     backend = backend_class("CPU_ATTN", KV_BACKENDS)
     layout = splittable_layouts(backend, B)[0]
     dtype = torch.bfloat16
@@ -182,7 +184,8 @@ def test_a_chunk_vllm_computes_over_several_steps_and_resumes_after_a_preemption
         ScheduledKV("r", first, loaded + 10, B, loaded + 10, False),
         ScheduledKV("r", resumed, loaded, end - loaded, 0, True),  # resumed: new pages, loads again
     ]
-    for number, got in enumerate(schedule, 1):
+    sent_after = [2 * B, 3 * B, end]  # tokens sent by the end of each step
+    for number, (got, sent_to) in enumerate(zip(schedule, sent_after), 1):
         step.begin([got], layers, codec)
         upto = got.computed + got.scheduled
         for layer in range(n_layer):
@@ -195,6 +198,9 @@ def test_a_chunk_vllm_computes_over_several_steps_and_resumes_after_a_preemption
             step.after_layer(layer)
         step.end()
         assert step.scheduled == {"r"}, f"step {number}: the step saw the request vLLM scheduled"
+        assert step.moved.bytes_out == n_layer * sent_to * bpt, (
+            f"step {number}: the tokens of the blocks it completed (the chunk's end in its last) left, once: {step.moved}"
+        )
         for layer in range(n_layer):
             assert torch.equal(codec.read(layers[layer], got.block_ids, 0, upto), kv[layer, :upto]), (
                 f"step {number}, layer {layer}: vLLM's pages hold the page layout again after the step's sends"
