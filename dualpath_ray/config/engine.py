@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from dualpath_ray.config.section import Section
 from dualpath_ray.protocol.types import NameEnum
@@ -47,6 +47,15 @@ class EngineConfig(Section):
     vllm_max_num_seqs: int = Field(
         256, ge=1, description="vLLM's max_num_seqs: the most requests one vLLM step runs (a prefill batch, a decode step)."
     )
+    vllm_max_num_batched_tokens: int | None = Field(
+        None, ge=1,
+        description="vLLM's max_num_batched_tokens on the prefill engines: the most tokens one vLLM step computes "
+        "(its per-step token budget). None = the prefill window's tokens (cluster.prefill_hbm_tokens, at least "
+        "vllm_max_num_seqs), so a prefill batch the core packed is one vLLM step. Smaller, vLLM chunks a batch over "
+        "several steps with its own chunked prefill; which requests form a batch and where their KV comes from and "
+        "goes stay the core's (docs/architecture.md, the vLLM engine backend, Batching). Decode engines keep the "
+        "window's budget. At least vllm_max_num_seqs (vLLM's own rule).",
+    )
     vllm_gpu_memory_utilization: float = Field(
         0.5, gt=0, le=1.0,
         description="vLLM's gpu_memory_utilization on a GPU: the share of the GPU vLLM may use (weights and its KV "
@@ -69,6 +78,18 @@ class EngineConfig(Section):
         "engine actor's per-step KV plan and transport (docs/architecture.md, the vLLM engine backend, Tensor "
         "parallelism); the per-rank head split is built (runtime/vllm_engine/tp_ranks.py).",
     )
+
+    @model_validator(mode="after")
+    def _token_budget_holds_a_step_of_every_sequence(self) -> EngineConfig:
+        budget = self.vllm_max_num_batched_tokens
+        if budget is not None and budget < self.vllm_max_num_seqs:
+            raise ValueError(
+                f"engine.vllm_max_num_batched_tokens ({budget}) is below engine.vllm_max_num_seqs "
+                f"({self.vllm_max_num_seqs}): vLLM refuses a step budget smaller than one token per sequence. Raise "
+                f"engine.vllm_max_num_batched_tokens to at least {self.vllm_max_num_seqs}, lower engine.vllm_max_num_seqs, "
+                "or leave it unset (null: the prefill window's tokens)"
+            )
+        return self
 
     @field_validator("vllm_tensor_parallel_size")
     @classmethod

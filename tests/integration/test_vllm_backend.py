@@ -138,6 +138,59 @@ def test_prompts_chunked_by_the_compute_quota_stay_exact_on_vllm(reference) -> N
     assert prefill.chunks > prefill.handoffs, f"the quota chunked prompts into several prefill batches: {prefill}"
 
 
+@pytest.mark.parametrize("mode", ["dualpath", "basic"])
+def test_batches_vllm_chunks_over_its_steps_stay_exact(reference, mode: str) -> None:
+    """vLLM chunks the prefill core's batches with its own chunked prefill: its per-step token
+    budget (engine.vllm_max_num_batched_tokens: 48, vLLM's least for 32 sequences is 32) is below
+    every turn's prompt (100, 180, 260 tokens) and not a whole block (64), so a batch takes
+    several vLLM steps and a chunk's steps end inside blocks. Each step lands what vLLM scheduled
+    in it and sends the blocks it completed; the decode engine's KV checks (runtime.verify_kv:
+    its vLLM recomputes every prompt whole) find every loaded byte as recomputed, and the tokens
+    are plain vLLM's, which computes every prompt whole with no connector (the module's
+    reference)."""
+    trajs, expected = reference
+    cfg = vllm_config(mode).with_overrides(engine={"vllm_max_num_batched_tokens": 48}, runtime={"verify_kv": True})
+    cluster = DualPathCluster.start(cfg)
+    try:
+        cluster.deploy(mode)
+        result, counters, engines = cluster.rollout(trajs, progress=False), cluster.counters(), cluster.engine_stats()
+    finally:
+        cluster.shutdown()
+    assert not result.failures, f"{mode}: every trajectory completes with vLLM chunking the batches: {result.failures}"
+    got = {tid: [turn.output_tokens for turn in turns] for tid, turns in result.turn_results.items()}
+    differing = sum(
+        a != b for tid, turns in expected.items() for want, have in zip(turns, got.get(tid, [])) for a, b in zip(want, have)
+    ) + sum(abs(len(want) - len(have)) for tid, turns in expected.items() for want, have in zip(turns, got.get(tid, [])))
+    assert got == expected and differing == 0, (
+        f"{mode}: greedy tokens equal plain vLLM recomputing every prompt whole ({differing} tokens differ)"
+    )
+    verified = [(turn.kv_bytes_verified, turn.kv_mismatches) for turns in result.turn_results.values() for turn in turns]
+    assert all(nbytes > 0 and bad == 0 for nbytes, bad in verified), (
+        f"{mode}: runtime.verify_kv checked the loaded prompt KV of every turn, and none differed: {verified}"
+    )
+    prefill_stats = engines["prefill/p0/g0"]
+    compute, core = prefill_stats.compute, prefill_stats.core
+    assert compute["prefill_batches"] == core.batches > 0 and compute["prefill_steps"] > compute["prefill_batches"], (
+        f"{mode}: vLLM chunked the core's batches: more vLLM steps than batches ({compute}, {core.batches} batches)"
+    )
+    hits = sum(turn.hit_tokens for turns in result.turn_results.values() for turn in turns)
+    hit_layers, block_layer = compute["prefill_landed_block_layers"], compute["block_layer_bytes"]
+    assert hits > 0 and prefill_stats.transport.bytes_read == core.pipeline.bytes_in == hit_layers * block_layer > 0, (
+        f"{mode}: later turns' hits landed in the prefill engine's vLLM pages, one block-layer per hit block per "
+        f"layer ({hit_layers} block-layers): {core}"
+    )
+    assert prefill_stats.transport.bytes_written == core.pipeline.bytes_out > 0, (
+        f"{mode}: what the steps sent is what the transport wrote: {core}"
+    )
+    assert core.pipeline.writes <= core.pipeline.layers and core.pipeline.max_transfers_per_layer_peer <= 2, (
+        f"{mode}: one write per layer of each vLLM step (1P1D: one reader), one read per layer and source: {core}"
+    )
+    pe, de = counters["p0"].snic_read["pe"], counters["d0"].snic_read["de"]
+    assert pe > 0 and (de > 0 if mode == "dualpath" else de == 0), (
+        f"{mode}: the hits were read on the mode's paths (dualpath both, basic the prefill side only): {counters}"
+    )
+
+
 def test_rollout_server_sleep_wake_weight_update_and_abort_on_vllm_engines(reference) -> None:
     """The rollout server and the between-rollout controls on vLLM engines: the server's generate
     gives plain vLLM's tokens, sleep and wake keep serving the same tokens,

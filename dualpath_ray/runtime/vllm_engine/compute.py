@@ -4,9 +4,11 @@ The prefill and decode cores, the layer pipeline, the decode intake and persiste
 native engines' own; only what computes changes, so the scheduler, readers, store, transport,
 metrics and emulation decide and move exactly what they do for the native engines:
 
-- A prefill batch (packed by the core with the paper's compute quota) is one vLLM step: every
-  chunk is a vLLM request for its prompt up to the chunk's end whose loaded past is external,
-  sampling one token (the first output token on the last chunk). Its KV lives in vLLM's pages
+- A prefill batch (packed by the core with the paper's compute quota) is one vLLM step, or as
+  many as vLLM's token budget needs to compute it (engine.vllm_max_num_batched_tokens: vLLM's own
+  chunked prefill): every chunk is a vLLM request for its prompt up to the chunk's end whose
+  loaded past is external, sampling one token (the first output token on the last chunk); the
+  batch's steps run until each sampled. Its KV lives in vLLM's pages
   only (this compute is the prefill engine's PrefillKV, runtime/compute/prefill_kv.py: the
   engine keeps no window): vLLM's forward runs on a thread of its own and moves each layer's KV
   itself (runtime/vllm_engine/prefill_pages.py, PagedPrefillStep): the hit block-layers land from
@@ -67,6 +69,7 @@ class _PrefillRun:
     thread: threading.Thread
     sampled: dict[str, tuple[int, float]] = field(default_factory=dict)
     error: BaseException | None = None
+    steps: int = 0  # vLLM steps the batch took
 
 
 @dataclass
@@ -142,6 +145,8 @@ class VllmCompute(EngineCompute):
         self._transport: Any = None  # what vLLM's backing buffer is registered with (bind), as `_pool`
         self._pool = ""
         self._prefill_block_layers = 0  # hit block-layers prefill batches landed in vLLM's pages
+        self._prefill_batches = 0  # prefill batches vLLM computed
+        self._prefill_steps = 0  # the vLLM steps they took (more than batches where vLLM chunked them)
         self._takes: tuple[Callable[[int], None], Callable[[int], None]] = (_untaken, _untaken)
         self._live: dict[str, _DecodeState] = {}  # decode sequences added to vLLM and not yet released
         self._loaded: dict[str, torch.Tensor] | None = None  # the last state dict loaded (export_weights)
@@ -150,7 +155,7 @@ class VllmCompute(EngineCompute):
 
     def begin_prefill(self, chunks: Sequence[ChunkSpec]) -> PrefillBatch:
         """Every chunk is a vLLM request whose loaded past (`loaded_tokens`) is external; vLLM's
-        step runs on a thread of its own and moves each layer's KV itself (PagedPrefillStep)."""
+        steps run on a thread of their own and move each layer's KV themselves (PagedPrefillStep)."""
         if self._transport is None:
             raise RuntimeError("a vLLM prefill engine binds its transport (bind) before its first batch")
         block_map = self.host.connector.block_map
@@ -170,9 +175,25 @@ class VllmCompute(EngineCompute):
         return PrefillBatch(tuple(chunks), run)
 
     def _run_prefill(self, run: _PrefillRun) -> None:
+        """vLLM steps until every chunk sampled its token: one step when its token budget holds
+        the batch, more when it chunks it. The core runs one batch at a time, so these steps
+        hold no other request (PagedPrefillStep refuses one)."""
         try:
-            run.sampled = self.host.run(run.step)
+            idle = 0
+            while left := {key for key in run.keys if key not in run.sampled}:
+                run.step.scheduled = set()  # a step that runs no forward calls no hook of it
+                run.sampled.update(self.host.run(run.step))
+                run.steps += 1
+                idle = 0 if run.step.scheduled & left else idle + 1
+                if idle > 2:
+                    raise RuntimeError(
+                        f"vLLM scheduled none of {len(left)} of the prefill batch's {len(run.keys)} chunks in {idle} "
+                        "steps: raise engine.vllm_max_num_seqs or the vLLM KV pages (cluster.prefill_hbm_tokens)"
+                    )
+            run.step.finish()
             self._prefill_block_layers += run.step.moved.block_layers_in
+            self._prefill_batches += 1
+            self._prefill_steps += run.steps
         except BaseException as exc:  # noqa: BLE001 - handed to the engine's thread, which fails the batch
             run.error = exc
             run.step.recover()
@@ -386,13 +407,15 @@ class VllmCompute(EngineCompute):
 
     def stats(self) -> dict[str, Any]:
         """vLLM's own figures: steps run, requests it holds and its free KV pages (its scheduler's
-        count), and the block-layers prompt landings moved into its pages."""
+        count), the block-layers prompt landings moved into its pages, and the prefill batches
+        and the vLLM steps they took (more steps than batches where vLLM chunked them)."""
         loads, block_map = self.host.connector.loads, self.host.connector.block_map
         return {"backend": "vllm", "steps": self.host.steps, "step_s": self.host.step_s, "unfinished": self.host.unfinished(),
                 "free_pages": self.host.free_pages(), "decode_sequences": len(self._live),
                 "prefix_cache_hit_tokens": self.host.connector.local_hit_tokens,
                 "landed_block_layers": loads.block_layers_posted if loads is not None else 0,
                 "prefill_landed_block_layers": self._prefill_block_layers,
+                "prefill_batches": self._prefill_batches, "prefill_steps": self._prefill_steps,
                 "block_layer_bytes": block_map.block_layer_bytes if block_map is not None else 0,
                 "failed_landings": loads.failed if loads is not None else 0}
 

@@ -67,7 +67,7 @@ def engine_kwargs(cfg: DualPathConfig, role: Role) -> dict[str, Any]:
     model_dir = Path(cfg.engine.vllm_model) if cfg.engine.vllm_model is not None else dummy_model_dir(cfg.model)
     check_kv_geometry(model_dir, cfg.model)
     tokens = cfg.cluster.prefill_hbm_tokens if role is Role.PREFILL else cfg.cluster.hbm_tokens_per_engine
-    max_seqs = cfg.engine.vllm_max_num_seqs
+    max_seqs, budget = cfg.engine.vllm_max_num_seqs, cfg.engine.vllm_max_num_batched_tokens
     return dict(
         model=str(model_dir), load_format="dummy" if cfg.engine.vllm_model is None else "auto",
         skip_tokenizer_init=True, dtype=cfg.model.dtype, seed=cfg.model.seed,
@@ -75,8 +75,12 @@ def engine_kwargs(cfg: DualPathConfig, role: Role) -> dict[str, Any]:
         # vLLM's own cache serves what it still holds; the connector loads the rest of the external tokens.
         enable_prefix_caching=cfg.engine.vllm_prefix_caching,
         num_gpu_blocks_override=-(-tokens // cfg.store.block_size) + max_seqs, max_num_seqs=max_seqs,
-        # A prefill batch is one step whatever its size (the window bounds it); a decode step runs every sequence.
-        max_num_batched_tokens=max(cfg.cluster.prefill_hbm_tokens, max_seqs),
+        # By default a prefill batch is one step whatever its size (the window bounds it); a smaller
+        # budget (engine.vllm_max_num_batched_tokens, prefill engines) has vLLM chunk it over
+        # steps. A decode step runs every sequence, and its recomputes into pages stay one step.
+        max_num_batched_tokens=(
+            budget if budget is not None and role is Role.PREFILL else max(cfg.cluster.prefill_hbm_tokens, max_seqs)
+        ),
         async_scheduling=False, enforce_eager=cfg.engine.vllm_enforce_eager,
         enable_sleep_mode=torch.cuda.is_available(),  # sleep between rollouts frees the GPU (not on the CPU)
         # The log-prob of each sampled token: engine.logprobs, the same number the native sampler

