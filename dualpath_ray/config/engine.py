@@ -47,6 +47,16 @@ class EngineConfig(Section):
     vllm_max_num_seqs: int = Field(
         256, ge=1, description="vLLM's max_num_seqs: the most requests one vLLM step runs (a prefill batch, a decode step)."
     )
+    vllm_kv_pages: int | None = Field(
+        None, ge=1,
+        description="The decode engines' vLLM KV pages (num_gpu_blocks_override), blocks of store.block_size tokens; "
+        "None = sized to the engine's page books (cluster.hbm_tokens_per_engine) plus a block per sequence, so vLLM "
+        "never preempts. Fewer pages than the core's books make vLLM preempt decode sequences and recompute them "
+        "when pages free (runtime/vllm_engine/compute.py): for tests and tuning. At least one sequence of "
+        "model.max_context tokens must fit, runtime.verify_kv must be off (its recompute would wait for pages the decode "
+        "sequences hold), and runtime.kv_digests must stay on "
+        "(a filled block pulled from a page vLLM freed under preemption is refused by its digest).",
+    )
     vllm_gpu_memory_utilization: float = Field(
         0.5, gt=0, le=1.0,
         description="vLLM's gpu_memory_utilization on a GPU: the share of the GPU vLLM may use (weights and its KV "

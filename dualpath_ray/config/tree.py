@@ -65,6 +65,34 @@ class DualPathConfig(Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _vllm_kv_pages_hold_a_sequence(self) -> DualPathConfig:
+        pages = self.engine.vllm_kv_pages
+        if pages is None:
+            return self
+        needed = -(-self.model.max_context // self.store.block_size)
+        if pages < needed:
+            raise ValueError(
+                f"engine.vllm_kv_pages ({pages}) holds fewer than one sequence of model.max_context "
+                f"({self.model.max_context} tokens = {needed} pages of store.block_size {self.store.block_size}): "
+                f"set engine.vllm_kv_pages >= {needed}, or leave it unset (sized to the engine's page books)"
+            )
+        if self.runtime.verify_kv:
+            # The check's recompute of a landed prompt runs in vLLM's pages beside the decode
+            # sequences, which vLLM runs ahead while it waits; under preemption they can hold
+            # every page until the core, busy checking, ends them.
+            raise ValueError(
+                "engine.vllm_kv_pages with runtime.verify_kv: the KV check's recompute would wait for pages that only "
+                "the decode sequences it runs beside can free; set runtime.verify_kv: false, or leave "
+                "engine.vllm_kv_pages unset"
+            )
+        if not self.runtime.kv_digests:
+            raise ValueError(
+                "engine.vllm_kv_pages lets vLLM preempt decode sequences, and a filled block pulled from a page it "
+                "freed is refused only by its digest: set runtime.kv_digests: true, or leave engine.vllm_kv_pages unset"
+            )
+        return self
+
     @property
     def partial_block_hits(self) -> bool:
         """scheduler.partial_block_hits resolved for this deployment's engines (auto: the native

@@ -30,7 +30,7 @@ from dualpath_ray.kv.layout import KVLayout
 from dualpath_ray.kv.paged import PagedKVPool, PagePoolFullError
 from dualpath_ray.protocol.counters import NodeCounters
 from dualpath_ray.protocol.names import Pool
-from dualpath_ray.runtime.compute.engine_compute import EngineCompute, PageFill
+from dualpath_ray.runtime.compute.engine_compute import ComputeBusy, EngineCompute, PageFill
 from dualpath_ray.runtime.decode.job import (
     DecodeJob,
     DecodeJobTable,
@@ -309,6 +309,10 @@ class DecodeIntake:
         target.copy_(host)
 
     def poll_loads(self) -> bool:
+        """Finish the loads that landed: check them against their digests, and the jobs run. A
+        check the compute cannot read the landed KV for yet (ComputeBusy: vLLM preempted the
+        sequence and the pages it needs are held by sequences the core is ending) is tried
+        again next round, the job LOADING meanwhile; a busy check counts nothing."""
         did = False
         for job in self.table.in_states(DecodeState.LOADING):
             try:
@@ -318,15 +322,23 @@ class DecodeIntake:
             except Exception as exc:  # noqa: BLE001 - fail this request only
                 self.hooks.fail(job, exc)
                 continue
-            job.load = None
-            self.stats.loads += 1
             try:
-                if self._reloading(job):
-                    continue
+                reloading = self._reloading(job)
+            except ComputeBusy:
+                self.stats.busy_checks += 1
+                continue
+            except Exception as exc:  # noqa: BLE001
+                self.hooks.fail(job, exc)
+                continue
+            self.stats.loads += 1
+            did = True
+            if reloading:
+                continue
+            job.load = None
+            try:
                 self._start_running(job)
             except Exception as exc:  # noqa: BLE001
                 self.hooks.fail(job, exc)
-            did = True
         return did
 
     def _reloading(self, job: DecodeJob) -> bool:

@@ -151,6 +151,7 @@ class DecodeStats:
     failures: int = 0
     digest_mismatches: int = 0  # (layer, token)s of landed prompt KV that differed from its digests
     digest_reloads: int = 0  # loads done once more after a mismatch, and then right
+    busy_checks: int = 0  # landed prompts whose digest check waited a round for the compute's pages (ComputeBusy)
     verify_mismatches: int = 0  # attempts runtime.verify_kv failed: their assembled KV differed from store / recompute
     cancelled_handoffs: int = 0  # handoffs of attempts the scheduler had cancelled, dropped
     aborted: int = 0  # attempts dropped mid-way because their caller aborted them
