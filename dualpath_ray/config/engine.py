@@ -53,8 +53,8 @@ class EngineConfig(Section):
         "None = sized to the engine's page books (cluster.hbm_tokens_per_engine) plus a block per sequence, so vLLM "
         "never preempts. Fewer pages than the core's books make vLLM preempt decode sequences and recompute them "
         "when pages free (runtime/vllm_engine/compute.py): for tests and tuning. At least one sequence of "
-        "model.max_context tokens must fit, runtime.verify_kv must be off (its recompute would wait for pages the decode "
-        "sequences hold), and runtime.kv_digests must stay on "
+        "model.max_context tokens must fit (two with runtime.verify_kv: its recompute runs beside), and runtime.kv_digests "
+        "must stay on "
         "(a filled block pulled from a page vLLM freed under preemption is refused by its digest).",
     )
     vllm_gpu_memory_utilization: float = Field(

@@ -70,21 +70,16 @@ class DualPathConfig(Section):
         pages = self.engine.vllm_kv_pages
         if pages is None:
             return self
-        needed = -(-self.model.max_context // self.store.block_size)
+        # vLLM makes progress while one longest sequence fits (it preempts the others), and with
+        # runtime.verify_kv one more beside it: the check's recompute of a prompt before it lands.
+        sequences = 2 if self.runtime.verify_kv else 1
+        needed = sequences * -(-self.model.max_context // self.store.block_size)
         if pages < needed:
             raise ValueError(
-                f"engine.vllm_kv_pages ({pages}) holds fewer than one sequence of model.max_context "
-                f"({self.model.max_context} tokens = {needed} pages of store.block_size {self.store.block_size}): "
-                f"set engine.vllm_kv_pages >= {needed}, or leave it unset (sized to the engine's page books)"
-            )
-        if self.runtime.verify_kv:
-            # The check's recompute of a landed prompt runs in vLLM's pages beside the decode
-            # sequences, which vLLM runs ahead while it waits; under preemption they can hold
-            # every page until the core, busy checking, ends them.
-            raise ValueError(
-                "engine.vllm_kv_pages with runtime.verify_kv: the KV check's recompute would wait for pages that only "
-                "the decode sequences it runs beside can free; set runtime.verify_kv: false, or leave "
-                "engine.vllm_kv_pages unset"
+                f"engine.vllm_kv_pages ({pages}) holds fewer than {sequences} sequence(s) of model.max_context "
+                f"({self.model.max_context} tokens in pages of store.block_size {self.store.block_size}"
+                f"{'; runtime.verify_kv recomputes one beside them' if sequences > 1 else ''}): set "
+                f"engine.vllm_kv_pages >= {needed}, or leave it unset (sized to the engine's page books)"
             )
         if not self.runtime.kv_digests:
             raise ValueError(

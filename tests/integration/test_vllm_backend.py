@@ -196,13 +196,15 @@ def test_rollout_server_sleep_wake_weight_update_and_abort_on_vllm_engines(refer
 @pytest.mark.parametrize("mode", ["dualpath", "basic"])
 def test_vllm_preempting_decode_sequences_stays_exact(reference, mode: str, tmp_path) -> None:
     """engine.vllm_kv_pages below what the rollout's running sequences need (12 pages of 64 tokens
-    for four trajectories of up to 300 tokens each): vLLM preempts decode sequences and
-    recomputes them when pages free. The decode core keeps a preempted sequence at its position;
-    the tokens and every published block stay exact. model.max_context is cut to 512 so that 12
-    pages hold one longest sequence (config/tree.py); runtime.verify_kv stays off (config/tree.py
-    refuses it with engine.vllm_kv_pages)."""
+    for four trajectories of up to 300 tokens each, and runtime.verify_kv's recomputes): vLLM
+    preempts decode sequences and recomputes them when pages free. The decode core keeps a
+    preempted sequence at its position; the tokens, the KV checks and every published block stay
+    exact. model.max_context is cut to 384 so that 12 pages hold one longest sequence and a
+    check's recompute beside it (config/tree.py)."""
     trajs, expected = reference
-    cfg = vllm_config(mode).with_overrides(model={"max_context": 512}, engine={"vllm_kv_pages": 12})
+    cfg = vllm_config(mode).with_overrides(
+        model={"max_context": 384}, engine={"vllm_kv_pages": 12}, runtime={"verify_kv": True},
+    )
     cluster = DualPathCluster.start(cfg)
     try:
         deployment = cluster.deploy(mode, store_root=str(tmp_path))
@@ -221,6 +223,10 @@ def test_vllm_preempting_decode_sequences_stays_exact(reference, mode: str, tmp_
     )
     assert got == expected, (
         f"greedy tokens equal a plain vLLM engine recomputing every prompt ({differing} tokens differ)"
+    )
+    verified = [(turn.kv_bytes_verified, turn.kv_mismatches) for turns in result.turn_results.values() for turn in turns]
+    assert all(nbytes > 0 and bad == 0 for nbytes, bad in verified), (
+        f"runtime.verify_kv checked the loaded prompt KV of every turn, and none differed: {verified}"
     )
     assert all(free == capacity for free, _, _, capacity in pools.values()), f"nothing is left leased: {pools}"
     assert decode["unfinished"] == 0 and decode["decode_sequences"] == 0, f"nothing is left in vLLM: {decode}"

@@ -36,7 +36,8 @@ metrics and emulation decide and move exactly what they do for the native engine
   a page that vLLM then frees may read another request's KV: the reader's check of the block
   against its digest refuses it (never published; runtime.kv_digests must stay on, config/tree.py).
 - KV verification recomputes into pages of its own (`fill_pages`) in steps that run the live
-  decode sequences too (their tokens wait as above).
+  decode sequences too (their tokens wait as above); the decode intake runs it before the
+  prompt lands, and one vLLM has no pages for raises ComputeBusy (tried again later).
 """
 
 from __future__ import annotations
@@ -430,9 +431,10 @@ class VllmCompute(EngineCompute):
         verification), in as few vLLM steps as its token budget allows (a fill longer than the
         budget is chunked by vLLM across steps; each step saves what it computed). vLLM runs
         every live decode sequence in those steps too: what it samples for them waits, ahead
-        of the core, for the core's next decode steps. Fails, rather than waits for ever, when
-        vLLM has no pages for them (preemption: engine.vllm_kv_pages, which config/tree.py keeps
-        apart from runtime.verify_kv)."""
+        of the core, for the core's next decode steps. When vLLM has no pages for them (under
+        preemption: engine.vllm_kv_pages) it gives up rather than wait for ever: ComputeBusy
+        while decode sequences hold pages (the caller tries again once the core ended them), an
+        error otherwise."""
         if not fills:
             return
         tables = {}
@@ -452,6 +454,8 @@ class VllmCompute(EngineCompute):
             idle = 0 if scheduled else idle + 1
             if left and idle > 2:
                 self.host.abort(sorted(left))
+                if self._added:
+                    raise ComputeBusy(f"vLLM has no pages for {len(left)} recomputes into pages: decode sequences hold them")
                 raise RuntimeError(
                     f"vLLM has no pages for {len(left)} recomputes into pages ({self.host.free_pages()} free, the rest "
                     "held by decode sequences): too few pages (engine.vllm_kv_pages) for a KV check beside the batch"

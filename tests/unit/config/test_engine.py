@@ -51,8 +51,10 @@ def test_vllm_kv_pages_sizes_the_decode_engines_vllm_pages_and_refuses_what_cann
     ], "a prefill engine's pages stay sized to its window (a prefill batch is one step: it must never preempt)"
     with pytest.raises(ConfigError, match=r"engine.vllm_kv_pages \(7\).*>= 8"):
         parse_config({**base, "engine": {"backend": "vllm", "vllm_kv_pages": 7}})
-    with pytest.raises(ConfigError, match="engine.vllm_kv_pages with runtime.verify_kv"):
+    with pytest.raises(ConfigError, match=r"runtime.verify_kv recomputes one beside them.*>= 16"):
         parse_config({**base, "engine": {"backend": "vllm", "vllm_kv_pages": 8}, "runtime": {"verify_kv": True}})
+    verified = parse_config({**base, "engine": {"backend": "vllm", "vllm_kv_pages": 16}, "runtime": {"verify_kv": True}})
+    assert verified.engine.vllm_kv_pages == 16, "two longest sequences' pages run runtime.verify_kv beside a sequence"
     with pytest.raises(ConfigError, match="runtime.kv_digests: true"):
         parse_config({**base, "engine": {"backend": "vllm", "vllm_kv_pages": 8}, "runtime": {"kv_digests": False}})
     with pytest.raises(ConfigError, match="engine.vllm_kv_pages"):
