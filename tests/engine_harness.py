@@ -50,6 +50,7 @@ class Request:
     path: str = "pe"
     max_new_tokens: int = 4
     pe_hit_blocks: int | None = None  # split path: hit blocks the prefill side reads (default: half)
+    stop_token_ids: tuple[int, ...] = ()
 
 
 class EngineHarness:
@@ -122,7 +123,8 @@ class EngineHarness:
         """The scheduler's lookup (scheduling/binding.py, partial-block hits as the config
         resolves them) and the task it hands the prefill engine."""
         prompt = np.asarray(request.prompt, dtype=np.int64)
-        spec = RequestSpec(request.request_id, 0, prompt, SamplingParams(max_new_tokens=request.max_new_tokens),
+        spec = RequestSpec(request.request_id, 0, prompt, SamplingParams(max_new_tokens=request.max_new_tokens,
+                                                                         stop_token_ids=request.stop_token_ids),
                            self.namespace, self.clock.now())
         keys, hit_tokens = self.binder.lookup(spec)
         usable = len(keys)

@@ -56,6 +56,16 @@ class EngineConfig(Section):
         "goes stay the core's (docs/architecture.md, the vLLM engine backend, Batching). Decode engines keep the "
         "window's budget. At least vllm_max_num_seqs (vLLM's own rule).",
     )
+    vllm_kv_pages: int | None = Field(
+        None, ge=1,
+        description="The decode engines' vLLM KV pages (num_gpu_blocks_override), blocks of store.block_size tokens; "
+        "None = sized to the engine's page books (cluster.hbm_tokens_per_engine) plus a block per sequence, so vLLM "
+        "never preempts. Fewer pages than the core's books make vLLM preempt decode sequences and recompute them "
+        "when pages free (runtime/vllm_engine/compute.py): for tests and tuning. At least one sequence of "
+        "model.max_context tokens must fit (two with runtime.verify_kv: its recompute runs beside), and runtime.kv_digests "
+        "must stay on "
+        "(a filled block pulled from a page vLLM freed under preemption is refused by its digest).",
+    )
     vllm_gpu_memory_utilization: float = Field(
         0.5, gt=0, le=1.0,
         description="vLLM's gpu_memory_utilization on a GPU: the share of the GPU vLLM may use (weights and its KV "

@@ -65,6 +65,29 @@ class DualPathConfig(Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _vllm_kv_pages_hold_a_sequence(self) -> DualPathConfig:
+        pages = self.engine.vllm_kv_pages
+        if pages is None:
+            return self
+        # vLLM makes progress while one longest sequence fits (it preempts the others), and with
+        # runtime.verify_kv one more beside it: the check's recompute of a prompt before it lands.
+        sequences = 2 if self.runtime.verify_kv else 1
+        needed = sequences * -(-self.model.max_context // self.store.block_size)
+        if pages < needed:
+            raise ValueError(
+                f"engine.vllm_kv_pages ({pages}) holds fewer than {sequences} sequence(s) of model.max_context "
+                f"({self.model.max_context} tokens in pages of store.block_size {self.store.block_size}"
+                f"{'; runtime.verify_kv recomputes one beside them' if sequences > 1 else ''}): set "
+                f"engine.vllm_kv_pages >= {needed}, or leave it unset (sized to the engine's page books)"
+            )
+        if not self.runtime.kv_digests:
+            raise ValueError(
+                "engine.vllm_kv_pages lets vLLM preempt decode sequences, and a filled block pulled from a page it "
+                "freed is refused only by its digest: set runtime.kv_digests: true, or leave engine.vllm_kv_pages unset"
+            )
+        return self
+
     @property
     def partial_block_hits(self) -> bool:
         """scheduler.partial_block_hits resolved for this deployment's engines (auto: the native

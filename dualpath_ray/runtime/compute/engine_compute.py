@@ -80,6 +80,12 @@ class PageFill:
     table: Sequence[int]
 
 
+class ComputeBusy(RuntimeError):
+    """The compute cannot run this now: the pages it needs are held by sequences the core is
+    ending (vLLM's, under preemption), which the core frees only once it gets control back.
+    The caller tries again in a later round; nothing of the call is left running."""
+
+
 @dataclass(frozen=True)
 class Sampled:
     token: int
@@ -155,10 +161,19 @@ class EngineCompute(ABC):
         last); `cache_domain` as ChunkSpec's."""
 
     @abstractmethod
-    def decode_step(self, seqs: Sequence[DecodeSeq], pages: torch.Tensor, params: Sequence[SamplingParams]) -> list[Sampled]:
-        """One step of every sequence: compute the input token's KV, sample the next. The input
-        token's KV is in its page once its block is full at the latest (what the persistence
-        reads); the native model writes every token at once, vLLM's compute copies whole blocks."""
+    def decode_step(
+        self, seqs: Sequence[DecodeSeq], pages: torch.Tensor, params: Sequence[SamplingParams],
+    ) -> Sequence[Sampled | None]:
+        """One step of the sequences: compute the input token's KV, sample the next, one entry
+        per sequence in order. The input token's KV is in its page once its block is full at
+        the latest (what the persistence reads); the native model writes every token at once,
+        vLLM's compute copies whole blocks.
+
+        None for a sequence this step did not compute: a compute that schedules its own engine
+        (vLLM's, which may preempt a sequence when its pages run short and recompute it later)
+        may leave some out. The core then keeps that sequence at its position (no token, no KV
+        added) and asks again next step with the same input token; a sequence's tokens are the
+        same whichever steps compute them. The native computes compute every sequence, always."""
 
     def release(self, state: Any) -> None:
         """A decode sequence left the engine (finished, failed, aborted): free what its

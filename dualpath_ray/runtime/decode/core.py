@@ -240,11 +240,19 @@ class DecodeCore:
             for job in batch:
                 self._fail(job, exc)
             return True
+        computed = sum(token is not None for token in sampled)
+        if not computed:
+            # The compute waits for pages that ending sequences hold (vLLM preempted these):
+            # the persists and finishes of this round release them, and a later round steps
+            # again. Nothing changed, so the worker waits to be woken rather than spin.
+            return False
         self.stats.steps += 1
-        self.stats.tokens += len(batch)
-        self.stats.max_batch = max(self.stats.max_batch, len(batch))
+        self.stats.tokens += computed
+        self.stats.max_batch = max(self.stats.max_batch, computed)
         size = self.layout.block_size
         for job, token in zip(batch, sampled):
+            if token is None:
+                continue  # not computed this step: it stays RUNNING at its position, stepped again next round
             job.kv_len += 1
             job.tokens.append(token.token)
             job.log_probs.append(token.log_prob)

@@ -30,7 +30,7 @@ from dualpath_ray.kv.layout import KVLayout
 from dualpath_ray.kv.paged import PagedKVPool, PagePoolFullError
 from dualpath_ray.protocol.counters import NodeCounters
 from dualpath_ray.protocol.names import Pool
-from dualpath_ray.runtime.compute.engine_compute import EngineCompute, PageFill
+from dualpath_ray.runtime.compute.engine_compute import ComputeBusy, EngineCompute, PageFill
 from dualpath_ray.runtime.decode.job import (
     DecodeJob,
     DecodeJobTable,
@@ -44,7 +44,7 @@ from dualpath_ray.runtime.emulation.links import Link
 from dualpath_ray.runtime.engine.failures import KVMismatchError
 from dualpath_ray.protocol.messages import DecodeHandoff, ErrorKind, Holding, TurnResult, failed_result
 from dualpath_ray.runtime.transport.moves import Move, Region
-from dualpath_ray.runtime.decode.verify import landed_mismatches, verify_prompt_kv
+from dualpath_ray.runtime.decode.verify import check_prompt_kv, expected_prompt_kv, landed_mismatches
 from dualpath_ray.scheduling.loads import decode_tokens
 from dualpath_ray.protocol.types import ReadPath
 
@@ -103,6 +103,9 @@ class DecodeIntake:
         # Only the worker thread touches these.
         self._waiting_since: dict[str, float] = {}  # owner -> since when its handoff waits for pages
         self._filling: list[tuple[DecodeJob, PageFill]] = []  # oracle handoffs of this step, to compute at once
+        # RESERVED jobs whose prompt lands in the compute's pages once runtime.verify_kv's
+        # expected KV is recomputed (`_expect_then_load`), in arrival order.
+        self._expecting: list[DecodeJob] = []
 
     # --- what the core calls from the actor's control and io threads ----------------------
 
@@ -121,8 +124,9 @@ class DecodeIntake:
         return entries
 
     def has_arrivals_locked(self) -> bool:
-        """Whether a handoff waits to be taken (the caller holds table.lock)."""
-        return bool(self._arrived)
+        """Whether a handoff waits to be taken, or to load after its KV check's recompute (the
+        caller holds table.lock)."""
+        return bool(self._arrived) or bool(self._expecting)
 
     # --- the worker thread ----------------------------------------------------------------
 
@@ -152,6 +156,7 @@ class DecodeIntake:
                 self._start_load(job)
             except Exception as exc:  # noqa: BLE001 - fail this request, keep serving the others
                 self.hooks.fail(job, exc)
+        took |= self._expect_then_load()
         self._materialise()
         with self.table.lock:
             self._arrived.extendleft(reversed(waiting))
@@ -227,8 +232,43 @@ class DecodeIntake:
                 start = task.read_end
             self._filling.append((job, PageFill(prompt, start, len(prompt), table)))
             return
+        if self.settings.verify_kv and self.compute.held_kv is not None:
+            # The check's recompute runs in the compute's (vLLM's) pages: before the prompt lands
+            # there, so a landed sequence never waits in them for it (under preemption the
+            # sequences beside it could hold every page the recompute needs until the core ends them).
+            self._expecting.append(job)
+            return
         self._post_load(job, table, len(prompt))
         transition(job, DecodeState.LOADING)
+
+    def _expect_then_load(self) -> bool:
+        """Recompute runtime.verify_kv's expected KV of the jobs in `_expecting`, then post their
+        loads; one the compute has no pages for yet (ComputeBusy) waits, with those after it,
+        for a later round, in which the core has ended the sequences holding them."""
+        did = False
+        while self._expecting:
+            job = self._expecting[0]
+            if job.state is not DecodeState.RESERVED:
+                self._expecting.pop(0)  # failed or aborted meanwhile
+                continue
+            assert job.handoff is not None and self.store is not None
+            try:
+                job.expected_kv = expected_prompt_kv(self.compute, self.store, job.handoff.task, self.pages.tensor.device)
+            except ComputeBusy:
+                self.stats.busy_checks += 1
+                return did
+            except Exception as exc:  # noqa: BLE001 - fail this request, keep serving the others
+                self._expecting.pop(0)
+                self.hooks.fail(job, exc)
+                continue
+            self._expecting.pop(0)
+            did = True
+            try:
+                self._post_load(job, self.pages.table(job.owner), job.prompt_len)
+                transition(job, DecodeState.LOADING)
+            except Exception as exc:  # noqa: BLE001
+                self.hooks.fail(job, exc)
+        return did
 
     def _post_load(self, job: DecodeJob, table: Sequence[int], tokens: int) -> None:
         assert job.handoff is not None
@@ -309,6 +349,10 @@ class DecodeIntake:
         target.copy_(host)
 
     def poll_loads(self) -> bool:
+        """Finish the loads that landed: check them against their digests, and the jobs run. A
+        check the compute cannot read the landed KV for yet (ComputeBusy: vLLM preempted the
+        sequence and the pages it needs are held by sequences the core is ending) is tried
+        again next round, the job LOADING meanwhile; a busy check counts nothing."""
         did = False
         for job in self.table.in_states(DecodeState.LOADING):
             try:
@@ -318,15 +362,23 @@ class DecodeIntake:
             except Exception as exc:  # noqa: BLE001 - fail this request only
                 self.hooks.fail(job, exc)
                 continue
-            job.load = None
-            self.stats.loads += 1
             try:
-                if self._reloading(job):
-                    continue
+                reloading = self._reloading(job)
+            except ComputeBusy:
+                self.stats.busy_checks += 1
+                continue
+            except Exception as exc:  # noqa: BLE001
+                self.hooks.fail(job, exc)
+                continue
+            self.stats.loads += 1
+            did = True
+            if reloading:
+                continue
+            job.load = None
+            try:
                 self._start_running(job)
             except Exception as exc:  # noqa: BLE001
                 self.hooks.fail(job, exc)
-            did = True
         return did
 
     def _reloading(self, job: DecodeJob) -> bool:
@@ -361,7 +413,9 @@ class DecodeIntake:
         task = job.handoff.task
         if self.settings.verify_kv:
             assert self.store is not None
-            job.check = verify_prompt_kv(self.compute, self.store, task, *self._prompt_kv(job, job.prompt_len))
+            pages, table = self._prompt_kv(job, job.prompt_len)
+            expected = job.expected_kv or expected_prompt_kv(self.compute, self.store, task, pages.device)
+            job.check, job.expected_kv = check_prompt_kv(self.layout, expected, pages, table), None
             if job.check.mismatches:
                 # Never decode on KV that differs from what the store and a recompute say. Counted:
                 # the retry that follows may well succeed, and the chaos tests must still see it.

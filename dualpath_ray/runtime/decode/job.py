@@ -28,7 +28,7 @@ from dualpath_ray.runtime.engine.ports import (
     TransportPort,
     WeightsPort,
 )
-from dualpath_ray.runtime.decode.verify import KVCheck
+from dualpath_ray.runtime.decode.verify import ExpectedKV, KVCheck
 from dualpath_ray.protocol.types import StopReason
 
 
@@ -83,6 +83,7 @@ class DecodeJob:
     stop_reason: StopReason | None = None
     check: KVCheck = field(default_factory=KVCheck)
     bad_tokens: np.ndarray | None = None  # what the first check of the landed KV found wrong
+    expected_kv: ExpectedKV | None = None  # runtime.verify_kv's expected prompt KV, computed before it landed
 
     @property
     def owner(self) -> str:
@@ -151,6 +152,7 @@ class DecodeStats:
     failures: int = 0
     digest_mismatches: int = 0  # (layer, token)s of landed prompt KV that differed from its digests
     digest_reloads: int = 0  # loads done once more after a mismatch, and then right
+    busy_checks: int = 0  # KV checks that waited a round for the compute's pages (ComputeBusy)
     verify_mismatches: int = 0  # attempts runtime.verify_kv failed: their assembled KV differed from store / recompute
     cancelled_handoffs: int = 0  # handoffs of attempts the scheduler had cancelled, dropped
     aborted: int = 0  # attempts dropped mid-way because their caller aborted them

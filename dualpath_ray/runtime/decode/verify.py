@@ -3,7 +3,9 @@
 Hit tokens must equal the store's Full Blocks byte for byte. Computed tokens are recomputed here
 in one sequence (`fill_pages`); the prefill engine computed them inside a batch, whose kernels may
 round differently, so they must be byte-equal or equal within float noise of the model dtype (float32: rtol 1e-4,
-atol 1e-5; bfloat16 and float16: a few units in the last place, see TOLERANCES).
+atol 1e-5; bfloat16 and float16: a few units in the last place, see TOLERANCES). What the KV must
+be (`expected_prompt_kv`) and the check of it (`check_prompt_kv`) may run apart: a compute that
+keeps the KV in vLLM's pages recomputes before the prompt lands (runtime/decode/intake.py).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 from dualpath_ray.kv.block_store import BlockStore
 from dualpath_ray.kv.digest import block_digests, mismatched_tokens
 from dualpath_ray.kv.errors import BlockNotFoundError
+from dualpath_ray.kv.layout import KVLayout
 from dualpath_ray.runtime.compute.engine_compute import EngineCompute, page_token_views
 from dualpath_ray.protocol.messages import PrefillTask
 
@@ -37,15 +40,26 @@ def _layer_tokens(pages: torch.Tensor, layer: int, table: Sequence[int], start: 
     return torch.cat(page_token_views(pages, layer, table, start, end))
 
 
-def verify_prompt_kv(
-    compute: EngineCompute, store: BlockStore, task: PrefillTask, pages: torch.Tensor, table: Sequence[int]
-) -> KVCheck:
+@dataclass(frozen=True)
+class ExpectedKV:
+    """What a prompt's KV must be: the Full Blocks [blocks, n_layer, block_size, bytes] of its
+    `tokens` tokens, the first `hit` from the store (checked bit for bit), the rest recomputed
+    (checked within TOLERANCES)."""
+
+    blocks: torch.Tensor
+    tokens: int
+    hit: int
+
+
+def expected_prompt_kv(compute: EngineCompute, store: BlockStore, task: PrefillTask, device: torch.device) -> ExpectedKV:
+    """The store's hit blocks, and the rest recomputed in one sequence by `compute` (which may
+    raise ComputeBusy: runtime/compute/engine_compute.py)."""
     layout = compute.layout
     prompt = np.asarray(task.request.prompt, dtype=np.int64)
     # The read blocks' tokens are checked bit for bit against the store: a partial hit's last
     # token too (its stored bytes are what the prefill side hands over, runtime/prefill/pipeline.py).
     n, hit = len(prompt), task.read_end
-    expected = torch.empty((layout.blocks_for(n), *layout.full_block_shape), dtype=torch.uint8, device=pages.device)
+    expected = torch.empty((layout.blocks_for(n), *layout.full_block_shape), dtype=torch.uint8, device=device)
     own = list(range(expected.shape[0]))
     host = layout.empty_full_block()
     for block, key in enumerate(task.hit_keys):
@@ -60,13 +74,20 @@ def verify_prompt_kv(
         expected[block].copy_(host)
     if hit < n:
         compute.fill_pages(prompt, hit, n, expected, own)
+    return ExpectedKV(expected, n, hit)
+
+
+def check_prompt_kv(layout: KVLayout, expected: ExpectedKV, pages: torch.Tensor, table: Sequence[int]) -> KVCheck:
+    """The prompt's KV in `pages` (its page table `table`) against what it must be."""
+    n, hit = expected.tokens, expected.hit
+    own = list(range(expected.blocks.shape[0]))
     exact = close = True
     for layer in range(layout.n_layer):
         if hit:
-            exact &= torch.equal(_layer_tokens(pages, layer, table, 0, hit), _layer_tokens(expected, layer, own, 0, hit))
+            exact &= torch.equal(_layer_tokens(pages, layer, table, 0, hit), _layer_tokens(expected.blocks, layer, own, 0, hit))
         if hit == n:
             continue
-        got, want = _layer_tokens(pages, layer, table, hit, n), _layer_tokens(expected, layer, own, hit, n)
+        got, want = _layer_tokens(pages, layer, table, hit, n), _layer_tokens(expected.blocks, layer, own, hit, n)
         if not torch.equal(got, want):
             got_kv, want_kv = layout.bytes_as_kv(got), layout.bytes_as_kv(want)
             rtol, atol = TOLERANCES.get(got_kv.dtype, (RTOL, ATOL))

@@ -26,10 +26,20 @@ metrics and emulation decide and move exactly what they do for the native engine
   the KV checks read full blocks back token-major (`read_blocks`). A decode request holds its
   pages past its end in vLLM (`HOLD`: a sequence the core stopped stepping is aborted at once,
   so vLLM computes it no more) until the core releases its state, which it does only once no
-  pull of its pages may still run (runtime/decode/core.py): vLLM never frees or reuses a page a
-  pull reads.
+  pull of its pages may still run (runtime/decode/core.py). vLLM samples at most the core's
+  length budget ahead (max_tokens), so a sequence it ran ahead ends and holds its pages only
+  until the core took its tokens.
+- Preemption (pages fewer than the core's books: engine.vllm_kv_pages). vLLM frees a preempted
+  sequence's pages and recomputes it once pages free (the connector names it in `preempted`,
+  its resumed step gives its new page list). Until then `decode_step` returns no token for it
+  (the core keeps it at its position) and its tokens ahead wait, so a block the core fills is
+  captured and digested from pages vLLM holds for the sequence right then; `block_pages` and
+  `read_blocks` of a preempted sequence step vLLM until it resumed. A pull already posted from
+  a page that vLLM then frees may read another request's KV: the reader's check of the block
+  against its digest refuses it (never published; runtime.kv_digests must stay on, config/tree.py).
 - KV verification recomputes into pages of its own (`fill_pages`) in steps that run the live
-  decode sequences too (their tokens wait as above).
+  decode sequences too (their tokens wait as above); the decode intake runs it before the
+  prompt lands, and one vLLM has no pages for raises ComputeBusy (tried again later).
 """
 
 from __future__ import annotations
@@ -47,7 +57,15 @@ from dualpath_ray.config import DualPathConfig
 from dualpath_ray.kv.layout import KVLayout
 from dualpath_ray.kv.paged_block_layers import PagedBlockLayers
 from dualpath_ray.protocol.messages import SamplingParams
-from dualpath_ray.runtime.compute.engine_compute import ChunkSpec, DecodeSeq, EngineCompute, PageFill, PrefillBatch, Sampled
+from dualpath_ray.runtime.compute.engine_compute import (
+    ChunkSpec,
+    ComputeBusy,
+    DecodeSeq,
+    EngineCompute,
+    PageFill,
+    PrefillBatch,
+    Sampled,
+)
 from dualpath_ray.runtime.compute.prefill_kv import PrefillMoved
 from dualpath_ray.protocol.types import Role
 from dualpath_ray.runtime.vllm_engine.host import VllmHost
@@ -84,8 +102,21 @@ class _DecodeState:
     ahead: deque[tuple[int, float]] = field(default_factory=deque)
     blocks: tuple[int, ...] = ()
     added: bool = False  # added to vLLM, and its pages not yet freed (`VllmCompute.release`)
+    # vLLM preempted it and has not scheduled it since: `blocks` may be another request's pages
+    # by now, and its tokens ahead wait until it resumed in pages of its own again.
+    preempted: bool = False
     stepped: bool = False  # the core stepped it: a step without it means it stopped
     vllm_id: str = ""  # vLLM's own id of its request (what its held pages are released by)
+
+
+def _ready(state: _DecodeState) -> bool:
+    """The sequence holds a token ahead of the core, in pages vLLM holds for it."""
+    return bool(state.ahead) and not state.preempted
+
+
+def _resident(state: _DecodeState) -> bool:
+    """The sequence's recorded pages are its own (vLLM has not preempted it since)."""
+    return not state.preempted
 
 
 class _PromptLoad:
@@ -148,7 +179,8 @@ class VllmCompute(EngineCompute):
         self._prefill_batches = 0  # prefill batches vLLM computed
         self._prefill_steps = 0  # the vLLM steps they took (more than batches where vLLM chunked them)
         self._takes: tuple[Callable[[int], None], Callable[[int], None]] = (_untaken, _untaken)
-        self._live: dict[str, _DecodeState] = {}  # decode sequences added to vLLM and not yet released
+        self._live: dict[str, _DecodeState] = {}  # decode sequences added to vLLM and not yet stopped
+        self._added: set[str] = set()  # decode sequences added to vLLM whose pages are not yet released
         self._loaded: dict[str, torch.Tensor] | None = None  # the last state dict loaded (export_weights)
 
     # --- prefill ------------------------------------------------------------------------
@@ -275,12 +307,13 @@ class VllmCompute(EngineCompute):
         the next token, which waits for the core's first decode step."""
         for state, params in zip(states, sampling):
             self._add(state, params, 0, None)
-        self._step_until(list(states))
+        self._step_for(list(states), _ready, every=True)
 
     def read_blocks(self, state: Any, blocks: Sequence[int]) -> torch.Tensor:
         """Each layer of the blocks read back token-major from vLLM's page layout
         (BlockLayerMap.unsettle): one copy, vLLM's pages untouched."""
         seq: _DecodeState = state
+        self._step_for([seq], _resident, every=True)
         missing = [b for b in blocks if not 0 <= b < len(seq.blocks)]
         if missing:
             raise RuntimeError(f"decode sequence {seq.key} has {len(seq.blocks)} vLLM pages; asked for blocks {missing}")
@@ -290,10 +323,17 @@ class VllmCompute(EngineCompute):
         layers = [block_map.unsettle(self.kv_buffer, layer, pages) for layer in range(self.layout.n_layer)]
         return torch.stack(layers, dim=1).reshape(len(pages), *self.layout.full_block_shape)
 
-    def decode_step(self, seqs: Sequence[DecodeSeq], pages: torch.Tensor, params: Sequence[SamplingParams]) -> list[Sampled]:
-        """The next token of every sequence: vLLM steps until each has one it sampled and the
-        core has not taken (a step it ran for a recompute or a prompt landing may have sampled
-        ahead). `pages` are unused: the KV is vLLM's."""
+    def decode_step(
+        self, seqs: Sequence[DecodeSeq], pages: torch.Tensor, params: Sequence[SamplingParams],
+    ) -> list[Sampled | None]:
+        """The next token of each sequence vLLM computed, None for one it did not: vLLM steps
+        once, and on until at least one sequence holds a token it sampled and the core has not
+        taken (a step it ran for a recompute or a prompt landing may have sampled ahead) in pages
+        vLLM holds for it. A sequence vLLM preempted gets None until it resumed (its tokens ahead
+        wait too: the core persists a block it fills from the sequence's pages right after this
+        step, which must be its own). When every sequence waits for pages that sequences the core
+        is ending hold, all get None and the core steps again once it released them (no step
+        here spins on them). `pages` are unused: the KV is vLLM's."""
         states: list[_DecodeState] = [seq.state for seq in seqs]
         # A sequence the core stepped before and steps no more stopped (its stop rule, a
         # failure): vLLM must not compute it again.
@@ -307,14 +347,15 @@ class VllmCompute(EngineCompute):
                 raise RuntimeError(f"decode sequence {state.key} is at token {seq.position} ({seq.token}), vLLM's "
                                    f"at {taken} ({state.tokens[taken]})")
             state.stepped = True
-        self._step_until(states)
-        return [Sampled(*state.ahead.popleft()) for state in states]
+        self._step_for(states, _ready, every=False)
+        return [Sampled(*state.ahead.popleft()) if _ready(state) else None for state in states]
 
     def block_pages(self, state: Any, blocks: Sequence[int]) -> list[int]:
         """vLLM's pages holding the sequence's full blocks `blocks` (as of the last step that
-        scheduled it: vLLM never moves a running request's full blocks, the core's page books
-        keep it from preempting)."""
+        scheduled it: vLLM never moves a running request's full blocks; one it preempted gets a
+        new page list when it resumes, which this waits for)."""
         seq: _DecodeState = state
+        self._step_for([seq], _resident, every=True)
         missing = [b for b in blocks if not 0 <= b < len(seq.blocks)]
         if missing:
             raise RuntimeError(f"decode sequence {seq.key} has {len(seq.blocks)} vLLM pages; asked for blocks {missing}")
@@ -332,15 +373,21 @@ class VllmCompute(EngineCompute):
             self._stop([state.key])
             self.host.free_held(state.key, state.vllm_id)
             state.added = False
+            self._added.discard(state.key)
 
     def _add(self, state: _DecodeState, sampling: SamplingParams, external: int, source: KVSource | None) -> None:
-        budget = max(1, self.max_context - len(state.tokens))
+        # A sequence is added at its handoff, holding its prompt and the prefill engine's first
+        # token: the core's length stop needs at most max_new_tokens - 1 more, so vLLM samples no
+        # further ahead than that (its pages go to the sequences still running); the core's stop
+        # ids and context stop end it earlier, by aborting it.
+        budget = max(1, min(self.max_context - len(state.tokens), sampling.max_new_tokens - 1))
         state.vllm_id = self.host.add(
             state.key, state.tokens, external, sampling, max_tokens=budget, cache_domain=state.cache_domain,
             source=source, hold=True,
         )
-        state.added = True
+        state.added, state.preempted = True, False
         self._live[state.key] = state
+        self._added.add(state.key)
 
     def _stop(self, keys: list[str]) -> None:
         """vLLM computes these sequences no more; the pages they held stay until `release`."""
@@ -356,9 +403,13 @@ class VllmCompute(EngineCompute):
         pages vLLM scheduled it in are recorded."""
         step = RecordingStep(fills)
         sampled = self.host.run(step)
+        preempted = self.host.connector.preempted
+        for state in self._live.values() if preempted else ():
+            state.preempted |= state.vllm_id in preempted
         for key, blocks in step.blocks.items():
             if key in self._live:
-                self._live[key].blocks = blocks
+                # Scheduled: its pages (a resumed one's whole new list) hold its KV again.
+                self._live[key].blocks, self._live[key].preempted = blocks, False
         for key, (token, log_prob) in sampled.items():
             state = self._live.get(key)
             if state is not None:
@@ -366,28 +417,45 @@ class VllmCompute(EngineCompute):
                 state.ahead.append((token, log_prob))
         return sampled, set(step.blocks)
 
-    def _step_until(self, states: list[_DecodeState]) -> None:
-        """Step until every one of `states` holds a token ahead (a prompt vLLM chunks takes
-        several steps). A sequence whose prompt just landed is scheduled by vLLM's next step;
-        steps that schedule none of them mean vLLM has too few pages or sequences for the
-        core's batch."""
+    def _step_for(self, states: list[_DecodeState], ready: Callable[[_DecodeState], bool], every: bool) -> None:
+        """Step vLLM until every one of `states` is `ready` (`every`), or at least one is and it
+        stepped once (a prompt vLLM chunks takes several steps; one it preempted waits for pages).
+        A step that schedules none of those not ready, and makes none ready, is idle; after
+        three, vLLM is waiting for pages: held by sequences the core is ending (`every` off: it
+        returns, the core steps again once it released them; on: ComputeBusy, the caller tries
+        again later), or it can make no progress (RuntimeError)."""
         idle = 0
-        while any(not state.ahead for state in states):
+        stepped = False
+        while True:
+            waiting = [state for state in states if not ready(state)]
+            if not waiting or (stepped and not every and len(waiting) < len(states)):
+                return
             _, scheduled = self._step()
-            idle = 0 if any(state.key in scheduled for state in states if not state.ahead) else idle + 1
-            if idle > 2:
-                waiting = sum(1 for state in states if not state.ahead)
-                raise RuntimeError(
-                    f"vLLM left {waiting} of {len(states)} decode sequences out of {idle} steps (too few pages or "
-                    "engine.vllm_max_num_seqs)"
-                )
+            stepped = True
+            progressed = any(state.key in scheduled or ready(state) for state in waiting)
+            idle = 0 if progressed else idle + 1
+            if idle <= 2:
+                continue
+            if self._added - {state.key for state in states}:
+                if not every:
+                    return
+                raise ComputeBusy(f"vLLM left {len(waiting)} decode sequences out of {idle} steps: its pages are held")
+            raise RuntimeError(
+                f"vLLM left {len(waiting)} of {len(states)} decode sequences out of {idle} steps, "
+                f"{sum(s.preempted for s in waiting)} of them preempted, with {self.host.free_pages()} free pages and "
+                "no other sequence to free any: too few pages (engine.vllm_kv_pages) or sequences per step "
+                "(engine.vllm_max_num_seqs) for the core's batch"
+            )
 
     def fill_pages_many(self, fills: Sequence[PageFill], pages: torch.Tensor) -> None:
         """Recompute tokens [start, end) of each fill into pages (oracle handoffs, KV
         verification), in as few vLLM steps as its token budget allows (a fill longer than the
         budget is chunked by vLLM across steps; each step saves what it computed). vLLM runs
         every live decode sequence in those steps too: what it samples for them waits, ahead
-        of the core, for the core's next decode steps."""
+        of the core, for the core's next decode steps. When vLLM has no pages for them (under
+        preemption: engine.vllm_kv_pages) it gives up rather than wait for ever: ComputeBusy
+        while decode sequences hold pages (the caller tries again once the core ended them), an
+        error otherwise."""
         if not fills:
             return
         tables = {}
@@ -396,11 +464,23 @@ class VllmCompute(EngineCompute):
             self.host.add(key, fill.prompt[: fill.end], fill.start, GREEDY, max_tokens=1, private_cache=True)
             tables[key] = fill.table
         left = set(tables)
+        idle = 0
         while left:
-            sampled, _ = self._step(PagesStep(self.layout, pages, tables, whole_spans=True))
+            sampled, scheduled = self._step(PagesStep(self.layout, pages, tables, whole_spans=True))
             if not sampled and not self.host.unfinished():
                 raise RuntimeError(f"vLLM dropped {len(left)} recomputes into pages")
             left -= set(sampled)
+            # Steps that schedule nothing at all: the recomputes wait for pages that only the
+            # core frees (sequences it is ending hold them), which it cannot while this waits.
+            idle = 0 if scheduled else idle + 1
+            if left and idle > 2:
+                self.host.abort(sorted(left))
+                if self._added:
+                    raise ComputeBusy(f"vLLM has no pages for {len(left)} recomputes into pages: decode sequences hold them")
+                raise RuntimeError(
+                    f"vLLM has no pages for {len(left)} recomputes into pages ({self.host.free_pages()} free, the rest "
+                    "held by decode sequences): too few pages (engine.vllm_kv_pages) for a KV check beside the batch"
+                )
 
     def fill_pages(self, prompt: np.ndarray, start: int, end: int, pages: torch.Tensor, table: Sequence[int]) -> None:
         self.fill_pages_many([PageFill(prompt, start, end, table)], pages)
@@ -412,6 +492,8 @@ class VllmCompute(EngineCompute):
         loads, block_map = self.host.connector.loads, self.host.connector.block_map
         return {"backend": "vllm", "steps": self.host.steps, "step_s": self.host.step_s, "unfinished": self.host.unfinished(),
                 "free_pages": self.host.free_pages(), "decode_sequences": len(self._live),
+                "preemptions": self.host.connector.preemptions,
+                "preempted_sequences": sum(state.preempted for state in self._live.values()),
                 "prefix_cache_hit_tokens": self.host.connector.local_hit_tokens,
                 "landed_block_layers": loads.block_layers_posted if loads is not None else 0,
                 "prefill_landed_block_layers": self._prefill_block_layers,

@@ -18,7 +18,10 @@ Scheduler side (the bookkeeping is runtime/vllm_engine/request_book.py's Request
 - `update_state_after_alloc(request, blocks, loading)`: the tokens the request's coming step loads.
 - `build_connector_meta(scheduler_output)`: every request of the step as a `ScheduledKV` (our
   key, its page list, tokens computed, scheduled now, and loaded first); a request vLLM resumed
-  after preempting it gets its new page list (vLLM's `resumed_req_ids` contract) and loads again.
+  after preempting it gets its new page list (vLLM's `resumed_req_ids` contract) and loads again;
+  the requests the step preempted (`preempted_req_ids`) ride along, and the worker side keeps
+  them as `preempted` for the step's caller (a decode sequence's pages are not its own until it
+  resumes: compute.py) and counts them (`preemptions`).
 - `request_finished`: forget it; vLLM frees its pages at once (nothing is saved after the end).
 
 Worker side
@@ -100,9 +103,10 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 class StepMeta(KVConnectorMetadata):
-    def __init__(self, requests: list[ScheduledKV], loads: list[AsyncLoad]) -> None:
+    def __init__(self, requests: list[ScheduledKV], loads: list[AsyncLoad], preempted: frozenset[str]) -> None:
         self.requests = requests
         self.loads = loads  # asynchronous loads to start (async_loads.py)
+        self.preempted = preempted  # vLLM ids of the requests this step's scheduling preempted
 
 
 class DualPathConnector(KVConnectorBase_V1):
@@ -143,6 +147,10 @@ class DualPathConnector(KVConnectorBase_V1):
         # Tokens vLLM's own prefix cache served to the requests it scheduled (no load moved them).
         self.local_hit_tokens = 0
         self._loaded_async: dict[str, int] = {}  # worker side: our key -> tokens its asynchronous load moved
+        # Worker side: vLLM ids of the requests the last step preempted (their pages are freed,
+        # and may be another request's by the next step), and how many it preempted in all.
+        self.preempted: frozenset[str] = frozenset()
+        self.preemptions = 0
 
     # --- scheduler side -------------------------------------------------------------------
 
@@ -190,7 +198,7 @@ class DualPathConnector(KVConnectorBase_V1):
                 resumed=req_id in cached.resumed_req_ids,
             ))
         loads, self._new_loads = self._new_loads, []
-        return StepMeta(requests, loads)
+        return StepMeta(requests, loads, frozenset(scheduler_output.preempted_req_ids or ()))
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self.book.finished(request.request_id)
@@ -251,6 +259,8 @@ class DualPathConnector(KVConnectorBase_V1):
         """The StepKV of the step about to run (None once it ran)."""
         self.step = step
         self._begun = False
+        if step is not None:
+            self.preempted = frozenset()  # a step that schedules nothing preempts nothing
 
     def _begin(self) -> StepKV | None:
         """Hand the step's requests to the StepKV once, at the first hook of the step: vLLM calls
@@ -262,6 +272,8 @@ class DualPathConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, StepMeta)
         self._begun = True
+        self.preempted = meta.preempted
+        self.preemptions += len(meta.preempted)
         # A request that loaded asynchronously counts its loaded tokens as computed when it is
         # first scheduled: only what vLLM's cache held before its load is a hit.
         self.local_hit_tokens += sum(

@@ -9,7 +9,8 @@ sequences are aborted by the core's stop rules, which are the native engine's).
 
 Sizing: vLLM's pages are `num_gpu_blocks_override` blocks of store.block_size tokens: the prefill
 window's tokens on a prefill engine, the engine's HBM tokens on a decode engine, plus one block
-per sequence of slack, so vLLM never runs out of pages before the core's own books do.
+per sequence of slack, so vLLM never runs out of pages before the core's own books do; or, on a
+decode engine, engine.vllm_kv_pages (fewer: vLLM preempts, and the compute handles it).
 """
 
 from __future__ import annotations
@@ -68,13 +69,16 @@ def engine_kwargs(cfg: DualPathConfig, role: Role) -> dict[str, Any]:
     check_kv_geometry(model_dir, cfg.model)
     tokens = cfg.cluster.prefill_hbm_tokens if role is Role.PREFILL else cfg.cluster.hbm_tokens_per_engine
     max_seqs, budget = cfg.engine.vllm_max_num_seqs, cfg.engine.vllm_max_num_batched_tokens
+    pages = -(-tokens // cfg.store.block_size) + max_seqs
+    if role is Role.DECODE and cfg.engine.vllm_kv_pages is not None:
+        pages = cfg.engine.vllm_kv_pages  # fewer than the core's books: vLLM preempts (compute.py handles it)
     return dict(
         model=str(model_dir), load_format="dummy" if cfg.engine.vllm_model is None else "auto",
         skip_tokenizer_init=True, dtype=cfg.model.dtype, seed=cfg.model.seed,
         block_size=cfg.store.block_size, max_model_len=cfg.model.max_context,
         # vLLM's own cache serves what it still holds; the connector loads the rest of the external tokens.
         enable_prefix_caching=cfg.engine.vllm_prefix_caching,
-        num_gpu_blocks_override=-(-tokens // cfg.store.block_size) + max_seqs, max_num_seqs=max_seqs,
+        num_gpu_blocks_override=pages, max_num_seqs=max_seqs,
         # By default a prefill batch is one step whatever its size (the window bounds it); a smaller
         # budget (engine.vllm_max_num_batched_tokens, prefill engines) has vLLM chunk it over
         # steps. A decode step runs every sequence, and its recomputes into pages stay one step.

@@ -1,5 +1,6 @@
 """The engine section at the YAML boundary: tensor parallelism is refused, by name and with why,
-until the per-rank connector is wired (docs/architecture.md, the vLLM engine backend)."""
+until the per-rank connector is wired (docs/architecture.md, the vLLM engine backend); the
+decode engines' vLLM page count, and the settings it cannot run with."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from pathlib import Path
 import pytest
 
 from dualpath_ray.config import ConfigError, load_config, parse_config
+from dualpath_ray.protocol.types import Role
+from dualpath_ray.runtime.vllm_engine.host import engine_kwargs
 
 
 def test_a_tensor_parallel_vllm_engine_is_refused_at_load_naming_the_field_and_why(tmp_path: Path) -> None:
@@ -71,3 +74,23 @@ def test_the_vllm_token_budget_reaches_vllms_engine_arguments() -> None:
     )
     with pytest.raises(ConfigError, match="engine.vllm_max_num_batched_tokens"):
         parse_config({**base, "engine": {**base["engine"], "vllm_max_num_batched_tokens": 0}})
+
+
+def test_vllm_kv_pages_sizes_the_decode_engines_vllm_pages_and_refuses_what_cannot_progress() -> None:
+    base = {"model": {"max_context": 512}, "store": {"block_size": 64}, "engine": {"backend": "vllm"}}
+    cfg = parse_config({**base, "engine": {"backend": "vllm", "vllm_kv_pages": 8}})
+    assert engine_kwargs(cfg, Role.DECODE)["num_gpu_blocks_override"] == 8, "the decode engine's vLLM gets exactly 8 pages"
+    default = parse_config(base)
+    assert engine_kwargs(cfg, Role.PREFILL)["num_gpu_blocks_override"] == engine_kwargs(default, Role.PREFILL)[
+        "num_gpu_blocks_override"
+    ], "a prefill engine's pages stay sized to its window (a prefill batch is one step: it must never preempt)"
+    with pytest.raises(ConfigError, match=r"engine.vllm_kv_pages \(7\).*>= 8"):
+        parse_config({**base, "engine": {"backend": "vllm", "vllm_kv_pages": 7}})
+    with pytest.raises(ConfigError, match=r"runtime.verify_kv recomputes one beside them.*>= 16"):
+        parse_config({**base, "engine": {"backend": "vllm", "vllm_kv_pages": 8}, "runtime": {"verify_kv": True}})
+    verified = parse_config({**base, "engine": {"backend": "vllm", "vllm_kv_pages": 16}, "runtime": {"verify_kv": True}})
+    assert verified.engine.vllm_kv_pages == 16, "two longest sequences' pages run runtime.verify_kv beside a sequence"
+    with pytest.raises(ConfigError, match="runtime.kv_digests: true"):
+        parse_config({**base, "engine": {"backend": "vllm", "vllm_kv_pages": 8}, "runtime": {"kv_digests": False}})
+    with pytest.raises(ConfigError, match="engine.vllm_kv_pages"):
+        parse_config({"engine": {"vllm_kv_pages": 0}})
