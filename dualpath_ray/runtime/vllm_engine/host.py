@@ -163,6 +163,9 @@ class VllmHost:
                 **({SOURCE: [source.peer, source.pool, list(source.blocks), source.pages]} if source is not None else {}),
                 **({HOLD: True} if hold else {}),
             }},
+            # Built for this one request and never reused: vLLM takes it as it is rather than
+            # deep-copying it (its extra_args and all) for every request it adds.
+            skip_clone=True,
         )
         with self._lock:
             prompt = TokensPrompt(prompt_token_ids=[int(t) for t in tokens])
