@@ -2,7 +2,7 @@
 (engine.backend: vllm) against the same vLLM engine driven directly, side by side.
 
     .venv/bin/python benchmarks/vllm_overhead.py [--json] [--repeats 3] [--batch 8] [--context 512] [--steps 32]
-        [--phase decode|prefill] [--baseline DIR]
+        [--phase decode|prefill] [--baseline DIR] [--store memory|local_dir] [--threads N]
 
 Two processes, each holding one vLLM engine of the same config (cluster_configs/vllm-cpu-1p1d.yaml's
 model, vLLM's dummy weights), alternate their measurements round by round (`--phase decode`,
@@ -19,8 +19,16 @@ decode-heavy):
 one decode step), and the figure is prompt tokens/s from adding them to every result: the
 backend's whole oracle path (the prefill core, the handoff, the decode engine computing the
 prompt into its vLLM pages, which its prefix cache serves from the prefill's step, the prompt
-blocks written to the store, the first decode step, the result), the direct engine's prefill
+blocks read back from them and stored (`--store`), the first decode step, the result), the direct engine's prefill
 and one decode step.
+`--store`: the backend's block store. `memory` (the default) is the paper's Oracle, all I/O
+removed: the oracle path still reads every block it persists back from vLLM's pages, keys it and
+stores it before its turn's result names it (the persistence contract), but into memory, not a
+block file; `local_dir` writes block files as a deployment's store does (the direct engine writes
+nothing either way).
+`--threads N`: every process's vLLM computes on N OpenMP threads (OMP_NUM_THREADS; default:
+vLLM's own choice, all cores). On a machine other work shares, one thread per process is the
+figure to compare: an OpenMP team whose other thread waits for a core stalls every kernel.
 `--baseline DIR`: a third process runs the backend from another checkout of the repository at
 DIR (its dualpath_ray and tests/engine_harness.py), in the same rounds: before / after a change,
 side by side.
@@ -35,6 +43,7 @@ import argparse
 import json
 import math
 import multiprocessing
+import os
 import statistics
 import sys
 import tempfile
@@ -49,12 +58,18 @@ _STATE: dict[str, object] = {}  # per worker process: its engine, built by its f
 # Pages for every sequence of the largest batch at once (the decode core admits only what its
 # pages hold; vLLM gets the same number of pages either way).
 HBM_TOKENS = 65536
+STORE_ENV = "DUALPATH_BENCH_STORE"  # --store, handed to the spawned processes
 
 
 def bench_config():  # type: ignore[no-untyped-def]
+    """The benchmark's config: the backend's store is `--store`'s (the environment's
+    DUALPATH_BENCH_STORE, set by main before the processes start)."""
     from dualpath_ray.config import load_config
 
-    return load_config(CONFIG).with_overrides(emulation={"enabled": False}, cluster={"hbm_tokens_per_engine": HBM_TOKENS})
+    return load_config(CONFIG).with_overrides(
+        emulation={"enabled": False}, cluster={"hbm_tokens_per_engine": HBM_TOKENS},
+        store={"backend": os.environ.get(STORE_ENV, "memory")},
+    )
 
 
 def prompts(batch: int, context: int, round_: int) -> list[list[int]]:
@@ -213,13 +228,24 @@ def main() -> None:
     parser.add_argument("--phase", choices=("decode", "prefill"), default="decode")
     parser.add_argument("--baseline", type=Path, default=None, help="another checkout's backend, measured alongside")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--store", choices=("memory", "local_dir"), default="memory",
+                        help="the backend's block store: memory (the paper's Oracle: no I/O) or local_dir (block files)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="OpenMP threads of every process's vLLM (OMP_NUM_THREADS); default: vLLM's own choice")
     args = parser.parse_args()
+    if args.threads is not None:
+        if args.threads < 1:
+            parser.error(f"--threads {args.threads}: give 1 or more OpenMP threads per process")
+        # Inherited by the spawned processes before they import torch, which reads it once.
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    os.environ[STORE_ENV] = args.store
     spawn = multiprocessing.get_context("spawn")
     rounds = {"decode": (backend_round, direct_round), "prefill": (backend_prefill_round, direct_prefill_round)}
     backend_fn, direct_fn = rounds[args.phase]
     pools = {"backend": ProcessPoolExecutor(1, mp_context=spawn), "direct": ProcessPoolExecutor(1, mp_context=spawn)}
     if args.baseline is not None:
         pools["baseline"] = ProcessPoolExecutor(1, mp_context=spawn, initializer=_use_checkout, initargs=(str(args.baseline),))
+    load_before = _loadavg()
     figures: dict[str, list[float]] = {name: [] for name in pools}
     cpu: dict[str, list[float]] = {name: [] for name in pools}
     outside: dict[str, list[float]] = {name: [] for name in pools if name != "direct"}
@@ -237,8 +263,10 @@ def main() -> None:
         for pool in pools.values():
             pool.shutdown()
     result: dict[str, object] = {
-        "phase": args.phase, "batch": args.batch, "context": args.context, "steps": args.steps, "rounds": figures,
+        "phase": args.phase, "store": args.store, "threads": args.threads, "batch": args.batch, "context": args.context, "steps": args.steps, "rounds": figures,
         "cpu_rounds": cpu,
+        # The machine's 1/5/15-minute load averages as the run began and ended (other work on it).
+        "loadavg": {"before": load_before, "after": _loadavg()},
         **{f"{name}_tokens_s": statistics.median(values) for name, values in figures.items()},
         # The share of a backend round's time outside vLLM's steps: its own overhead, measured
         # inside one process and so far less moved by the machine's load than the ratio.
@@ -268,6 +296,14 @@ def main() -> None:
               f"(per round: {', '.join(f'{r:.3f}' for r in cpu_ratios)})")  # type: ignore[union-attr]
         if f"{name}_outside_vllm" in result:
             print(f"  {name}: {result[f'{name}_outside_vllm']:.3f} of its time outside vLLM's steps")
+
+
+def _loadavg() -> list[float]:
+    """The 1, 5 and 15-minute load averages (/proc/loadavg; empty where there is none)."""
+    try:
+        return [float(field) for field in Path("/proc/loadavg").read_text().split()[:3]]
+    except OSError:
+        return []
 
 
 def _use_checkout(root: str) -> None:

@@ -68,7 +68,7 @@ from dualpath_ray.runtime.compute.engine_compute import (
 )
 from dualpath_ray.runtime.compute.prefill_kv import PrefillMoved
 from dualpath_ray.protocol.types import Role
-from dualpath_ray.runtime.vllm_engine.host import VllmHost
+from dualpath_ray.runtime.vllm_engine.host import VllmHost, token_list
 from dualpath_ray.runtime.vllm_engine.step_kv import KVSource
 from dualpath_ray.runtime.vllm_engine.prefill_pages import PagedPrefillStep, loaded_tokens
 from dualpath_ray.runtime.vllm_engine.steps import PagesStep, RecordingStep
@@ -290,7 +290,7 @@ class VllmCompute(EngineCompute):
         self.host.connector.bind_transport(transport, pool)
 
     def decode_state(self, tokens: Sequence[int], cache_domain: str = "") -> Any:
-        return _DecodeState(self.host.new_key("d"), [int(t) for t in tokens], cache_domain)
+        return _DecodeState(self.host.new_key("d"), token_list(tokens), cache_domain)
 
     def load_prompt(
         self, state: Any, sampling: SamplingParams, peer: str, pool: str, offsets: Sequence[int],

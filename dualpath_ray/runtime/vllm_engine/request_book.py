@@ -35,7 +35,9 @@ from dualpath_ray.runtime.vllm_engine.step_kv import ScheduledKV
 class _BookEntry:
     key: str
     external: int
-    block_ids: list[int] = field(default_factory=list)
+    # A tuple, rebuilt only when vLLM adds or replaces pages (once every block_size decode
+    # steps): every step's ScheduledKV shares it rather than copying the list.
+    block_ids: tuple[int, ...] = ()
     loading: int = 0  # recorded at allocation, consumed by the request's next scheduled step
 
 
@@ -65,7 +67,7 @@ class RequestBook:
     def new_request(self, request_id: str, block_ids: Sequence[int], computed: int, scheduled: int) -> ScheduledKV:
         """The request's first step: `computed` = vLLM's prefix-cache hits + the tokens loaded now."""
         entry = self._entries.setdefault(request_id, _BookEntry(request_id, 0))
-        entry.block_ids = list(block_ids)
+        entry.block_ids = tuple(block_ids)
         return self._scheduled(request_id, entry, computed, scheduled, first=True)
 
     def cached_request(
@@ -75,9 +77,9 @@ class RequestBook:
         `added_block_ids` its whole new page list."""
         entry = self._entries.setdefault(request_id, _BookEntry(request_id, 0))
         if resumed:
-            entry.block_ids = list(added_block_ids or ())
+            entry.block_ids = tuple(added_block_ids or ())
         elif added_block_ids:
-            entry.block_ids.extend(added_block_ids)
+            entry.block_ids += tuple(added_block_ids)
         return self._scheduled(request_id, entry, computed, scheduled, first=resumed)
 
     def finished(self, request_id: str) -> None:
@@ -90,7 +92,7 @@ class RequestBook:
         loading, entry.loading = (entry.loading, 0) if first else (0, entry.loading)
         if loading > computed:
             raise ValueError(f"request {request_id}: loads {loading} tokens but vLLM counts {computed} computed")
-        return ScheduledKV(entry.key, tuple(entry.block_ids), computed, scheduled, computed - loading, first)
+        return ScheduledKV(entry.key, entry.block_ids, computed, scheduled, computed - loading, first)
 
     def _entry(self, request_id: str) -> _BookEntry:
         entry = self._entries.get(request_id)

@@ -66,3 +66,20 @@ def test_finished_requests_are_forgotten_and_bad_figures_refused() -> None:
         book.allocated("other", 0)
     book.finished("r")
     assert len(book) == 0, "a finished request leaves nothing behind"
+
+
+def test_a_running_requests_steps_share_its_page_list_until_vllm_adds_pages() -> None:
+    book = RequestBook()
+    book.matched("r", "seq", external=64, local_hits=0)
+    book.allocated("r", 64)
+    pages = [3, 1]
+    first = book.new_request("r", pages, computed=64, scheduled=1)
+    pages.append(99)  # vLLM's list is its own: the book keeps what it was told
+    steps = [book.cached_request("r", None, computed=65 + i, scheduled=1, resumed=False) for i in range(3)]
+    assert all(step.block_ids is first.block_ids for step in steps), (
+        "a decode step that adds no page copies no page list (one per block_size steps at most)"
+    )
+    grown = book.cached_request("r", [7], computed=68, scheduled=1, resumed=False)
+    assert grown.block_ids == (3, 1, 7) and first.block_ids == (3, 1), (
+        "added pages make a new list; the earlier steps' lists stay as they were"
+    )
