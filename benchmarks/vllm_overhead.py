@@ -86,11 +86,13 @@ def backend_round(batch: int, context: int, steps: int, round_: int) -> float:
     # of a round end before its decode starts, so no step mixes the two).
     h = _harness()
     requests = [Request(f"r{round_}-{i}", p, "pe", steps + 1) for i, p in enumerate(prompts(batch, context, round_))]
-    before = h.decode.stats.tokens  # type: ignore[attr-defined]
+    before, arrived = h.decode.stats.tokens, len(h.collector.results)  # type: ignore[attr-defined]
     h.prefill.accept([h.task(r, oracle=True) for r in requests])  # type: ignore[attr-defined]
     while h.prefill.jobs:  # type: ignore[attr-defined]
         h.prefill.step()  # type: ignore[attr-defined]
     while h.decode.stats.tokens - before < batch:  # type: ignore[attr-defined]  # handoffs taken, every sequence decoding
+        # A request that failed (in its prefill, say) never decodes: say so rather than wait for ever.
+        _check(h.collector.results[arrived:])  # type: ignore[attr-defined]
         h.decode.step()  # type: ignore[attr-defined]
     first = h.decode.stats.tokens  # type: ignore[attr-defined]
     done_before = len(h.collector.results)  # type: ignore[attr-defined]
