@@ -160,3 +160,14 @@ class EngineHarness:
 
     def close(self) -> None:
         self.readers.close()
+
+
+def served_alone(cfg: DualPathConfig, root: Path, request: Request) -> TurnResult:
+    """The request's result on a harness of its own under `root`, closed afterwards: the
+    reference a fault-injected run's output is compared with."""
+    reference = EngineHarness(cfg, root)
+    try:
+        (result,) = reference.serve([request])
+    finally:
+        reference.close()
+    return result

@@ -414,7 +414,9 @@ class DecodeIntake:
         if self.settings.verify_kv:
             assert self.store is not None
             pages, table = self._prompt_kv(job, job.prompt_len)
-            expected = job.expected_kv or expected_prompt_kv(self.compute, self.store, task, pages.device)
+            expected = job.expected_kv
+            if expected is None:  # not recomputed before the landing (a compute with its own pages)
+                expected = expected_prompt_kv(self.compute, self.store, task, pages.device)
             job.check, job.expected_kv = check_prompt_kv(self.layout, expected, pages, table), None
             if job.check.mismatches:
                 # Never decode on KV that differs from what the store and a recompute say. Counted:

@@ -10,7 +10,7 @@ from pathlib import Path
 from dualpath_ray.kv.paged import PagedKVPool
 from dualpath_ray.runtime.decode.filled_blocks import PagePulls
 from dualpath_ray.runtime.decode.job import DecodeJob
-from tests.engine_harness import EngineHarness, Request
+from tests.engine_harness import EngineHarness, Request, served_alone
 from tests.unit.runtime.prefill.test_prefill_core import BLOCK, config, tokens
 
 
@@ -32,11 +32,7 @@ class ReusedPage(PagePulls):
 
 def test_a_block_pulled_from_a_reused_page_is_refused_by_its_digest_and_not_published(tmp_path: Path) -> None:
     prompt = tokens(50, 5)
-    reference = EngineHarness(config(), tmp_path / "reference")
-    try:
-        (want,) = reference.serve([Request("r", prompt, "pe", max_new_tokens=60)])
-    finally:
-        reference.close()
+    want = served_alone(config(), tmp_path / "reference", Request("r", prompt, "pe", max_new_tokens=60))
     h = EngineHarness(config(), tmp_path / "run")
     try:
         h.pages.reserve("other#0", 1)

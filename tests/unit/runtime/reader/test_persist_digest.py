@@ -21,7 +21,7 @@ from dualpath_ray.kv.layout import KVLayout
 from dualpath_ray.kv.local_store import LocalDirStore
 from dualpath_ray.kv.memory_store import MemoryStore
 from dualpath_ray.protocol.messages import PersistedBlock
-from tests.engine_harness import EngineHarness, Request
+from tests.engine_harness import EngineHarness, Request, served_alone
 from tests.fakes import ScriptedFaults
 from tests.unit.runtime.prefill.test_prefill_core import BLOCK, config, tokens
 from tests.unit.runtime.reader.test_reader_core import reader_core
@@ -59,12 +59,8 @@ def expected_blocks(h: EngineHarness, sequence: list[int]) -> dict[str, torch.Te
 def test_a_block_corrupted_between_its_engine_and_the_store_is_not_published_and_the_turn_is_served(
     tmp_path: Path,
 ) -> None:
-    reference = EngineHarness(config(), tmp_path / "reference")
     prompt = tokens(50, 5)
-    try:
-        (want,) = reference.serve([Request("r", prompt, "pe", max_new_tokens=60)])
-    finally:
-        reference.close()
+    want = served_alone(config(), tmp_path / "reference", Request("r", prompt, "pe", max_new_tokens=60))
     h = EngineHarness(config(), tmp_path / "run")
     try:
         store = CorruptingStore(h.store.root, h.layout, nth=4)  # the first block filled while decoding

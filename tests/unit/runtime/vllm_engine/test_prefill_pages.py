@@ -47,18 +47,26 @@ def test_a_prefill_chunk_lands_and_sends_token_major_kv_through_vllms_pages(
         check_chunk(vllm_config, backend, name, layout, kernel_block_size)
 
 
+def paged_layers(
+    vllm_config: VllmConfig, backend: type, layout: KVCacheLayout, kernel_block_size: int,
+) -> tuple[list[torch.Tensor], PageCodec, BlockLayerMap, KVLayout]:
+    """vLLM's bf16 layer views of `backend` in `layout` (its own allocation helpers), their page
+    codec and block-layer map, and the token-major KV layout of the same geometry."""
+    spec, views = vllm_views(
+        vllm_config, backend, FullAttentionSpec(block_size=B, num_kv_heads=H, head_size=D, dtype=torch.bfloat16), layout,
+        kernel_block_size,
+    )
+    layers = [views[n] for n in LAYERS]
+    codec = PageCodec.detect(layers[0], declared_from(backend, layout, spec), H, D, B)
+    kv_layout = KVLayout(n_layer=len(layers), block_size=B, n_kv_head=H, head_dim=D, dtype="bfloat16")
+    return layers, codec, BlockLayerMap.of(layers, codec), kv_layout
+
+
 def check_chunk(vllm_config: VllmConfig, backend: type, name: str, layout: KVCacheLayout, kernel_block_size: int) -> None:
     dtype = torch.bfloat16
-    spec, views = vllm_views(
-        vllm_config, backend, FullAttentionSpec(block_size=B, num_kv_heads=H, head_size=D, dtype=dtype), layout, kernel_block_size
-    )
     case = f"{name} {layout.name} pages of {kernel_block_size}"
-    layers = [views[n] for n in LAYERS]
-    n_layer = len(layers)
-    codec = PageCodec.detect(layers[0], declared_from(backend, layout, spec), H, D, B)
-    block_map = BlockLayerMap.of(layers, codec)
-    kv_layout = KVLayout(n_layer=n_layer, block_size=B, n_kv_head=H, head_dim=D, dtype="bfloat16")
-    bpt = kv_layout.bytes_per_token_per_layer
+    layers, codec, block_map, kv_layout = paged_layers(vllm_config, backend, layout, kernel_block_size)
+    n_layer, bpt = len(layers), kv_layout.bytes_per_token_per_layer
 
     # The reader's extent: the request's blocks 0..3 in buffer slots (2, 5, 6, 7); its past KV is
     # tokens [0, 2B + 5) (the earlier chunk's end inside block 2); this chunk computes to 3B + 3
@@ -143,13 +151,8 @@ def test_a_chunk_vllm_computes_over_several_steps_and_resumes_after_a_preemption
     backend = backend_class("CPU_ATTN", KV_BACKENDS)
     layout = splittable_layouts(backend, B)[0]
     dtype = torch.bfloat16
-    spec, views = vllm_views(vllm_config, backend, FullAttentionSpec(block_size=B, num_kv_heads=H, head_size=D, dtype=dtype), layout, B)
-    layers = [views[n] for n in LAYERS]
-    n_layer = len(layers)
-    codec = PageCodec.detect(layers[0], declared_from(backend, layout, spec), H, D, B)
-    block_map = BlockLayerMap.of(layers, codec)
-    kv_layout = KVLayout(n_layer=n_layer, block_size=B, n_kv_head=H, head_dim=D, dtype="bfloat16")
-    bpt = kv_layout.bytes_per_token_per_layer
+    layers, codec, block_map, kv_layout = paged_layers(vllm_config, backend, layout, B)
+    n_layer, bpt = len(layers), kv_layout.bytes_per_token_per_layer
 
     start, end, loaded = 2 * B + 5, 4 * B - 3, 2 * B
     # The model's KV of every token: the past's as stored, the rest as vLLM computes it (a
