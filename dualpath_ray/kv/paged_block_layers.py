@@ -14,7 +14,10 @@ the store's token-major Full Block ([n_layer, block_size, 2, H, D], kv/layout.py
   token-major. A block-layer's storage order is its three outer page axes (kernel page of the
   block, KV head, token of the kernel page) in the order of their strides, then the K-and-V
   content (K row, V row of head_dim each), so one axis permutation maps it: one read and one
-  write of the block in the reader's memory, no transport.
+  write of the block in the reader's memory, no transport. Pages whose kernels keep a head's
+  K transposed (`k_dim_major`, vLLM's CPU attention: per kernel page and head, K as
+  [head_dim, tokens] then V as [tokens, head_dim]) have the token axis innermost of the outer
+  axes and K's token and dim axes swapped; the rewrite transposes K on the way.
 
 It is small (a few hundred bytes) and frozen: sent with every persist of such pages.
 """
@@ -45,10 +48,15 @@ class PagedBlockLayers:
     stored_axes: tuple[int, ...]
     sizes: tuple[int, ...]  # (kernel pages per block, KV heads, tokens per kernel page, 2, head_dim)
     element_size: int
+    # Within each (kernel page, head): K as [head_dim, tokens], then V as [tokens, head_dim]
+    # (stored_axes then name TOKEN last of the outer axes).
+    k_dim_major: bool = False
 
     def __post_init__(self) -> None:
         if sorted(self.stored_axes) != list(range(5)) or self.stored_axes[3:] != (KV, DIM):
             raise ValueError(f"stored_axes {self.stored_axes}: an order of the 5 block-layer axes ending with K/V, dim")
+        if self.k_dim_major and self.stored_axes[2] != TOKEN:
+            raise ValueError(f"stored_axes {self.stored_axes}: k_dim_major pages keep the token axis inside kernel page and head")
         if len(self.sizes) != 5 or self.sizes[KV] != 2 or min(self.sizes) <= 0:
             raise ValueError(f"sizes {self.sizes}: (kernel pages, KV heads, tokens per page, 2, head_dim), all > 0")
         if self.element_size not in _INTS:
@@ -78,12 +86,24 @@ class PagedBlockLayers:
         flat = block.reshape(-1).view(torch.uint8)
         if flat.numel() != self.n_layer * self.block_layer_bytes or flat.data_ptr() != block.data_ptr():
             raise ValueError(f"a pulled block of {flat.numel()} bytes for {self.n_layer} block-layers of {self.block_layer_bytes}")
-        stored = flat.view(_INTS[self.element_size]).view(self.n_layer, *(self.sizes[a] for a in self.stored_axes))
+        stored = self._stored_axes_view(flat.view(_INTS[self.element_size]).view(self.n_layer, -1))
         where = [self.stored_axes.index(axis) + 1 for axis in TOKEN_MAJOR]
         flat.copy_(stored.permute(0, *where).contiguous().view(-1).view(torch.uint8))
 
     def token_major_index(self) -> torch.Tensor:
         """Where in the stored block-layer (element index) each token-major element lies: what
         the compute's exact page map checks this description against."""
-        stored = torch.arange(prod(self.sizes), dtype=torch.int64).view(*(self.sizes[a] for a in self.stored_axes))
+        stored = self._stored_axes_view(torch.arange(prod(self.sizes), dtype=torch.int64).view(1, -1))[0]
         return stored.permute(*[self.stored_axes.index(axis) for axis in TOKEN_MAJOR]).reshape(-1)
+
+    def _stored_axes_view(self, layers: torch.Tensor) -> torch.Tensor:
+        """Block-layers [n, block-layer elements] in storage order as [n, *stored_axes sizes]: a
+        view, or for k_dim_major pages a tensor whose K is transposed back to [tokens, head_dim]."""
+        shape = [self.sizes[a] for a in self.stored_axes]
+        if not self.k_dim_major:
+            return layers.view(len(layers), *shape)
+        tokens, dim = self.sizes[TOKEN], self.sizes[DIM]
+        pages = layers.view(len(layers), *shape[:2], 2 * tokens * dim)
+        keys = pages[..., : tokens * dim].unflatten(-1, (dim, tokens)).transpose(-1, -2)
+        values = pages[..., tokens * dim :].unflatten(-1, (tokens, dim))
+        return torch.stack((keys, values), -2)

@@ -132,10 +132,17 @@ class BlockLayerMap:
         # Element i of the runs read back to back is the one at offset order[i]: token-major
         # element m is there at the rank of logical[m] in order.
         stored = torch.searchsorted(self.order, self.logical)
-        for outer in permutations((PAGE, HEAD, TOKEN)):
+        # K_DIM_MAJOR pages: a head's page is its tokens' K and V, so the token axis is the
+        # innermost outer axis (kv/paged_block_layers.py).
+        outers = (
+            [(*pair, TOKEN) for pair in permutations((PAGE, HEAD))] if codec.k_dim_major
+            else list(permutations((PAGE, HEAD, TOKEN)))
+        )
+        for outer in outers:
             paged = PagedBlockLayers(
                 pool, tuple(base * size for base in self.layer_base), self.block_stride * size,
                 tuple((offset * size, length * size) for offset, length in self.pattern), (*outer, KV, DIM), sizes, size,
+                codec.k_dim_major,
             )
             if torch.equal(paged.token_major_index(), stored):
                 return paged
@@ -169,6 +176,14 @@ def _logical_offsets(view: torch.Tensor, codec: PageCodec) -> torch.Tensor:
     h, d = codec.n_kv_head, codec.head_dim
     pages, slots = codec.positions([([0], 0, codec.block_size)], torch.device("cpu"))
     s_page, s_head, s_token, s_content = view.stride()
+    if codec.k_dim_major:
+        # Each head's page is K [head_dim, tokens] then V [tokens, head_dim], dense (pages.py).
+        n = view.shape[2]
+        page = (pages * s_page)[:, None, None] + (torch.arange(h, dtype=torch.int64) * s_head)[None, :, None]
+        dim = torch.arange(d, dtype=torch.int64)[None, None, :]
+        keys = page + dim * n + slots[:, None, None]
+        values = page + n * d + slots[:, None, None] * d + dim
+        return torch.stack((keys, values), 1).reshape(-1)
     token = pages * s_page + slots * s_token  # [block_size]
     kv = torch.arange(2, dtype=torch.int64) * d * s_content
     head = torch.arange(h, dtype=torch.int64) * s_head

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from dualpath_ray.runtime.vllm_engine.pages import DeclaredPages
+from dualpath_ray.runtime.vllm_engine.pages import CPU_AMX, K_DIM_MAJOR, TOKEN_ROWS, DeclaredPages
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -58,8 +58,9 @@ def declared_from(backend: type[AttentionBackend], layout: KVCacheLayout, spec: 
     # Packed content (per-token-head scales, head slots other than the KV heads, several tokens
     # per stored state) is not K and V of the model dtype, whatever kv_quant_mode says.
     packed = spec.state_content_bytes is not None or spec.num_head_slots is not None or spec.tokens_per_state != 1
+    name = backend.get_name()
     return DeclaredPages(
-        backend=backend.get_name(),
+        backend=name,
         layout=layout.name,
         view_order=layout.layer_view_order,
         mla=bool(backend.is_mla()) or isinstance(spec, MLAAttentionSpec),
@@ -67,4 +68,20 @@ def declared_from(backend: type[AttentionBackend], layout: KVCacheLayout, spec: 
         n_kv_head=spec.num_kv_heads,
         head_size=spec.head_size,
         head_size_v=spec.head_size_v,
+        content=_cpu_content(spec) if name == "CPU_ATTN" else TOKEN_ROWS,
     )
+
+
+def _cpu_content(spec: AttentionSpec) -> str:
+    """How vLLM's CPU attention keeps a head's page (pages.py, the module doc): its AMX kernels
+    where vLLM 0.32 picks them (cpu_attn.py `_get_attn_isa`: bf16, a block size that is a
+    multiple of 32, a head size that is not only a multiple of 16, a CPU with AMX tiles), its
+    vector kernels' K [head_dim, tokens] then V [tokens, head_dim] otherwise."""
+    import torch
+
+    vector16 = spec.head_size % 32 != 0 and spec.head_size % 16 == 0
+    amx = (
+        not vector16 and spec.dtype == torch.bfloat16 and spec.block_size % 32 == 0
+        and bool(torch.cpu._is_amx_tile_supported())
+    )
+    return CPU_AMX if amx else K_DIM_MAJOR

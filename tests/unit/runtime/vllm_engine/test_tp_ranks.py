@@ -115,7 +115,7 @@ def test_ranks_land_store_block_layers_in_their_own_heads_pages(vllm_config: Vll
             for layer, view in enumerate(rank.layers):
                 for i, block in enumerate(TABLE):
                     for slot in range(B):
-                        assert torch.equal(literal_kv(view, block, slot, D), kv[layer, i, slot][:, heads.start : heads.stop]), (
+                        assert torch.equal(literal_kv(view, block, slot, D, name == "CPU_ATTN"), kv[layer, i, slot][:, heads.start : heads.stop]), (
                             f"{case}: rank {rank.heads.rank}'s kernels read heads {list(heads)} of token {slot} of block "
                             f"{block}, layer {layer}, as the store holds them"
                         )
@@ -150,7 +150,7 @@ def test_ranks_saves_reassemble_the_store_block_layers(vllm_config: VllmConfig, 
             for layer, view in enumerate(rank.layers):
                 for i, block in enumerate(TABLE):
                     for slot in range(B):
-                        want[layer, i, slot][:, heads.start : heads.stop] = literal_kv(view, block, slot, D)
+                        want[layer, i, slot][:, heads.start : heads.stop] = literal_kv(view, block, slot, D, name == "CPU_ATTN")
         want_bytes = want.reshape(len(LAYERS) * len(TABLE), -1).view(torch.uint8)
         local = {
             rank.heads.rank: torch.cat([rank.map.unsettle(rank.buffer, layer, TABLE) for layer in range(len(LAYERS))])
