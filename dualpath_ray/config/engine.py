@@ -47,6 +47,14 @@ class EngineConfig(Section):
     vllm_max_num_seqs: int = Field(
         256, ge=1, description="vLLM's max_num_seqs: the most requests one vLLM step runs (a prefill batch, a decode step)."
     )
+    vllm_continuous_batching: bool = Field(
+        False,
+        description="vLLM prefill engines: admit READY chunks into vLLM's running loop as they become ready (vLLM's "
+        "continuous batching: one vLLM step may hold chunks of several admissions), rather than one core batch at a "
+        "time. The compute quota (scheduler.compute_quota_ms) and the window's tokens then bound what is in vLLM at "
+        "once, vLLM's token budget (vllm_max_num_batched_tokens) what one step computes; a chunk fails alone "
+        "(docs/architecture.md, the vLLM engine backend, Batching). Off: one batch at a time.",
+    )
     vllm_max_num_batched_tokens: int | None = Field(
         None, ge=1,
         description="vLLM's max_num_batched_tokens on the prefill engines: the most tokens one vLLM step computes "
