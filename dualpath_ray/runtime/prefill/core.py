@@ -63,7 +63,7 @@ LOG = logging.getLogger("dualpath_ray.prefill")
 class PrefillStats:
     """What the engine did, for its `stats()`: batches, chunks, and the pipeline's figures."""
 
-    batches: int = 0
+    batches: int = 0  # batches run; with a compute running its own loop, admissions into it
     chunks: int = 0
     handoffs: int = 0
     failures: int = 0
