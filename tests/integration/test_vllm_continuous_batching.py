@@ -76,3 +76,35 @@ def test_continuous_batching_mixes_admissions_in_vllm_steps_and_stays_exact(refe
         assert compute["prefill_mixed_steps"] > 0, (
             f"{mode}: at least one vLLM step held chunks of two admissions (continuous batching): {compute}"
         )
+
+
+def test_a_failed_transfer_fails_its_chunk_alone_and_the_rollout_stays_exact(reference) -> None:
+    """A layer transfer of the prefill engine fails (the fault plan's 40th, mid-rollout): the
+    chunk whose landing or send it was fails alone (its attempt is retried by the scheduler),
+    vLLM's prefix cache is emptied once the loop drained (its blocks were suspect), and the
+    rollout's tokens and KV stay exact."""
+    trajs, expected = reference
+    cfg = vllm_config("dualpath").with_overrides(
+        engine={"vllm_continuous_batching": True, "vllm_max_num_batched_tokens": 48},
+        runtime={"verify_kv": True, "max_attempts": 4},
+        faults={"seed": 3, "faults": [{"site": "layer_transfer", "mode": "fail", "actors": "prefill/*", "nth": 40}]},
+    )
+    cluster = DualPathCluster.start(cfg)
+    try:
+        cluster.deploy("dualpath")
+        result, engines, pools = cluster.rollout(trajs, progress=False), cluster.engine_stats(), cluster.pool_integrity()
+    finally:
+        cluster.shutdown()
+    assert not result.failures, f"every trajectory completes, the failed chunk's request on a retry: {result.failures}"
+    got = {tid: [turn.output_tokens for turn in turns] for tid, turns in result.turn_results.items()}
+    assert got == expected, "greedy tokens equal plain vLLM recomputing every prompt whole, the retried turn's too"
+    verified = [(turn.kv_bytes_verified, turn.kv_mismatches) for turns in result.turn_results.values() for turn in turns]
+    assert all(nbytes > 0 and bad == 0 for nbytes, bad in verified), f"every turn's KV verified exact: {verified}"
+    assert all(free == capacity for free, _, _, capacity in pools.values()), f"the failed chunk's extents were freed: {pools}"
+    compute, core = engines["prefill/p0/g0"].compute, engines["prefill/p0/g0"].core
+    assert compute["prefill_failed_chunks"] >= 1 and core.failures == compute["prefill_failed_chunks"], (
+        f"the injected transfer failure failed chunks, each reported as its attempt's failure: {compute}, {core}"
+    )
+    assert compute["prefill_cache_resets"] >= 1 and compute["prefill_in_flight"] == 0, (
+        f"vLLM's prefix cache was emptied once no chunk was left in vLLM: {compute}"
+    )
