@@ -352,6 +352,8 @@ class PrefillCore:
         finished: list[tuple[PrefillJob, int, float]] = []
         for done in collected:
             job, chunk = self._in_flight.pop(done.ticket)
+            if job.state is PrefillState.FAILED:  # failed while in flight (`fail_all`): reported already
+                continue
             if done.error is not None:
                 log_failure(LOG, f"{self.settings.engine_id}: chunk of {job.request_id}", done.error)
                 self._fail(job, done.error)

@@ -142,7 +142,11 @@ class VllmPrefillLoop:
                 while not self._live:
                     self._cond.wait()
                 live = set(self._live)
-            done = self._step()
+            try:
+                done = self._step()
+            except Exception as exc:  # noqa: BLE001 - the loop must outlive any one step: its chunks fail instead
+                LOG.exception("vLLM's prefill loop failed a step's bookkeeping")
+                done = self._fail({key for key in live if self._steps.holds(key)}, exc)
             idle = 0 if self._steps.scheduled & live else idle + 1
             if idle >= IDLE_STEPS:
                 left = live - {d.ticket for d in done}
