@@ -109,6 +109,16 @@ class EngineConfig(Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _continuous_batching_is_vllms(self) -> EngineConfig:
+        if self.vllm_continuous_batching and self.backend is not EngineBackend.VLLM:
+            raise ValueError(
+                f"engine.vllm_continuous_batching is vLLM's own engine loop, and engine.backend is {self.backend.value!r}: "
+                "the native prefill engine runs its batches through the layer pipeline one at a time. Set "
+                "engine.backend: vllm, or engine.vllm_continuous_batching: false"
+            )
+        return self
+
     @field_validator("vllm_tensor_parallel_size")
     @classmethod
     def _one_rank_until_ranks_are_wired(cls, size: int) -> int:

@@ -13,7 +13,9 @@ metrics and emulation decide and move exactly what they do for the native engine
   engine keeps no window): vLLM's forward runs on a thread of its own and moves each layer's KV
   itself (runtime/vllm_engine/prefill_pages.py, PagedPrefillStep): the hit block-layers land from
   the readers' buffer extents straight in the pages vLLM allocated, and the layer's sent tokens
-  go from those pages to the decode node's extent, one transfer per layer and reader.
+  go from those pages to the decode node's extent, one transfer per layer and reader. With
+  engine.vllm_continuous_batching the core runs no batches: it admits chunks into vLLM's running
+  loop and collects each as vLLM samples it (`continuous_prefill`, prefill_loop.py).
 - A decode sequence's KV lives in vLLM's pages only (this compute is the decode engine's HeldKV,
   runtime/compute/held_kv.py: the engine keeps no pages of its own). It is one vLLM request from
   its handoff to its end: added with its prompt's KV as an asynchronous load from the decode
