@@ -2,10 +2,12 @@
 (runtime/compute/continuous_prefill.py) a vLLM prefill compute offers with
 engine.vllm_continuous_batching.
 
-Every admitted chunk is a vLLM request at once (for its prompt up to the chunk's end, its whole
-blocks of past KV external, sampling one token: the same request as a batch's chunk,
-compute.py), joining vLLM's waiting queue while earlier ones compute. One thread runs vLLM's
-loop: it steps while any admitted chunk is in vLLM, and sleeps when none is. vLLM's scheduler
+Every admitted chunk becomes a vLLM request before the loop's next step (for its prompt up to
+the chunk's end, its whole blocks of past KV external, sampling one token: the same request as a
+batch's chunk, compute.py), joining vLLM's waiting queue while earlier ones compute. One thread
+runs vLLM's loop and is the only one to touch vLLM while chunks are in it: it adds the admitted
+chunks, steps while any is in vLLM, and sleeps when none is (`admit` only queues, so the
+engine's worker never waits out a step for vLLM's lock). vLLM's scheduler
 forms each step from what runs and waits, within its token budget
 (engine.vllm_max_num_batched_tokens) and its sequence count, so one step may hold chunks of
 several admissions. The step-lifetime StepKV (`RequestSteps`, request_steps.py) moves each
@@ -66,7 +68,8 @@ class VllmPrefillLoop:
         self._binding = binding
         self._steps = RequestSteps(layout.block_size)
         self._cond = threading.Condition()
-        self._live: set[str] = set()  # admitted chunks not yet done (in vLLM)
+        self._live: set[str] = set()  # admitted chunks not yet done (pending or in vLLM)
+        self._pending: list[tuple[str, ChunkSpec]] = []  # admitted, not yet added to vLLM
         self._done: list[PrefillCollected] = []
         self._wake: Callable[[], None] = _nobody
         self._thread: threading.Thread | None = None
@@ -91,27 +94,20 @@ class VllmPrefillLoop:
         if missing:
             raise ValueError(f"chunks {missing} name no KV sources and destinations (ChunkSpec.kv)")
         self.admissions += 1
-        keys: list[str] = []
-        try:
-            for chunk in chunks:
-                key = self.host.new_key("p")
-                step = PagedPrefillStep(
-                    self.layout, [key], [chunk], binding.transport, binding.pool, binding.buffer, binding.block_map,
-                    binding.takes, self.timeout_s,
-                )
-                # Known to the StepKV before vLLM may schedule it.
-                self._steps.add(key, self.admissions, step)
-                keys.append(key)
-                self.host.add(
-                    key, chunk.prompt[: chunk.end], loaded_tokens(chunk, self.layout.block_size), chunk.sampling or GREEDY,
-                    max_tokens=1, cache_domain=chunk.cache_domain,
-                )
-        except BaseException:
-            self.host.abort(keys)
-            for key in keys:
-                self._steps.pop(key)
-            raise
+        steps = [
+            PagedPrefillStep(
+                self.layout, [key], [chunk], binding.transport, binding.pool, binding.buffer, binding.block_map,
+                binding.takes, self.timeout_s,
+            )
+            for key, chunk in ((self.host.new_key("p"), chunk) for chunk in chunks)
+        ]
+        keys = [step.keys[0] for step in steps]
+        for key, step in zip(keys, steps):
+            self._steps.add(key, self.admissions, step)  # known to the StepKV before vLLM may schedule it
         with self._cond:
+            # The loop adds them to vLLM between its steps: the engine's worker never waits for
+            # vLLM's lock (held through a step) and never contends with the loop for it.
+            self._pending.extend(zip(keys, chunks))
             self._live.update(keys)
             self._cond.notify()
         if self._thread is None:
@@ -141,13 +137,18 @@ class VllmPrefillLoop:
             with self._cond:
                 while not self._live:
                     self._cond.wait()
+                pending, self._pending = self._pending, []
                 live = set(self._live)
-            try:
-                done = self._step()
-            except Exception as exc:  # noqa: BLE001 - the loop must outlive any one step: its chunks fail instead
-                LOG.exception("vLLM's prefill loop failed a step's bookkeeping")
-                done = self._fail({key for key in live if self._steps.holds(key)}, exc)
-            idle = 0 if self._steps.scheduled & live else idle + 1
+            done = self._add(pending)
+            if not live - {d.ticket for d in done}:
+                idle = 0
+            else:
+                try:
+                    done += self._step()
+                except Exception as exc:  # noqa: BLE001 - the loop must outlive any one step: its chunks fail instead
+                    LOG.exception("vLLM's prefill loop failed a step's bookkeeping")
+                    done += self._fail({key for key in live if self._steps.holds(key)}, exc)
+                idle = 0 if self._steps.scheduled & live else idle + 1
             if idle >= IDLE_STEPS:
                 left = live - {d.ticket for d in done}
                 error = RuntimeError(
@@ -163,10 +164,25 @@ class VllmPrefillLoop:
             if done:
                 self._wake()
 
+    def _add(self, pending: list[tuple[str, ChunkSpec]]) -> list[PrefillCollected]:
+        """Admitted chunks into vLLM's waiting queue (each a request for its prompt up to the
+        chunk's end, its whole blocks of past KV external, one token sampled); one vLLM refuses
+        fails."""
+        done = []
+        for key, chunk in pending:
+            try:
+                self.host.add(
+                    key, chunk.prompt[: chunk.end], loaded_tokens(chunk, self.layout.block_size), chunk.sampling or GREEDY,
+                    max_tokens=1, cache_domain=chunk.cache_domain,
+                )
+            except Exception as exc:  # noqa: BLE001 - e.g. a prompt vLLM refuses: this chunk fails
+                self._steps.pop(key)
+                self.failed_chunks += 1
+                done.append(PrefillCollected(key, error=exc))
+        return done
+
     def _step(self) -> list[PrefillCollected]:
-        """One vLLM step: the chunks it finished (sampled, each having sent all its KV) or failed.
-        A chunk admitted while the loop was about to step may be in it: chunks are known by the
-        StepKV (registered before their vLLM request is added), not by the loop's last look."""
+        """One vLLM step: the chunks it finished (sampled, each having sent all its KV) or failed."""
         self._steps.new_step()
         try:
             sampled = self.host.run(self._steps)
@@ -174,8 +190,8 @@ class VllmPrefillLoop:
             LOG.error("vLLM's prefill step failed: %r", exc)
             self._steps.recover()
             self.vllm_steps += 1
-            with self._cond:
-                live = set(self._live)
+            with self._cond:  # the chunks in vLLM: not those admitted during the step, still to be added
+                live = self._live - {key for key, _ in self._pending}
             return self._fail(live | self._steps.scheduled, exc)
         self.vllm_steps += 1
         failed = self._steps.take_failed()
