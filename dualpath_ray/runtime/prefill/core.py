@@ -104,7 +104,8 @@ class PrefillCore:
         self.refusals = Refusals(settings.engine_id, ports.weights)  # tasks refused at accept
         self._noted: dict[str, Holding] = {}  # this step's handoffs, reported at its end
         self._lock = threading.Lock()
-        # Chunks admitted into a compute that runs its own loop, by ticket, until collected.
+        # Chunks admitted into a compute that runs its own loop, by ticket, until collected (the
+        # worker thread's alone: `step` admits and collects).
         self._in_flight: dict[str, tuple[PrefillJob, ChunkSpec]] = {}
 
     # --- what the actor's control thread calls ------------------------------------------
@@ -326,6 +327,7 @@ class PrefillCore:
         if not packed:
             return False
         jobs = [by_id[rid] for rid, _, _ in packed]
+        # Offset 0: no window slot holds these chunks (their KV lives in the compute's pages).
         chunks = [
             with_kv(job, ChunkSpec(job.prompt, cached, cached + bsz, 0, job.task.request.sampling, job.task.request.namespace),
                     self.layout.full_block_bytes)
