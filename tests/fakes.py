@@ -7,6 +7,7 @@
   accounting), called synchronously or on a thread (`slow_writes_s` delays every persist).
 - `FakeSnicLink`, `ScriptedFaults`: a ReaderCore's own SNIC links and fault plan, recorded and
   scripted, to run the reader core with no real link or plan.
+- `ScriptedContinuousPrefill`: a compute's own prefill loop whose chunks finish when the test says.
 - `Collector`: the scheduler port, keeping every reported TurnResult, handoff note and chunk;
   `DirectHandoff`: the decode port, handing straight to in-process DecodeCores.
 """
@@ -30,6 +31,8 @@ from dualpath_ray.protocol.messages import (
     DecodeHandoff, ExtentGrant, Holding, PersistedBlock, StagedRead, TokenChunk, TurnResult,
 )
 from dualpath_ray.protocol.names import Pool
+from dualpath_ray.runtime.compute.continuous_prefill import PrefillCollected
+from dualpath_ray.runtime.compute.prefill_kv import PrefillMoved
 from dualpath_ray.runtime.engine.ports import Failed, Ready
 from dualpath_ray.runtime.reader.core import ReaderCore
 from dualpath_ray.runtime.reader.page_pulls import pull_moves, settle_pulled
@@ -419,3 +422,46 @@ class GatedStore:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
+
+
+class ScriptedContinuousPrefill:
+    """ContinuousPrefill (runtime/compute/continuous_prefill.py) whose chunks finish when the test
+    says so (`finish`): it moves no KV and samples `token` for each, recording every admission."""
+
+    def __init__(self) -> None:
+        self.admissions: list[list[tuple[str, Any]]] = []  # per admit call: (ticket, ChunkSpec)
+        self.open = True  # what `admitting` answers
+        self.wakes = 0
+        self._done: list[Any] = []
+        self._wake: Callable[[], None] = lambda: None
+        self._tickets = 0
+
+    def bind_wake(self, wake: Callable[[], None]) -> None:
+        self._wake = wake
+
+    def admitting(self) -> bool:
+        return self.open
+
+    def admit(self, chunks: Sequence[Any]) -> list[str]:
+        tickets = [f"t{self._tickets + i}" for i in range(len(chunks))]
+        self._tickets += len(chunks)
+        self.admissions.append(list(zip(tickets, chunks)))
+        return tickets
+
+    def ticket(self, prompt_len: int, start: int) -> str:
+        """The ticket of the admitted chunk of the `prompt_len`-token prompt starting at `start`."""
+        found = [t for batch in self.admissions for t, c in batch if len(c.prompt) == prompt_len and c.start == start]
+        assert len(found) == 1, f"one chunk of a {prompt_len}-token prompt from {start} admitted, found {found}"
+        return found[0]
+
+    def finish(self, ticket: str, token: int = 7, error: BaseException | None = None) -> None:
+        self._done.append(PrefillCollected(ticket, token, -0.5) if error is None else PrefillCollected(ticket, error=error))
+        self.wakes += 1
+        self._wake()
+
+    def collect(self) -> list[PrefillCollected]:
+        done, self._done = self._done, []
+        return done
+
+    def take_moved(self) -> PrefillMoved:
+        return PrefillMoved(reads=1)

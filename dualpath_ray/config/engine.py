@@ -47,6 +47,14 @@ class EngineConfig(Section):
     vllm_max_num_seqs: int = Field(
         256, ge=1, description="vLLM's max_num_seqs: the most requests one vLLM step runs (a prefill batch, a decode step)."
     )
+    vllm_continuous_batching: bool = Field(
+        False,
+        description="vLLM prefill engines: admit READY chunks into vLLM's running loop as they become ready (vLLM's "
+        "continuous batching: one vLLM step may hold chunks of several admissions), rather than one core batch at a "
+        "time. The compute quota (scheduler.compute_quota_ms) and the window's tokens then bound what is in vLLM at "
+        "once, vLLM's token budget (vllm_max_num_batched_tokens) what one step computes; a chunk fails alone "
+        "(docs/architecture.md, the vLLM engine backend, Batching). Off: one batch at a time.",
+    )
     vllm_max_num_batched_tokens: int | None = Field(
         None, ge=1,
         description="vLLM's max_num_batched_tokens on the prefill engines: the most tokens one vLLM step computes "
@@ -98,6 +106,16 @@ class EngineConfig(Section):
                 f"({self.vllm_max_num_seqs}): vLLM refuses a step budget smaller than one token per sequence. Raise "
                 f"engine.vllm_max_num_batched_tokens to at least {self.vllm_max_num_seqs}, lower engine.vllm_max_num_seqs, "
                 "or leave it unset (null: the prefill window's tokens)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _continuous_batching_is_vllms(self) -> EngineConfig:
+        if self.vllm_continuous_batching and self.backend is not EngineBackend.VLLM:
+            raise ValueError(
+                f"engine.vllm_continuous_batching is vLLM's own engine loop, and engine.backend is {self.backend.value!r}: "
+                "the native prefill engine runs its batches through the layer pipeline one at a time. Set "
+                "engine.backend: vllm, or engine.vllm_continuous_batching: false"
             )
         return self
 

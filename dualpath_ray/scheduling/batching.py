@@ -48,6 +48,7 @@ def pack_prefill_batch(
     predict_ms: BatchPredictor,
     quota_ms: float = 300.0,
     max_tokens: int | None = None,
+    running: Sequence[tuple[int, int]] = (),
 ) -> list[tuple[str, int, int]]:
     """Pack the head of a FIFO queue of (request_id, cached, bsz) into one forward batch.
 
@@ -60,14 +61,22 @@ def pack_prefill_batch(
     With `max_tokens`, the batch's summed cached + bsz never exceeds it either: a request that
     does not fit whole is cut to the tokens left (its cached tokens must fit), and packing stops.
     A first request whose cached + 1 tokens exceed max_tokens can never run: ValueError.
+
+    `running`: (cached, bsz) of chunks already admitted and not yet done (continuous batching:
+    an engine whose own loop forms the steps, runtime/compute/continuous_prefill.py). They count
+    against the quota and max_tokens as if they were the batch's head, and with any of them the
+    progress rule is off: what does not fit waits for them to finish rather than going in cut
+    to one token (they progress without it).
     """
     if quota_ms <= 0:
         raise ValueError(f"quota_ms must be > 0 (got {quota_ms})")
     if max_tokens is not None and max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1 (got {max_tokens})")
-    batch: list[tuple[int, int]] = []
+    batch: list[tuple[int, int]] = list(running)
     packed: list[tuple[str, int, int]] = []
-    room = max_tokens if max_tokens is not None else None
+    room = max_tokens - sum(c + b for c, b in running) if max_tokens is not None else None
+    if running and (predict_ms(batch) >= quota_ms or (room is not None and room < 1)):
+        return []
     for request_id, cached, bsz in queue:
         _check_entry(request_id, cached, bsz)
         fits_room = room is None or cached + bsz <= room
@@ -78,13 +87,13 @@ def pack_prefill_batch(
                 room -= cached + bsz
             continue
         limit = bsz - 1 if room is None else min(bsz - 1, room - cached)
-        if not packed and limit < 1 and room is not None and cached + 1 > room:
+        if not packed and not running and limit < 1 and room is not None and cached + 1 > room:
             raise ValueError(
                 f"request {request_id!r}: {cached} cached + 1 new tokens exceed the batch capacity of "
                 f"{max_tokens} tokens; raise the capacity (cluster.prefill_hbm_tokens)"
             )
         chunk = _largest_fitting_chunk(batch, cached, bsz, predict_ms, quota_ms, limit) if limit >= 1 else 0
-        if not packed:
+        if not packed and not running:
             chunk = max(1, chunk) if (room is None or cached + 1 <= room) else 0
         if chunk:
             packed.append((request_id, cached, chunk))

@@ -20,34 +20,12 @@ import torch
 
 from dualpath_ray.config import DualPathConfig
 from dualpath_ray.runtime.compute.held_kv import HeldKV
-from dualpath_ray.runtime.compute.prefill_kv import ChunkKV, PrefillKV
+from dualpath_ray.runtime.compute.chunk_spec import ChunkSpec
+from dualpath_ray.runtime.compute.continuous_prefill import ContinuousPrefill
+from dualpath_ray.runtime.compute.prefill_kv import PrefillKV
 from dualpath_ray.kv.layout import KVLayout
 from dualpath_ray.model.sampling import LogProbs, sample_token
 from dualpath_ray.protocol.messages import SamplingParams
-
-
-@dataclass(frozen=True)
-class ChunkSpec:
-    """One request's part of a prefill batch: compute tokens [start, end) of `prompt`, whose first
-    `start` tokens already have KV; its span in the window starts at token `offset`."""
-
-    prompt: np.ndarray
-    start: int
-    end: int
-    offset: int
-    # How its next token is sampled, for a compute that samples inside the batch (vLLM samples in
-    # its step); the native model samples in sample_last from the params given there.
-    sampling: SamplingParams | None = None
-    # The request's KV key namespace (model, weights, tenant's salt): a compute with a prefix
-    # cache of its own (vLLM's) shares cached KV only between requests of one namespace.
-    cache_domain: str = ""
-    # Where its KV comes from and goes, for a compute that moves it itself (PrefillKV: vLLM's
-    # pages); None for a compute that reads and writes the engine's window slot.
-    kv: ChunkKV | None = None
-
-    @property
-    def new_tokens(self) -> int:
-        return self.end - self.start
 
 
 @dataclass
@@ -137,6 +115,11 @@ class EngineCompute(ABC):
     # Offered by a compute that keeps a prefill batch's KV in its own pages (vLLM's engine): a
     # prefill engine then keeps no window of KV (runtime/compute/prefill_kv.py).
     prefill_kv: PrefillKV | None = None
+    # Offered by a compute that runs its own engine loop over prefill chunks (vLLM's, with
+    # engine.vllm_continuous_batching): the prefill core admits chunks into it as they become
+    # ready and collects each as it samples, rather than one batch at a time
+    # (runtime/compute/continuous_prefill.py).
+    continuous_prefill: ContinuousPrefill | None = None
 
     @abstractmethod
     def begin_prefill(self, chunks: Sequence[ChunkSpec]) -> PrefillBatch:

@@ -53,6 +53,9 @@ class PrefillEngine(EngineBase):
             # The core's transport port, faults and all: the plan's transfer faults hit the
             # compute's moves as they hit the layer pipeline's.
             held.bind(ports.transport, Pool.COMPUTE_KV)
+        if self.compute.continuous_prefill is not None:
+            # The compute's own loop wakes the worker when a chunk can be collected.
+            self.compute.continuous_prefill.bind_wake(self.wake.set)
         return PrefillCore(
             settings, self.layout, self.compute, window, attention_predictor(cfg), ports, self.store, self.links
         )

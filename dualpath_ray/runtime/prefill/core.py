@@ -17,6 +17,12 @@ refused at `accept` (runtime/engine/refusals.py).
   not yet there: hits + new tokens on the PE path's first chunk, only new tokens otherwise.
 - Handoff: after the last layer the first token is sampled, the PE extent is freed, and the decode
   engine gets a `DecodeHandoff` naming the decode node's extent (one call per decode engine).
+- A compute that runs its own engine loop (`EngineCompute.continuous_prefill`: vLLM's continuous
+  batching) gets no batches: each step collects the chunks it finished (non-final ones back to
+  READY, final ones handed off, failed ones failed alone) and admits READY jobs' chunks packed by
+  the quota and the window's tokens less what it still computes (`_admit`), so its steps may mix
+  chunks of several admissions. A job stays BATCHED until its chunk is collected, so a prompt's
+  next chunk is admitted only once the previous one's KV is on the decode node.
 Oracle mode moves nothing: hit KV comes straight from the store and nothing is sent.
 """
 
@@ -34,6 +40,7 @@ from dualpath_ray.kv.block_store import BlockStore
 from dualpath_ray.kv.layout import KVLayout
 from dualpath_ray.kv.window import LayerWindow, span_offsets
 from dualpath_ray.protocol.counters import NodeCounters
+from dualpath_ray.runtime.compute.continuous_prefill import ContinuousPrefill
 from dualpath_ray.runtime.compute.engine_compute import ChunkSpec, EngineCompute
 from dualpath_ray.runtime.emulation.links import Link
 from dualpath_ray.runtime.engine.failures import ReadFailed, failure_of, log_failure, read_done
@@ -56,7 +63,7 @@ LOG = logging.getLogger("dualpath_ray.prefill")
 class PrefillStats:
     """What the engine did, for its `stats()`: batches, chunks, and the pipeline's figures."""
 
-    batches: int = 0
+    batches: int = 0  # batches run; with a compute running its own loop, admissions into it
     chunks: int = 0
     handoffs: int = 0
     failures: int = 0
@@ -97,6 +104,9 @@ class PrefillCore:
         self.refusals = Refusals(settings.engine_id, ports.weights)  # tasks refused at accept
         self._noted: dict[str, Holding] = {}  # this step's handoffs, reported at its end
         self._lock = threading.Lock()
+        # Chunks admitted into a compute that runs its own loop, by ticket, until collected (the
+        # worker thread's alone: `step` admits and collects).
+        self._in_flight: dict[str, tuple[PrefillJob, ChunkSpec]] = {}
 
     # --- what the actor's control thread calls ------------------------------------------
 
@@ -160,6 +170,12 @@ class PrefillCore:
         self.outbox.settle()
         self._drop_cancelled()
         self._poll_staging()
+        continuous = self.compute.continuous_prefill
+        if continuous is not None:
+            worked = self._collect(continuous)
+            worked = self._admit(continuous) or worked
+            self._send_report()
+            return worked
         batch = self._next_batch()
         if batch:
             self._run_batch(batch)
@@ -168,7 +184,8 @@ class PrefillCore:
 
     def polling(self) -> bool:
         """Whether the worker must look again without being woken: never here. Staging replies wake it
-        (runtime/engine/ray_ports.py RefPending); a batch's transfers are waited for inside the batch."""
+        (runtime/engine/ray_ports.py RefPending); a batch's transfers are waited for inside the batch;
+        a compute running its own loop wakes it when a chunk can be collected (`bind_wake`)."""
         return False
 
     def fail_all(self, error: BaseException) -> None:
@@ -294,6 +311,66 @@ class PrefillCore:
         for job, _, _ in batch:
             transition(job, PrefillState.BATCHED)
         return batch
+
+    def _admit(self, continuous: ContinuousPrefill) -> bool:
+        """READY jobs' chunks into the compute's loop: packed by the quota and the window's tokens
+        counting the chunks still in it (`pack_prefill_batch`'s `running`), so a demanding user's
+        quota and the pages' bound hold over what computes at once."""
+        with self._lock:
+            ready = [j for j in self.jobs.values() if j.state is PrefillState.READY]
+        if not ready or not continuous.admitting():
+            return False
+        running = [(chunk.start, chunk.new_tokens) for _, chunk in self._in_flight.values()]
+        queue = [(j.owner, j.computed, len(j.prompt) - j.computed) for j in ready]
+        by_id = {j.owner: j for j in ready}
+        packed = pack_prefill_batch(queue, self.predict_ms, self.settings.quota_ms, self.window.capacity_tokens, running)
+        if not packed:
+            return False
+        jobs = [by_id[rid] for rid, _, _ in packed]
+        # Offset 0: no window slot holds these chunks (their KV lives in the compute's pages).
+        chunks = [
+            with_kv(job, ChunkSpec(job.prompt, cached, cached + bsz, 0, job.task.request.sampling, job.task.request.namespace),
+                    self.layout.full_block_bytes)
+            for job, (_, cached, bsz) in zip(jobs, packed)
+        ]
+        for job in jobs:
+            transition(job, PrefillState.BATCHED)
+        try:
+            tickets = continuous.admit(chunks)
+        except Exception as exc:  # noqa: BLE001 - these chunks fail, the ones in flight carry on
+            log_failure(LOG, f"{self.settings.engine_id}: admitting {len(jobs)} chunks", exc)
+            for job in jobs:
+                self._fail(job, exc)
+            return True
+        self.stats.batches += 1
+        self._in_flight.update(zip(tickets, zip(jobs, chunks)))
+        return True
+
+    def _collect(self, continuous: ContinuousPrefill) -> bool:
+        """The chunks the compute finished: a failed one fails its job alone; a non-final one's
+        job goes back to READY for its next chunk; final ones are handed off together."""
+        collected = continuous.collect()
+        count_moved(continuous.take_moved(), self.stats.pipeline, self.counters)
+        finished: list[tuple[PrefillJob, int, float]] = []
+        for done in collected:
+            job, chunk = self._in_flight.pop(done.ticket)
+            if job.state is PrefillState.FAILED:  # failed while in flight (`fail_all`): reported already
+                continue
+            if done.error is not None:
+                log_failure(LOG, f"{self.settings.engine_id}: chunk of {job.request_id}", done.error)
+                self._fail(job, done.error)
+                continue
+            self.stats.chunks += 1
+            self.stats.tokens_computed += chunk.new_tokens
+            job.computed = chunk.end
+            job.chunks += 1
+            job.digests = done.digests
+            if chunk.end < len(job.prompt):
+                transition(job, PrefillState.READY)
+            else:
+                finished.append((job, done.token, done.log_prob))
+        self._hand_off(finished)
+        return bool(collected)
 
     def _run_batch(self, batch: list[tuple[PrefillJob, int, int]]) -> None:
         offsets = span_offsets([cached + bsz for _, cached, bsz in batch])

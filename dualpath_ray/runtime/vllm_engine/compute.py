@@ -13,7 +13,9 @@ metrics and emulation decide and move exactly what they do for the native engine
   engine keeps no window): vLLM's forward runs on a thread of its own and moves each layer's KV
   itself (runtime/vllm_engine/prefill_pages.py, PagedPrefillStep): the hit block-layers land from
   the readers' buffer extents straight in the pages vLLM allocated, and the layer's sent tokens
-  go from those pages to the decode node's extent, one transfer per layer and reader.
+  go from those pages to the decode node's extent, one transfer per layer and reader. With
+  engine.vllm_continuous_batching the core runs no batches: it admits chunks into vLLM's running
+  loop and collects each as vLLM samples it (`continuous_prefill`, prefill_loop.py).
 - A decode sequence's KV lives in vLLM's pages only (this compute is the decode engine's HeldKV,
   runtime/compute/held_kv.py: the engine keeps no pages of its own). It is one vLLM request from
   its handoff to its end: added with its prompt's KV as an asynchronous load from the decode
@@ -70,6 +72,7 @@ from dualpath_ray.runtime.compute.prefill_kv import PrefillMoved
 from dualpath_ray.protocol.types import Role
 from dualpath_ray.runtime.vllm_engine.host import VllmHost, token_list
 from dualpath_ray.runtime.vllm_engine.step_kv import KVSource
+from dualpath_ray.runtime.vllm_engine.prefill_loop import KVBinding, VllmPrefillLoop
 from dualpath_ray.runtime.vllm_engine.prefill_pages import PagedPrefillStep, loaded_tokens
 from dualpath_ray.runtime.vllm_engine.steps import PagesStep, RecordingStep
 
@@ -181,6 +184,12 @@ class VllmCompute(EngineCompute):
         self.held_kv = self if role is Role.DECODE else None
         # A prefill engine's batches keep their KV in vLLM's pages (runtime/compute/prefill_kv.py).
         self.prefill_kv = self if role is Role.PREFILL else None
+        # With engine.vllm_continuous_batching, chunks join vLLM's loop as they are admitted
+        # rather than a batch at a time (runtime/vllm_engine/prefill_loop.py).
+        self.continuous_prefill = (
+            VllmPrefillLoop(self.host, layout, self.timeout_s, self._kv_binding)
+            if role is Role.PREFILL and cfg.engine.vllm_continuous_batching else None
+        )
         self._transport: Any = None  # what vLLM's backing buffer is registered with (bind), as `_pool`
         self._pool = ""
         self._prefill_block_layers = 0  # hit block-layers prefill batches landed in vLLM's pages
@@ -237,6 +246,12 @@ class VllmCompute(EngineCompute):
         except BaseException as exc:  # noqa: BLE001 - handed to the engine's thread, which fails the batch
             run.error = exc
             run.step.recover()
+
+    def _kv_binding(self) -> KVBinding | None:
+        block_map = self.host.connector.block_map
+        if self._transport is None or block_map is None:
+            return None
+        return KVBinding(self._transport, self._pool, self.kv_buffer, block_map, self._takes)
 
     def prefill_layer(self, batch: PrefillBatch, layer: int, slot: torch.Tensor) -> None:
         raise RuntimeError("a vLLM prefill batch moves its KV in vLLM's own pages (prefill_kv): no window slot computes")
@@ -518,10 +533,13 @@ class VllmCompute(EngineCompute):
                 "preempted_sequences": sum(state.preempted for state in self._live.values()),
                 "prefix_cache_hit_tokens": self.host.connector.local_hit_tokens,
                 "landed_block_layers": loads.block_layers_posted if loads is not None else 0,
-                "prefill_landed_block_layers": self._prefill_block_layers,
+                "prefill_landed_block_layers": self._prefill_block_layers + (
+                    self.continuous_prefill.stats()["prefill_loop_landed_block_layers"] if self.continuous_prefill is not None else 0
+                ),
                 "prefill_batches": self._prefill_batches, "prefill_steps": self._prefill_steps,
                 "block_layer_bytes": block_map.block_layer_bytes if block_map is not None else 0,
-                "failed_landings": loads.failed if loads is not None else 0}
+                "failed_landings": loads.failed if loads is not None else 0,
+                **(self.continuous_prefill.stats() if self.continuous_prefill is not None else {})}
 
     # --- weights ------------------------------------------------------------------------
 

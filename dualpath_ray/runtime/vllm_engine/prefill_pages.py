@@ -141,7 +141,7 @@ class PagedPrefillStep:
         self._unsettled: dict[int, list[int]] = {}  # layer -> vLLM blocks turned token-major to be sent
         self._layers: list[torch.Tensor] = []
         self._codec: PageCodec | None = None
-        self._per_peer: dict[tuple[int, str], int] = {}
+        self.per_peer: dict[tuple[int, str], int] = {}  # (layer, peer) -> transfers posted in this step
 
     @property
     def n_layer(self) -> int:
@@ -157,7 +157,7 @@ class PagedPrefillStep:
                 "one batch at a time"
             )
         self._landings, self._sends, self._oracle = [], [], []
-        self._reads, self._per_peer = {}, {}
+        self._reads, self.per_peer = {}, {}
         self.scheduled = {r.key for r in requests}
         self.steps += bool(requests)
         self._typed = backing_buffer(self.buffer).view(self.map.dtype)
@@ -410,8 +410,8 @@ class PagedPrefillStep:
 
     def _count(self, layer: int, peer: str) -> None:
         key = (layer, peer)
-        self._per_peer[key] = self._per_peer.get(key, 0) + 1
-        self.moved.max_transfers_per_layer_peer = max(self.moved.max_transfers_per_layer_peer, self._per_peer[key])
+        self.per_peer[key] = self.per_peer.get(key, 0) + 1
+        self.moved.max_transfers_per_layer_peer = max(self.moved.max_transfers_per_layer_peer, self.per_peer[key])
 
 
 def _stream_moves(

@@ -94,3 +94,15 @@ def test_vllm_kv_pages_sizes_the_decode_engines_vllm_pages_and_refuses_what_cann
         parse_config({**base, "engine": {"backend": "vllm", "vllm_kv_pages": 8}, "runtime": {"kv_digests": False}})
     with pytest.raises(ConfigError, match="engine.vllm_kv_pages"):
         parse_config({"engine": {"vllm_kv_pages": 0}})
+
+
+def test_continuous_batching_off_the_vllm_backend_is_refused_naming_the_field_and_the_fix() -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_config({"engine": {"backend": "native", "vllm_continuous_batching": True}})
+    message = str(err.value)
+    assert "engine.vllm_continuous_batching" in message and "engine.backend: vllm" in message, (
+        f"the error names the field and the fix: {message}"
+    )
+    assert parse_config({"engine": {"backend": "vllm", "vllm_continuous_batching": True}}).engine.vllm_continuous_batching, (
+        "on the vllm backend it is taken"
+    )

@@ -163,3 +163,21 @@ def test_token_capacity_bounds_the_batch_and_cuts_the_tail() -> None:
 def test_a_request_whose_cache_alone_overflows_the_capacity_is_an_error() -> None:
     with pytest.raises(ValueError, match="prefill_hbm_tokens"):
         pack_prefill_batch([("a", 64, 1)], _per_token, 1000, max_tokens=64)
+
+
+def test_chunks_still_running_count_against_the_quota_and_the_tokens() -> None:
+    """Continuous batching (runtime/compute/continuous_prefill.py): what is already admitted
+    counts as the batch's head; with it nothing is forced in to make progress."""
+    running = [(0, 6)]
+    assert pack_prefill_batch([("a", 0, 3), ("b", 0, 3)], _per_token, quota_ms=10, running=running) == [
+        ("a", 0, 3), ("b", 0, 1)
+    ], "the quota left beside the running chunk (4 ms) takes a whole and cuts the next"
+    assert pack_prefill_batch([("a", 0, 3)], _per_token, quota_ms=10, running=[(0, 10)]) == [], (
+        "a quota the running chunks fill admits nothing, not even one token"
+    )
+    assert pack_prefill_batch([("a", 6, 5)], _per_token, quota_ms=100, max_tokens=12, running=[(0, 6)]) == [], (
+        "a request whose cached tokens do not fit beside the running ones waits (no error while others run)"
+    )
+    assert pack_prefill_batch([("a", 0, 9)], _per_token, quota_ms=100, max_tokens=12, running=[(2, 6)]) == [("a", 0, 4)], (
+        "the window's tokens left beside the running chunk's cached + new tokens bound the cut"
+    )
