@@ -319,7 +319,7 @@ class VllmCompute(EngineCompute):
 
     def read_blocks(self, state: Any, blocks: Sequence[int]) -> torch.Tensor:
         """Each layer of the blocks read back token-major from vLLM's page layout
-        (BlockLayerMap.unsettle): one copy, vLLM's pages untouched."""
+        (BlockLayerMap.unsettle_layers): one strided copy of every layer, vLLM's pages untouched."""
         seq: _DecodeState = state
         landed = seq.landed
         if landed is not None and not seq.stepped and all(0 <= b < landed.shape[0] for b in blocks):
@@ -333,8 +333,7 @@ class VllmCompute(EngineCompute):
     def _read_pages(self, pages: Sequence[int]) -> torch.Tensor:
         block_map = self.host.connector.block_map
         assert block_map is not None, "vLLM registers its KV caches while the engine starts"
-        layers = [block_map.unsettle(self.kv_buffer, layer, list(pages)) for layer in range(self.layout.n_layer)]
-        return torch.stack(layers, dim=1).reshape(len(pages), *self.layout.full_block_shape)
+        return block_map.unsettle_layers(self.kv_buffer, pages).reshape(len(pages), *self.layout.full_block_shape)
 
     def decode_step(
         self, seqs: Sequence[DecodeSeq], pages: torch.Tensor, params: Sequence[SamplingParams],
