@@ -2,7 +2,7 @@
 (engine.backend: vllm) against the same vLLM engine driven directly, side by side.
 
     .venv/bin/python benchmarks/vllm_overhead.py [--json] [--repeats 3] [--batch 8] [--context 512] [--steps 32]
-        [--phase decode|prefill] [--baseline DIR] [--store memory|local_dir] [--threads N]
+        [--phase decode|prefill|prefill-engine] [--baseline DIR] [--store memory|local_dir] [--threads N]
 
 Two processes, each holding one vLLM engine of the same config (cluster_configs/vllm-cpu-1p1d.yaml's
 model, vLLM's dummy weights), alternate their measurements round by round (`--phase decode`,
@@ -15,12 +15,25 @@ decode-heavy):
 - direct: vllm's LLMEngine with the same arguments and no connector, the same prompts, each
   token's log-prob returned as the backend returns it (RL callers need them), timed from the step
   after the first token to the last.
-`--phase prefill` (prefill-heavy): each round's requests ask for 2 tokens (the prefill's and
-one decode step), and the figure is prompt tokens/s from adding them to every result: the
-backend's whole oracle path (the prefill core, the handoff, the decode engine computing the
-prompt into its vLLM pages, which its prefix cache serves from the prefill's step, the prompt
-blocks read back from them and stored (`--store`), the first decode step, the result), the direct engine's prefill
-and one decode step.
+`--phase prefill-engine` (prefill-heavy, the prefill engine's figure): in a deployment the
+prefill and the decode engine are different engines, so this compares the PREFILL ENGINE alone:
+prompt tokens/s of the real prefill core over a VllmCompute(PREFILL) (its own vLLM engine, sized
+as a prefill engine: cluster.prefill_hbm_tokens), from the tasks' arrival (the scheduler's
+lookup that builds them is untimed: another process's work in a deployment) to every handoff
+sent, against the same vLLM engine (engine_kwargs of Role.PREFILL) driven directly prefilling
+the same prompts (max_tokens=1, each first token's log-prob returned). The handoffs go to the
+in-process decode port of tests/engine_harness.py (its real decode core, on the native compute
+of the same config, not a second vLLM engine: vLLM 0.32 runs one engine per process on the CPU)
+and that core decodes them after the timed window, outside the timed engine, so each round's
+turns still end and are checked. Not the decode side in another process: that would add a
+third engine process on this 2-core VM, and its decode would run inside the timed window.
+`--phase prefill` (prefill-heavy, **a P/D turn on one engine**): each round's requests ask for 2
+tokens (the prefill's and one decode step), and the figure is prompt tokens/s from adding them
+to every result: the backend's whole oracle path with ONE vLLM engine serving both roles (the
+prefill core, the handoff, the decode engine computing the prompt into its vLLM pages, which its
+prefix cache serves from the prefill's step, the prompt blocks read back from them and stored
+(`--store`), the first decode step, the result), the direct engine's prefill and one decode
+step: two vLLM requests per turn against the direct engine's one, which no deployment runs.
 `--store`: the backend's block store. `memory` (the default) is the paper's Oracle, all I/O
 removed: the oracle path still reads every block it persists back from vLLM's pages, keys it and
 stores it before its turn's result names it (the persistence contract), but into memory, not a
@@ -143,6 +156,32 @@ def backend_prefill_round(batch: int, context: int, steps: int, round_: int) -> 
     return _figures(batch * context, elapsed, _in_vllm_s(h) - in_vllm, time.process_time() - cpu)
 
 
+def backend_prefill_engine_round(batch: int, context: int, steps: int, round_: int) -> dict[str, float]:
+    """Prompt tokens/s of the prefill engine alone (`--phase prefill-engine`): the prefill core
+    over a VllmCompute(PREFILL), from the requests' arrival to every handoff sent; the decode
+    side finishes the turns afterwards, untimed."""
+    from tests.engine_harness import Request
+
+    h = _prefill_engine_harness()
+    requests = [Request(f"e{round_}-{i}", p, "pe", 2) for i, p in enumerate(prompts(batch, context, round_))]
+    done_before = len(h.collector.results)  # type: ignore[attr-defined]
+    # The scheduler's part (its prefix lookup, the tasks) is another process's in a deployment.
+    tasks = [h.task(r, oracle=True) for r in requests]  # type: ignore[attr-defined]
+    in_vllm, cpu = _in_vllm_s(h), time.process_time()
+    start = time.perf_counter()
+    h.prefill.accept(tasks)  # type: ignore[attr-defined]
+    while h.prefill.jobs:  # type: ignore[attr-defined]
+        h.prefill.step()  # type: ignore[attr-defined]
+    elapsed = time.perf_counter() - start
+    figures = _figures(batch * context, elapsed, _in_vllm_s(h) - in_vllm, time.process_time() - cpu)
+    # The decode engine's part, outside the timed window: every turn ends, and none failed.
+    while len(h.collector.results) - done_before < batch:  # type: ignore[attr-defined]
+        _check(h.collector.results[done_before:])  # type: ignore[attr-defined]
+        h.decode.step()  # type: ignore[attr-defined]
+    _check(h.collector.results[done_before:])  # type: ignore[attr-defined]
+    return figures
+
+
 def _check(results) -> None:  # type: ignore[no-untyped-def]
     """A round whose requests failed measures nothing: say why."""
     failed = [result for result in results if result.error is not None]
@@ -170,18 +209,58 @@ def _harness():  # type: ignore[no-untyped-def]
     return _STATE["harness"]
 
 
-def _engine():  # type: ignore[no-untyped-def]
-    """This process's plain vLLM engine: the backend's decode engine, built from the same
-    arguments, without the connector."""
+def _prefill_engine_harness():  # type: ignore[no-untyped-def]
+    """This process's 1P1D harness whose prefill engine is a VllmCompute(PREFILL) of its own and
+    whose decode engine computes natively (built by its first call; see the module doc)."""
+    import torch
+
+    from dualpath_ray.kv.layout import KVLayout
+    from dualpath_ray.protocol.types import Role
+    from dualpath_ray.runtime.engine.compute_choice import make_compute
+    from dualpath_ray.runtime.vllm_engine.compute import VllmCompute
+    from tests.engine_harness import EngineHarness
+
+    if "prefill_harness" not in _STATE:
+        cfg = bench_config()
+        layout = KVLayout.from_model(cfg.model, cfg.store.block_size)
+        compute = VllmCompute(cfg, layout, torch.device("cpu"), Role.PREFILL)
+        native = cfg.with_overrides(engine={"backend": "native"}, emulation={"compute": "model"})
+        decode = make_compute(native, layout, torch.device("cpu"))
+        root = Path(tempfile.mkdtemp(prefix="dualpath-vllm-bench-"))
+        _STATE["prefill_harness"] = EngineHarness(cfg, root, compute=compute, decode_compute=decode)
+    return _STATE["prefill_harness"]
+
+
+def _engine(role_name: str = "decode"):  # type: ignore[no-untyped-def]
+    """This process's plain vLLM engine of a role (`decode`: the backend's decode engine;
+    `prefill`: its prefill engine), built from the same arguments, without the connector."""
     from dualpath_ray.protocol.types import Role
     from dualpath_ray.runtime.vllm_engine.host import configure_vllm_env, engine_kwargs
 
-    if "engine" not in _STATE:
+    name = f"engine:{role_name}"
+    if name not in _STATE:
         configure_vllm_env()
         from vllm import EngineArgs, LLMEngine
 
-        _STATE["engine"] = LLMEngine.from_engine_args(EngineArgs(**engine_kwargs(bench_config(), Role.DECODE)))
-    return _STATE["engine"]
+        role = Role.PREFILL if role_name == "prefill" else Role.DECODE
+        _STATE[name] = LLMEngine.from_engine_args(EngineArgs(**engine_kwargs(bench_config(), role)))
+    return _STATE[name]
+
+
+def direct_prefill_engine_round(batch: int, context: int, steps: int, round_: int) -> dict[str, float]:
+    """Prompt tokens/s of a plain vLLM prefill engine prefilling the same prompts (1 token each)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    engine = _engine("prefill")
+    cpu, start = time.process_time(), time.perf_counter()
+    for i, p in enumerate(prompts(batch, context, round_)):
+        engine.add_request(f"e{round_}-{i}", TokensPrompt(prompt_token_ids=p),  # type: ignore[attr-defined]
+                           SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False, logprobs=0))
+    while engine.has_unfinished_requests():  # type: ignore[attr-defined]
+        engine.step()  # type: ignore[attr-defined]
+    elapsed = time.perf_counter() - start
+    return _figures(batch * context, elapsed, elapsed, time.process_time() - cpu)
 
 
 def direct_prefill_round(batch: int, context: int, steps: int, round_: int) -> float:
@@ -227,7 +306,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--steps", type=int, default=32)
-    parser.add_argument("--phase", choices=("decode", "prefill"), default="decode")
+    parser.add_argument("--phase", choices=("decode", "prefill", "prefill-engine"), default="decode",
+                        help="decode-heavy; prefill-heavy as a P/D turn on one engine; the prefill engine alone")
     parser.add_argument("--baseline", type=Path, default=None, help="another checkout's backend, measured alongside")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--store", choices=("memory", "local_dir"), default="memory",
@@ -240,9 +320,13 @@ def main() -> None:
             parser.error(f"--threads {args.threads}: give 1 or more OpenMP threads per process")
         # Inherited by the spawned processes before they import torch, which reads it once.
         os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    if args.phase == "prefill-engine" and args.baseline is not None:
+        parser.error("--phase prefill-engine --baseline: a checkout before the phase existed has no harness with a "
+                     "decode engine of its own (tests/engine_harness.py decode_compute); leave --baseline out")
     os.environ[STORE_ENV] = args.store
     spawn = multiprocessing.get_context("spawn")
-    rounds = {"decode": (backend_round, direct_round), "prefill": (backend_prefill_round, direct_prefill_round)}
+    rounds = {"decode": (backend_round, direct_round), "prefill": (backend_prefill_round, direct_prefill_round),
+              "prefill-engine": (backend_prefill_engine_round, direct_prefill_engine_round)}
     backend_fn, direct_fn = rounds[args.phase]
     pools = {"backend": ProcessPoolExecutor(1, mp_context=spawn), "direct": ProcessPoolExecutor(1, mp_context=spawn)}
     if args.baseline is not None:
@@ -286,7 +370,8 @@ def main() -> None:
     if args.json:
         print(json.dumps(result))
         return
-    unit = "decode tokens/s" if args.phase == "decode" else "prompt tokens/s"
+    unit = {"decode": "decode tokens/s", "prefill": "prompt tokens/s of a P/D turn on one engine",
+            "prefill-engine": "prompt tokens/s of the prefill engine"}[args.phase]
     print(f"{unit}, batch {args.batch}, context {args.context}, {args.steps} steps, median of {args.repeats}:")
     for name in figures:
         print(f"  {name}: {result[f'{name}_tokens_s']:.1f}")

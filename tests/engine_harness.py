@@ -56,8 +56,10 @@ class Request:
 class EngineHarness:
     def __init__(
         self, cfg: DualPathConfig, root: Path, *, lazy: bool = False, slow_writes_s: float = 0.0,
-        compute: EngineCompute | None = None, device: str = "cpu",
+        compute: EngineCompute | None = None, device: str = "cpu", decode_compute: EngineCompute | None = None,
     ) -> None:
+        """`compute`: the prefill engine's (and the decode engine's, unless `decode_compute` gives
+        that engine one of its own: two engines, as a deployment has them)."""
         self.cfg = cfg
         self.layout = KVLayout.from_model(cfg.model, cfg.store.block_size)
         self.store = open_store(cfg.store, self.layout, root=root)
@@ -73,10 +75,17 @@ class EngineHarness:
         self.weights = HeldWeights.of_config(cfg)  # both engines hold the config's weights
         self.device = torch.device(device)
         self.compute = compute or make_compute(cfg, self.layout, self.device)
+        self.decode_compute = decode_compute or self.compute
         self.pe_transport = FakeTransport(self.fabric, PE, lazy=lazy)
         self.de_transport = FakeTransport(self.fabric, DE)
         self.window = LayerWindow(cfg.cluster.prefill_hbm_tokens, self.layout, self.device)
         self.fabric.register(PE, Pool.WINDOW, self.window.tensor)
+        prefill_held = self.compute.prefill_kv
+        if prefill_held is not None and self.decode_compute is not self.compute:
+            # A prefill engine of its own keeps its batches' KV in its compute's pages (vLLM's),
+            # wired as the prefill actor wires it.
+            self.fabric.register(PE, Pool.COMPUTE_KV, prefill_held.kv_buffer)
+            prefill_held.bind(self.pe_transport, Pool.COMPUTE_KV)
         self.prefill = PrefillCore(
             PrefillSettings(PE, "p0", "reader/p0", cfg.scheduler.compute_quota_ms, cfg.runtime.transfer_timeout_s,
                             cfg.runtime.kv_digests),
@@ -84,7 +93,7 @@ class EngineHarness:
             PrefillPorts(self.readers, self.pe_transport, self.collector, self.handoff, self.clock, self.weights),
             self.store, self._links("pe"),
         )
-        held = self.compute.held_kv
+        held = self.decode_compute.held_kv
         n_pages = cfg.cluster.hbm_tokens_per_engine // self.layout.block_size
         self.pages = PagedKVPool(n_pages, self.layout, self.device, storage=held is None)
         filled: FilledBlocks = PagePulls(self.pages)
@@ -99,7 +108,7 @@ class EngineHarness:
         self.decode = DecodeCore(
             DecodeSettings(DE, "d0", cfg.model.max_context, cfg.runtime.max_persists_in_flight,
                            cfg.runtime.transfer_timeout_s, cfg.runtime.verify_kv, cfg.runtime.kv_digests),
-            self.layout, self.compute, self.pages,
+            self.layout, self.decode_compute, self.pages,
             DecodePorts(self.readers, self.de_transport, self.collector, self.clock, self.weights), self.store,
             self._links("de"), filled,
         )

@@ -33,6 +33,7 @@ from dualpath_ray.runtime.decode.job import (
     DecodeSettings,
     DecodeState,
     DecodeStats,
+    StepLimits,
     transition,
 )
 from dualpath_ray.runtime.emulation.links import Link
@@ -212,6 +213,7 @@ class DecodeCore:
         """The intake loaded and checked the job's prompt KV: its prompt blocks start on their way
         to the store, and it joins the decode batch from the next step."""
         self.persistence.persist_prompt(job)
+        job.limits = StepLimits.of(job, self.settings.max_context)
         transition(job, DecodeState.RUNNING)
         self._stream(job, 0)  # the first token, sampled by the prefill engine
 
@@ -219,18 +221,17 @@ class DecodeCore:
 
     def _decode_once(self) -> bool:
         running = self._jobs_in(DecodeState.RUNNING)
+        batch: list[DecodeJob] = []
         for job in running:
             job.stop_reason = self._stop_reason(job)
-            if job.stop_reason is not None:
+            if job.stop_reason is None:
+                batch.append(job)
+            else:
                 transition(job, DecodeState.FINISHING)
-        batch = [job for job in running if job.state is DecodeState.RUNNING]
         if not batch:
             return bool(running)
         try:
-            seqs = [
-                DecodeSeq(job.tokens[-1], job.kv_len, self.pages.ensure(job.owner, job.kv_len + 1), job.compute_state)
-                for job in batch
-            ]
+            seqs = [DecodeSeq(job.tokens[-1], job.kv_len, self._page_table(job), job.compute_state) for job in batch]
             params = [job.handoff.task.request.sampling for job in batch]  # type: ignore[union-attr]
             started = time.perf_counter()
             sampled = self.compute.decode_step(seqs, self.pages.tensor, params)
@@ -240,15 +241,16 @@ class DecodeCore:
             for job in batch:
                 self._fail(job, exc)
             return True
-        computed = sum(token is not None for token in sampled)
+        computed = len(sampled) - sampled.count(None)
         if not computed:
             # The compute waits for pages that ending sequences hold (vLLM preempted these):
             # the persists and finishes of this round release them, and a later round steps
             # again. Nothing changed, so the worker waits to be woken rather than spin.
             return False
-        self.stats.steps += 1
-        self.stats.tokens += computed
-        self.stats.max_batch = max(self.stats.max_batch, computed)
+        stats = self.stats
+        stats.steps += 1
+        stats.tokens += computed
+        stats.max_batch = max(stats.max_batch, computed)
         size = self.layout.block_size
         for job, token in zip(batch, sampled):
             if token is None:
@@ -256,11 +258,20 @@ class DecodeCore:
             job.kv_len += 1
             job.tokens.append(token.token)
             job.log_probs.append(token.log_prob)
-            if job.handoff.task.request.stream:  # type: ignore[union-attr]
-                self._stream(job, len(job.tokens) - job.prompt_len - 1)
+            if job.limits.stream:
+                self._stream(job, len(job.tokens) - job.limits.prompt_len - 1)
             if job.kv_len % size == 0:
                 self.persistence.block_filled(job, job.kv_len // size - 1)
         return True
+
+    def _page_table(self, job: DecodeJob) -> tuple[int, ...]:
+        """The job's page table, covering its next token: the engine's books are asked only
+        when it grows past its last page (every block_size steps), the table kept on the job
+        otherwise (only `ensure` adds pages to a running job's table, and nothing takes any
+        until the job leaves)."""
+        if len(job.page_table) * self.layout.block_size <= job.kv_len:
+            job.page_table = self.pages.ensure(job.owner, job.kv_len + 1)
+        return job.page_table
 
     def _stream(self, job: DecodeJob, start: int) -> None:
         """Queue the output tokens of a streamed request from position `start` on."""
@@ -282,16 +293,17 @@ class DecodeCore:
         for result in results:
             self.outbox.sent(result.owner, result.request_id, Holding.of(result, True), call)
 
-    def _stop_reason(self, job: DecodeJob) -> StopReason | None:
-        sampling = job.handoff.task.request.sampling  # type: ignore[union-attr]
-        generated = len(job.tokens) - job.prompt_len
-        if generated and job.tokens[-1] in sampling.stop_token_ids:
+    @staticmethod
+    def _stop_reason(job: DecodeJob) -> StopReason | None:
+        """Why the job stops before its next step (None: it runs on): its last token is a stop
+        id, its output is max_new_tokens long, its tokens fill the context, in that order."""
+        limits = job.limits
+        tokens = job.tokens
+        if limits.stop_ids and len(tokens) > limits.prompt_len and tokens[-1] in limits.stop_ids:
             return StopReason.STOP
-        if generated >= sampling.max_new_tokens:
-            return StopReason.LENGTH
-        if len(job.tokens) >= self.settings.max_context:
-            return StopReason.CONTEXT
-        return None
+        if len(tokens) < limits.stop_at:
+            return None  # every step but a sequence's last
+        return StopReason.LENGTH if len(tokens) - limits.prompt_len >= limits.max_new_tokens else StopReason.CONTEXT
 
     # --- persistence --------------------------------------------------------------------
 
@@ -299,13 +311,17 @@ class DecodeCore:
         """Collect finished persists (a failed one fails its request; blocks the store refused
         only go unpublished), then post queued blocks."""
         did = False
-        for job in self._jobs_in(DecodeState.RUNNING, DecodeState.FINISHING):
+        jobs = self._jobs_in(DecodeState.RUNNING, DecodeState.FINISHING)
+        for job in jobs:
+            if not self.persistence.in_flight(job):
+                continue  # nothing on its way (every running job, nearly every step: the common case)
             settled, error = self.persistence.settle(job)
             if error is not None:
                 self._fail(job, error)
                 settled = True
             did |= settled
-        did |= self.persistence.post(self._jobs_in(DecodeState.RUNNING, DecodeState.FINISHING))
+        live = [job for job in jobs if job.state is DecodeState.RUNNING or job.state is DecodeState.FINISHING]
+        did |= self.persistence.post(live)
         return did
 
     def _finish_ready(self) -> bool:

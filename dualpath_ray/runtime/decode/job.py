@@ -58,6 +58,27 @@ DECODE_LIFECYCLE = Lifecycle.of_targets(
 )
 
 
+@dataclass(frozen=True)
+class StepLimits:
+    """What a running job's every decode step checks, read once from its request as it starts
+    running (runtime/decode/core.py): its stop ids, where its length or the context stops it
+    (`stop_at` tokens, prompt included), whether its tokens stream."""
+
+    prompt_len: int = 0
+    max_new_tokens: int = 0
+    stop_ids: frozenset[int] = frozenset()
+    stop_at: int = 0
+    stream: bool = False
+
+    @classmethod
+    def of(cls, job: DecodeJob, max_context: int) -> StepLimits:
+        assert job.handoff is not None
+        spec = job.handoff.task.request
+        prompt_len, max_new = len(spec.prompt), spec.sampling.max_new_tokens
+        return cls(prompt_len, max_new, frozenset(spec.sampling.stop_token_ids), min(prompt_len + max_new, max_context),
+                   spec.stream)
+
+
 @dataclass
 class DecodeJob:
     request_id: str
@@ -70,6 +91,10 @@ class DecodeJob:
     log_probs: list[float] = field(default_factory=list)
     kv_len: int = 0
     compute_state: Any = None
+    # Its pages in the engine's books as last asked (kv/paged.py `ensure`), covering its tokens
+    # so far: a table only grows while the job runs, so the core asks again only past its end.
+    page_table: tuple[int, ...] = ()
+    limits: StepLimits = field(default_factory=StepLimits)  # set as it starts running
     load: Pending[int] | None = None
     persists: list[tuple[Pending[int], tuple[PersistedBlock, ...]]] = field(default_factory=list)
     extent_persist: Pending[int] | None = None

@@ -137,6 +137,10 @@ class DecodePersistence:
             did = True
         return did
 
+    def in_flight(self, job: DecodeJob) -> bool:
+        """Whether a persist of the job is on its way (posted, not yet settled)."""
+        return bool(job.persists) or job.extent_persist is not None
+
     def settle(self, job: DecodeJob) -> tuple[bool, BaseException | None]:
         """Collect the job's finished persists: (whether any settled, the error of a failed one).
         A persist that failed (not one the store refused: that one answers how many blocks it

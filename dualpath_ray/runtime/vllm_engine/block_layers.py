@@ -59,6 +59,11 @@ class BlockLayerMap:
     order: torch.Tensor  # int64 [block elements]: sorted offsets relative to the layer's block 0
     logical: torch.Tensor  # int64 [block elements]: offset of token-major element m, same origin
     pattern: tuple[tuple[int, int], ...]  # (offset, length) of each contiguous run of `order`
+    # `logical` as strides (offset of element 0, strides of [pages, page_tokens, 2, H, D] of a
+    # block-layer), and the element stride between layers (None: the layers' bases are not
+    # evenly spaced); `unsettle` reads through them as a strided view, one copy and no index.
+    strided: tuple[int, tuple[int, ...]] | None = None
+    layer_stride: int | None = None
 
     @classmethod
     def of(cls, layers: Sequence[torch.Tensor], codec: PageCodec) -> BlockLayerMap:
@@ -77,9 +82,10 @@ class BlockLayerMap:
         if bool((order[1:] == order[:-1]).any()):
             raise ValueError(f"a block-layer of the view with strides {view.stride()} addresses an element twice")
         per_block = codec.block_size // codec.page_tokens
+        bases = tuple(layer.storage_offset() for layer in layers)
         return cls(
-            codec, view.dtype, tuple(layer.storage_offset() for layer in layers),
-            per_block * view.stride(0), order, logical, _runs_of(order),
+            codec, view.dtype, bases, per_block * view.stride(0), order, logical, _runs_of(order),
+            _strides_of(logical, codec), _even_spacing(bases),
         )
 
     @property
@@ -163,12 +169,43 @@ class BlockLayerMap:
         """The token-major bytes of `blocks`' block-layers read from the page layout (a copy,
         [len(blocks), block_layer_bytes] uint8): what a block-layer of the store holds."""
         typed = _typed(buffer, self.dtype)
+        if self.strided is not None and blocks:
+            start, strides = self.strided
+            shape = (max(blocks) + 1, *self._block_shape)
+            view = typed.as_strided(shape, (self.block_stride, *strides), self.layer_base[layer] + start)
+            return self._gather(view, blocks).view(len(blocks), -1).view(torch.uint8)
         base = self.layer_base[layer] + torch.as_tensor(list(blocks), dtype=torch.int64, device=typed.device) * self.block_stride
         # index_select of the flat index, not a 2-D advanced index: on the CPU the latter ran
         # 10-30x slower on this VM (an oracle prompt's persistence and every digest read this).
         index = (base[:, None] + self.logical.to(typed.device)[None, :]).reshape(-1)
         return typed.index_select(0, index).view(len(base), -1).view(torch.uint8)
 
+    def unsettle_layers(self, buffer: torch.Tensor, blocks: Sequence[int]) -> torch.Tensor:
+        """Every layer of `blocks` read back token-major ([len(blocks), n_layer,
+        block_layer_bytes] uint8, a block's Full Block bytes layer by layer): one strided copy
+        where the layers are evenly spaced in the buffer (vLLM 0.32's are), a copy per layer
+        otherwise."""
+        n_layer = len(self.layer_base)
+        if self.strided is None or self.layer_stride is None or not blocks:
+            layers = [self.unsettle(buffer, layer, blocks) for layer in range(n_layer)]
+            return torch.stack(layers, dim=1) if layers else torch.empty(len(blocks), 0, self.block_layer_bytes, dtype=torch.uint8)
+        typed = _typed(buffer, self.dtype)
+        start, strides = self.strided
+        shape = (max(blocks) + 1, n_layer, *self._block_shape)
+        view = typed.as_strided(shape, (self.block_stride, self.layer_stride, *strides), self.layer_base[0] + start)
+        return self._gather(view, blocks).view(len(blocks), n_layer, -1).view(torch.uint8)
+
+    @property
+    def _block_shape(self) -> tuple[int, ...]:
+        """A block-layer's token-major axes with its tokens split by page: [pages, page_tokens, 2, H, D]."""
+        codec = self.codec
+        return (codec.block_size // codec.page_tokens, codec.page_tokens, 2, codec.n_kv_head, codec.head_dim)
+
+    @staticmethod
+    def _gather(view: torch.Tensor, blocks: Sequence[int]) -> torch.Tensor:
+        """The blocks' rows of a strided view, copied contiguous in one call."""
+        index = torch.as_tensor(list(blocks), dtype=torch.int64, device=view.device)
+        return view.index_select(0, index)
 
 def _logical_offsets(view: torch.Tensor, codec: PageCodec) -> torch.Tensor:
     """Element offset (from the view's block 0) of each token-major element of vLLM block 0:
@@ -190,6 +227,39 @@ def _logical_offsets(view: torch.Tensor, codec: PageCodec) -> torch.Tensor:
     dim = torch.arange(d, dtype=torch.int64) * s_content
     offsets = token[:, None, None, None] + kv[None, :, None, None] + head[None, None, :, None] + dim[None, None, None, :]
     return offsets.reshape(-1)
+
+
+def _strides_of(logical: torch.Tensor, codec: PageCodec) -> tuple[int, tuple[int, ...]] | None:
+    """`logical` as (offset of element 0, non-negative strides of [pages, page_tokens, 2, H, D]),
+    checked element by element; None for a layout no such strides describe (`unsettle` then
+    gathers through the index)."""
+    shape = (codec.block_size // codec.page_tokens, codec.page_tokens, 2, codec.n_kv_head, codec.head_dim)
+    grid = logical.view(shape)
+    start = int(grid.reshape(-1)[0])
+    strides = []
+    for axis, size in enumerate(shape):
+        step = [0] * len(shape)
+        step[axis] = min(1, size - 1)
+        strides.append(int(grid[tuple(step)]) - start)
+    if min(strides) < 0:
+        return None
+    described = torch.full(shape, start, dtype=torch.int64)
+    for axis, (size, stride) in enumerate(zip(shape, strides)):
+        along = [1] * len(shape)
+        along[axis] = size
+        described = described + (torch.arange(size, dtype=torch.int64) * stride).view(along)
+    return (start, tuple(strides)) if torch.equal(described, grid) else None
+
+
+def _even_spacing(bases: tuple[int, ...]) -> int | None:
+    """The element stride between consecutive layers' bases, None unless one stride fits all
+    (a single layer: 0)."""
+    if len(bases) < 2:
+        return 0
+    stride = bases[1] - bases[0]
+    if stride < 0 or any(b - a != stride for a, b in zip(bases, bases[1:])):
+        return None
+    return stride
 
 
 def _runs_of(order: torch.Tensor) -> tuple[tuple[int, int], ...]:

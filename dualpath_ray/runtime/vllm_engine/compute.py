@@ -50,7 +50,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, KeysView, Sequence
 
 import numpy as np
 import torch
@@ -198,6 +198,8 @@ class VllmCompute(EngineCompute):
         self._takes: tuple[Callable[[int], None], Callable[[int], None]] = (_untaken, _untaken)
         self._live: dict[str, _DecodeState] = {}  # decode sequences added to vLLM and not yet stopped
         self._added: set[str] = set()  # decode sequences added to vLLM whose pages are not yet released
+        self._stepping: set[str] = set()  # the sequences of the last decode step
+        self._landing: set[str] = set()  # live sequences whose prompt lands asynchronously, not yet landed
         self._loaded: dict[str, torch.Tensor] | None = None  # the last state dict loaded (export_weights)
 
     # --- prefill ------------------------------------------------------------------------
@@ -334,7 +336,7 @@ class VllmCompute(EngineCompute):
 
     def read_blocks(self, state: Any, blocks: Sequence[int]) -> torch.Tensor:
         """Each layer of the blocks read back token-major from vLLM's page layout
-        (BlockLayerMap.unsettle): one copy, vLLM's pages untouched."""
+        (BlockLayerMap.unsettle_layers): one strided copy of every layer, vLLM's pages untouched."""
         seq: _DecodeState = state
         landed = seq.landed
         if landed is not None and not seq.stepped and all(0 <= b < landed.shape[0] for b in blocks):
@@ -348,8 +350,7 @@ class VllmCompute(EngineCompute):
     def _read_pages(self, pages: Sequence[int]) -> torch.Tensor:
         block_map = self.host.connector.block_map
         assert block_map is not None, "vLLM registers its KV caches while the engine starts"
-        layers = [block_map.unsettle(self.kv_buffer, layer, list(pages)) for layer in range(self.layout.n_layer)]
-        return torch.stack(layers, dim=1).reshape(len(pages), *self.layout.full_block_shape)
+        return block_map.unsettle_layers(self.kv_buffer, pages).reshape(len(pages), *self.layout.full_block_shape)
 
     def decode_step(
         self, seqs: Sequence[DecodeSeq], pages: torch.Tensor, params: Sequence[SamplingParams],
@@ -364,19 +365,25 @@ class VllmCompute(EngineCompute):
         here spins on them). `pages` are unused: the KV is vLLM's."""
         states: list[_DecodeState] = [seq.state for seq in seqs]
         # A sequence the core stepped before and steps no more stopped (its stop rule, a
-        # failure): vLLM must not compute it again.
+        # failure): vLLM must not compute it again. Every sequence the core stepped and vLLM
+        # still computes was in the last step's batch (one that left it was stopped then), so
+        # the set difference with it finds them all.
         stepping = {state.key for state in states}
-        self._stop([key for key, state in self._live.items() if state.stepped and key not in stepping])
+        gone = self._stepping - stepping
+        if gone:
+            self._stop([key for key in gone if key in self._live and self._live[key].stepped])
+        self._stepping = stepping
         for seq, state, sampling in zip(seqs, states, params):
             if not state.added:
                 self._add(state, sampling, 0, None)
-            taken = len(state.tokens) - len(state.ahead) - 1
-            if taken != seq.position or state.tokens[taken] != seq.token:
+            tokens = state.tokens
+            taken = len(tokens) - len(state.ahead) - 1
+            if taken != seq.position or tokens[taken] != seq.token:
                 raise RuntimeError(f"decode sequence {state.key} is at token {seq.position} ({seq.token}), vLLM's "
-                                   f"at {taken} ({state.tokens[taken]})")
+                                   f"at {taken} ({tokens[taken]})")
             state.stepped = True
         self._step_for(states, _ready, every=False)
-        return [Sampled(*state.ahead.popleft()) if _ready(state) else None for state in states]
+        return [Sampled(*state.ahead.popleft()) if state.ahead and not state.preempted else None for state in states]
 
     def block_pages(self, state: Any, blocks: Sequence[int]) -> list[int]:
         """vLLM's pages holding the sequence's full blocks `blocks` (as of the last step that
@@ -415,6 +422,8 @@ class VllmCompute(EngineCompute):
         )
         state.added, state.preempted = True, False
         state.landing, state.landed, state.outcome = source is not None, None, None
+        if state.landing:
+            self._landing.add(state.key)
         self._live[state.key] = state
         self._added.add(state.key)
 
@@ -426,33 +435,37 @@ class VllmCompute(EngineCompute):
         for key in keys if loads is not None else ():
             loads.forget(key)
 
-    def _step(self, fills: PagesStep | None = None) -> tuple[dict[str, tuple[int, float]], set[str]]:
+    def _step(self, fills: PagesStep | None = None) -> tuple[dict[str, tuple[int, float]], KeysView[str]]:
         """One vLLM step: (what it sampled, the requests it scheduled). What it sampled for a
         live decode sequence joins the tokens that sequence holds ahead of the core, and the
         pages vLLM scheduled it in are recorded."""
         step = RecordingStep(fills)
         sampled = self.host.run(step)
+        live = self._live
         loads = self.host.connector.loads
-        for state in self._live.values() if loads is not None else ():
-            if state.landing and (outcome := loads.outcome(state.key)) is not None:
+        for key in list(self._landing) if loads is not None else ():
+            state = live.get(key)
+            if state is None or not state.landing:
+                self._landing.discard(key)  # stopped, or re-added without a landing
+            elif (outcome := loads.outcome(key)) is not None:
                 # Landed in this step: vLLM computes into its pages from the next one on.
                 state.landing, state.outcome = False, outcome
+                self._landing.discard(key)
                 blocks, error = outcome
                 if error is None and blocks:
                     state.landed = self._read_pages(blocks)
         preempted = self.host.connector.preempted
-        for state in self._live.values() if preempted else ():
+        for state in live.values() if preempted else ():
             state.preempted |= state.vllm_id in preempted
         for key, blocks in step.blocks.items():
-            if key in self._live:
+            if (state := live.get(key)) is not None:
                 # Scheduled: its pages (a resumed one's whole new list) hold its KV again.
-                self._live[key].blocks, self._live[key].preempted = blocks, False
+                state.blocks, state.preempted = blocks, False
         for key, (token, log_prob) in sampled.items():
-            state = self._live.get(key)
-            if state is not None:
+            if (state := live.get(key)) is not None:
                 state.tokens.append(token)
                 state.ahead.append((token, log_prob))
-        return sampled, set(step.blocks)
+        return sampled, step.blocks.keys()
 
     def _step_for(self, states: list[_DecodeState], ready: Callable[[_DecodeState], bool], every: bool) -> None:
         """Step vLLM until every one of `states` is `ready` (`every`), or at least one is and it

@@ -6,6 +6,8 @@ kernels see for its tokens."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -109,6 +111,21 @@ def check_landing(
         assert torch.equal(blocks.unsettle(buffer, layer, table).view(dtype), store[layer]), (
             f"{case}: layer {layer}'s blocks read back token-major are the store's block-layers"
         )
+    # Every layer at once (the decode side's reads of filled and landed blocks): a block's Full
+    # Block, layer by layer, read through the strided view and through the index alike.
+    whole = store.view(len(LAYERS), len(table), -1).transpose(0, 1).contiguous().view(torch.uint8)
+    assert blocks.strided is not None, f"{case}: every vLLM 0.32 layout is a strided view of a block-layer"
+    assert torch.equal(blocks.unsettle_layers(buffer, table), whole), (
+        f"{case}: the blocks' layers read back in one copy are the store's Full Blocks"
+    )
+    indexed = dataclasses.replace(blocks, strided=None)
+    for layer in range(len(LAYERS)):
+        assert torch.equal(indexed.unsettle(buffer, layer, table), blocks.unsettle(buffer, layer, table)), (
+            f"{case}: layer {layer} reads the same bytes through the strided view as through the index"
+        )
+    assert torch.equal(indexed.unsettle_layers(buffer, table), whole), (
+        f"{case}: without strides, a copy per layer reads the same Full Blocks"
+    )
     # The reader's pull of the blocks (persistence): run by run straight from the pages into
     # its slots, then token-major in place: each slot is the block's Full Block of the store.
     paged = blocks.paged("vllm")
