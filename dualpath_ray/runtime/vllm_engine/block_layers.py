@@ -62,6 +62,8 @@ class BlockLayerMap:
     # `logical` as strides (offset of element 0, strides of [pages, page_tokens, 2, H, D] of a
     # block-layer), and the element stride between layers (None: the layers' bases are not
     # evenly spaced); `unsettle` reads through them as a strided view, one copy and no index.
+    # None for the CPU backend's pages (K by dim, V by token: no one stride per token-major
+    # axis), which read through the index (a filled block's read, a few tens of microseconds).
     strided: tuple[int, tuple[int, ...]] | None = None
     layer_stride: int | None = None
 
