@@ -5,7 +5,7 @@
         [--phase decode|prefill|prefill-engine] [--baseline DIR] [--store memory|local_dir] [--threads N]
 
 Two processes, each holding one vLLM engine of the same config (cluster_configs/vllm-cpu-1p1d.yaml's
-model, vLLM's dummy weights), alternate their measurements round by round (`--phase decode`,
+model, its seeded random weights), alternate their measurements round by round (`--phase decode`,
 decode-heavy):
 - backend: the real prefill and decode cores in one process (tests/engine_harness.py, oracle
   mode: no storage or transport), their compute a VllmCompute; `--batch` requests of `--context`

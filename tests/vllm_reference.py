@@ -1,6 +1,8 @@
 """The vllm backend's tests' config, and the reference outputs of plain vLLM: the same model
-directory and dummy weights, no KV connector and no prefix cache, every turn's whole prompt
-computed from scratch. It runs in a spawned process of its own (a process holds one vLLM engine)."""
+directory and weights (the model section's seeded ones, runtime/vllm_engine/model_dir.py: greedy
+tokens depend on the whole prompt, so a wrong KV block shows), no KV connector and no prefix
+cache, every turn's whole prompt computed from scratch. It runs in a spawned process of its own
+(a process holds one vLLM engine)."""
 
 from __future__ import annotations
 

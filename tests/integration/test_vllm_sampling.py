@@ -61,9 +61,13 @@ def _probe(cfg: DualPathConfig, cases: dict[str, SamplingParams]) -> dict[str, d
     layout = KVLayout.from_model(cfg.model, cfg.store.block_size)
     compute = VllmCompute(cfg, layout, torch.device("cpu"), Role.DECODE)
     host = compute.host
-    # Logits spread enough that the filters bite (dummy weights give near-uniform ones), token 0's
-    # row zero (its logit is exactly 0); through the public reload path (collective_rpc).
-    head = torch.randn(cfg.model.vocab_size, cfg.model.hidden_size, generator=torch.Generator().manual_seed(0)) * 0.3
+    # Logits spread enough that the filters bite, and flat enough that no token takes nearly all
+    # the mass (there a knob barely moves the sampled token's log-prob), token 0's row zero (its
+    # logit is exactly 0); through the public reload path (collective_rpc). Drawn from another
+    # seed than the model's: the embedding is Generator(model.seed)'s first draw, so the same seed
+    # makes this head a copy of it, and the model predicts its last token with probability 1.
+    generator = torch.Generator().manual_seed(cfg.model.seed + 1)
+    head = torch.randn(cfg.model.vocab_size, cfg.model.hidden_size, generator=generator) * 0.2
     head[0] = 0.0
     compute.load_weights({"model.norm.weight": torch.ones(cfg.model.hidden_size), "lm_head.weight": head})
 

@@ -38,10 +38,13 @@ class StaleWeightsError(RuntimeError):
 
 def config_fingerprint(cfg: DualPathConfig) -> str:
     """The fingerprint of the weights `cfg` builds (random from model.seed, a checkpoint
-    directory, or vLLM's dummy weights): every engine of a deployment builds the same ones."""
+    directory, or vLLM's dummy weights, engine.vllm_dummy_weights): every engine of a deployment
+    builds the same ones."""
     # The version is not part of it: a fingerprint names tensors, a version names their role.
     model = cfg.model.model_dump(mode="json", exclude={"weight_version"})
-    fields = {"model": model, "backend": cfg.engine.backend}
+    fields: dict[str, object] = {"model": model, "backend": cfg.engine.backend}
+    if cfg.engine.vllm_dummy_weights:
+        fields["vllm_dummy_weights"] = True  # other tensors; absent otherwise, so other fingerprints stay
     return "config:" + xxhash.xxh3_128_hexdigest(json.dumps(fields, sort_keys=True).encode())
 
 

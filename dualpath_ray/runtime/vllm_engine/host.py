@@ -40,7 +40,7 @@ from dualpath_ray.runtime.vllm_engine.step_kv import (
     KVSource,
     StepKV,
 )
-from dualpath_ray.runtime.vllm_engine.model_dir import check_kv_geometry, dummy_model_dir
+from dualpath_ray.runtime.vllm_engine.model_dir import check_kv_geometry, model_dir_of
 from dualpath_ray.runtime.vllm_engine.version import check_vllm_version
 
 CONNECTOR_MODULE = "dualpath_ray.runtime.vllm_engine.connector"
@@ -66,7 +66,10 @@ def configure_vllm_env() -> None:
 def engine_kwargs(cfg: DualPathConfig, role: Role) -> dict[str, Any]:
     """vLLM's EngineArgs for an engine of `role`, the connector aside: a benchmark or test that
     drives the same engine directly builds it from these."""
-    model_dir = Path(cfg.engine.vllm_model) if cfg.engine.vllm_model is not None else dummy_model_dir(cfg.model)
+    # No checkpoint: the model section's own weights (the native engine's), or with
+    # engine.vllm_dummy_weights its config only, for vLLM's dummy loader.
+    dummy = cfg.engine.vllm_dummy_weights
+    model_dir = Path(cfg.engine.vllm_model) if cfg.engine.vllm_model is not None else model_dir_of(cfg.model, weights=not dummy)
     check_kv_geometry(model_dir, cfg.model)
     tokens = cfg.cluster.prefill_hbm_tokens if role is Role.PREFILL else cfg.cluster.hbm_tokens_per_engine
     max_seqs, budget = cfg.engine.vllm_max_num_seqs, cfg.engine.vllm_max_num_batched_tokens
@@ -74,7 +77,7 @@ def engine_kwargs(cfg: DualPathConfig, role: Role) -> dict[str, Any]:
     if role is Role.DECODE and cfg.engine.vllm_kv_pages is not None:
         pages = cfg.engine.vllm_kv_pages  # fewer than the core's books: vLLM preempts (compute.py handles it)
     return dict(
-        model=str(model_dir), load_format="dummy" if cfg.engine.vllm_model is None else "auto",
+        model=str(model_dir), load_format="dummy" if dummy else "auto",
         skip_tokenizer_init=True, dtype=cfg.model.dtype, seed=cfg.model.seed,
         block_size=cfg.store.block_size, max_model_len=cfg.model.max_context,
         # vLLM's own cache serves what it still holds; the connector loads the rest of the external tokens.
