@@ -86,7 +86,7 @@ def test_a_partial_block_reads_as_its_tokens_kv() -> None:
     )
     # The same tokens' KV computed inside a full block of a longer prompt (other batch shapes:
     # equal to rounding, while a misread row holds other tokens' elements, of the same scale;
-    # vLLM's dummy weights make KV of about 1e-6, so the bound is relative).
+    # relative, since the KV's scale is the weights': vLLM's dummy weights made it about 1e-6).
     assert got["max_abs"] > 0 and got["max_diff_vs_full_block"] <= 1e-3 * got["max_abs"], (
         f"a partial block's tokens read as the KV vLLM computes for them: {got}"
     )
