@@ -312,9 +312,11 @@ class VllmCompute(EngineCompute):
 
     def compute_prompts(self, states: Sequence[Any], sampling: Sequence[SamplingParams]) -> None:
         """vLLM computes each prompt whole (its prefix cache serves what it holds) and samples
-        the next token, which waits for the core's first decode step."""
+        the next token, which waits for the core's first decode step. On ComputeBusy the
+        sequences stay in vLLM, waiting for pages: the same call later carries on with them."""
         for state, params in zip(states, sampling):
-            self._add(state, params, 0, None)
+            if not state.added:
+                self._add(state, params, 0, None)
         self._step_for(list(states), _ready, every=True)
 
     def read_blocks(self, state: Any, blocks: Sequence[int]) -> torch.Tensor:

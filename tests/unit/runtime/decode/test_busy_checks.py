@@ -4,7 +4,9 @@ call yet raises ComputeBusy (runtime/compute/engine_compute.py); the decode inta
 
 - runtime.verify_kv's recompute of a prompt's expected KV, run before the prompt lands
   (`_expect_then_load`): the job waits RESERVED, the jobs after it with it, in order;
-- the digest check of a landed prompt reading it back (`poll_loads`): the job waits LOADING.
+- the digest check of a landed prompt reading it back (`poll_loads`): the job waits LOADING;
+- oracle mode: the check's recompute, run before the compute computes the prompt, and the
+  prompt's compute itself (`_materialise`).
 
 Each test serves its requests with the first tries of one call busy (tests/held_compute.py) and
 shows the turns served with the tokens of a compute that never was busy, every check run and
@@ -106,3 +108,28 @@ def test_a_landed_prompt_that_cannot_be_read_back_yet_waits_loading(tmp_path: Pa
             f"{request.request_id}: its prompt landed, was read back busy until it could be, then checked: {mine}"
         )
 
+
+def test_oracle_prompts_the_compute_has_no_pages_for_wait_and_are_computed_later(tmp_path: Path, reference) -> None:
+    """Oracle mode with runtime.verify_kv: a prompt compute that finds no pages is tried again (it
+    failed the requests with ComputeBusy before)."""
+    h, compute, results = served(tmp_path, {"prompts": 2}, oracle=True)
+    assert_served_exactly(h, results, reference)
+    assert h.decode.stats.busy_checks == 2, f"each busy prompt compute counted one wait: {h.decode.stats}"
+    prompts = calls(compute, "prompts")
+    assert prompts[:2] == [("prompts busy", "r0")] * 2 and sorted(name for _, name in prompts[2:]) == ["r0", "r1", "r2"], (
+        f"the busy compute was tried again, and then computed every prompt once: {prompts}"
+    )
+
+
+def test_oracle_checks_recompute_before_the_prompt_is_computed_and_wait_when_busy(tmp_path: Path, reference) -> None:
+    """Oracle mode with runtime.verify_kv: the check's expected KV is recomputed before the compute
+    holds the prompt in its pages (as a landing prompt's is), and a busy recompute waits (it
+    failed the requests with ComputeBusy before)."""
+    h, compute, results = served(tmp_path, {"fill": 2}, oracle=True)
+    assert_served_exactly(h, results, reference)
+    assert h.decode.stats.busy_checks == 2, f"each busy recompute counted one wait: {h.decode.stats}"
+    order = calls(compute, "fill", "prompts")
+    assert order[:2] == [("fill busy", "r0")] * 2, f"the first job's recompute waited: {order}"
+    for request in REQUESTS:
+        mine = [site for site, name in order if name == request.request_id and "busy" not in site]
+        assert mine == ["fill", "prompts"], f"{request.request_id}: recomputed for its check, then computed into pages: {mine}"
