@@ -34,14 +34,24 @@ def _process_state() -> tuple[dict[str, str], Any, Any]:
 
 
 def _check_left_as_found(before: tuple[dict[str, str], Any, Any], what: str) -> None:
+    """Fail `what` if the process state differs from `before`; put `before` back first, so the
+    failure is this test's alone and not every later one's too."""
     env, threads, setter = before
     after_env, after_threads, after_setter = _process_state()
     changed = sorted(name for name in env.keys() | after_env.keys() if env.get(name) != after_env.get(name))
     problems = [f"environment variables {', '.join(f'{n}: {env.get(n)!r} -> {after_env.get(n)!r}' for n in changed)}"] if changed else []
-    if threads is not None and after_threads != threads:
-        problems.append(f"torch.get_num_threads() {threads} -> {after_threads}")
+    for name in changed:
+        if name in env:
+            os.environ[name] = env[name]
+        else:
+            del os.environ[name]
+    torch = sys.modules.get("torch")
     if setter is not None and after_setter is not setter:
         problems.append(f"torch.set_num_threads replaced by {after_setter!r}")
+        torch.set_num_threads = setter
+    if threads is not None and after_threads != threads:
+        problems.append(f"torch.get_num_threads() {threads} -> {after_threads}")
+        torch.set_num_threads(threads)
     if problems:
         pytest.fail(
             f"{what} changed process-wide state that later tests and the processes they start inherit: "
