@@ -10,8 +10,11 @@ engine harness registers them under both names).
 
 `busy` makes it answer ComputeBusy, as vLLM does when decode sequences hold the pages a call
 needs: `busy[site]` more calls at a site raise it (sites: "fill", the KV check's recompute;
-"read", reading a sequence's blocks back; "prompts", oracle mode's prompt compute). `events`
-records every call by the prompt it was for, so a test sees what waited and in what order.
+"read", reading a sequence's blocks back; "prompts", oracle mode's prompt compute). With
+`prompt_page_limit`, oracle mode's prompt compute finds pages as vLLM's does: a prompt is
+computed only while the sequences' pages stay within the limit, else ComputeBusy while another
+sequence holds pages (the sequences a call computed before it too). `events` records every call
+by the prompt it was for, so a test sees what waited and in what order.
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ class HeldPagesCompute(EngineCompute):
         self.free: list[int] = list(range(n_pages))
         self.held_kv = self  # type: ignore[assignment]
         self.busy: dict[str, int] = {site: 0 for site in SITES}
+        self.prompt_page_limit: int | None = None
         self.events: list[tuple[str, tuple[int, ...]]] = []
         self._transport: Any = None
         self._pool = ""
@@ -103,13 +107,20 @@ class HeldPagesCompute(EngineCompute):
         return self._transport.read(peer, moves)
 
     def compute_prompts(self, states: Sequence[Any], sampling: Sequence[SamplingParams]) -> None:
-        """As vLLM's: a call that raises ComputeBusy leaves its sequences waiting for pages, and
-        the same call later carries on (a sequence computed already is not computed again)."""
+        """As vLLM's: the prompts in order, while pages last; a call that raises ComputeBusy
+        leaves its sequences waiting, and the same call later carries on (a sequence computed
+        already is not computed again)."""
         seqs: list[HeldSeq] = [state for state in states if not state.computed]
         for seq in seqs:
             self._call("prompts", seq.tokens[:-1])
         for seq in seqs:
             prompt = np.asarray(seq.tokens[:-1], dtype=np.int64)
+            held = len(self.pages) - len(self.free)
+            if self.prompt_page_limit is not None and held + self.layout.blocks_for(len(prompt)) > self.prompt_page_limit:
+                self.events.append(("prompts no pages", seq.tokens[:-1]))
+                if not held:
+                    raise RuntimeError(f"a prompt of {len(prompt)} tokens needs more than {self.prompt_page_limit} pages")
+                raise ComputeBusy(f"no pages for a prompt of {len(prompt)} tokens: sequences hold {held}")
             self._allocate(seq, len(prompt))
             self.inner.fill_pages(prompt, 0, len(prompt), self.pages, seq.pages)
             seq.computed = True

@@ -323,11 +323,12 @@ class DecodeIntake:
 
     def _materialise(self) -> None:
         """Oracle mode: the computed tokens' KV of this step's handoffs, in one batched forward;
-        then they run. A failed forward fails them all. A compute with no pages for them yet
-        (ComputeBusy: vLLM's, under preemption) leaves them waiting, in order, for a later round,
-        in which the core has ended the sequences holding the pages (the compute carries on with
-        the same sequences: runtime/compute/held_kv.py); as does a job whose check cannot read
-        its prompt back yet."""
+        then they run. A failed forward fails them all. A compute with no pages for them all yet
+        (ComputeBusy: vLLM's, under preemption) computes and runs them in turn, and the first it
+        has no pages for waits, with those after it, in order, for a later round, in which the
+        core has ended the sequences holding the pages (the compute carries on with the same
+        sequences: runtime/compute/held_kv.py); as does a job whose check cannot read its prompt
+        back yet."""
         filling = [(job, fill) for job, fill in self._filling if job.state is DecodeState.RESERVED]  # not failed meanwhile
         self._filling = []
         if not filling:
@@ -343,12 +344,35 @@ class DecodeIntake:
                 )
         except ComputeBusy:
             self.stats.busy_checks += 1
-            self._filling = filling
+            self._materialise_in_turn(filling)
             return
         except Exception as exc:  # noqa: BLE001 - fail these requests, keep serving the others
             for job, _ in filling:
                 self.hooks.fail(job, exc)
             return
+        self._start_computed(filling)
+
+    def _materialise_in_turn(self, filling: list[tuple[DecodeJob, PageFill]]) -> None:
+        """A held-KV compute had no pages for the whole batch: those it computed may hold the
+        pages the others need until the core has run and ended them, so each is computed and
+        run in turn, and the first it has no pages for waits with those after it."""
+        held = self.compute.held_kv
+        assert held is not None
+        for index, (job, _) in enumerate(filling):
+            try:
+                held.compute_prompts([job.compute_state], [job.handoff.task.request.sampling])  # type: ignore[union-attr]
+            except ComputeBusy:
+                self.stats.busy_checks += 1
+                self._filling.extend(filling[index:])
+                return
+            except Exception as exc:  # noqa: BLE001 - fail this request, keep serving the others
+                self.hooks.fail(job, exc)
+                continue
+            self._start_computed(filling[index : index + 1])
+
+    def _start_computed(self, filling: list[tuple[DecodeJob, PageFill]]) -> None:
+        """Jobs whose prompt KV is in their pages: checked, they run; one whose check cannot read
+        its prompt back yet (ComputeBusy) waits for a later round."""
         for job, fill in filling:
             try:
                 self._start_running(job)

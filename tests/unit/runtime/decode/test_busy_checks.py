@@ -6,7 +6,8 @@ call yet raises ComputeBusy (runtime/compute/engine_compute.py); the decode inta
   (`_expect_then_load`): the job waits RESERVED, the jobs after it with it, in order;
 - the digest check of a landed prompt reading it back (`poll_loads`): the job waits LOADING;
 - oracle mode: the check's recompute, run before the compute computes the prompt, and the
-  prompt's compute itself (`_materialise`).
+  prompt's compute itself (`_materialise`), also when the compute has pages for some of the
+  handoffs of a round only.
 
 Each test serves its requests with the first tries of one call busy (tests/held_compute.py) and
 shows the turns served with the tokens of a compute that never was busy, every check run and
@@ -48,12 +49,15 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[int, 
         h.close()
 
 
-def served(tmp_path: Path, busy: dict[str, int], oracle: bool = False) -> tuple[EngineHarness, HeldPagesCompute, list[TurnResult]]:
+def served(
+    tmp_path: Path, busy: dict[str, int], oracle: bool = False, prompt_page_limit: int | None = None,
+) -> tuple[EngineHarness, HeldPagesCompute, list[TurnResult]]:
     """REQUESTS, submitted at once, on a held-KV compute whose first `busy[site]` calls at each
     site raise ComputeBusy; the harness is left idle-checked and closed."""
     cfg = model_config()
     compute = HeldPagesCompute(ModelCompute(cfg, KVLayout.from_model(cfg.model, cfg.store.block_size), torch.device("cpu")), N_PAGES)
     compute.busy.update(busy)
+    compute.prompt_page_limit = prompt_page_limit
     h = EngineHarness(cfg, tmp_path, compute=compute)
     try:
         results = h.serve(REQUESTS, oracle=oracle)
@@ -133,3 +137,16 @@ def test_oracle_checks_recompute_before_the_prompt_is_computed_and_wait_when_bus
     for request in REQUESTS:
         mine = [site for site, name in order if name == request.request_id and "busy" not in site]
         assert mine == ["fill", "prompts"], f"{request.request_id}: recomputed for its check, then computed into pages: {mine}"
+
+
+def test_oracle_prompts_that_do_not_fit_together_are_computed_and_run_in_turn(tmp_path: Path, reference) -> None:
+    """Oracle mode: the compute has pages for the first two prompts of a round (3 + 4 pages) but
+    not the third (4 more beyond its 10): the two it computed run, and end, before the third is
+    computed. Retrying the round's batch as a whole would wait for ever, the two computed
+    sequences holding the pages and never running (a vLLM decode engine under preemption failed
+    them: "vLLM left 1 of 2 decode sequences out of 3 steps ... no other sequence to free any")."""
+    h, compute, results = served(tmp_path, {}, oracle=True, prompt_page_limit=10)
+    assert_served_exactly(h, results, reference)
+    order = [(site, name) for site, name in calls(compute, "prompts") if site != "prompts"]
+    assert order and all(name == "r2" for _, name in order), f"only the third prompt waited for pages: {order}"
+    assert h.decode.stats.busy_checks >= 1, f"its waits were counted: {h.decode.stats}"
