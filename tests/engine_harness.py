@@ -105,6 +105,9 @@ class EngineHarness:
             self.fabric.register(DE, Pool.COMPUTE_KV, held.kv_buffer)
             held.bind(self.de_transport, Pool.COMPUTE_KV)
             filled = HeldPulls(held, Pool.COMPUTE_KV)
+            if filled.paged is None:
+                # Its pages are Full Blocks (tests/held_compute.py): pulled as Pool.HBM pages are.
+                self.fabric.register(DE, Pool.HBM, held.kv_buffer)
         self.decode = DecodeCore(
             DecodeSettings(DE, "d0", cfg.model.max_context, cfg.runtime.max_persists_in_flight,
                            cfg.runtime.transfer_timeout_s, cfg.runtime.verify_kv, cfg.runtime.kv_digests),

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable
 
@@ -18,6 +20,20 @@ def ray_test_env() -> None:
     os.environ["RAY_AUTH_MODE"] = "disabled"
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
     os.environ.setdefault("RAY_rdt_fetch_fail_timeout_milliseconds", "20000")
+
+
+@contextmanager
+def restored_environ() -> Iterator[None]:
+    """The process environment as it was, once the block ends: for code that sets variables for
+    its own process only (vLLM's CPU platform does, building a VllmConfig: LD_PRELOAD,
+    LOCAL_WORLD_SIZE, ...), which every process a later test starts would inherit
+    (tests/unit/conftest.py)."""
+    saved = dict(os.environ)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 def runtime_config(transport: str = "gloo", mode: str = "dualpath", **runtime: object) -> DualPathConfig:

@@ -248,15 +248,24 @@ def test_rollout_server_sleep_wake_weight_update_and_abort_on_vllm_engines(refer
 
 @pytest.mark.parametrize("mode", ["dualpath", "basic"])
 def test_vllm_preempting_decode_sequences_stays_exact(reference, mode: str, tmp_path) -> None:
-    """engine.vllm_kv_pages below what the rollout's running sequences need (12 pages of 64 tokens
-    for four trajectories of up to 300 tokens each, and runtime.verify_kv's recomputes): vLLM
-    preempts decode sequences and recomputes them when pages free. The decode core keeps a
-    preempted sequence at its position; the tokens, the KV checks and every published block stay
-    exact. model.max_context is cut to 384 so that 12 pages hold one longest sequence and a
-    check's recompute beside it (config/tree.py)."""
+    """engine.vllm_kv_pages below what the rollout's running sequences need: vLLM preempts decode
+    sequences and recomputes them when pages free. The decode core keeps a preempted sequence at
+    its position; the tokens, the KV checks and every published block stay exact.
+
+    Why it must preempt: 10 pages of 64 tokens, the fewest the config takes (model.max_context is
+    cut to 320, just above the longest turn's 300 tokens, and runtime.verify_kv needs one longest
+    sequence and a check's recompute beside it: config/tree.py). The rollout submits the four
+    first turns in one call, and the decode engine gets them within a prefill batch or two; each
+    lands its 100-token prompt in 2 pages (8 of the 10) and cannot finish before it filled a third
+    (its 40 tokens end at 140 > 128), and vLLM keeps a sequence's pages until the core ends it.
+    Four sequences that need 12 pages in 10: one is preempted. They could take turns instead only
+    if three first turns had each decoded 28 tokens before the fourth landed, a whole decode of
+    theirs between two handoffs of one submit; and each second turn (3 pages landed, a fourth
+    to fill) meets the same squeeze beside the others' turns. With 12 pages the four first turns
+    fitted exactly, and preemption hung on later turns happening to overlap."""
     trajs, expected = reference
     cfg = vllm_config(mode).with_overrides(
-        model={"max_context": 384}, engine={"vllm_kv_pages": 12}, runtime={"verify_kv": True},
+        model={"max_context": 320}, engine={"vllm_kv_pages": 10}, runtime={"verify_kv": True},
     )
     cluster = DualPathCluster.start(cfg)
     try:

@@ -57,7 +57,8 @@ class HeldKV(Protocol):
 
     def compute_prompts(self, states: Sequence[Any], sampling: Sequence[SamplingParams]) -> None:
         """Start these sequences with their KV computed here (oracle mode's handoffs): every
-        token but the last has KV in the compute's pages when this returns."""
+        token but the last has KV in the compute's pages when this returns. ComputeBusy: no
+        pages for them yet; calling again with the same sequences carries on."""
         ...
 
     def read_blocks(self, state: Any, blocks: Sequence[int]) -> torch.Tensor:

@@ -102,7 +102,7 @@ class DecodeIntake:
         self._taking: dict[str, tuple[str, Holding]] = {}  # owner -> what holds() names while it is claimed
         # Only the worker thread touches these.
         self._waiting_since: dict[str, float] = {}  # owner -> since when its handoff waits for pages
-        self._filling: list[tuple[DecodeJob, PageFill]] = []  # oracle handoffs of this step, to compute at once
+        self._filling: list[tuple[DecodeJob, PageFill]] = []  # oracle handoffs to compute at once (this step's, and any waiting for pages)
         # RESERVED jobs whose prompt lands in the compute's pages once runtime.verify_kv's
         # expected KV is recomputed (`_expect_then_load`), in arrival order.
         self._expecting: list[DecodeJob] = []
@@ -124,9 +124,9 @@ class DecodeIntake:
         return entries
 
     def has_arrivals_locked(self) -> bool:
-        """Whether a handoff waits to be taken, or to load after its KV check's recompute (the
-        caller holds table.lock)."""
-        return bool(self._arrived) or bool(self._expecting)
+        """Whether a handoff waits to be taken, to load after its KV check's recompute, or for
+        the compute's pages to compute its prompt in (the caller holds table.lock)."""
+        return bool(self._arrived) or bool(self._expecting) or bool(self._filling)
 
     # --- the worker thread ----------------------------------------------------------------
 
@@ -223,7 +223,22 @@ class DecodeIntake:
         if self.compute.held_kv is not None:
             # The compute keeps the KV: the load or the oracle's compute goes into its pages.
             job.compute_state = self.compute.decode_state(job.tokens, task.request.namespace)
+        if self.settings.verify_kv and self.compute.held_kv is not None:
+            # The check's recompute runs in the compute's (vLLM's) pages: before the prompt lands
+            # there or oracle mode computes it there, so a sequence holding its prompt never waits
+            # in them for it (under preemption the sequences beside it could hold every page the
+            # recompute needs until the core ends them).
+            self._expecting.append(job)
+            return
+        self._land(job, table)
+
+    def _land(self, job: DecodeJob, table: Sequence[int]) -> None:
+        """The prompt's KV on its way into the job's pages: its load posted, or (oracle mode) its
+        compute queued for this round's `_materialise`."""
+        assert job.handoff is not None
+        task = job.handoff.task
         if task.oracle:
+            prompt = np.asarray(task.request.prompt, dtype=np.int64)
             start = task.hit_tokens
             if self.compute.held_kv is None:
                 self._read_hits(job, table)
@@ -232,13 +247,7 @@ class DecodeIntake:
                 start = task.read_end
             self._filling.append((job, PageFill(prompt, start, len(prompt), table)))
             return
-        if self.settings.verify_kv and self.compute.held_kv is not None:
-            # The check's recompute runs in the compute's (vLLM's) pages: before the prompt lands
-            # there, so a landed sequence never waits in them for it (under preemption the
-            # sequences beside it could hold every page the recompute needs until the core ends them).
-            self._expecting.append(job)
-            return
-        self._post_load(job, table, len(prompt))
+        self._post_load(job, table, job.prompt_len)
         transition(job, DecodeState.LOADING)
 
     def _expect_then_load(self) -> bool:
@@ -264,8 +273,7 @@ class DecodeIntake:
             self._expecting.pop(0)
             did = True
             try:
-                self._post_load(job, self.pages.table(job.owner), job.prompt_len)
-                transition(job, DecodeState.LOADING)
+                self._land(job, self.pages.table(job.owner))
             except Exception as exc:  # noqa: BLE001
                 self.hooks.fail(job, exc)
         return did
@@ -315,8 +323,14 @@ class DecodeIntake:
 
     def _materialise(self) -> None:
         """Oracle mode: the computed tokens' KV of this step's handoffs, in one batched forward;
-        then they run. A failed forward fails them all."""
-        filling, self._filling = self._filling, []
+        then they run. A failed forward fails them all. A compute with no pages for them all yet
+        (ComputeBusy: vLLM's, under preemption) computes and runs them in turn, and the first it
+        has no pages for waits, with those after it, in order, for a later round, in which the
+        core has ended the sequences holding the pages (the compute carries on with the same
+        sequences: runtime/compute/held_kv.py); as does a job whose check cannot read its prompt
+        back yet."""
+        filling = [(job, fill) for job, fill in self._filling if job.state is DecodeState.RESERVED]  # not failed meanwhile
+        self._filling = []
         if not filling:
             return
         held = self.compute.held_kv
@@ -328,13 +342,43 @@ class DecodeIntake:
                     [job.compute_state for job, _ in filling],
                     [job.handoff.task.request.sampling for job, _ in filling],  # type: ignore[union-attr]
                 )
+        except ComputeBusy:
+            self.stats.busy_checks += 1
+            self._materialise_in_turn(filling)
+            return
         except Exception as exc:  # noqa: BLE001 - fail these requests, keep serving the others
             for job, _ in filling:
                 self.hooks.fail(job, exc)
             return
-        for job, _ in filling:
+        self._start_computed(filling)
+
+    def _materialise_in_turn(self, filling: list[tuple[DecodeJob, PageFill]]) -> None:
+        """A held-KV compute had no pages for the whole batch: those it computed may hold the
+        pages the others need until the core has run and ended them, so each is computed and
+        run in turn, and the first it has no pages for waits with those after it."""
+        held = self.compute.held_kv
+        assert held is not None
+        for index, (job, _) in enumerate(filling):
+            try:
+                held.compute_prompts([job.compute_state], [job.handoff.task.request.sampling])  # type: ignore[union-attr]
+            except ComputeBusy:
+                self.stats.busy_checks += 1
+                self._filling.extend(filling[index:])
+                return
+            except Exception as exc:  # noqa: BLE001 - fail this request, keep serving the others
+                self.hooks.fail(job, exc)
+                continue
+            self._start_computed(filling[index : index + 1])
+
+    def _start_computed(self, filling: list[tuple[DecodeJob, PageFill]]) -> None:
+        """Jobs whose prompt KV is in their pages: checked, they run; one whose check cannot read
+        its prompt back yet (ComputeBusy) waits for a later round."""
+        for job, fill in filling:
             try:
                 self._start_running(job)
+            except ComputeBusy:
+                self.stats.busy_checks += 1
+                self._filling.append((job, fill))
             except Exception as exc:  # noqa: BLE001
                 self.hooks.fail(job, exc)
 

@@ -329,9 +329,11 @@ class VllmCompute(EngineCompute):
 
     def compute_prompts(self, states: Sequence[Any], sampling: Sequence[SamplingParams]) -> None:
         """vLLM computes each prompt whole (its prefix cache serves what it holds) and samples
-        the next token, which waits for the core's first decode step."""
+        the next token, which waits for the core's first decode step. On ComputeBusy the
+        sequences stay in vLLM, waiting for pages: the same call later carries on with them."""
         for state, params in zip(states, sampling):
-            self._add(state, params, 0, None)
+            if not state.added:
+                self._add(state, params, 0, None)
         self._step_for(list(states), _ready, every=True)
 
     def read_blocks(self, state: Any, blocks: Sequence[int]) -> torch.Tensor:
@@ -471,9 +473,10 @@ class VllmCompute(EngineCompute):
         """Step vLLM until every one of `states` is `ready` (`every`), or at least one is and it
         stepped once (a prompt vLLM chunks takes several steps; one it preempted waits for pages).
         A step that schedules none of those not ready, and makes none ready, is idle; after
-        three, vLLM is waiting for pages: held by sequences the core is ending (`every` off: it
-        returns, the core steps again once it released them; on: ComputeBusy, the caller tries
-        again later), or it can make no progress (RuntimeError)."""
+        three, vLLM is waiting for pages: held by sequences the core is ending, or by those of
+        `states` that are ready, which the core runs and ends (`every` off: it returns, the core
+        steps again once it released them; on: ComputeBusy, the caller tries again later), or it
+        can make no progress (RuntimeError)."""
         idle = 0
         stepped = False
         while True:
@@ -486,7 +489,7 @@ class VllmCompute(EngineCompute):
             idle = 0 if progressed else idle + 1
             if idle <= 2:
                 continue
-            if self._added - {state.key for state in states}:
+            if self._added - {state.key for state in waiting}:
                 if not every:
                     return
                 raise ComputeBusy(f"vLLM left {len(waiting)} decode sequences out of {idle} steps: its pages are held")

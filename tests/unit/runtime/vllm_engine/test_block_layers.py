@@ -42,11 +42,6 @@ from tests.unit.runtime.vllm_engine.test_gpu_layouts import (
 DENSE = {KVCacheLayout.LBHNC, KVCacheLayout.LBNHC, KVCacheLayout.BLHNC, KVCacheLayout.BLNHC}
 
 
-@pytest.fixture(scope="module")
-def vllm_config() -> VllmConfig:
-    return VllmConfig()
-
-
 @pytest.mark.parametrize("kernel_block_size", [B, B // 2])
 @pytest.mark.parametrize("name", list(KV_BACKENDS))
 def test_store_block_layers_land_in_vllms_pages_through_the_transport(

@@ -72,11 +72,6 @@ def backend_class(name: str, where: dict[str, tuple[str, str]]) -> type:
         pytest.skip(f"{name}: {module} does not import without a GPU stack ({type(exc).__name__}: {exc})")
 
 
-@pytest.fixture(scope="module")
-def vllm_config() -> VllmConfig:
-    return VllmConfig()
-
-
 def vllm_views(
     config: VllmConfig, backend: type, spec: AttentionSpec, layout: KVCacheLayout, kernel_block_size: int
 ) -> tuple[AttentionSpec, dict[str, torch.Tensor]]:

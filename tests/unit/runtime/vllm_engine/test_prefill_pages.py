@@ -32,11 +32,6 @@ from tests.unit.runtime.vllm_engine.test_gpu_layouts import B, D, H, KV_BACKENDS
 PEER = "prefill/n0/g0"
 
 
-@pytest.fixture(scope="module")
-def vllm_config() -> VllmConfig:
-    return VllmConfig()
-
-
 @pytest.mark.parametrize("kernel_block_size", [B, B // 2])
 @pytest.mark.parametrize("name", list(KV_BACKENDS))
 def test_a_prefill_chunk_lands_and_sends_token_major_kv_through_vllms_pages(

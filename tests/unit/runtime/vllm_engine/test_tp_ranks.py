@@ -40,11 +40,6 @@ ENDPOINT = "decode/n0/g0"
 TABLE = [4, 0, 5]  # the vLLM blocks a request's three hit blocks land in (every rank allocates the same ids)
 
 
-@pytest.fixture(scope="module")
-def vllm_config() -> VllmConfig:
-    return VllmConfig()
-
-
 class FakeRank:
     """One TP rank's KV pages as vLLM allocates them for its heads, and its rank logic."""
 
