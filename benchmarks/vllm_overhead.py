@@ -249,32 +249,25 @@ def _engine(role_name: str = "decode"):  # type: ignore[no-untyped-def]
 
 def direct_prefill_engine_round(batch: int, context: int, steps: int, round_: int) -> dict[str, float]:
     """Prompt tokens/s of a plain vLLM prefill engine prefilling the same prompts (1 token each)."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    engine = _engine("prefill")
-    cpu, start = time.process_time(), time.perf_counter()
-    for i, p in enumerate(prompts(batch, context, round_)):
-        engine.add_request(f"e{round_}-{i}", TokensPrompt(prompt_token_ids=p),  # type: ignore[attr-defined]
-                           SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False, logprobs=0))
-    while engine.has_unfinished_requests():  # type: ignore[attr-defined]
-        engine.step()  # type: ignore[attr-defined]
-    elapsed = time.perf_counter() - start
-    return _figures(batch * context, elapsed, elapsed, time.process_time() - cpu)
+    return _direct_prompts_round(_engine("prefill"), f"e{round_}", 1, batch, context, round_)
 
 
 def direct_prefill_round(batch: int, context: int, steps: int, round_: int) -> float:
     """Prompt tokens/s of a plain vLLM engine on the same prompts, 2 tokens each."""
+    return _direct_prompts_round(_engine(), f"p{round_}", 2, batch, context, round_)
+
+
+def _direct_prompts_round(engine, prefix: str, max_tokens: int, batch: int, context: int, round_: int):  # type: ignore[no-untyped-def]
+    """Prompt tokens/s of `engine` driven directly: the round's prompts, `max_tokens` greedy tokens each."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    engine = _engine()
     cpu, start = time.process_time(), time.perf_counter()
     for i, p in enumerate(prompts(batch, context, round_)):
-        engine.add_request(f"p{round_}-{i}", TokensPrompt(prompt_token_ids=p),  # type: ignore[attr-defined]
-                           SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, detokenize=False, logprobs=0))
-    while engine.has_unfinished_requests():  # type: ignore[attr-defined]
-        engine.step()  # type: ignore[attr-defined]
+        engine.add_request(f"{prefix}-{i}", TokensPrompt(prompt_token_ids=p),
+                           SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False, logprobs=0))
+    while engine.has_unfinished_requests():
+        engine.step()
     elapsed = time.perf_counter() - start
     return _figures(batch * context, elapsed, elapsed, time.process_time() - cpu)
 

@@ -62,3 +62,18 @@ def vllm_recompute_outputs(cfg: DualPathConfig, trajs: list[Trajectory]) -> dict
     """Greedy outputs of every turn by a plain vLLM engine recomputing its whole prompt."""
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
         return pool.submit(_recompute, cfg, trajs).result(timeout=600)
+
+
+def assert_served_exactly(result, expected: dict[str, list[tuple[int, ...]]], what: str) -> None:  # type: ignore[no-untyped-def]
+    """A rollout's greedy tokens are plain vLLM's (`expected`: `vllm_recompute_outputs`), and
+    runtime.verify_kv checked the loaded prompt KV of every turn with no byte differing."""
+    got = {tid: [turn.output_tokens for turn in turns] for tid, turns in result.turn_results.items()}
+    pairs = [(want, have) for tid, turns in expected.items() for want, have in zip(turns, got.get(tid, []))]
+    differing = sum(a != b for want, have in pairs for a, b in zip(want, have)) + sum(abs(len(w) - len(h)) for w, h in pairs)
+    assert got == expected and differing == 0, (
+        f"{what}: greedy tokens equal plain vLLM recomputing every prompt whole ({differing} tokens differ)"
+    )
+    verified = [(turn.kv_bytes_verified, turn.kv_mismatches) for turns in result.turn_results.values() for turn in turns]
+    assert all(nbytes > 0 and bad == 0 for nbytes, bad in verified), (
+        f"{what}: runtime.verify_kv checked the loaded prompt KV of every turn, and none differed: {verified}"
+    )

@@ -22,7 +22,7 @@ from dualpath_ray.kv.digest import full_block_digest  # noqa: E402
 from dualpath_ray.kv.layout import KVLayout  # noqa: E402
 from dualpath_ray.kv.store import open_store  # noqa: E402
 from dualpath_ray.protocol.names import Pool, reader_name  # noqa: E402
-from tests.vllm_reference import vllm_config, vllm_recompute_outputs  # noqa: E402
+from tests.vllm_reference import assert_served_exactly, vllm_config, vllm_recompute_outputs  # noqa: E402
 
 pytestmark = [pytest.mark.integration]
 
@@ -160,17 +160,7 @@ def test_batches_vllm_chunks_over_its_steps_stay_exact(reference, mode: str) -> 
     finally:
         cluster.shutdown()
     assert not result.failures, f"{mode}: every trajectory completes with vLLM chunking the batches: {result.failures}"
-    got = {tid: [turn.output_tokens for turn in turns] for tid, turns in result.turn_results.items()}
-    differing = sum(
-        a != b for tid, turns in expected.items() for want, have in zip(turns, got.get(tid, [])) for a, b in zip(want, have)
-    ) + sum(abs(len(want) - len(have)) for tid, turns in expected.items() for want, have in zip(turns, got.get(tid, [])))
-    assert got == expected and differing == 0, (
-        f"{mode}: greedy tokens equal plain vLLM recomputing every prompt whole ({differing} tokens differ)"
-    )
-    verified = [(turn.kv_bytes_verified, turn.kv_mismatches) for turns in result.turn_results.values() for turn in turns]
-    assert all(nbytes > 0 and bad == 0 for nbytes, bad in verified), (
-        f"{mode}: runtime.verify_kv checked the loaded prompt KV of every turn, and none differed: {verified}"
-    )
+    assert_served_exactly(result, expected, mode)
     prefill_stats = engines["prefill/p0/g0"]
     compute, core = prefill_stats.compute, prefill_stats.core
     assert compute["prefill_batches"] == core.batches > 0 and compute["prefill_steps"] > compute["prefill_batches"], (
@@ -279,17 +269,7 @@ def test_vllm_preempting_decode_sequences_stays_exact(reference, mode: str, tmp_
     decode, core = engines["decode/d0/g0"].compute, engines["decode/d0/g0"].core
     assert decode["preemptions"] > 0, f"vLLM preempted decode sequences (its scheduler named them): {decode}"
     assert not result.failures, f"every trajectory completes under preemption: {result.failures}"
-    got = {tid: [turn.output_tokens for turn in turns] for tid, turns in result.turn_results.items()}
-    differing = sum(
-        a != b for tid in expected for x, y in zip(got.get(tid, []), expected[tid]) for a, b in zip(x, y)
-    )
-    assert got == expected, (
-        f"greedy tokens equal a plain vLLM engine recomputing every prompt ({differing} tokens differ)"
-    )
-    verified = [(turn.kv_bytes_verified, turn.kv_mismatches) for turns in result.turn_results.values() for turn in turns]
-    assert all(nbytes > 0 and bad == 0 for nbytes, bad in verified), (
-        f"runtime.verify_kv checked the loaded prompt KV of every turn, and none differed: {verified}"
-    )
+    assert_served_exactly(result, expected, f"{mode}, vLLM preempting")
     assert all(free == capacity for free, _, _, capacity in pools.values()), f"nothing is left leased: {pools}"
     assert decode["unfinished"] == 0 and decode["decode_sequences"] == 0, f"nothing is left in vLLM: {decode}"
     layout = KVLayout.from_model(cfg.model, cfg.store.block_size)

